@@ -1,0 +1,61 @@
+# Two commands do all setup on a fresh Debian/Ubuntu machine: `make train` and `make test`.
+# Every step is idempotent: a second `make setup` only checks, and finishes in seconds.
+
+SHELL := /bin/bash
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+STAMPS := .make
+APT_PACKAGES := openmpi-bin libopenmpi-dev cmake g++ slurm-wlm munge
+PYTEST_ARGS ?=
+
+# Open MPI refuses to run as root unless told; CI and containers run as root.
+ifeq ($(shell id -u),0)
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+endif
+# horovodrun and mpirun from the virtual environment come first.
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: setup system-packages horovod train doctor test clean
+
+setup: system-packages $(STAMPS)/python-packages horovod
+
+# Debian packages: installed only when one is missing, so a second run needs no apt.
+# HVDKIT_SKIP_APT=1 skips this step where MPI comes from `module load` instead.
+system-packages:
+	@if [ "$(HVDKIT_SKIP_APT)" = 1 ]; then echo "setup: HVDKIT_SKIP_APT=1, not installing Debian packages"; exit 0; fi; \
+	missing=$$(for p in $(APT_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; done); \
+	[ -z "$$missing" ] && exit 0; \
+	if [ "$$(id -u)" = 0 ]; then sudo=""; \
+	elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then sudo=sudo; \
+	else echo "setup: missing Debian packages:" $$missing "- install them as root, or load your cluster's MPI (module load) and rerun with HVDKIT_SKIP_APT=1" >&2; exit 1; fi; \
+	echo "setup: installing Debian packages:" $$missing; \
+	$$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q $$missing
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# Re-run pip only when what it installs changes.
+$(STAMPS)/python-packages: setup.cfg pyproject.toml constraints.txt | $(PY)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt torch torchvision
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	@mkdir -p $(STAMPS) && touch $@
+
+# Builds Horovod against the installed torch, or installs the cached wheel, or does nothing.
+horovod: system-packages $(STAMPS)/python-packages
+	$(PY) -m hvdkit.build
+
+doctor: setup
+	$(VENV)/bin/hvdkit doctor --selftest
+
+train: setup
+	$(VENV)/bin/hvdkit doctor --selftest
+
+test: setup
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) $(STAMPS) *.egg-info

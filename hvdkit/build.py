@@ -1,0 +1,496 @@
+"""Build Horovod from its PyPI source distribution against the torch that is installed.
+
+Horovod 0.28.1, its last release, pins C++14 in its CMake files while torch >= 2.1 headers
+need C++17 and torch >= 2.14 headers need C++20, so ``pip install horovod`` fails on any
+current torch. This builder raises the standard to what torch needs, turns on NCCL when the
+machine can build it, and caches the wheel under a key of everything that changes the binary,
+so only a new torch, Python or set of flags rebuilds.
+
+It must run before Horovod exists, so it imports neither horovod nor anything of hvdkit that
+does. Run it as ``python -m hvdkit.build`` (``--help`` lists the options).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Optional, Sequence
+
+HOROVOD_VERSION = "0.28.1"
+
+# setup.py of Horovod imports these at build time (setup_requires); with
+# --no-build-isolation they must already be in the environment.
+BUILD_REQUIRES = ("cloudpickle", "psutil", "pyyaml", "packaging", "cffi", "setuptools", "wheel")
+
+# The CMake files whose pinned C++ standard breaks the build on torch >= 2.1.
+CXX_STANDARD_FILES = ("CMakeLists.txt", "horovod/torch/CMakeLists.txt")
+_CXX_STANDARD_RE = re.compile(r"set\(CMAKE_CXX_STANDARD \d+\)")
+
+HEARTBEAT_SECONDS = 60
+
+
+class BuildError(Exception):
+    """A problem the user can fix; ``main`` prints it as one line."""
+
+
+# ---------------------------------------------------------------------------
+# Pure decisions: what to build. Tested without building.
+# ---------------------------------------------------------------------------
+
+def parse_version(version: str) -> tuple[int, int]:
+    """(major, minor) of a version such as '2.14.1+cu130' or '13.0'."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if not match:
+        raise BuildError(f"cannot read a version number from {version!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def cxx_standard_for_torch(torch_version: str) -> int:
+    """The C++ standard torch's headers need: 14 before 2.1, 17 for 2.1-2.13, 20 from 2.14."""
+    version = parse_version(torch_version)
+    if version >= (2, 14):
+        return 20
+    if version >= (2, 1):
+        return 17
+    return 14
+
+
+def nccl_version_from_header(text: str) -> Optional[str]:
+    """NCCL's version from the NCCL_MAJOR/MINOR/PATCH defines of nccl.h."""
+    parts = []
+    for name in ("NCCL_MAJOR", "NCCL_MINOR", "NCCL_PATCH"):
+        match = re.search(rf"#define\s+{name}\s+(\d+)", text)
+        if not match:
+            return None
+        parts.append(match.group(1))
+    return ".".join(parts)
+
+
+def find_cuda_home(environ: Mapping[str, str], nvcc: Optional[str]) -> Optional[Path]:
+    """The CUDA toolkit to build with: the first candidate holding both nvcc and the headers.
+
+    On some machines the unversioned /usr/local/cuda holds only bin/, so a directory counts
+    only when it has include/cuda_runtime.h as well.
+    """
+    candidates: list[Path] = []
+    for var in ("HOROVOD_CUDA_HOME", "CUDA_HOME", "CUDA_PATH"):
+        if environ.get(var):
+            candidates.append(Path(environ[var]))
+    if nvcc:
+        candidates.append(Path(nvcc).resolve().parent.parent)
+    candidates.append(Path("/usr/local/cuda"))
+    candidates.extend(sorted(Path("/usr/local").glob("cuda-*"), reverse=True))
+    for home in candidates:
+        if (home / "bin" / "nvcc").exists() and (home / "include" / "cuda_runtime.h").exists():
+            return home
+    return None
+
+
+def find_nccl(roots: Iterable[Path]) -> Optional[tuple[Path, Path]]:
+    """(include dir, library file) of the first NCCL found under ``roots``.
+
+    A root is a directory laid out as NCCL installs itself: include/nccl.h beside
+    lib/libnccl.so* (torch's nvidia-nccl wheel, a CUDA toolkit, /usr).
+    """
+    for root in roots:
+        header = root / "include" / "nccl.h"
+        if not header.exists():
+            continue
+        for libdir in (root / "lib", root / "lib64", root / "lib" / "x86_64-linux-gnu"):
+            libs = sorted(libdir.glob("libnccl.so*")) if libdir.is_dir() else []
+            if libs:
+                return header.parent, libs[0]
+    return None
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    """What the machine offers the build."""
+
+    torch_version: str
+    torch_cuda: Optional[str]  # torch.version.cuda: None for a CPU-only torch
+    python_tag: str  # e.g. cp311
+    cuda_home: Optional[Path] = None
+    cuda_version: Optional[str] = None
+    nccl_include: Optional[Path] = None
+    nccl_library: Optional[Path] = None
+    nccl_version: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """What to build: the flags that change the binary, and where the build finds its parts."""
+
+    horovod_version: str
+    torch_version: str
+    python_tag: str
+    cxx_standard: int
+    gpu_operations: Optional[str]
+    gpu_reason: str
+    flags: dict = field(default_factory=dict)  # HOROVOD_* variables that change the binary
+    paths: dict = field(default_factory=dict)  # where CUDA and NCCL are; not part of the key
+    cuda_version: Optional[str] = None
+    nccl_version: Optional[str] = None
+
+    @property
+    def digest(self) -> str:
+        identity = {
+            "horovod": self.horovod_version,
+            "torch": self.torch_version,
+            "python": self.python_tag,
+            "cxx": self.cxx_standard,
+            "flags": self.flags,
+            "cuda": self.cuda_version,
+            "nccl": self.nccl_version,
+        }
+        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
+
+    @property
+    def key(self) -> str:
+        """The wheel cache's key: Horovod, torch, Python and a digest of the flags."""
+        torch = self.torch_version.replace("+", "_")
+        return f"horovod{self.horovod_version}-torch{torch}-{self.python_tag}-{self.digest}"
+
+    @property
+    def local_version(self) -> str:
+        """The wheel's version, so ``pip show horovod`` tells which build is installed."""
+        return f"{self.horovod_version}+hvdkit.{self.digest}"
+
+    def describe(self) -> list[str]:
+        gpu = self.gpu_operations or "none (CPU-only build)"
+        lines = [
+            f"Horovod {self.horovod_version} for torch {self.torch_version} ({self.python_tag}), "
+            f"C++{self.cxx_standard}",
+            "controllers: MPI, Gloo",
+            f"GPU operations: {gpu} ({self.gpu_reason})",
+            "build flags: " + " ".join(f"{k}={v}" for k, v in sorted(self.flags.items())),
+        ]
+        if self.paths:
+            lines.append("build paths: " + " ".join(f"{k}={v}" for k, v in sorted(self.paths.items())))
+        lines.append(f"cache key: {self.key}")
+        return lines
+
+
+def plan_build(tc: Toolchain, cpu_only: bool = False) -> BuildPlan:
+    """Decide the flags: MPI and Gloo always, NCCL when torch, the toolkit and NCCL allow it."""
+    flags = {
+        "HOROVOD_WITH_PYTORCH": "1",
+        "HOROVOD_WITHOUT_TENSORFLOW": "1",
+        "HOROVOD_WITHOUT_MXNET": "1",
+        "HOROVOD_WITH_MPI": "1",
+        "HOROVOD_WITH_GLOO": "1",
+    }
+    paths: dict = {}
+    gpu_operations = None
+    if cpu_only:
+        reason = "CPU-only build requested"
+    elif tc.torch_cuda is None:
+        reason = "torch is a CPU-only build"
+    elif tc.cuda_home is None:
+        reason = "no CUDA toolkit: nvcc with include/cuda_runtime.h not found; set CUDA_HOME"
+    elif tc.nccl_include is None or tc.nccl_library is None:
+        reason = "no NCCL headers found: install torch's nvidia-nccl wheel or set HOROVOD_NCCL_HOME"
+    elif tc.cuda_version and parse_version(tc.cuda_version)[0] != parse_version(tc.torch_cuda)[0]:
+        reason = (f"CUDA toolkit {tc.cuda_version} does not match torch's CUDA {tc.torch_cuda}; "
+                  f"point CUDA_HOME at a {parse_version(tc.torch_cuda)[0]}.x toolkit")
+    else:
+        gpu_operations = "NCCL"
+        reason = f"CUDA {tc.cuda_version} at {tc.cuda_home}, NCCL {tc.nccl_version or '?'}"
+        flags["HOROVOD_GPU_OPERATIONS"] = "NCCL"
+        # CUDA_HOME too: torch's cpp_extension, which Horovod's CMake asks for torch's CUDA
+        # libraries, otherwise guesses a wrong home from nvcc on PATH and cudart is NOTFOUND.
+        paths = {
+            "CUDA_HOME": str(tc.cuda_home),
+            "HOROVOD_CUDA_HOME": str(tc.cuda_home),
+            "HOROVOD_NCCL_INCLUDE": str(tc.nccl_include),
+            "HOROVOD_NCCL_LIB": str(tc.nccl_library.parent),
+        }
+    return BuildPlan(
+        horovod_version=HOROVOD_VERSION,
+        torch_version=tc.torch_version,
+        python_tag=tc.python_tag,
+        cxx_standard=cxx_standard_for_torch(tc.torch_version),
+        gpu_operations=gpu_operations,
+        gpu_reason=reason,
+        flags=flags,
+        paths=paths,
+        cuda_version=tc.cuda_version if gpu_operations else None,
+        nccl_version=tc.nccl_version if gpu_operations else None,
+    )
+
+
+def patch_cxx_standard(src_dir: Path, standard: int) -> None:
+    """Raise the pinned C++ standard in Horovod's CMake files; fail if the pin is not there."""
+    for name in CXX_STANDARD_FILES:
+        path = src_dir / name
+        text = path.read_text()
+        patched, count = _CXX_STANDARD_RE.subn(f"set(CMAKE_CXX_STANDARD {standard})", text)
+        if count == 0:
+            raise BuildError(f"{path}: no 'set(CMAKE_CXX_STANDARD ..)' to raise; is this Horovod {HOROVOD_VERSION}?")
+        path.write_text(patched)
+
+
+_ERROR_RE = re.compile(r"(\berror\b|CMake Error|fatal error|Error \d+|undefined reference|"
+                       r"\b[A-Z]\w*Error: |NOTFOUND)", re.IGNORECASE)
+_NOT_ERROR_RE = re.compile(r"(-Werror|error_code|errors?\.(h|hpp|cc|cpp)\b|\berror:?\s*$)", re.IGNORECASE)
+
+
+def first_errors(log_text: str, limit: int = 12) -> list[str]:
+    """The first compiler/CMake error lines of a build log, each with the line after it.
+
+    pip's own wrapper text after the failure repeats the word error; it is cut off.
+    """
+    lines = log_text.splitlines()
+    for end, line in enumerate(lines):
+        if "subprocess-exited-with-error" in line or "Failed building wheel" in line:
+            lines = lines[:end]
+            break
+    picked: list[int] = []
+    for i, line in enumerate(lines):
+        if _ERROR_RE.search(line) and not _NOT_ERROR_RE.search(line):
+            picked += [j for j in (i, i + 1) if j < len(lines) and lines[j].strip() and j not in picked]
+        if len(picked) >= limit:
+            break
+    return [lines[i].rstrip() for i in picked[:limit]]
+
+
+# ---------------------------------------------------------------------------
+# Probing the machine and running the build.
+# ---------------------------------------------------------------------------
+
+def cache_dir() -> Path:
+    if os.environ.get("HVDKIT_CACHE_DIR"):
+        return Path(os.environ["HVDKIT_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "hvdkit"
+
+
+def detect_toolchain(environ: Mapping[str, str] = os.environ) -> Toolchain:
+    try:
+        import torch
+    except ImportError:
+        raise BuildError(f"torch is not installed for {sys.executable}; install it first "
+                         f"(make setup installs the pinned torch)") from None
+    python_tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    cuda_home = find_cuda_home(environ, shutil.which("nvcc"))
+    cuda_version = None
+    if cuda_home:
+        out = subprocess.run([str(cuda_home / "bin" / "nvcc"), "--version"],
+                             capture_output=True, text=True).stdout
+        match = re.search(r"release (\d+\.\d+)", out)
+        cuda_version = match.group(1) if match else None
+    roots = []
+    if environ.get("HOROVOD_NCCL_HOME"):
+        roots.append(Path(environ["HOROVOD_NCCL_HOME"]))
+    roots += [Path(p) / "nvidia" / "nccl" for p in sys.path if p]
+    if cuda_home:
+        roots.append(cuda_home)
+    roots.append(Path("/usr"))
+    nccl = find_nccl(roots)
+    nccl_version = nccl_version_from_header((nccl[0] / "nccl.h").read_text()) if nccl else None
+    return Toolchain(
+        torch_version=torch.__version__,
+        torch_cuda=torch.version.cuda,
+        python_tag=python_tag,
+        cuda_home=cuda_home,
+        cuda_version=cuda_version,
+        nccl_include=nccl[0] if nccl else None,
+        nccl_library=nccl[1] if nccl else None,
+        nccl_version=nccl_version,
+    )
+
+
+def check_build_tools(which: Callable[[str], Optional[str]] = shutil.which) -> None:
+    """Fail early, in one line, on a missing compiler, CMake or MPI."""
+    needs = [
+        ("cmake", "CMake >= 3.13: apt-get install cmake (or pip install cmake)"),
+        ("g++", "a C++20 compiler: apt-get install g++"),
+        ("mpicxx", "an MPI with its compiler wrapper: apt-get install libopenmpi-dev, "
+                   "or 'module load' your cluster's MPI"),
+    ]
+    for tool, fix in needs:
+        if not which(tool):
+            raise BuildError(f"{tool} not found on PATH; needed to build Horovod: {fix}")
+
+
+def installed_horovod_version() -> Optional[str]:
+    try:
+        return importlib.metadata.version("horovod")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _pip(*args: str, quiet: bool = True) -> None:
+    cmd = [sys.executable, "-m", "pip", *args]
+    if quiet:
+        cmd.insert(4, "-q")
+    subprocess.run(cmd, check=True)
+
+
+def ensure_build_requires() -> None:
+    missing = []
+    for name in BUILD_REQUIRES:
+        try:
+            importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(name)
+    if missing:
+        print(f"hvdkit.build: installing Horovod's build requirements: {' '.join(missing)}", flush=True)
+        _pip("install", *missing)
+
+
+def fetch_sdist(cache: Path) -> Path:
+    sdist = cache / "sdist" / f"horovod-{HOROVOD_VERSION}.tar.gz"
+    if not sdist.exists():
+        print(f"hvdkit.build: downloading the Horovod {HOROVOD_VERSION} source distribution", flush=True)
+        sdist.parent.mkdir(parents=True, exist_ok=True)
+        _pip("download", "--no-deps", "--no-binary", ":all:", f"horovod=={HOROVOD_VERSION}",
+             "-d", str(sdist.parent))
+        if not sdist.exists():
+            raise BuildError(f"pip did not produce {sdist}")
+    return sdist
+
+
+def _run_logged(cmd: Sequence[str], env: Mapping[str, str], cwd: Path, log: Path) -> int:
+    """Run the build with its output in ``log``; print a line a minute so CI sees progress."""
+    start = time.monotonic()
+    with open(log, "w") as out:
+        out.write("$ " + " ".join(cmd) + "\n")
+        out.flush()
+        proc = subprocess.Popen(cmd, cwd=cwd, env=dict(env), stdout=out, stderr=subprocess.STDOUT)
+        next_beat = start + HEARTBEAT_SECONDS
+        while proc.poll() is None:
+            time.sleep(1)
+            if time.monotonic() >= next_beat:
+                minutes = (time.monotonic() - start) / 60
+                print(f"hvdkit.build: still building ({minutes:.0f} min; log: {log})", flush=True)
+                next_beat += HEARTBEAT_SECONDS
+    return proc.returncode
+
+
+def build_wheel(plan: BuildPlan, cache: Path) -> Path:
+    sdist = fetch_sdist(cache)
+    wheel_dir = cache / "wheels" / plan.key
+    log = cache / "logs" / f"{plan.key}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="hvdkit-build-") as tmp:
+        tmp_path = Path(tmp)
+        with tarfile.open(sdist) as tar:
+            tar.extractall(tmp_path)
+        src = tmp_path / f"horovod-{HOROVOD_VERSION}"
+        patch_cxx_standard(src, plan.cxx_standard)
+        env = dict(os.environ)
+        env.update(plan.flags)
+        env.update(plan.paths)
+        env["HOROVOD_LOCAL_VERSION"] = plan.local_version.split("+", 1)[1]
+        env.setdefault("MAKEFLAGS", f"-j{os.cpu_count() or 1}")
+        if "HOROVOD_NCCL_LIB" in env:
+            # CMake's find_library wants libnccl.so; torch's wheel ships only libnccl.so.2.
+            libdir = tmp_path / "nccl-lib"
+            libdir.mkdir()
+            nccl_lib = Path(plan.paths["HOROVOD_NCCL_LIB"])
+            target = sorted(nccl_lib.glob("libnccl.so*"))[0]
+            (libdir / "libnccl.so").symlink_to(target)
+            env["HOROVOD_NCCL_LIB"] = str(libdir)
+        build_out = tmp_path / "wheel"
+        cmd = [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-v",
+               "-w", str(build_out), str(src)]
+        print(f"hvdkit.build: building (about 5 min on 2 cores; log: {log})", flush=True)
+        started = time.monotonic()
+        if _run_logged(cmd, env, tmp_path, log) != 0:
+            errors = first_errors(log.read_text(errors="replace"))
+            detail = "\n".join("  " + line for line in errors) or "  (no error line recognised)"
+            raise BuildError(f"Horovod build failed; first errors:\n{detail}\nfull log: {log}")
+        wheels = list(build_out.glob("horovod-*.whl"))
+        if len(wheels) != 1:
+            raise BuildError(f"expected one Horovod wheel, found {wheels}; full log: {log}")
+        wheel_dir.mkdir(parents=True, exist_ok=True)
+        final = wheel_dir / wheels[0].name
+        shutil.move(str(wheels[0]), final)
+    print(f"hvdkit.build: built {final.name} in {time.monotonic() - started:.0f} s", flush=True)
+    return final
+
+
+def cached_wheel(plan: BuildPlan, cache: Path) -> Optional[Path]:
+    wheels = sorted((cache / "wheels" / plan.key).glob("horovod-*.whl"))
+    return wheels[0] if wheels else None
+
+
+def verify_install(plan: BuildPlan) -> list[str]:
+    """Import the installed Horovod in a fresh interpreter and report what it was built with."""
+    probe = ("import json, horovod.torch as h; print(json.dumps({'mpi': h.mpi_built(), "
+             "'gloo': h.gloo_built(), 'nccl': h.nccl_built()}))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    if result.returncode != 0:
+        tail = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise BuildError(f"the installed Horovod does not import: {tail}")
+    built = json.loads(result.stdout.strip().splitlines()[-1])
+    missing = [name for name in ("mpi", "gloo") if not built[name]]
+    if plan.gpu_operations == "NCCL" and not built["nccl"]:
+        missing.append("nccl")
+    if missing:
+        raise BuildError(f"the installed Horovod lacks {', '.join(missing)}; rebuild with --force")
+    return [name.upper() if name != "gloo" else "Gloo" for name, ok in built.items() if ok]
+
+
+def ensure_horovod(plan: BuildPlan, cache: Path, force: bool = False) -> str:
+    """Install the planned Horovod, from the cache when possible. Returns what happened."""
+    if not force and installed_horovod_version() == plan.local_version:
+        return "already installed"
+    check_build_tools()
+    ensure_build_requires()
+    wheel = None if force else cached_wheel(plan, cache)
+    how = "installed from the cache"
+    if wheel is None:
+        wheel = build_wheel(plan, cache)
+        how = "built and installed"
+    _pip("install", "--no-deps", "--force-reinstall", str(wheel))
+    return f"{how}: {wheel}"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m hvdkit.build",
+        description=f"Build Horovod {HOROVOD_VERSION} against the installed torch and install it (cached).")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    parser.add_argument("--force", action="store_true", help="rebuild even if a cached wheel exists")
+    parser.add_argument("--cpu-only", action="store_true", help="build without NCCL even if CUDA is found")
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="wheel cache (default: $HVDKIT_CACHE_DIR or ~/.cache/hvdkit)")
+    args = parser.parse_args(argv)
+    cache = args.cache_dir or cache_dir()
+    try:
+        plan = plan_build(detect_toolchain(), cpu_only=args.cpu_only)
+        for line in plan.describe():
+            print(f"hvdkit.build: {line}", flush=True)
+        if args.dry_run:
+            return 0
+        started = time.monotonic()
+        outcome = ensure_horovod(plan, cache, force=args.force)
+        built = verify_install(plan)
+    except BuildError as exc:
+        print(f"hvdkit.build: error: {exc}", file=sys.stderr)
+        return 1
+    except subprocess.CalledProcessError as exc:
+        print(f"hvdkit.build: error: command failed ({exc.returncode}): {' '.join(map(str, exc.cmd))}",
+              file=sys.stderr)
+        return 1
+    print(f"hvdkit.build: Horovod {plan.local_version} {outcome} "
+          f"[{', '.join(built)}] ({time.monotonic() - started:.1f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

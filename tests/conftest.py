@@ -1,0 +1,29 @@
+"""Shared helpers: run real commands from the environment the suite runs in."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hvdkit import selftest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run(cmd, timeout=300, env=None, **kwargs):
+    """Run a real command; Open MPI's run-as-root consent is added as mpirun needs it."""
+    full_env = selftest.mpi_root_env(env if env is not None else os.environ)
+    full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def hvd_built():
+    """What the installed Horovod was built with; the multi-process tests need it installed."""
+    probe = run([sys.executable, "-c",
+                 "import horovod.torch as h; print(int(h.mpi_built()), int(h.gloo_built()), int(h.nccl_built()))"])
+    assert probe.returncode == 0, f"Horovod is not importable (run `make setup`): {probe.stderr[-500:]}"
+    mpi, gloo, nccl = (bool(int(x)) for x in probe.stdout.split())
+    return {"mpi": mpi, "gloo": gloo, "nccl": nccl}

@@ -1,0 +1,171 @@
+"""The builder's decisions, tested as pure functions: no compiler runs here."""
+
+from pathlib import Path
+
+import pytest
+
+from hvdkit import build
+from hvdkit.build import BuildError, Toolchain, plan_build
+
+
+@pytest.mark.parametrize("torch_version, standard", [
+    ("1.13.1", 14),
+    ("2.0.1+cu118", 14),
+    ("2.1.0", 17),
+    ("2.13.0+cpu", 17),
+    ("2.14.0", 20),
+    ("2.14.1+cu130", 20),
+    ("3.0.0", 20),
+])
+def test_cxx_standard_follows_torch(torch_version, standard):
+    assert build.cxx_standard_for_torch(torch_version) == standard
+
+
+def test_unreadable_version_is_one_clear_error():
+    with pytest.raises(BuildError, match="cannot read a version"):
+        build.cxx_standard_for_torch("nightly")
+
+
+def _gpu_toolchain(**overrides):
+    fields = dict(torch_version="2.14.1+cu130", torch_cuda="13.0", python_tag="cp311",
+                  cuda_home=Path("/usr/local/cuda-13.0"), cuda_version="13.0",
+                  nccl_include=Path("/site/nvidia/nccl/include"),
+                  nccl_library=Path("/site/nvidia/nccl/lib/libnccl.so.2"), nccl_version="2.30.7")
+    fields.update(overrides)
+    return Toolchain(**fields)
+
+
+CONTROLLER_FLAGS = {"HOROVOD_WITH_PYTORCH": "1", "HOROVOD_WITHOUT_TENSORFLOW": "1",
+                    "HOROVOD_WITHOUT_MXNET": "1", "HOROVOD_WITH_MPI": "1", "HOROVOD_WITH_GLOO": "1"}
+
+
+def test_nccl_when_toolkit_and_headers_are_found():
+    plan = plan_build(_gpu_toolchain())
+    assert plan.gpu_operations == "NCCL"
+    assert plan.flags == {**CONTROLLER_FLAGS, "HOROVOD_GPU_OPERATIONS": "NCCL"}
+    assert plan.paths == {"CUDA_HOME": "/usr/local/cuda-13.0", "HOROVOD_CUDA_HOME": "/usr/local/cuda-13.0",
+                          "HOROVOD_NCCL_INCLUDE": "/site/nvidia/nccl/include",
+                          "HOROVOD_NCCL_LIB": "/site/nvidia/nccl/lib"}
+    assert plan.cxx_standard == 20
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    ({"torch_cuda": None}, "torch is a CPU-only build"),
+    ({"cuda_home": None, "cuda_version": None}, "no CUDA toolkit"),
+    ({"nccl_include": None, "nccl_library": None}, "no NCCL headers"),
+    ({"cuda_version": "12.8"}, "does not match torch's CUDA 13.0"),
+])
+def test_cpu_only_build_says_why(overrides, reason):
+    plan = plan_build(_gpu_toolchain(**overrides))
+    assert plan.gpu_operations is None
+    assert plan.flags == CONTROLLER_FLAGS
+    assert plan.paths == {}
+    assert reason in plan.gpu_reason
+    assert any(reason in line for line in plan.describe())
+
+
+def test_cpu_only_on_request():
+    plan = plan_build(_gpu_toolchain(), cpu_only=True)
+    assert plan.gpu_operations is None and "requested" in plan.gpu_reason
+
+
+def test_cache_key_changes_with_what_changes_the_binary():
+    base = plan_build(_gpu_toolchain())
+    assert plan_build(_gpu_toolchain()).key == base.key
+    # Paths do not change the binary's identity.
+    assert plan_build(_gpu_toolchain(cuda_home=Path("/opt/cuda"))).key == base.key
+    others = [
+        plan_build(_gpu_toolchain(torch_version="2.14.0+cu130")),
+        plan_build(_gpu_toolchain(python_tag="cp312")),
+        plan_build(_gpu_toolchain(), cpu_only=True),
+        plan_build(_gpu_toolchain(nccl_version="2.31.0")),
+    ]
+    keys = {p.key for p in others}
+    assert base.key not in keys and len(keys) == len(others)
+    assert base.key.startswith("horovod0.28.1-torch2.14.1_cu130-cp311-")
+    assert base.local_version == f"0.28.1+hvdkit.{base.digest}"
+
+
+def test_describe_prints_flags():
+    text = "\n".join(plan_build(_gpu_toolchain()).describe())
+    assert "C++20" in text and "HOROVOD_GPU_OPERATIONS=NCCL" in text and "MPI, Gloo" in text
+
+
+def _touch(path: Path, text: str = "") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_cuda_home_skips_a_directory_with_only_bin(tmp_path):
+    bare = tmp_path / "cuda"
+    _touch(bare / "bin" / "nvcc")
+    full = tmp_path / "cuda-13.0"
+    _touch(full / "bin" / "nvcc")
+    _touch(full / "include" / "cuda_runtime.h")
+    assert build.find_cuda_home({"CUDA_HOME": str(bare), "CUDA_PATH": str(full)}, None) == full
+    assert build.find_cuda_home({}, str(full / "bin" / "nvcc")) == full
+
+
+def test_cuda_home_prefers_horovods_variable(tmp_path):
+    homes = []
+    for name in ("a", "b"):
+        _touch(tmp_path / name / "bin" / "nvcc")
+        _touch(tmp_path / name / "include" / "cuda_runtime.h")
+        homes.append(tmp_path / name)
+    assert build.find_cuda_home({"CUDA_HOME": str(homes[0]), "HOROVOD_CUDA_HOME": str(homes[1])}, None) == homes[1]
+
+
+NCCL_H = "#define NCCL_MAJOR 2\n#define NCCL_MINOR 30\n#define NCCL_PATCH 7\n"
+
+
+def test_find_nccl_in_a_wheel_layout(tmp_path):
+    wheel = tmp_path / "site" / "nvidia" / "nccl"
+    _touch(wheel / "include" / "nccl.h", NCCL_H)
+    lib = _touch(wheel / "lib" / "libnccl.so.2")
+    headers_only = tmp_path / "headers-only"
+    _touch(headers_only / "include" / "nccl.h", NCCL_H)
+    assert build.find_nccl([tmp_path / "missing", headers_only, wheel]) == (wheel / "include", lib)
+    assert build.find_nccl([headers_only]) is None
+    assert build.nccl_version_from_header(NCCL_H) == "2.30.7"
+    assert build.nccl_version_from_header("#define NCCL_MAJOR 2\n") is None
+
+
+def test_patch_raises_the_pinned_standard(tmp_path):
+    top = _touch(tmp_path / "CMakeLists.txt", "project(x)\nset(CMAKE_CXX_STANDARD 14)\n")
+    torch_cmake = _touch(tmp_path / "horovod" / "torch" / "CMakeLists.txt",
+                         "if(NOT Pytorch_VERSION VERSION_LESS \"1.5.0\")\n    set(CMAKE_CXX_STANDARD 14)\nendif()\n")
+    build.patch_cxx_standard(tmp_path, 20)
+    assert "set(CMAKE_CXX_STANDARD 20)" in top.read_text()
+    assert "set(CMAKE_CXX_STANDARD 20)" in torch_cmake.read_text()
+    assert "14" not in top.read_text()
+
+
+def test_patch_fails_loudly_when_the_pin_is_gone(tmp_path):
+    _touch(tmp_path / "CMakeLists.txt", "project(x)\n")
+    _touch(tmp_path / "horovod" / "torch" / "CMakeLists.txt", "set(CMAKE_CXX_STANDARD 14)\n")
+    with pytest.raises(BuildError, match="no 'set\\(CMAKE_CXX_STANDARD"):
+        build.patch_cxx_standard(tmp_path, 20)
+
+
+BUILD_LOG = """\
+-- Configuring done
+[ 40%] Building CXX object horovod/torch/CMakeFiles/pytorch.dir/mpi_ops_v2.cc.o
+In file included from /site/torch/include/c10/util/Half.h:14,
+/site/torch/include/c10/core/SymInt.h:41:8: error: 'strong_ordering' in namespace 'std' does not name a type
+   41 |   std::strong_ordering operator<=>(const SymInt&) const;
+/site/torch/include/c10/core/SymInt.h:50:3: error: expected ';' before '}' token
+make[2]: *** [horovod/torch/CMakeFiles/pytorch.dir/build.make:76: mpi_ops_v2.cc.o] Error 1
+  error: subprocess-exited-with-error
+  note: This error originates from a subprocess
+  ERROR: Failed building wheel for horovod
+"""
+
+
+def test_first_errors_shows_the_compilers_lines_not_pips():
+    lines = build.first_errors(BUILD_LOG)
+    assert lines[0].endswith("'strong_ordering' in namespace 'std' does not name a type")
+    assert lines[1].strip().startswith("41 |")
+    assert any("Error 1" in line for line in lines)
+    assert not any("subprocess-exited-with-error" in line or "Failed building" in line for line in lines)
+    assert build.first_errors("all good\n") == []

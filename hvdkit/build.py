@@ -375,7 +375,7 @@ def _run_logged(cmd: Sequence[str], env: Mapping[str, str], cwd: Path, log: Path
             time.sleep(1)
             if time.monotonic() >= next_beat:
                 minutes = (time.monotonic() - start) / 60
-                print(f"hvdkit.build: still building ({minutes:.0f} min; log: {log})", flush=True)
+                print(f"hvdkit.build: still building ({minutes:.0f} min)", flush=True)
                 next_beat += HEARTBEAT_SECONDS
     return proc.returncode
 

@@ -106,18 +106,22 @@ def worker() -> None:
 
 
 def parse_results(output: str) -> list[dict]:
-    """The per-rank result lines in a launcher's output, ordered by rank."""
+    """The per-rank result records in a launcher's output, ordered by rank.
+
+    Launchers prefix lines ("[1,0]<stdout>:") and may glue two ranks' lines together, so
+    records are decoded wherever they start rather than line by line.
+    """
+    decoder = json.JSONDecoder()
+    marker = '{"event": "%s"' % RESULT_EVENT
     results = []
-    for line in output.splitlines():
-        start = line.find("{")  # horovodrun prefixes lines with "[rank]<stdout>:"
-        if start < 0 or RESULT_EVENT not in line:
-            continue
+    start = output.find(marker)
+    while start >= 0:
         try:
-            record = json.loads(line[start:])
-        except json.JSONDecodeError:
-            continue
-        if record.get("event") == RESULT_EVENT:
+            record, end = decoder.raw_decode(output, start)
             results.append(record)
+        except json.JSONDecodeError:
+            end = start + len(marker)
+        start = output.find(marker, end)
     return sorted(results, key=lambda r: r["rank"])
 
 

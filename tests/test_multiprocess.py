@@ -48,3 +48,10 @@ def test_check_catches_disagreeing_ranks():
     assert any("broadcast gave" in p for p in problems)
     assert any("weights differ" in p for p in problems)
     assert selftest.check([good]) == ["expected results from ranks 0..1, got ranks [0]"]
+
+
+def test_parse_results_survives_launcher_prefixes_and_glued_lines():
+    rank0 = '{"event": "selftest", "rank": 0}'
+    rank1 = '{"event": "selftest", "rank": 1}'
+    output = f"noise\n[1,1]<stdout>:{rank1}[1,0]<stdout>:{rank0}\n[0]<stdout>:{{\"event\": \"other\"}}\n"
+    assert selftest.parse_results(output) == [{"event": "selftest", "rank": 0}, {"event": "selftest", "rank": 1}]

@@ -8,6 +8,7 @@ PY := $(VENV)/bin/python
 STAMPS := .make
 APT_PACKAGES := openmpi-bin libopenmpi-dev cmake g++ slurm-wlm munge
 PYTEST_ARGS ?=
+TRAIN_ARGS ?=
 
 # Open MPI refuses to run as root unless told; CI and containers run as root.
 ifeq ($(shell id -u),0)
@@ -51,8 +52,9 @@ horovod: system-packages $(STAMPS)/python-packages
 doctor: setup
 	$(VENV)/bin/hvdkit doctor --selftest
 
+# The main job: 2 ranks on this machine, the embedded digits dataset, the default config.
 train: setup
-	$(VENV)/bin/hvdkit doctor --selftest
+	$(VENV)/bin/horovodrun -np 2 -H localhost:2 $(VENV)/bin/hvdkit train $(TRAIN_ARGS)
 
 test: setup
 	$(PY) -m pytest tests $(PYTEST_ARGS)

@@ -1,3 +1,17 @@
-"""hvdkit: a Horovod/MPI training toolkit for PyTorch."""
+"""hvdkit: a Horovod/MPI training toolkit for PyTorch.
+
+``hvdkit.Trainer`` and ``hvdkit.TrainConfig`` are imported on first use, so that
+``python -m hvdkit.build`` runs before torch's and Horovod's heavier imports are needed.
+"""
 
 __version__ = "0.1.0"
+
+_LAZY = {"Trainer": "hvdkit.trainer", "TrainConfig": "hvdkit.config"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hvdkit' has no attribute {name!r}")

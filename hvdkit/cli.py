@@ -6,10 +6,12 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from hvdkit import config, env
+
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hvdkit", description="Horovod/MPI training toolkit for PyTorch.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser = _OneLineParser(prog="hvdkit", description="Horovod/MPI training toolkit for PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_OneLineParser)
 
     doctor = sub.add_parser("doctor", help="report Python, torch, MPI, Horovod and the launch environment")
     doctor.add_argument("--selftest", action="store_true",
@@ -17,7 +19,41 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("build", add_help=False,
                    help="build Horovod against the installed torch (same as python -m hvdkit.build)")
+
+    train = sub.add_parser("train", help="data-parallel training; launch one per GPU/slot with horovodrun, "
+                                         "mpirun or srun")
+    train.add_argument("--list", action="store_true", help="list the models and datasets, then exit")
+    config.add_arguments(train)
     return parser
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Bad flags get one line and exit code 2, like any other bad input."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _say_once(message: str) -> None:
+    """Print on rank 0 only (or when not launched), so np ranks give one line, not np."""
+    if env.detect().rank in (0, None):
+        print(message, file=sys.stderr, flush=True)
+
+
+def train(args: argparse.Namespace) -> int:
+    if args.list:
+        from hvdkit import data, models
+        print("models:  ", " ".join(models.names()))
+        print("datasets:", " ".join(data.DATASETS))
+        return 0
+    try:
+        cfg = config.from_args(args)
+        from hvdkit.trainer import Trainer
+        Trainer(cfg).fit()
+    except config.ConfigError as exc:
+        _say_once(f"hvdkit train: {exc}")
+        return 2
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -30,6 +66,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "doctor":
         from hvdkit import doctor
         return doctor.main(selftest_wanted=args.selftest)
+    if args.command == "train":
+        return train(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

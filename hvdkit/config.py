@@ -1,0 +1,185 @@
+"""The training configuration: one typed dataclass, read from YAML and command-line overrides.
+
+Every key is checked before ``hvd.init()``, so a typo fails in one line on every rank
+instead of after the job has taken its nodes. The command-line flags are generated from the
+dataclass, so a new key is one new field; names follow Horovod's examples where they exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the key."""
+
+
+LR_SCHEDULES = ("cosine", "step", "none")
+
+
+@dataclass
+class TrainConfig:
+    """Hyper-parameters and paths of one training run. Batch size is per rank, as in Horovod."""
+
+    model: str = field(default="cnn", metadata={"help": "model name (see `hvdkit train --list`)"})
+    dataset: str = field(default="digits", metadata={"help": "digits (embedded), mnist, cifar10, imagefolder, synthetic"})
+    data_dir: Optional[str] = field(default=None, metadata={"help": "root of mnist/cifar10/imagefolder data"})
+    image_size: int = field(default=32, metadata={"help": "side of imagefolder/synthetic images"})
+    batch_size: int = field(default=32, metadata={"help": "samples per rank per backward pass"})
+    epochs: int = field(default=12, metadata={"help": "passes over the training set"})
+    max_steps: Optional[int] = field(default=None, metadata={"help": "stop after this many optimizer steps"})
+    base_lr: float = field(default=0.025, metadata={"help": "learning rate of one rank; scaled by size x K"})
+    momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
+    weight_decay: float = field(default=5e-5, metadata={"help": "SGD weight decay"})
+    warmup_epochs: float = field(default=1.0, metadata={"help": "gradual warmup from base_lr to the scaled lr"})
+    lr_schedule: str = field(default="cosine", metadata={"help": "after warmup: cosine, step or none"})
+    lr_decay_epochs: list = field(default_factory=lambda: [30, 60, 80],
+                                  metadata={"help": "epochs at which the step schedule decays", "item": int})
+    lr_decay_factor: float = field(default=0.1, metadata={"help": "factor of each step decay"})
+    batches_per_allreduce: int = field(default=1, metadata={"help": "K: local backward passes per allreduce"})
+    fp16_allreduce: bool = field(default=False, metadata={"help": "compress gradients to fp16 for the allreduce"})
+    use_adasum: bool = field(default=False, metadata={"help": "Adasum instead of averaging"})
+    gradient_predivide_factor: float = field(default=1.0, metadata={"help": "divide gradients before the sum"})
+    amp: bool = field(default=False, metadata={"help": "mixed precision: bf16 on CPU, fp16 + GradScaler on GPU"})
+    clip_grad_norm: Optional[float] = field(default=None, metadata={"help": "clip gradients to this total norm"})
+    seed: int = field(default=42, metadata={"help": "random seed (each rank adds its rank)"})
+    num_workers: int = field(default=0, metadata={"help": "data loader worker processes per rank"})
+    log_interval: int = field(default=10, metadata={"help": "optimizer steps between metric reports"})
+    log_dir: Optional[str] = field(default="runs/latest", metadata={"help": "metrics.jsonl and TensorBoard events"})
+    checkpoint_dir: Optional[str] = field(default=None, metadata={"help": "where rank 0 writes checkpoints"})
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_HINTS = typing.get_type_hints(TrainConfig)
+
+
+def _base_type(name: str):
+    """(type, optional) of a field: Optional[int] -> (int, True), list -> (list, False)."""
+    hint = _HINTS[name]
+    args = typing.get_args(hint)
+    if type(None) in args:
+        return next(a for a in args if a is not type(None)), True
+    return hint, False
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """The value as the field's type; YAML's int is accepted for a float, nothing looser."""
+    kind, optional = _base_type(name)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"config: {name} must be set (got null)")
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is list:
+        item = FIELDS[name].metadata["item"]
+        if not isinstance(value, list) or not all(isinstance(v, item) and not isinstance(v, bool) for v in value):
+            raise ConfigError(f"config: {name} must be a list of {item.__name__} (got {value!r})")
+        return list(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"config: {name} must be {kind.__name__} (got {type(value).__name__} {value!r})")
+    return value
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Reject impossible values, naming the key. Registries are checked by the caller's lookups."""
+    positive = ("batch_size", "epochs", "base_lr", "batches_per_allreduce", "log_interval",
+                "gradient_predivide_factor", "lr_decay_factor", "image_size")
+    for name in positive:
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"config: {name} must be > 0 (got {getattr(cfg, name)})")
+    for name in ("momentum", "weight_decay", "warmup_epochs", "num_workers"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"config: {name} must be >= 0 (got {getattr(cfg, name)})")
+    if cfg.max_steps is not None and cfg.max_steps <= 0:
+        raise ConfigError(f"config: max_steps must be > 0 (got {cfg.max_steps})")
+    if cfg.clip_grad_norm is not None and cfg.clip_grad_norm <= 0:
+        raise ConfigError(f"config: clip_grad_norm must be > 0 (got {cfg.clip_grad_norm})")
+    if cfg.lr_schedule not in LR_SCHEDULES:
+        raise ConfigError(f"config: lr_schedule must be one of {', '.join(LR_SCHEDULES)} (got {cfg.lr_schedule!r})")
+    if cfg.use_adasum and cfg.gradient_predivide_factor != 1.0:
+        raise ConfigError("config: gradient_predivide_factor must be 1.0 with use_adasum (Horovod averages only)")
+    for name in ("log_dir", "checkpoint_dir"):
+        _check_writable(name, getattr(cfg, name))
+    return cfg
+
+
+def _check_writable(name: str, path: Optional[str]) -> None:
+    if path is None:
+        return
+    target = Path(path)
+    existing = next((p for p in (target, *target.parents) if p.exists()), Path("."))
+    if not existing.is_dir():
+        raise ConfigError(f"config: {name} {path!r} is not a directory ({existing} is a file)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"config: {name} {path!r} is not writable ({existing})")
+
+
+def from_mapping(values: Mapping[str, Any], base: Optional[TrainConfig] = None) -> TrainConfig:
+    """A config from ``base`` (defaults if None) with ``values`` applied; unknown keys rejected."""
+    updates = {}
+    for key, value in values.items():
+        name = str(key).replace("-", "_")
+        if name not in FIELDS:
+            raise ConfigError(f"config: unknown key {key!r}")
+        updates[name] = _coerce(name, value)
+    return dataclasses.replace(base or TrainConfig(), **updates)
+
+
+def load_yaml(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        raise ConfigError(f"config: cannot read {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "not valid YAML"
+        raise ConfigError(f"config: {path}{where}: malformed YAML: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: {path} must hold a mapping of keys, not {type(data).__name__}")
+    return data
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per field (``--batch-size``); a flag left out keeps the YAML or default value."""
+    parser.add_argument("--config", help="YAML file of config keys; flags override it")
+    for name, f in FIELDS.items():
+        kind, _ = _base_type(name)
+        flag = "--" + name.replace("_", "-")
+        common = dict(dest=name, default=argparse.SUPPRESS, help=f.metadata.get("help"))
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
+        elif kind is list:
+            parser.add_argument(flag, nargs="+", type=f.metadata["item"], **common)
+        else:
+            parser.add_argument(flag, type=kind, **common)
+
+
+def from_args(args: argparse.Namespace) -> TrainConfig:
+    """YAML file first, then command-line flags, then validation."""
+    overrides = {name: getattr(args, name) for name in FIELDS if hasattr(args, name)}
+    cfg = from_mapping(load_yaml(args.config)) if getattr(args, "config", None) else TrainConfig()
+    return validate(from_mapping(overrides, base=cfg))
+
+
+def to_dict(cfg: TrainConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def parse(argv: Sequence[str]) -> TrainConfig:
+    """Parse ``hvdkit train`` arguments into a validated config (for scripts and tests)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return from_args(parser.parse_args(argv))

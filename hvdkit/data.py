@@ -1,0 +1,199 @@
+"""Datasets by name and the distributed loaders over them.
+
+Nothing here downloads: clusters' compute nodes rarely reach the internet, and a job that
+fetches data on every rank at once is a job that fails at scale. The default dataset, the
+UCI handwritten digits (1,797 8x8 images), ships inside scikit-learn, so the main job runs
+on a fresh machine.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
+
+from hvdkit.config import ConfigError, TrainConfig
+
+DIGITS_TEST_SIZE = 360  # a fixed 20% of the 1,797 digits, the same on every rank and run
+SYNTHETIC_CLASSES = 10
+
+
+class DataError(ConfigError):
+    """A missing or malformed dataset; the message says where and what was expected."""
+
+
+@dataclass
+class Datasets:
+    train: Dataset
+    test: Dataset
+    in_channels: int
+    image_size: int
+    num_classes: int
+
+
+def digits(cfg: TrainConfig) -> Datasets:
+    from sklearn.datasets import load_digits
+
+    raw = load_digits()
+    images = torch.tensor(raw.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    labels = torch.tensor(raw.target, dtype=torch.long)
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
+    test, train = order[:DIGITS_TEST_SIZE], order[DIGITS_TEST_SIZE:]
+    mean, std = images[train].mean(), images[train].std()
+    images = (images - mean) / std
+    return Datasets(TensorDataset(images[train], labels[train]), TensorDataset(images[test], labels[test]),
+                    in_channels=1, image_size=8, num_classes=10)
+
+
+def _require_dir(cfg: TrainConfig, what: str, expected: str) -> Path:
+    if not cfg.data_dir:
+        raise DataError(f"data: --data-dir is required for {what} (expected {expected} under it)")
+    root = Path(cfg.data_dir)
+    if not root.is_dir():
+        raise DataError(f"data: data_dir {cfg.data_dir!r} is not a directory")
+    return root
+
+
+def _load(what: str, root: Path, expected: str, make: Callable[[], Dataset]) -> Dataset:
+    """Run a torchvision constructor, turning its errors into one line that says what to fix."""
+    try:
+        return make()
+    except RuntimeError as exc:
+        if "not found" in str(exc):
+            raise DataError(f"data: {what} not found under {root}: expected {expected} "
+                            f"(hvdkit never downloads; copy the dataset there)") from None
+        raise DataError(f"data: {what} under {root} is malformed: {exc}") from None
+    except (OSError, ValueError, EOFError, KeyError, IndexError, AssertionError) as exc:
+        raise DataError(f"data: {what} under {root} is malformed: {type(exc).__name__}: {exc}") from None
+
+
+def mnist(cfg: TrainConfig) -> Datasets:
+    from torchvision import datasets, transforms
+
+    expected = "MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte"
+    root = _require_dir(cfg, "mnist", expected)
+    tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
+    train, test = (_load("MNIST", root, expected,
+                         lambda t=t: datasets.MNIST(root, train=t, download=False, transform=tf))
+                   for t in (True, False))
+    return Datasets(train, test, in_channels=1, image_size=28, num_classes=10)
+
+
+def cifar10(cfg: TrainConfig) -> Datasets:
+    from torchvision import datasets, transforms
+
+    class CIFAR10(datasets.CIFAR10):
+        """torchvision's CIFAR10 without the md5 check of the files it would have downloaded.
+
+        hvdkit never downloads, and copies on clusters are often re-packed or subsets; the
+        files must still exist and unpickle in CIFAR-10's format, or loading fails.
+        """
+
+        def _check_integrity(self) -> bool:
+            folder = Path(self.root) / self.base_folder
+            return all((folder / name).is_file() for name, _ in self.train_list + self.test_list)
+
+    expected = "cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta}"
+    root = _require_dir(cfg, "cifar10", expected)
+    norm = transforms.Normalize((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
+    train_tf = transforms.Compose([transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(),
+                                   transforms.ToTensor(), norm])
+    test_tf = transforms.Compose([transforms.ToTensor(), norm])
+    train = _load("CIFAR-10", root, expected, lambda: CIFAR10(root, train=True, download=False, transform=train_tf))
+    test = _load("CIFAR-10", root, expected, lambda: CIFAR10(root, train=False, download=False, transform=test_tf))
+    return Datasets(train, test, in_channels=3, image_size=32, num_classes=10)
+
+
+def imagefolder(cfg: TrainConfig) -> Datasets:
+    from torchvision import datasets, transforms
+
+    expected = "train/<class>/<image> and val/<class>/<image>"
+    root = _require_dir(cfg, "imagefolder", expected)
+    val_dir = next((root / name for name in ("val", "test") if (root / name).is_dir()), root / "val")
+    norm = transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    size = cfg.image_size
+    train_tf = transforms.Compose([transforms.RandomResizedCrop(size), transforms.RandomHorizontalFlip(),
+                                   transforms.ToTensor(), norm])
+    test_tf = transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size), transforms.ToTensor(), norm])
+    splits = []
+    for folder, tf in ((root / "train", train_tf), (val_dir, test_tf)):
+        if not folder.is_dir():
+            raise DataError(f"data: imagefolder needs {folder}/ (expected {expected} under {root})")
+        dataset = _load("ImageFolder", folder, "<class>/<image> folders",
+                        lambda f=folder, t=tf: datasets.ImageFolder(f, transform=t))
+        _load("ImageFolder", folder, "readable images", lambda d=dataset: d[0])  # fail now, not mid-epoch
+        splits.append(dataset)
+    if splits[0].classes != splits[1].classes:
+        raise DataError(f"data: {root}/train and {val_dir} have different classes "
+                        f"({len(splits[0].classes)} vs {len(splits[1].classes)})")
+    return Datasets(splits[0], splits[1], in_channels=3, image_size=size, num_classes=len(splits[0].classes))
+
+
+class SyntheticImages(Dataset):
+    """Random images made on demand from the index: no memory for big inputs, same on every rank."""
+
+    def __init__(self, length: int, image_size: int, seed: int) -> None:
+        self.length, self.image_size, self.seed = length, image_size, seed
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int):
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        image = torch.randn(3, self.image_size, self.image_size, generator=gen)
+        return image, int(torch.randint(SYNTHETIC_CLASSES, (1,), generator=gen))
+
+
+def synthetic(cfg: TrainConfig) -> Datasets:
+    return Datasets(SyntheticImages(2048, cfg.image_size, seed=1), SyntheticImages(512, cfg.image_size, seed=2),
+                    in_channels=3, image_size=cfg.image_size, num_classes=SYNTHETIC_CLASSES)
+
+
+DATASETS: dict[str, Callable[[TrainConfig], Datasets]] = {
+    "digits": digits, "mnist": mnist, "cifar10": cifar10, "imagefolder": imagefolder, "synthetic": synthetic,
+}
+
+
+def build(cfg: TrainConfig) -> Datasets:
+    if cfg.dataset not in DATASETS:
+        raise DataError(f"data: unknown dataset {cfg.dataset!r}; choose one of: {', '.join(DATASETS)}")
+    return DATASETS[cfg.dataset](cfg)
+
+
+class ShardSampler(Sampler):
+    """Every sample exactly once across ranks (rank r takes r, r+size, ...): no padding.
+
+    DistributedSampler pads the last round with repeated samples so that all ranks take the
+    same number of steps; for validation that would count those samples twice.
+    """
+
+    def __init__(self, length: int, rank: int, size: int) -> None:
+        self.indices = range(rank, length, size)
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def loaders(train_set: Dataset, test_set: Dataset, cfg: TrainConfig, rank: int, size: int, pin_memory: bool):
+    """(train loader, its DistributedSampler, test loader) for this rank.
+
+    A training batch holds batches_per_allreduce micro-batches, as in Horovod's examples.
+    """
+    context = None
+    if cfg.num_workers > 0 and "forkserver" in multiprocessing.get_all_start_methods():
+        context = "forkserver"  # forking a process that holds MPI/InfiniBand state is unsafe
+    common = dict(num_workers=cfg.num_workers, pin_memory=pin_memory, multiprocessing_context=context,
+                  persistent_workers=cfg.num_workers > 0)
+    sampler = DistributedSampler(train_set, num_replicas=size, rank=rank, shuffle=True, seed=cfg.seed)
+    train = DataLoader(train_set, batch_size=cfg.batch_size * cfg.batches_per_allreduce,
+                       sampler=sampler, **common)
+    test = DataLoader(test_set, batch_size=cfg.batch_size,
+                      sampler=ShardSampler(len(test_set), rank, size), **common)
+    return train, sampler, test

@@ -1,0 +1,228 @@
+"""The training loop on Horovod's DistributedOptimizer, one process per GPU or CPU slot.
+
+``Trainer.fit`` reads top to bottom: start Horovod, place the process, shard the data,
+scale the learning rate, wrap the optimizer, make every rank start from rank 0's weights,
+then per step: K local backward passes, one allreduce, unscale and clip, step. Metrics are
+summed across ranks in one allreduce per report; validation counts every test sample once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from hvdkit import checkpoint, data, models
+from hvdkit.config import ConfigError, TrainConfig, to_dict, validate
+from hvdkit.metrics import Metrics
+
+
+def learning_rate(cfg: TrainConfig, step: int, steps_per_epoch: int, total_steps: int, lr_scaler: float) -> float:
+    """Gradual warmup from base_lr to base_lr x lr_scaler (Goyal et al.), then decay."""
+    epoch = step / steps_per_epoch
+    peak = cfg.base_lr * lr_scaler
+    if epoch < cfg.warmup_epochs:
+        return cfg.base_lr * (1 + (lr_scaler - 1) * epoch / cfg.warmup_epochs)
+    if cfg.lr_schedule == "step":
+        return peak * cfg.lr_decay_factor ** sum(epoch >= e for e in cfg.lr_decay_epochs)
+    if cfg.lr_schedule == "cosine":
+        warmup_steps = cfg.warmup_epochs * steps_per_epoch
+        progress = (step - warmup_steps) / max(1.0, total_steps - warmup_steps)
+        return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return peak
+
+
+def place_process(local_rank: int, local_size: int) -> torch.device:
+    """The GPU local_rank % GPUs when there are GPUs; else the CPU with a fair share of cores."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores // local_size))
+    return torch.device("cpu")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    """Data-parallel training of ``model`` on ``train_set``, evaluated on ``test_set``.
+
+    Without a model and datasets, they are built from the config's names. Datasets yield
+    (input, label) pairs; the loss is cross-entropy over the model's outputs.
+    """
+
+    def __init__(self, config: Optional[TrainConfig] = None, model: Optional[nn.Module] = None,
+                 train_set: Optional[Dataset] = None, test_set: Optional[Dataset] = None) -> None:
+        self.cfg = validate(config or TrainConfig())
+        if (train_set is None) != (test_set is None):
+            raise ConfigError("Trainer: give both train_set and test_set, or neither")
+        if train_set is None:
+            built = data.build(self.cfg)
+            train_set, test_set = built.train, built.test
+            if model is None:
+                model = models.build(self.cfg.model, built.in_channels, built.image_size, built.num_classes)
+        if model is None:
+            raise ConfigError("Trainer: a model is required with your own datasets")
+        self.model, self.train_set, self.test_set = model, train_set, test_set
+
+    def fit(self) -> dict:
+        import horovod.torch as hvd
+
+        cfg = self.cfg
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+        device = place_process(hvd.local_rank(), hvd.local_size())
+        seed_everything(cfg.seed + rank)
+        if len(self.train_set) < size * cfg.batch_size:
+            raise ConfigError(f"data: the training set has {len(self.train_set)} samples, fewer than "
+                              f"world size x batch_size = {size} x {cfg.batch_size}")
+
+        train_loader, sampler, test_loader = data.loaders(self.train_set, self.test_set, cfg, rank, size,
+                                                          pin_memory=device.type == "cuda")
+        model = self.model.to(device)
+
+        # Linear scaling: the step averages size x K micro-batches' gradients. Adasum adapts
+        # to the gradients instead; on GPUs it still sums within a node (Horovod's rule).
+        lr_scaler = cfg.batches_per_allreduce * size
+        if cfg.use_adasum:
+            gpu_local_sum = device.type == "cuda" and hvd.nccl_built()
+            lr_scaler = cfg.batches_per_allreduce * (hvd.local_size() if gpu_local_sum else 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.base_lr * lr_scaler,
+                                    momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        optimizer = hvd.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(),
+            compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,
+            backward_passes_per_step=cfg.batches_per_allreduce,
+            op=hvd.Adasum if cfg.use_adasum else hvd.Average,
+            gradient_predivide_factor=cfg.gradient_predivide_factor)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+
+        # Mixed precision: bf16 needs no loss scaling; fp16 on GPUs does.
+        amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+        scaler = torch.amp.GradScaler("cuda") if cfg.amp and device.type == "cuda" else None
+
+        steps_per_epoch = len(train_loader)
+        total_steps = cfg.epochs * steps_per_epoch
+        if cfg.max_steps is not None:
+            total_steps = min(total_steps, cfg.max_steps)
+        metrics = Metrics(cfg.log_dir, total_steps, enabled=rank == 0)
+        metrics.write({"event": "config", "world_size": size, **to_dict(cfg)})
+
+        step = epoch = reported_step = 0
+        window = torch.zeros(3, device=device)  # loss x samples, correct, samples since the last report
+        train = {"loss": float("nan"), "accuracy": float("nan")}
+        test = {}
+        samples_trained, train_seconds = 0.0, 0.0
+        wall_start = report_start = time.perf_counter()
+        while epoch < cfg.epochs and step < total_steps:
+            sampler.set_epoch(epoch)
+            model.train()
+            for images, labels in train_loader:
+                lr = learning_rate(cfg, step, steps_per_epoch, total_steps, lr_scaler)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                optimizer.zero_grad()
+
+                # K micro-batches: gradients accumulate locally; the K-th backward starts the allreduce.
+                micro_batches = list(zip(images.split(cfg.batch_size), labels.split(cfg.batch_size)))
+                for x, y in micro_batches:
+                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                    with torch.autocast(device.type, dtype=amp_dtype, enabled=cfg.amp):
+                        output = model(x)
+                        loss = F.cross_entropy(output, y)
+                    window += torch.stack([loss.detach().float() * len(y),
+                                           (output.argmax(1) == y).sum().float(),
+                                           torch.tensor(float(len(y)), device=device)])
+                    loss = loss / len(micro_batches)
+                    (scaler.scale(loss) if scaler else loss).backward()
+
+                # Wait for the averaged gradients, then unscale and clip them, then step
+                # without a second synchronize.
+                optimizer.synchronize()
+                if scaler:
+                    scaler.unscale_(optimizer)
+                if cfg.clip_grad_norm:
+                    nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
+                with optimizer.skip_synchronize():
+                    if scaler:
+                        scaler.step(optimizer)
+                    else:
+                        optimizer.step()
+                if scaler:
+                    scaler.update()
+                step += 1
+
+                end_of_epoch = step % steps_per_epoch == 0 or step == total_steps
+                if step % cfg.log_interval == 0 or end_of_epoch:
+                    loss_sum, correct, count = hvd.allreduce(window, op=hvd.Sum, name="train.metrics").tolist()
+                    now = time.perf_counter()
+                    samples_trained += count
+                    train_seconds += now - report_start
+                    train = {"loss": loss_sum / count, "accuracy": correct / count}
+                    metrics.record("train", step, {"epoch": epoch + 1, **train, "lr": lr,
+                                                   "images_per_sec": count / (now - report_start)},
+                                   advance=step - reported_step)
+                    window.zero_()
+                    report_start, reported_step = now, step
+                if step >= total_steps:
+                    break
+
+            # A rank with fewer batches waits here instead of hanging the others' allreduce.
+            if device.type == "cuda":
+                hvd.join(device.index)
+            else:
+                hvd.join()  # with a device argument, a GPU build of Horovod hangs on a CPU-only host
+            epoch += 1
+            test = self.evaluate(model, test_loader, device, cfg.amp, amp_dtype, hvd)
+            metrics.record("test", step, {"epoch": epoch, **test})
+            if cfg.checkpoint_dir and rank == 0:
+                checkpoint.save(cfg.checkpoint_dir, step, {
+                    "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "epoch": epoch, "step": step, "world_size": size, "config": to_dict(cfg)})
+            report_start = time.perf_counter()
+
+        summary = {
+            "event": "summary", "epochs": epoch, "steps": step, "world_size": size,
+            "model": cfg.model, "dataset": cfg.dataset,
+            "train_loss": train["loss"], "train_accuracy": train["accuracy"],
+            "test_loss": test.get("loss"), "test_accuracy": test.get("accuracy"),
+            "test_samples": test.get("samples"),
+            "images_per_sec": samples_trained / train_seconds if train_seconds else 0.0,
+            "wall_seconds": time.perf_counter() - wall_start,
+        }
+        metrics.write(summary)
+        metrics.close()
+        if rank == 0:
+            print(json.dumps(summary), flush=True)
+        return summary
+
+    @staticmethod
+    def evaluate(model: nn.Module, loader, device: torch.device, amp: bool, amp_dtype, hvd) -> dict:
+        """Loss and accuracy over the whole test set, each sample counted once on one rank."""
+        model.eval()
+        totals = torch.zeros(3, device=device)
+        with torch.no_grad():
+            for x, y in loader:
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp):
+                    output = model(x)
+                totals += torch.stack([F.cross_entropy(output.float(), y, reduction="sum"),
+                                       (output.argmax(1) == y).sum().float(),
+                                       torch.tensor(float(len(y)), device=device)])
+        loss_sum, correct, count = hvd.allreduce(totals, op=hvd.Sum, name="test.metrics").tolist()
+        return {"loss": loss_sum / max(count, 1), "accuracy": correct / max(count, 1), "samples": int(count)}

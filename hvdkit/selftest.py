@@ -45,14 +45,16 @@ def worker_command() -> list[str]:
     return [sys.executable, "-m", "hvdkit.selftest", "--worker"]
 
 
-def horovodrun_command(controller: str, np: int = NP) -> list[str]:
+def horovodrun_command(controller: str, np: int = NP, command: Optional[Sequence[str]] = None) -> list[str]:
+    """horovodrun on this host's ``np`` slots, running ``command`` (default: the worker)."""
     return [tool("horovodrun") or "horovodrun", "-np", str(np), "-H", f"localhost:{np}",
-            f"--{controller}", *worker_command()]
+            f"--{controller}", *(command or worker_command())]
 
 
-def mpirun_command(np: int = NP) -> list[str]:
+def mpirun_command(np: int = NP, command: Optional[Sequence[str]] = None) -> list[str]:
+    """Open MPI's mpirun with the flags Horovod's docs give, running ``command`` (default: the worker)."""
     return [tool("mpirun") or "mpirun", "-np", str(np), "-bind-to", "none", "-map-by", "slot",
-            "-mca", "pml", "ob1", "-mca", "btl", "^openib", *worker_command()]
+            "-mca", "pml", "ob1", "-mca", "btl", "^openib", *(command or worker_command())]
 
 
 def _weights_digest(model) -> str:
@@ -105,24 +107,29 @@ def worker() -> None:
     hvd.shutdown()
 
 
-def parse_results(output: str) -> list[dict]:
-    """The per-rank result records in a launcher's output, ordered by rank.
+def parse_records(output: str, event: str) -> list[dict]:
+    """The JSON records of ``event`` in a launcher's output, in order of appearance.
 
     Launchers prefix lines ("[1,0]<stdout>:") and may glue two ranks' lines together, so
     records are decoded wherever they start rather than line by line.
     """
     decoder = json.JSONDecoder()
-    marker = '{"event": "%s"' % RESULT_EVENT
-    results = []
+    marker = '{"event": "%s"' % event
+    records = []
     start = output.find(marker)
     while start >= 0:
         try:
             record, end = decoder.raw_decode(output, start)
-            results.append(record)
+            records.append(record)
         except json.JSONDecodeError:
             end = start + len(marker)
         start = output.find(marker, end)
-    return sorted(results, key=lambda r: r["rank"])
+    return records
+
+
+def parse_results(output: str) -> list[dict]:
+    """The selftest's per-rank results, ordered by rank."""
+    return sorted(parse_records(output, RESULT_EVENT), key=lambda r: r["rank"])
 
 
 def check(results: Sequence[dict], np: int = NP) -> list[str]:

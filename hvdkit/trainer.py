@@ -8,6 +8,7 @@ summed across ranks in one allreduce per report; validation counts every test sa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -74,6 +75,7 @@ class Trainer:
             built = data.build(self.cfg)
             train_set, test_set = built.train, built.test
             if model is None:
+                seed_everything(self.cfg.seed)  # the same initial weights in every run with this seed
                 model = models.build(self.cfg.model, built.in_channels, built.image_size, built.num_classes)
         if model is None:
             raise ConfigError("Trainer: a model is required with your own datasets")
@@ -151,14 +153,16 @@ class Trainer:
                     loss = loss / len(micro_batches)
                     (scaler.scale(loss) if scaler else loss).backward()
 
-                # Wait for the averaged gradients, then unscale and clip them, then step
-                # without a second synchronize.
-                optimizer.synchronize()
+                # Averaging: wait for the averaged gradients, unscale and clip them, then step
+                # without a second synchronize. Adasum combines the ranks' updates inside
+                # step() instead, so there the local gradients are unscaled and clipped.
+                if not cfg.use_adasum:
+                    optimizer.synchronize()
                 if scaler:
                     scaler.unscale_(optimizer)
                 if cfg.clip_grad_norm:
                     nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
-                with optimizer.skip_synchronize():
+                with contextlib.nullcontext() if cfg.use_adasum else optimizer.skip_synchronize():
                     if scaler:
                         scaler.step(optimizer)
                     else:

@@ -1,0 +1,91 @@
+"""`hvdkit train` as users launch it: real horovodrun and mpirun processes on this machine."""
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+from hvdkit import checkpoint, selftest
+from conftest import run
+from test_data import make_imagefolder
+
+pytestmark = pytest.mark.slow
+
+TRAIN = [sys.executable, "-m", "hvdkit", "train"]
+LAUNCHERS = {
+    "horovodrun --gloo": lambda cmd: selftest.horovodrun_command("gloo", 2, cmd),
+    "mpirun": lambda cmd: selftest.mpirun_command(2, cmd),
+}
+# Plain SGD steps on a model without batch norm or dropout: data parallelism must be exact.
+EXACT = ["--model", "mlp", "--warmup-epochs", "0", "--lr-schedule", "none", "--max-steps", "5"]
+
+
+def train(tmp_path, name, *args, launcher=None, timeout=300):
+    """Run hvdkit train (under ``launcher`` when given); return its summary and directories."""
+    ckpt, logs = tmp_path / name / "ckpt", tmp_path / name / "logs"
+    cmd = [*TRAIN, "--checkpoint-dir", str(ckpt), "--log-dir", str(logs), *args]
+    proc = run(LAUNCHERS[launcher](cmd) if launcher else cmd, timeout=timeout)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    summaries = selftest.parse_records(proc.stdout, "summary")
+    assert len(summaries) == 1, "exactly one rank prints the summary"
+    return summaries[0], ckpt, logs
+
+
+def final_weights(ckpt_dir):
+    return torch.load(checkpoint.latest(str(ckpt_dir)), weights_only=False)["model"]
+
+
+@pytest.fixture(scope="module")
+def single_process_references(tmp_path_factory):
+    """np=1 with batch 2B, and np=1 with batch B and K=2: both must equal np=2 with batch B."""
+    tmp = tmp_path_factory.mktemp("np1")
+    _, big_batch, _ = train(tmp, "big", *EXACT, "--batch-size", "32", "--base-lr", "0.1")
+    _, accumulated, _ = train(tmp, "accum", *EXACT, "--batch-size", "16", "--batches-per-allreduce", "2",
+                              "--base-lr", "0.05")
+    return final_weights(big_batch), final_weights(accumulated)
+
+
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_two_ranks_equal_one_rank_with_twice_the_batch(tmp_path, launcher, single_process_references):
+    # base_lr x size x K: 0.05 x 2 = 0.1 x 1 = 0.05 x 1 x 2, so every run steps with lr 0.1.
+    summary, ckpt, _ = train(tmp_path, "np2", *EXACT, "--batch-size", "16", "--base-lr", "0.05", launcher=launcher)
+    assert summary["world_size"] == 2 and summary["steps"] == 5
+    two_ranks = final_weights(ckpt)
+    big_batch, accumulated = single_process_references
+    for name in two_ranks:
+        torch.testing.assert_close(two_ranks[name], big_batch[name], atol=1e-5, rtol=0)
+        torch.testing.assert_close(two_ranks[name], accumulated[name], atol=1e-5, rtol=0)
+
+
+def test_two_ranks_reach_the_accuracy_of_one(tmp_path):
+    one, _, _ = train(tmp_path, "np1")
+    two, _, logs = train(tmp_path, "np2", launcher="horovodrun --gloo")
+    assert one["test_accuracy"] >= 0.97 and two["test_accuracy"] >= 0.97
+    assert abs(one["test_accuracy"] - two["test_accuracy"]) <= 0.02
+    assert two["test_samples"] == one["test_samples"] == 360
+    events = [json.loads(line)["event"] for line in (logs / "metrics.jsonl").read_text().splitlines()]
+    assert events[0] == "config" and events[-1] == "summary" and {"train", "test"} <= set(events)
+    assert list(logs.glob("events.out.tfevents.*")), "TensorBoard events"
+
+
+@pytest.mark.parametrize("name, args, steps", [
+    ("amp-clip-fp16", ["--amp", "--clip-grad-norm", "1.0", "--fp16-allreduce"], 46),
+    ("adasum", ["--use-adasum"], 46),
+    ("accumulation", ["--batches-per-allreduce", "2"], 24),
+])
+def test_options_run_to_completion_on_two_ranks(tmp_path, name, args, steps):
+    # 1,437 training digits: not a multiple of 2 ranks x 32, so the last batch is short.
+    summary, ckpt, _ = train(tmp_path, name, "--epochs", "2", *args, launcher="mpirun")
+    assert summary["steps"] == steps and summary["epochs"] == 2
+    assert summary["test_samples"] == 360
+    assert math.isfinite(summary["train_loss"]) and summary["test_accuracy"] > 0.8, summary
+    assert len(list(ckpt.glob("ckpt-step*.pt"))) == 2, "rank 0 writes one checkpoint per epoch"
+
+
+def test_uneven_validation_shards_count_each_sample_once(tmp_path):
+    data_dir = make_imagefolder(tmp_path / "images", val_per_class=(4, 3))  # 7 = 4 + 3 across 2 ranks
+    summary, _, _ = train(tmp_path, "imgs", "--dataset", "imagefolder", "--data-dir", str(data_dir),
+                          "--image-size", "16", "--batch-size", "2", "--epochs", "1", launcher="horovodrun --gloo")
+    assert summary["test_samples"] == 7 and summary["world_size"] == 2

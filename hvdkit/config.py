@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-import yaml
 
 
 class ConfigError(ValueError):
@@ -135,6 +134,8 @@ def from_mapping(values: Mapping[str, Any], base: Optional[TrainConfig] = None) 
 
 
 def load_yaml(path: str) -> dict:
+    import yaml  # here, so that `hvdkit doctor` still runs where PyYAML is missing
+
     try:
         with open(path) as f:
             data = yaml.safe_load(f)

@@ -89,3 +89,20 @@ def test_uneven_validation_shards_count_each_sample_once(tmp_path):
     summary, _, _ = train(tmp_path, "imgs", "--dataset", "imagefolder", "--data-dir", str(data_dir),
                           "--image-size", "16", "--batch-size", "2", "--epochs", "1", launcher="horovodrun --gloo")
     assert summary["test_samples"] == 7 and summary["world_size"] == 2
+
+
+def test_readme_library_example_runs_on_two_ranks(tmp_path):
+    """The "Train your own model" code from README.md, as a user would run it."""
+    from conftest import REPO
+
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Train your own model", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    script = tmp_path / "train_mine.py"
+    script.write_text(code)
+    proc = run(selftest.horovodrun_command("gloo", 2, [sys.executable, str(script)]), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = selftest.parse_records(proc.stdout, "summary")[0]
+    assert summary["world_size"] == 2 and summary["test_samples"] == 512
+    assert summary["test_accuracy"] > 0.85, summary
+    assert (tmp_path / "runs" / "mine" / "metrics.jsonl").exists()

@@ -141,7 +141,7 @@ class Trainer:
                 optimizer.zero_grad()
 
                 # K micro-batches: gradients accumulate locally; the K-th backward starts the allreduce.
-                micro_batches = list(zip(images.split(cfg.batch_size), labels.split(cfg.batch_size)))
+                micro_batches = list(zip(images.split(cfg.batch_size), labels.split(cfg.batch_size), strict=True))
                 for x, y in micro_batches:
                     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                     with torch.autocast(device.type, dtype=amp_dtype, enabled=cfg.amp):

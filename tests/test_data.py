@@ -43,7 +43,7 @@ def make_cifar10(root, per_batch=4):
 
 def make_imagefolder(root, train_per_class=3, val_per_class=(4, 3)):
     for split, counts in (("train", (train_per_class, train_per_class)), ("val", val_per_class)):
-        for cls, count in zip(("cat", "dog"), counts):
+        for cls, count in zip(("cat", "dog"), counts, strict=True):
             folder = root / split / cls
             folder.mkdir(parents=True)
             for i in range(count):

@@ -2,14 +2,13 @@
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 
 import pytest
 
 from hvdkit import doctor
-from conftest import REPO, run
+from conftest import run
 
 
 def test_report_names_every_part():

@@ -20,6 +20,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("build", add_help=False,
                    help="build Horovod against the installed torch (same as python -m hvdkit.build)")
 
+    sub.add_parser("launch", add_help=False, help="start a command on N ranks with horovodrun, mpirun or srun")
+
     train = sub.add_parser("train", help="data-parallel training; launch one per GPU/slot with horovodrun, "
                                          "mpirun or srun")
     train.add_argument("--list", action="store_true", help="list the models and datasets, then exit")
@@ -62,6 +64,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv[:1] == ["build"]:
         from hvdkit import build
         return build.main(argv[1:])
+    if argv[:1] == ["launch"]:
+        from hvdkit import launch
+        return launch.main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "doctor":
         from hvdkit import doctor

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import platform
-import subprocess
 import sys
 from typing import Optional
 
 from hvdkit import env, selftest
+from hvdkit.launch import describe_mpi, find_program, mpirun_version
 
 SETUP_HINT = "run `make setup` in the hvdkit checkout, or `python -m hvdkit.build`"
 
@@ -23,22 +23,6 @@ def _version(dist: str) -> Optional[str]:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def mpi_implementation(version_text: str) -> str:
-    """'Open MPI 4.1.4', 'MPICH 4.0' or 'Intel MPI ...' from `mpirun --version` output."""
-    first = version_text.strip().splitlines()[0] if version_text.strip() else ""
-    if "Open MPI" in version_text or "OpenRTE" in version_text:
-        number = first.split()[-1] if first else "?"
-        return f"Open MPI {number}"
-    if "Intel" in version_text:
-        return "Intel MPI: " + first
-    if "HYDRA" in version_text or "MPICH" in version_text:
-        for line in version_text.splitlines():
-            if line.strip().startswith("Version:"):
-                return "MPICH " + line.split(":", 1)[1].strip()
-        return "MPICH/Hydra"
-    return first or "unknown"
 
 
 def _mark(flag) -> str:
@@ -81,10 +65,9 @@ def report_python_and_torch(report: Report) -> None:
 
 
 def report_mpi(report: Report) -> None:
-    mpirun = selftest.tool("mpirun")
+    mpirun = find_program("mpirun")
     if mpirun:
-        out = subprocess.run([mpirun, "--version"], capture_output=True, text=True)
-        report.line("MPI (mpirun)", f"{mpi_implementation(out.stdout + out.stderr)} ({mpirun})")
+        report.line("MPI (mpirun)", f"{describe_mpi(mpirun_version(mpirun))} ({mpirun})")
     else:
         report.line("MPI (mpirun)", "not found on PATH")
     try:
@@ -121,9 +104,9 @@ def report_horovod(report: Report) -> list[str]:
     report.line("  GPU builds", f"{_mark(hvd.cuda_built())} CUDA {_mark(hvd.rocm_built())} ROCm")
     if not controllers:
         report.require("Horovod has no controller (neither MPI nor Gloo)", SETUP_HINT)
-    if not selftest.tool("horovodrun"):
+    if not find_program("horovodrun"):
         report.require("horovodrun is not on PATH", "activate the environment Horovod was installed in")
-    if "mpi" in controllers and not selftest.tool("mpirun"):
+    if "mpi" in controllers and not find_program("mpirun"):
         report.require("Horovod was built with MPI but mpirun is not on PATH",
                        "apt-get install openmpi-bin, or `module load` your cluster's MPI")
     return controllers

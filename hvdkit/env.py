@@ -11,18 +11,20 @@ import os
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
+from hvdkit import slurm
+
 # Prefixes of the variables that say how a process was launched; shown by `hvdkit doctor`.
 LAUNCH_PREFIXES = ("HOROVOD_", "OMPI_COMM_WORLD_", "PMI_", "PMIX_", "SLURM_")
 
-# (launcher, rank, size, local rank, local size) variables, most specific launcher first:
-# mpirun inside a Slurm allocation also carries SLURM_*, so MPI's variables win.
+# Each launcher's variables for rank, size, local rank, local size and node rank, most
+# specific first: mpirun inside a Slurm allocation also carries SLURM_*, so MPI's win.
 _LAUNCHERS = (
-    ("horovodrun", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
+    ("horovodrun", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK"),
     ("mpirun (Open MPI)", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    ("srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None),
-    ("mpirun (MPICH/Hydra or Intel MPI)", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    ("PMIx launcher", "PMIX_RANK", None, None, None),
+     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", None),
+    ("srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None, "SLURM_NODEID"),
+    ("mpirun (MPICH/Hydra or Intel MPI)", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", None),
+    ("PMIx launcher", "PMIX_RANK", None, None, None, None),
 )
 
 
@@ -33,6 +35,7 @@ class LaunchEnv:
     size: Optional[int] = None
     local_rank: Optional[int] = None
     local_size: Optional[int] = None
+    node_rank: Optional[int] = None
     variables: dict = field(default_factory=dict)
 
     def describe(self) -> str:
@@ -46,6 +49,8 @@ class LaunchEnv:
             if self.local_size is not None:
                 local += f" of {self.local_size}"
             parts.append(local)
+        if self.node_rank is not None:
+            parts.append(f"node {self.node_rank}")
         return f"{self.launcher}: {', '.join(parts)}"
 
 
@@ -57,17 +62,47 @@ def _int(environ: Mapping[str, str], name: Optional[str]) -> Optional[int]:
         return None
 
 
+def _srun_local_size(environ: Mapping[str, str]) -> Optional[int]:
+    """Tasks on this node, from SLURM_TASKS_PER_NODE ('2(x3),1') and SLURM_NODEID."""
+    node = _int(environ, "SLURM_NODEID")
+    try:
+        counts = slurm.expand_tasks_per_node(environ.get("SLURM_STEP_TASKS_PER_NODE")
+                                             or environ.get("SLURM_TASKS_PER_NODE", ""))
+    except slurm.SlurmFormatError:
+        return None
+    return counts[node] if node is not None and node < len(counts) else None
+
+
 def detect(environ: Mapping[str, str] = os.environ) -> LaunchEnv:
     """The launcher and this process's place in the job, from the environment alone."""
     variables = {k: v for k, v in sorted(environ.items()) if k.startswith(LAUNCH_PREFIXES)}
-    for launcher, rank, size, local_rank, local_size in _LAUNCHERS:
+    for launcher, rank, size, local_rank, local_size, node_rank in _LAUNCHERS:
         if rank not in environ:
             continue
         # SLURM_PROCID is set in batch scripts too; only a step (srun) has ranks.
         if launcher == "srun" and "SLURM_STEP_ID" not in environ:
             continue
-        return LaunchEnv(launcher, _int(environ, rank), _int(environ, size),
-                         _int(environ, local_rank), _int(environ, local_size), variables)
+        found_local_size = _srun_local_size(environ) if launcher == "srun" else _int(environ, local_size)
+        return LaunchEnv(launcher, _int(environ, rank), _int(environ, size), _int(environ, local_rank),
+                         found_local_size, _int(environ, node_rank), variables)
     if "SLURM_JOB_ID" in environ:
         return LaunchEnv("Slurm allocation, not inside an srun step", variables=variables)
     return LaunchEnv("none (a single process, not started by a launcher)", variables=variables)
+
+
+def disagreement(launch: LaunchEnv, rank: int, size: int, local_rank: int) -> Optional[str]:
+    """What is wrong when Horovod's view of the job differs from the launcher's, else None."""
+    if launch.rank is None:
+        return None
+    if launch.size and launch.size > 1 and size == 1:
+        fix = ("srun needs --mpi=pmix (or pmi2) for MPI to see the other tasks" if launch.launcher == "srun"
+               else "Horovod's MPI is not the launcher's MPI; rebuild with the launcher's MPI on PATH")
+        return (f"{launch.launcher} started {launch.size} processes, but Horovod sees a world of 1: "
+                f"every process trains alone as rank 0. {fix}")
+    if (launch.rank, launch.size) != (rank, size):
+        return (f"{launch.launcher} says rank {launch.rank} of {launch.size}, "
+                f"Horovod says rank {rank} of {size}")
+    if launch.local_rank is not None and launch.local_rank != local_rank:
+        return (f"{launch.launcher} says local rank {launch.local_rank}, Horovod says {local_rank}: "
+                f"GPUs would be bound to the wrong ranks")
+    return None

@@ -11,15 +11,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional, Sequence
 
 from hvdkit import env
+from hvdkit.launch import find_program
 
 NP = 2
 TRAIN_STEPS = 5
@@ -35,25 +34,19 @@ def mpi_root_env(environ=os.environ) -> dict:
     return env
 
 
-def tool(name: str) -> Optional[str]:
-    """A launcher from this interpreter's environment first (the venv's horovodrun), then PATH."""
-    beside = Path(sys.executable).parent / name
-    return str(beside) if beside.exists() else shutil.which(name)
-
-
 def worker_command() -> list[str]:
     return [sys.executable, "-m", "hvdkit.selftest", "--worker"]
 
 
 def horovodrun_command(controller: str, np: int = NP, command: Optional[Sequence[str]] = None) -> list[str]:
     """horovodrun on this host's ``np`` slots, running ``command`` (default: the worker)."""
-    return [tool("horovodrun") or "horovodrun", "-np", str(np), "-H", f"localhost:{np}",
+    return [find_program("horovodrun") or "horovodrun", "-np", str(np), "-H", f"localhost:{np}",
             f"--{controller}", *(command or worker_command())]
 
 
 def mpirun_command(np: int = NP, command: Optional[Sequence[str]] = None) -> list[str]:
     """Open MPI's mpirun with the flags Horovod's docs give, running ``command`` (default: the worker)."""
-    return [tool("mpirun") or "mpirun", "-np", str(np), "-bind-to", "none", "-map-by", "slot",
+    return [find_program("mpirun") or "mpirun", "-np", str(np), "-bind-to", "none", "-map-by", "slot",
             "-mca", "pml", "ob1", "-mca", "btl", "^openib", *(command or worker_command())]
 
 

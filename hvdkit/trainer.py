@@ -13,6 +13,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from typing import Optional
 
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from hvdkit import checkpoint, data, models
+from hvdkit import checkpoint, data, env, models
 from hvdkit.config import ConfigError, TrainConfig, to_dict, validate
 from hvdkit.metrics import Metrics
 
@@ -87,6 +88,9 @@ class Trainer:
         cfg = self.cfg
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
+        problem = env.disagreement(env.detect(), rank, size, hvd.local_rank())
+        if problem:
+            print(f"hvdkit: warning: {problem}", file=sys.stderr, flush=True)
         device = place_process(hvd.local_rank(), hvd.local_size())
         seed_everything(cfg.seed + rank)
         if len(self.train_set) < size * cfg.batch_size:

@@ -7,7 +7,7 @@ import tarfile
 
 import pytest
 
-from hvdkit import build, selftest
+from hvdkit import build, launch
 from conftest import run
 
 pytestmark = pytest.mark.slow
@@ -27,7 +27,7 @@ def test_second_run_installs_nothing(plan):
 
 
 def test_check_build_lists_what_was_planned(plan, hvd_built):
-    proc = run([selftest.tool("horovodrun"), "--check-build"])
+    proc = run([launch.find_program("horovodrun"), "--check-build"])
     assert proc.returncode == 0, proc.stderr
     marked = set(re.findall(r"\[X\] (\w+)", proc.stdout))
     assert {"PyTorch", "MPI", "Gloo"} <= marked, proc.stdout

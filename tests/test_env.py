@@ -29,3 +29,40 @@ def test_plain_process():
     found = env.detect({"PATH": "/usr/bin"})
     assert found.rank is None and found.launcher.startswith("none") and found.variables == {}
     assert found.describe() == found.launcher
+
+
+def test_srun_local_size_and_node_from_the_task_layout():
+    found = env.detect({"SLURM_PROCID": "5", "SLURM_NTASKS": "7", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
+                        "SLURM_NODEID": "3", "SLURM_TASKS_PER_NODE": "2(x3),1"})
+    assert (found.node_rank, found.local_size) == (3, 1)
+    assert found.describe() == "srun: rank 5 of 7, local rank 1 of 1, node 3"
+    horovodrun = env.detect({"HOROVOD_RANK": "2", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "0",
+                             "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "1"})
+    assert horovodrun.node_rank == 1
+
+
+def test_disagreement_names_the_problem():
+    srun = env.detect({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0"})
+    assert "srun needs --mpi=pmix" in env.disagreement(srun, 0, 1, 0)
+    assert env.disagreement(srun, 1, 2, 1) is None
+    assert "local rank 1, Horovod says 0" in env.disagreement(srun, 1, 2, 0)
+    assert "says rank 1 of 2, Horovod says rank 0 of 2" in env.disagreement(srun, 0, 2, 1)
+    assert env.disagreement(env.detect({}), 0, 1, 0) is None
+
+
+def test_trainer_warns_when_the_launcher_and_horovod_disagree(tmp_path):
+    """srun without --mpi, as Horovod sees it: srun's variables for task 1 of 2, but a plain
+    process, so MPI starts a world of one. (Real srun runs come with the Slurm cluster tests.)"""
+    import os
+    import sys
+
+    from conftest import run
+
+    fake_srun = dict(os.environ, SLURM_JOB_ID="1", SLURM_STEP_ID="0", SLURM_PROCID="1", SLURM_NTASKS="2",
+                     SLURM_LOCALID="1")
+    proc = run([sys.executable, "-m", "hvdkit", "train", "--max-steps", "1", "--epochs", "1",
+                "--log-dir", str(tmp_path)], env=fake_srun)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("hvdkit: warning:")]
+    assert len(warnings) == 1
+    assert "srun started 2 processes, but Horovod sees a world of 1" in warnings[0]

@@ -1,0 +1,417 @@
+"""`hvdkit launch`: one command line over horovodrun, mpirun (Open MPI, MPICH, Intel MPI) and srun.
+
+Each launcher's command is built as an argument list by a small pure function of a
+``LaunchSpec``, so the flags for every MPI implementation are golden-tested without that
+MPI installed, and `--dry-run` prints exactly what would run. All input is checked before
+anything starts: a bad host list fails in one line, not in an MPI stack trace on node 37.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence
+
+from hvdkit import slurm
+
+LAUNCHERS = ("auto", "horovodrun", "mpirun", "srun")
+FORWARD_PREFIXES = ("NCCL_", "HOROVOD_")
+FORWARD_NAMES = ("PYTHONPATH", "PATH", "LD_LIBRARY_PATH")
+HOSTFILE_FORMATS = ("horovodrun", "openmpi", "mpich")
+
+
+class LaunchError(ValueError):
+    """Bad launch input; printed as one line before anything starts."""
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    slots: int
+
+
+# ---------------------------------------------------------------------------
+# Hosts: -H lists, hostfiles in three formats, Slurm allocations.
+# ---------------------------------------------------------------------------
+
+def _host(text: str, where: str) -> Host:
+    match = re.fullmatch(r"([A-Za-z0-9_.\-]+)(?::(\S*))?", text.strip())
+    if not match:
+        raise LaunchError(f"{where}: cannot read host {text.strip()!r} (expected host:slots)")
+    name, slots = match.group(1), match.group(2)
+    if slots is None or slots == "":
+        raise LaunchError(f"{where}: host {name!r} has no slot count (write {name}:N)")
+    if not slots.isdigit() or int(slots) < 1:
+        raise LaunchError(f"{where}: host {name!r} has slot count {slots!r}, expected a number >= 1")
+    return Host(name, int(slots))
+
+
+def parse_hosts(spec: str) -> list[Host]:
+    """``host1:4,host2:4`` (horovodrun's -H)."""
+    if not spec.strip():
+        raise LaunchError("-H: no hosts given")
+    return [_host(part, "-H") for part in spec.split(",")]
+
+
+def read_hostfile(path: str) -> list[Host]:
+    """A hostfile in any of the three formats: ``host:N``, ``host slots=N`` (Open MPI)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise LaunchError(f"hostfile {path}: {exc.strerror}") from None
+    hosts = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"hostfile {path} line {number}"
+        openmpi = re.fullmatch(r"(\S+)\s+slots\s*=\s*(\S+)(?:\s+max[-_]slots\s*=\s*\d+)?", line)
+        if openmpi:
+            hosts.append(_host(f"{openmpi.group(1)}:{openmpi.group(2)}", where))
+        elif " " in line or "\t" in line:
+            raise LaunchError(f"{where}: cannot read {line!r} (expected 'host slots=N' or 'host:N')")
+        else:
+            hosts.append(_host(line, where))
+    if not hosts:
+        raise LaunchError(f"hostfile {path} lists no hosts")
+    return hosts
+
+
+def format_hostfile(hosts: Sequence[Host], fmt: str) -> str:
+    """The hosts as a hostfile for horovodrun (host:slots), Open MPI (host slots=N) or MPICH (host:N)."""
+    if fmt == "openmpi":
+        return "".join(f"{h.name} slots={h.slots}\n" for h in hosts)
+    if fmt in ("horovodrun", "mpich"):
+        return "".join(f"{h.name}:{h.slots}\n" for h in hosts)
+    raise LaunchError(f"unknown hostfile format {fmt!r}; choose one of: {', '.join(HOSTFILE_FORMATS)}")
+
+
+def slurm_hosts(environ: Mapping[str, str]) -> list[Host]:
+    try:
+        return [Host(name, tasks) for name, tasks in slurm.allocation(environ)]
+    except slurm.SlurmFormatError as exc:
+        raise LaunchError(f"Slurm: {exc}") from None
+
+
+def host_list(hosts: Sequence[Host]) -> str:
+    return ",".join(f"{h.name}:{h.slots}" for h in hosts)
+
+
+# ---------------------------------------------------------------------------
+# Which launcher and which MPI.
+# ---------------------------------------------------------------------------
+
+def mpi_flavor(version_text: str) -> str:
+    """openmpi, mpich or intel, from `mpirun --version`."""
+    if "Open MPI" in version_text or "OpenRTE" in version_text:
+        return "openmpi"
+    if "Intel" in version_text:
+        return "intel"
+    if "HYDRA" in version_text or "MPICH" in version_text:
+        return "mpich"
+    return "unknown"
+
+
+def describe_mpi(version_text: str) -> str:
+    """'Open MPI 4.1.4', 'MPICH 4.0.2' or Intel MPI's own first line."""
+    first = version_text.strip().splitlines()[0] if version_text.strip() else ""
+    flavor = mpi_flavor(version_text)
+    if flavor == "openmpi":
+        return f"Open MPI {first.split()[-1] if first else '?'}"
+    if flavor == "intel":
+        return "Intel MPI: " + first
+    if flavor == "mpich":
+        version = re.search(r"^\s*Version:\s*(\S+)", version_text, re.MULTILINE)
+        return "MPICH " + version.group(1) if version else "MPICH/Hydra"
+    return first or "unknown"
+
+
+def mpirun_version(mpirun: str) -> str:
+    out = subprocess.run([mpirun, "--version"], capture_output=True, text=True)
+    return out.stdout + out.stderr
+
+
+def choose_launcher(requested: str, controller: Optional[str], environ: Mapping[str, str],
+                    which: Callable[[str], Optional[str]]) -> tuple[str, str]:
+    """(launcher, reason). auto: srun in a Slurm allocation, mpirun if on PATH, else horovodrun --gloo."""
+    if requested != "auto":
+        return requested, "asked for with --launcher"
+    if controller == "gloo":
+        return "horovodrun", "--gloo: only horovodrun starts Gloo jobs"
+    if "SLURM_JOB_ID" in environ and which("srun"):
+        return "srun", f"inside Slurm allocation {environ['SLURM_JOB_ID']}"
+    if which("mpirun"):
+        return "mpirun", f"mpirun found at {which('mpirun')}"
+    return "horovodrun", "no Slurm allocation and no mpirun on PATH: horovodrun with Gloo"
+
+
+# ---------------------------------------------------------------------------
+# Commands, as argument lists.
+# ---------------------------------------------------------------------------
+
+@dataclass
+class LaunchSpec:
+    np: int
+    command: list
+    hosts: Optional[list] = None  # None: this machine only (or srun's allocation)
+    hostfile: Optional[str] = None  # passed to the launcher as a file; hosts holds what it lists
+    controller: Optional[str] = None  # gloo, mpi or None (the launcher's default)
+    forward: list = field(default_factory=list)  # names whose values pass through
+    set_env: dict = field(default_factory=dict)  # NAME=VALUE to set in every rank
+    oversubscribe: bool = False
+    as_root: bool = False
+    srun_mpi: str = "pmix"
+    program: str = ""  # path of the launcher itself; its name by default
+
+
+def horovodrun_command(spec: LaunchSpec) -> list[str]:
+    """horovodrun forwards the environment itself; set_env is applied to its own environment."""
+    cmd = [spec.program or "horovodrun", "-np", str(spec.np)]
+    if spec.hostfile:
+        cmd += ["--hostfile", spec.hostfile]
+    else:
+        cmd += ["-H", host_list(spec.hosts or [Host("localhost", spec.np)])]
+    if spec.controller:
+        cmd.append(f"--{spec.controller}")
+    return cmd + list(spec.command)
+
+
+def openmpi_command(spec: LaunchSpec) -> list[str]:
+    cmd = [spec.program or "mpirun", "-np", str(spec.np)]
+    if spec.hostfile:
+        cmd += ["--hostfile", spec.hostfile]
+    elif spec.hosts:
+        cmd += ["-H", host_list(spec.hosts)]
+    cmd += ["-bind-to", "none", "-map-by", "slot"]
+    if spec.oversubscribe:
+        cmd.append("--oversubscribe")
+    if spec.as_root:
+        cmd.append("--allow-run-as-root")
+    for name in spec.forward:
+        cmd += ["-x", name]
+    for name, value in spec.set_env.items():
+        cmd += ["-x", f"{name}={value}"]
+    return cmd + ["-mca", "pml", "ob1", "-mca", "btl", "^openib", *spec.command]
+
+
+def hydra_command(spec: LaunchSpec) -> list[str]:
+    """MPICH's Hydra: -hosts host:N and -genv/-genvlist."""
+    cmd = [spec.program or "mpirun", "-np", str(spec.np)]
+    if spec.hostfile:
+        cmd += ["-f", spec.hostfile]
+    elif spec.hosts:
+        cmd += ["-hosts", host_list(spec.hosts)]
+    if spec.forward:
+        cmd += ["-genvlist", ",".join(spec.forward)]
+    for name, value in spec.set_env.items():
+        cmd += ["-genv", name, value]
+    return cmd + list(spec.command)
+
+
+def intel_command(spec: LaunchSpec) -> list[str]:
+    """Intel MPI (also Hydra), which takes plain host names and -ppn for ranks per host."""
+    cmd = [spec.program or "mpirun", "-n", str(spec.np)]
+    if spec.hostfile:
+        cmd += ["-machinefile", spec.hostfile]
+    elif spec.hosts:
+        slots = {h.slots for h in spec.hosts}
+        if len(slots) != 1:
+            raise LaunchError("Intel MPI: hosts with different slot counts need --hostfile (host:N lines)")
+        cmd += ["-hosts", ",".join(h.name for h in spec.hosts), "-ppn", str(slots.pop())]
+    if spec.forward:
+        cmd += ["-genvlist", ",".join(spec.forward)]
+    for name, value in spec.set_env.items():
+        cmd += ["-genv", name, value]
+    return cmd + list(spec.command)
+
+
+def srun_command(spec: LaunchSpec) -> list[str]:
+    """srun exports the whole environment; set_env is added to --export."""
+    export = ",".join(["ALL", *(f"{k}={v}" for k, v in spec.set_env.items())])
+    cmd = [spec.program or "srun", f"--ntasks={spec.np}", f"--mpi={spec.srun_mpi}", f"--export={export}"]
+    if spec.hosts:
+        cmd.append(f"--nodelist={','.join(h.name for h in spec.hosts)}")
+    return cmd + list(spec.command)
+
+
+MPIRUN_BUILDERS = {"openmpi": openmpi_command, "mpich": hydra_command, "intel": intel_command}
+
+
+def forwarded_names(environ: Mapping[str, str], extra: Sequence[str]) -> list[str]:
+    """NCCL_*, HOROVOD_*, PYTHONPATH, PATH, LD_LIBRARY_PATH where set, then the -x names."""
+    names = [k for k in sorted(environ) if k.startswith(FORWARD_PREFIXES) or k in FORWARD_NAMES]
+    return names + [n for n in extra if n not in names]
+
+
+def check_slots(spec: LaunchSpec, local_slots: int) -> Optional[str]:
+    """Refuse np beyond the slots listed; on this machine alone, oversubscribe instead.
+
+    Returns why --oversubscribe was turned on, if it was.
+    """
+    if spec.oversubscribe:
+        return None
+    if spec.hosts is not None:
+        total = sum(h.slots for h in spec.hosts)
+        if spec.np > total:
+            where = spec.hostfile or host_list(spec.hosts)
+            raise LaunchError(f"-np {spec.np} is more than the {total} slots in {where}; "
+                              f"add slots or pass --oversubscribe")
+        return None
+    if spec.np > local_slots:
+        spec.oversubscribe = True
+        return f"-np {spec.np} is more than this machine's {local_slots} cores"
+    return None
+
+
+# ---------------------------------------------------------------------------
+# The command line.
+# ---------------------------------------------------------------------------
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"hvdkit launch: {message}\n")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="hvdkit launch", usage="hvdkit launch -np N [options] -- COMMAND ...",
+                description="Start COMMAND on N ranks with horovodrun, mpirun or srun.")
+    p.add_argument("-np", "--num-proc", dest="np", type=int, help="number of ranks")
+    hosts = p.add_mutually_exclusive_group()
+    hosts.add_argument("-H", "--hosts", help="host1:4,host2:4 (default: this machine, or the Slurm allocation)")
+    hosts.add_argument("--hostfile", help="hostfile: 'host:N' or 'host slots=N' lines")
+    p.add_argument("--launcher", choices=LAUNCHERS, default="auto", help="default: auto")
+    ctl = p.add_mutually_exclusive_group()
+    ctl.add_argument("--gloo", dest="controller", action="store_const", const="gloo", help="Gloo controller")
+    ctl.add_argument("--mpi", dest="controller", action="store_const", const="mpi", help="MPI controller")
+    p.add_argument("-x", dest="env", action="append", default=[], metavar="VAR[=VAL]",
+                   help="forward VAR, or set it to VAL, in every rank (repeatable)")
+    p.add_argument("--oversubscribe", action="store_true", help="allow more ranks than slots")
+    p.add_argument("--srun-mpi", default="pmix", help="srun's --mpi plugin (default: pmix)")
+    p.add_argument("--dry-run", action="store_true", help="print the launcher, the reason and the command")
+    p.add_argument("--verbose", action="store_true", help="print what --dry-run prints, then run")
+    p.add_argument("--list-hosts", action="store_true",
+                   help="print the hosts (host:slots lines, as elastic discovery wants) and exit")
+    return p
+
+
+@dataclass
+class Plan:
+    launcher: str
+    reason: str
+    command: list
+    env: dict  # set in the launcher's own environment
+    notes: list = field(default_factory=list)
+
+    def render(self) -> str:
+        """Copy-pasteable: `env NAME=VALUE ... launcher args`."""
+        prefix = ["env", *(f"{k}={v}" for k, v in self.env.items())] if self.env else []
+        return shlex.join(prefix + self.command)
+
+
+def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str],
+         which: Callable[[str], Optional[str]], mpi_version: Callable[[str], str],
+         as_root: bool, local_slots: int) -> Plan:
+    """Decide the launcher and build its command; raises LaunchError on bad input."""
+    if not command:
+        raise LaunchError("no command after '--'")
+    if args.np is None or args.np < 1:
+        raise LaunchError("-np N is required, N >= 1")
+    hosts = read_hostfile(args.hostfile) if args.hostfile else parse_hosts(args.hosts) if args.hosts else None
+    set_env, extra = {}, []
+    for item in args.env:
+        name, sep, value = item.partition("=")
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise LaunchError(f"-x {item!r}: not a variable name")
+        if sep:
+            set_env[name] = value
+        else:
+            extra.append(name)
+
+    launcher, reason = choose_launcher(args.launcher, args.controller, environ, which)
+    program = which(launcher)
+    if program is None:
+        raise LaunchError(f"{launcher} not found on PATH; " + {
+            "mpirun": "install Open MPI (apt-get install openmpi-bin) or `module load` an MPI",
+            "srun": "srun runs only where Slurm is installed",
+        }.get(launcher, "activate the environment where Horovod is installed"))
+    if launcher != "horovodrun" and args.controller == "gloo":
+        raise LaunchError(f"--gloo needs horovodrun; {launcher} starts MPI jobs")
+    if launcher == "srun" and "SLURM_JOB_ID" not in environ:
+        raise LaunchError("srun: not inside a Slurm allocation (run under salloc or sbatch, or pick another launcher)")
+    if launcher == "horovodrun" and hosts is None:
+        if "SLURM_JOB_NODELIST" in environ:
+            hosts = slurm_hosts(environ)
+            reason += "; hosts from the Slurm allocation"
+        else:
+            hosts = [Host("localhost", args.np)]  # horovodrun's own default for one machine
+
+    spec = LaunchSpec(np=args.np, command=list(command), hosts=hosts, hostfile=args.hostfile,
+                      controller=args.controller, set_env=set_env, oversubscribe=args.oversubscribe,
+                      as_root=as_root, srun_mpi=args.srun_mpi, program=program)
+    oversubscribed = check_slots(spec, local_slots)
+    if launcher == "horovodrun":
+        env = dict(set_env)
+        if as_root and args.controller != "gloo":  # its mpirun refuses root without these
+            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        return Plan(launcher, reason, horovodrun_command(spec), env)
+    if launcher == "srun":
+        return Plan(launcher, reason, srun_command(spec), {})
+
+    flavor = mpi_flavor(mpi_version(program))
+    if flavor == "unknown":
+        raise LaunchError(f"cannot tell which MPI {program} is from `mpirun --version`")
+    spec.forward = forwarded_names(environ, extra)
+    notes = [f"added --oversubscribe: {oversubscribed}"] if oversubscribed and flavor == "openmpi" else []
+    return Plan(launcher, f"{reason}; {flavor}", MPIRUN_BUILDERS[flavor](spec), {}, notes)
+
+
+def local_slots() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def main(argv: Sequence[str]) -> int:
+    argv = list(argv)
+    if "--" in argv:
+        split = argv.index("--")
+        own, command = argv[:split], argv[split + 1:]
+    else:
+        own, command = argv, None
+    args, unknown = parser().parse_known_args(own)
+    try:
+        if unknown:
+            raise LaunchError(f"unrecognized arguments: {' '.join(unknown)}" if command is not None else
+                              "put '--' before the command, e.g. hvdkit launch -np 2 -- python train.py")
+        if args.list_hosts:
+            hosts = (read_hostfile(args.hostfile) if args.hostfile else
+                     parse_hosts(args.hosts) if args.hosts else slurm_hosts(os.environ))
+            sys.stdout.write(format_hostfile(hosts, "horovodrun"))
+            return 0
+        if command is None:
+            raise LaunchError("put '--' before the command, e.g. hvdkit launch -np 2 -- python train.py")
+        result = plan(args, command, os.environ, find_program, mpirun_version, os.geteuid() == 0, local_slots())
+    except LaunchError as exc:
+        print(f"hvdkit launch: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run or args.verbose:
+        print(f"# launcher: {result.launcher} ({result.reason})")
+        for note in result.notes:
+            print(f"# {note}")
+        print(result.render(), flush=True)
+        if args.dry_run:
+            return 0
+    env = dict(os.environ, **result.env)
+    os.execvpe(result.command[0], result.command, env)
+    return 127  # not reached: exec replaces this process
+
+
+def find_program(name: str) -> Optional[str]:
+    """This interpreter's environment first (the venv's horovodrun), then PATH."""
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.exists() else shutil.which(name)

@@ -1,0 +1,241 @@
+"""`hvdkit launch`: golden commands per launcher and MPI, bad input, and real launches here."""
+
+import os
+import shlex
+import sys
+
+import pytest
+
+from hvdkit import launch, selftest
+from hvdkit.launch import Host, LaunchError, LaunchSpec
+from conftest import REPO, run
+
+WORKER = ["python", "train.py"]
+
+
+# --- golden commands: one per launcher and MPI implementation ------------------------------
+
+def test_openmpi_golden():
+    spec = LaunchSpec(np=8, command=WORKER, hosts=[Host("h1", 4), Host("h2", 4)], forward=["NCCL_DEBUG", "PATH"],
+                      set_env={"OMP_NUM_THREADS": "4"}, as_root=True)
+    assert launch.openmpi_command(spec) == [
+        "mpirun", "-np", "8", "-H", "h1:4,h2:4", "-bind-to", "none", "-map-by", "slot", "--allow-run-as-root",
+        "-x", "NCCL_DEBUG", "-x", "PATH", "-x", "OMP_NUM_THREADS=4",
+        "-mca", "pml", "ob1", "-mca", "btl", "^openib", "python", "train.py"]
+
+
+def test_openmpi_golden_hostfile_oversubscribed_not_root():
+    spec = LaunchSpec(np=4, command=WORKER, hostfile="hosts.txt", hosts=[Host("h1", 2)], oversubscribe=True)
+    assert launch.openmpi_command(spec) == [
+        "mpirun", "-np", "4", "--hostfile", "hosts.txt", "-bind-to", "none", "-map-by", "slot",
+        "--oversubscribe", "-mca", "pml", "ob1", "-mca", "btl", "^openib", "python", "train.py"]
+
+
+def test_mpich_golden():
+    spec = LaunchSpec(np=8, command=WORKER, hosts=[Host("h1", 4), Host("h2", 4)], forward=["NCCL_DEBUG", "PATH"],
+                      set_env={"OMP_NUM_THREADS": "4"}, as_root=True)
+    assert launch.hydra_command(spec) == [
+        "mpirun", "-np", "8", "-hosts", "h1:4,h2:4", "-genvlist", "NCCL_DEBUG,PATH",
+        "-genv", "OMP_NUM_THREADS", "4", "python", "train.py"]
+
+
+def test_intel_golden():
+    spec = LaunchSpec(np=8, command=WORKER, hosts=[Host("h1", 4), Host("h2", 4)], forward=["PATH"],
+                      set_env={"I_MPI_DEBUG": "5"})
+    assert launch.intel_command(spec) == [
+        "mpirun", "-n", "8", "-hosts", "h1,h2", "-ppn", "4", "-genvlist", "PATH",
+        "-genv", "I_MPI_DEBUG", "5", "python", "train.py"]
+    with pytest.raises(LaunchError, match="different slot counts need --hostfile"):
+        launch.intel_command(LaunchSpec(np=3, command=WORKER, hosts=[Host("h1", 2), Host("h2", 1)]))
+
+
+def test_horovodrun_and_srun_golden():
+    spec = LaunchSpec(np=8, command=WORKER, hosts=[Host("h1", 4), Host("h2", 4)], controller="gloo",
+                      set_env={"NCCL_DEBUG": "INFO"})
+    assert launch.horovodrun_command(spec) == ["horovodrun", "-np", "8", "-H", "h1:4,h2:4", "--gloo", *WORKER]
+    assert launch.srun_command(spec) == ["srun", "--ntasks=8", "--mpi=pmix", "--export=ALL,NCCL_DEBUG=INFO",
+                                         "--nodelist=h1,h2", *WORKER]
+
+
+OPENMPI = "mpirun (Open MPI) 4.1.4\n\nReport bugs to http://www.open-mpi.org/community/help/\n"
+MPICH = "HYDRA build details:\n    Version:                                 4.0.2\n"
+INTEL = "Intel(R) MPI Library for Linux* OS, Version 2021.10 Build 20230619\n"
+
+
+def _plan(argv, environ=None, mpi=OPENMPI, on_path=("mpirun", "horovodrun", "srun"), root=False, cores=2):
+    args = launch.parser().parse_args(argv)
+    which = lambda name: f"/opt/bin/{name}" if name in on_path else None  # noqa: E731
+    return launch.plan(args, WORKER, environ or {}, which, lambda _: mpi, root, cores)
+
+
+def test_auto_prefers_srun_in_an_allocation_then_mpirun_then_gloo():
+    in_slurm = _plan(["-np", "2"], {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]"})
+    assert in_slurm.launcher == "srun" and "Slurm allocation 7" in in_slurm.reason
+    assert _plan(["-np", "2"]).launcher == "mpirun"
+    fallback = _plan(["-np", "2"], on_path=("horovodrun",))
+    assert fallback.launcher == "horovodrun" and "no mpirun" in fallback.reason
+    assert _plan(["-np", "2", "--gloo"]).command[-3:] == ["--gloo", *WORKER]
+
+
+@pytest.mark.parametrize("version, builder", [(OPENMPI, "-bind-to"), (MPICH, "-genvlist"), (INTEL, "-ppn")])
+def test_mpirun_flags_follow_the_implementation(version, builder):
+    result = _plan(["-np", "4", "-H", "a:2,b:2", "-x", "FOO=1"], {"NCCL_DEBUG": "INFO"}, mpi=version)
+    assert builder in result.command
+
+
+def test_root_and_oversubscribe_only_when_needed():
+    plain = _plan(["-np", "2"]).command
+    assert "--allow-run-as-root" not in plain and "--oversubscribe" not in plain
+    as_root = _plan(["-np", "4"], root=True)
+    assert "--allow-run-as-root" in as_root.command and "--oversubscribe" in as_root.command
+    assert as_root.notes == ["added --oversubscribe: -np 4 is more than this machine's 2 cores"]
+    assert "--oversubscribe" not in _plan(["-np", "4", "-H", "a:2,b:2"]).command
+    assert "--oversubscribe" in _plan(["-np", "6", "-H", "a:2,b:2", "--oversubscribe"]).command
+
+
+def test_environment_forwarding():
+    environ = {"NCCL_SOCKET_IFNAME": "ib0", "HOROVOD_CYCLE_TIME": "1", "PATH": "/bin", "HOME": "/root",
+               "LD_LIBRARY_PATH": "/lib"}
+    command = _plan(["-np", "2", "-x", "WANDB_MODE", "-x", "SEED=3"], environ).command
+    forwarded = [command[i + 1] for i, arg in enumerate(command) if arg == "-x"]
+    assert forwarded == ["HOROVOD_CYCLE_TIME", "LD_LIBRARY_PATH", "NCCL_SOCKET_IFNAME", "PATH", "WANDB_MODE",
+                         "SEED=3"]
+
+
+def test_horovodrun_uses_the_allocation_hosts_in_slurm():
+    environ = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "2(x2)"}
+    result = _plan(["-np", "4", "--launcher", "horovodrun"], environ)
+    assert result.command[:5] == ["/opt/bin/horovodrun", "-np", "4", "-H", "n1:2,n2:2"]
+
+
+def test_render_is_copy_pasteable():
+    result = _plan(["-np", "2", "--launcher", "horovodrun", "--mpi"], root=True)
+    text = result.render()
+    assert shlex.split(text) == ["env", "OMPI_ALLOW_RUN_AS_ROOT=1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1",
+                                 *result.command]
+
+
+# --- hostfiles --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt, text", [
+    ("horovodrun", "h1:4\nh2:2\n"), ("openmpi", "h1 slots=4\nh2 slots=2\n"), ("mpich", "h1:4\nh2:2\n"),
+])
+def test_hostfile_formats_round_trip(tmp_path, fmt, text):
+    hosts = [Host("h1", 4), Host("h2", 2)]
+    assert launch.format_hostfile(hosts, fmt) == text
+    path = tmp_path / "hosts"
+    path.write_text("# a comment\n\n" + text)
+    assert launch.read_hostfile(str(path)) == hosts
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "lists no hosts"),
+    ("# only a comment\n", "lists no hosts"),
+    ("h1\n", "line 1: host 'h1' has no slot count (write h1:N)"),
+    ("h1:4\nh2 slots=two\n", "line 2: host 'h2' has slot count 'two'"),
+    ("h1:0\n", "slot count '0'"),
+    ("h1 4\n", "line 1: cannot read 'h1 4'"),
+])
+def test_malformed_hostfiles(tmp_path, text, message):
+    path = tmp_path / "hosts"
+    path.write_text(text)
+    with pytest.raises(LaunchError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        launch.read_hostfile(str(path))
+
+
+def test_host_lists():
+    assert launch.parse_hosts("a:2,b:1") == [Host("a", 2), Host("b", 1)]
+    with pytest.raises(LaunchError, match="host 'b' has no slot count"):
+        launch.parse_hosts("a:2,b")
+
+
+# --- the command line: bad input stops before anything starts ---------------------------------
+
+HVDKIT = [sys.executable, "-m", "hvdkit", "launch"]
+
+
+@pytest.mark.parametrize("argv, line, env", [
+    (["-np", "3", "-H", "localhost:2"], "hvdkit launch: -np 3 is more than the 2 slots in localhost:2", None),
+    (["-np", "2", "--hostfile", "EMPTY"], "hvdkit launch: hostfile EMPTY lists no hosts", None),
+    (["-np", "2", "--hostfile", "BAD"], "hvdkit launch: hostfile BAD line 1: cannot read", None),
+    (["-np", "2", "-H", "localhost"], "hvdkit launch: -H: host 'localhost' has no slot count", None),
+    (["-np", "2", "--launcher", "mpiexec"], "hvdkit launch: argument --launcher: invalid choice: 'mpiexec'", None),
+    (["-np", "2", "--launcher", "mpirun"], "hvdkit launch: mpirun not found on PATH", {"PATH": "/nonexistent"}),
+    (["-np", "2", "--launcher", "srun"], "hvdkit launch: srun not found on PATH",
+     {"PATH": "/nonexistent", "SLURM_JOB_ID": "1"}),
+    (["-np", "2", "--launcher", "srun"], "hvdkit launch: srun: not inside a Slurm allocation", None),
+    (["-np", "2", "NOSEP"], "hvdkit launch: put '--' before the command", None),
+])
+def test_bad_input_is_one_line_and_nothing_starts(tmp_path, argv, line, env):
+    (tmp_path / "EMPTY").write_text("")
+    (tmp_path / "BAD").write_text("localhost two\n")
+    marker = tmp_path / "started"
+    argv = [a.replace("NOSEP", "touch") for a in argv]
+    command = [] if "touch" in argv else ["--", "touch", str(marker)]
+    full_env = None
+    if env is not None:
+        full_env = {k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"}
+        full_env.update(env)
+    proc = run([*HVDKIT, *argv, *command], env=full_env, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(line), proc.stderr
+    assert not marker.exists()
+
+
+# --- real launches on this machine ------------------------------------------------------------
+
+REAL = {
+    "horovodrun --gloo": (["--launcher", "horovodrun", "--gloo"], "gloo", "horovodrun"),
+    "horovodrun --mpi": (["--launcher", "horovodrun", "--mpi"], "mpi", "mpirun (Open MPI)"),
+    "mpirun (auto)": ([], "mpi", "mpirun (Open MPI)"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(REAL))
+def test_real_launch_reports_consistent_ranks(name):
+    flags, controller, launcher = REAL[name]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    proc = run([*HVDKIT, "-np", "2", *flags, "--verbose", "--", *selftest.worker_command()], env=env, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.startswith("# launcher: ")
+    results = selftest.parse_results(proc.stdout)
+    assert [(r["rank"], r["launcher_rank"], r["size"], r["launcher_size"]) for r in results] == [(0, 0, 2, 2),
+                                                                                               (1, 1, 2, 2)]
+    assert {r["launcher"] for r in results} == {launcher}
+    assert {r["controller"] for r in results} == {controller}
+    assert selftest.check(results) == []
+
+
+@pytest.mark.slow
+def test_dry_run_line_runs_as_printed(tmp_path):
+    proc = run([*HVDKIT, "-np", "2", "--dry-run", "--", sys.executable, "-c",
+                "import os; print('rank', os.environ['OMPI_COMM_WORLD_RANK'])"])
+    assert proc.returncode == 0, proc.stderr
+    printed = proc.stdout.strip().splitlines()[-1]
+    again = run(["bash", "-c", printed], cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert sorted(again.stdout.split("\n")[:2]) == ["rank 0", "rank 1"]
+
+
+def test_list_hosts_for_elastic_discovery(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node1 slots=2\nnode2:1\n")
+    proc = run([*HVDKIT, "--list-hosts", "--hostfile", str(hostfile)])
+    assert proc.returncode == 0 and proc.stdout == "node1:2\nnode2:1\n"
+    script = REPO / "launchers" / "discover_hosts.sh"
+    proc = run([str(script)], env=dict(os.environ, HVDKIT_HOSTS_FILE=str(hostfile)))
+    assert proc.returncode == 0 and proc.stdout == "node1:2\nnode2:1\n", proc.stderr
+
+
+@pytest.mark.parametrize("script", ["horovodrun.sh", "mpirun.sh", "srun.sh"])
+def test_launcher_scripts_print_usage_and_dry_run(script):
+    path = REPO / "launchers" / script
+    usage = run([str(path)])
+    assert usage.returncode == 2 and usage.stderr.startswith(f"usage: launchers/{script} ")
+    if script == "srun.sh":
+        return  # srun needs an allocation: the Slurm tests run it for real
+    proc = run([str(path), "-np", "2", "--dry-run", "--", "python", "train.py"])
+    assert proc.returncode == 0, proc.stderr
+    assert shlex.split(proc.stdout.strip().splitlines()[-1])[-2:] == ["python", "train.py"]
+    assert script.split(".")[0] in proc.stdout.splitlines()[0]

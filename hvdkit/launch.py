@@ -297,7 +297,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the launcher, the reason and the command")
     p.add_argument("--verbose", action="store_true", help="print what --dry-run prints, then run")
     p.add_argument("--list-hosts", action="store_true",
-                   help="print the hosts (host:slots lines, as elastic discovery wants) and exit")
+                   help="print the hosts (from -H, --hostfile or the Slurm allocation) as a hostfile and exit")
+    p.add_argument("--hosts-format", choices=HOSTFILE_FORMATS, default="horovodrun",
+                   help="--list-hosts format: horovodrun (host:N, what elastic discovery wants), "
+                        "openmpi (host slots=N) or mpich (host:N)")
     return p
 
 
@@ -391,7 +394,7 @@ def main(argv: Sequence[str]) -> int:
         if args.list_hosts:
             hosts = (read_hostfile(args.hostfile) if args.hostfile else
                      parse_hosts(args.hosts) if args.hosts else slurm_hosts(os.environ))
-            sys.stdout.write(format_hostfile(hosts, "horovodrun"))
+            sys.stdout.write(format_hostfile(hosts, args.hosts_format))
             return 0
         if command is None:
             raise LaunchError("put '--' before the command, e.g. hvdkit launch -np 2 -- python train.py")

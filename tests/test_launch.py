@@ -223,6 +223,9 @@ def test_list_hosts_for_elastic_discovery(tmp_path):
     hostfile.write_text("node1 slots=2\nnode2:1\n")
     proc = run([*HVDKIT, "--list-hosts", "--hostfile", str(hostfile)])
     assert proc.returncode == 0 and proc.stdout == "node1:2\nnode2:1\n"
+    slurm_env = dict(os.environ, SLURM_JOB_NODELIST="gpu[01-02]", SLURM_TASKS_PER_NODE="4(x2)")
+    proc = run([*HVDKIT, "--list-hosts", "--hosts-format", "openmpi"], env=slurm_env)
+    assert proc.returncode == 0 and proc.stdout == "gpu01 slots=4\ngpu02 slots=4\n"
     script = REPO / "launchers" / "discover_hosts.sh"
     proc = run([str(script)], env=dict(os.environ, HVDKIT_HOSTS_FILE=str(hostfile)))
     assert proc.returncode == 0 and proc.stdout == "node1:2\nnode2:1\n", proc.stderr

@@ -208,11 +208,15 @@ def hydra_command(spec: LaunchSpec) -> list[str]:
         cmd += ["-f", spec.hostfile]
     elif spec.hosts:
         cmd += ["-hosts", host_list(spec.hosts)]
-    if spec.forward:
-        cmd += ["-genvlist", ",".join(spec.forward)]
+    return cmd + _hydra_env(spec) + list(spec.command)
+
+
+def _hydra_env(spec: LaunchSpec) -> list[str]:
+    """Hydra (MPICH, Intel MPI) forwards names with -genvlist and sets values with -genv."""
+    args = ["-genvlist", ",".join(spec.forward)] if spec.forward else []
     for name, value in spec.set_env.items():
-        cmd += ["-genv", name, value]
-    return cmd + list(spec.command)
+        args += ["-genv", name, value]
+    return args
 
 
 def intel_command(spec: LaunchSpec) -> list[str]:
@@ -225,11 +229,7 @@ def intel_command(spec: LaunchSpec) -> list[str]:
         if len(slots) != 1:
             raise LaunchError("Intel MPI: hosts with different slot counts need --hostfile (host:N lines)")
         cmd += ["-hosts", ",".join(h.name for h in spec.hosts), "-ppn", str(slots.pop())]
-    if spec.forward:
-        cmd += ["-genvlist", ",".join(spec.forward)]
-    for name, value in spec.set_env.items():
-        cmd += ["-genv", name, value]
-    return cmd + list(spec.command)
+    return cmd + _hydra_env(spec) + list(spec.command)
 
 
 def srun_command(spec: LaunchSpec) -> list[str]:

@@ -48,6 +48,8 @@ def train(args: argparse.Namespace) -> int:
         print("models:  ", " ".join(models.names()))
         print("datasets:", " ".join(data.DATASETS))
         return 0
+    from hvdkit.checkpoint import CheckpointError  # imports torch, which only training needs
+
     try:
         cfg = config.from_args(args)
         from hvdkit.trainer import Trainer
@@ -55,6 +57,9 @@ def train(args: argparse.Namespace) -> int:
     except config.ConfigError as exc:
         _say_once(f"hvdkit train: {exc}")
         return 2
+    except CheckpointError as exc:
+        _say_once(f"hvdkit train: {exc}")
+        return 1
     return 0
 
 

@@ -54,6 +54,10 @@ class TrainConfig:
     log_interval: int = field(default=10, metadata={"help": "optimizer steps between metric reports"})
     log_dir: Optional[str] = field(default="runs/latest", metadata={"help": "metrics.jsonl and TensorBoard events"})
     checkpoint_dir: Optional[str] = field(default=None, metadata={"help": "where rank 0 writes checkpoints"})
+    checkpoint_steps: Optional[int] = field(default=None,
+                                            metadata={"help": "also checkpoint every N steps (default: per epoch)"})
+    keep_checkpoints: int = field(default=3, metadata={"help": "how many of the newest checkpoints to keep"})
+    resume: bool = field(default=True, metadata={"help": "resume from the newest valid checkpoint in checkpoint_dir"})
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -91,15 +95,16 @@ def _coerce(name: str, value: Any) -> Any:
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Reject impossible values, naming the key. Registries are checked by the caller's lookups."""
     positive = ("batch_size", "epochs", "base_lr", "batches_per_allreduce", "log_interval",
-                "gradient_predivide_factor", "lr_decay_factor", "image_size")
+                "gradient_predivide_factor", "lr_decay_factor", "image_size", "keep_checkpoints")
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"config: {name} must be > 0 (got {getattr(cfg, name)})")
     for name in ("momentum", "weight_decay", "warmup_epochs", "num_workers"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"config: {name} must be >= 0 (got {getattr(cfg, name)})")
-    if cfg.max_steps is not None and cfg.max_steps <= 0:
-        raise ConfigError(f"config: max_steps must be > 0 (got {cfg.max_steps})")
+    for name in ("max_steps", "checkpoint_steps"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) <= 0:
+            raise ConfigError(f"config: {name} must be > 0 (got {getattr(cfg, name)})")
     if cfg.clip_grad_norm is not None and cfg.clip_grad_norm <= 0:
         raise ConfigError(f"config: clip_grad_norm must be > 0 (got {cfg.clip_grad_norm})")
     if cfg.lr_schedule not in LR_SCHEDULES:

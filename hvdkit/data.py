@@ -8,6 +8,7 @@ on a fresh machine.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import pickle
 from dataclasses import dataclass
@@ -183,6 +184,29 @@ class ShardSampler(Sampler):
         return len(self.indices)
 
 
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler that can start an epoch part-way, for an exact mid-epoch resume.
+
+    The order is DistributedSampler's (seed + epoch), so skipping the first samples of an
+    epoch gives the rest of that epoch's order, not a new one.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.start = 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Start ``epoch`` at its ``start``-th sample of this rank."""
+        super().set_epoch(epoch)
+        self.start = start
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.start, None)
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start
+
+
 def loaders(train_set: Dataset, test_set: Dataset, cfg: TrainConfig, rank: int, size: int, pin_memory: bool):
     """(train loader, its DistributedSampler, test loader) for this rank.
 
@@ -191,9 +215,12 @@ def loaders(train_set: Dataset, test_set: Dataset, cfg: TrainConfig, rank: int, 
     context = None
     if cfg.num_workers > 0 and "forkserver" in multiprocessing.get_all_start_methods():
         context = "forkserver"  # forking a process that holds MPI/InfiniBand state is unsafe
+    # A generator of its own: creating an iterator must not draw from the global RNG, which
+    # checkpoints restore, or a resumed run would diverge from an uninterrupted one.
     common = dict(num_workers=cfg.num_workers, pin_memory=pin_memory, multiprocessing_context=context,
-                  persistent_workers=cfg.num_workers > 0)
-    sampler = DistributedSampler(train_set, num_replicas=size, rank=rank, shuffle=True, seed=cfg.seed)
+                  persistent_workers=cfg.num_workers > 0,
+                  generator=torch.Generator().manual_seed(cfg.seed + rank))
+    sampler = ResumableSampler(train_set, num_replicas=size, rank=rank, shuffle=True, seed=cfg.seed)
     train = DataLoader(train_set, batch_size=cfg.batch_size * cfg.batches_per_allreduce,
                        sampler=sampler, **common)
     test = DataLoader(test_set, batch_size=cfg.batch_size,

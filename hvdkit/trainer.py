@@ -60,6 +60,19 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 class Trainer:
     """Data-parallel training of ``model`` on ``train_set``, evaluated on ``test_set``.
 
@@ -81,6 +94,9 @@ class Trainer:
         if model is None:
             raise ConfigError("Trainer: a model is required with your own datasets")
         self.model, self.train_set, self.test_set = model, train_set, test_set
+        if self.cfg.checkpoint_dir and not self.cfg.resume and checkpoint.existing(self.cfg.checkpoint_dir):
+            raise ConfigError(f"checkpoint_dir {self.cfg.checkpoint_dir} holds checkpoints of an earlier run, "
+                              f"which this run would delete; resume it (drop --no-resume) or use another directory")
 
     def fit(self) -> dict:
         import horovod.torch as hvd
@@ -115,12 +131,17 @@ class Trainer:
             backward_passes_per_step=cfg.batches_per_allreduce,
             op=hvd.Adasum if cfg.use_adasum else hvd.Average,
             gradient_predivide_factor=cfg.gradient_predivide_factor)
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
         # Mixed precision: bf16 needs no loss scaling; fp16 on GPUs does.
         amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
         scaler = torch.amp.GradScaler("cuda") if cfg.amp and device.type == "cuda" else None
+
+        # Every rank starts from rank 0's state: a checkpoint it loaded, or its initial weights.
+        # Optimizer state first: on a rank with empty state Horovod takes a dummy step, whose
+        # effect on the weights the parameter broadcast then overwrites.
+        epoch, step = self._resume(model, optimizer, scaler, hvd)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
         steps_per_epoch = len(train_loader)
         total_steps = cfg.epochs * steps_per_epoch
@@ -129,14 +150,15 @@ class Trainer:
         metrics = Metrics(cfg.log_dir, total_steps, enabled=rank == 0)
         metrics.write({"event": "config", "world_size": size, **to_dict(cfg)})
 
-        step = epoch = reported_step = 0
+        reported_step = step
         window = torch.zeros(3, device=device)  # loss x samples, correct, samples since the last report
         train = {"loss": float("nan"), "accuracy": float("nan")}
         test = {}
         samples_trained, train_seconds = 0.0, 0.0
         wall_start = report_start = time.perf_counter()
         while epoch < cfg.epochs and step < total_steps:
-            sampler.set_epoch(epoch)
+            # A resumed epoch continues where its checkpoint was taken, in the same order.
+            sampler.set_epoch(epoch, start=(step - epoch * steps_per_epoch) * train_loader.batch_size)
             model.train()
             for images, labels in train_loader:
                 lr = learning_rate(cfg, step, steps_per_epoch, total_steps, lr_scaler)
@@ -187,6 +209,9 @@ class Trainer:
                                    advance=step - reported_step)
                     window.zero_()
                     report_start, reported_step = now, step
+                if cfg.checkpoint_dir and cfg.checkpoint_steps and step % cfg.checkpoint_steps == 0 \
+                        and not end_of_epoch:
+                    self._save(model, optimizer, scaler, epoch, step, hvd)
                 if step >= total_steps:
                     break
 
@@ -195,15 +220,16 @@ class Trainer:
                 hvd.join(device.index)
             else:
                 hvd.join()  # with a device argument, a GPU build of Horovod hangs on a CPU-only host
-            epoch += 1
+            if step == (epoch + 1) * steps_per_epoch:  # not when max_steps stopped it part-way
+                epoch += 1
             test = self.evaluate(model, test_loader, device, cfg.amp, amp_dtype, hvd)
             metrics.record("test", step, {"epoch": epoch, **test})
-            if cfg.checkpoint_dir and rank == 0:
-                checkpoint.save(cfg.checkpoint_dir, step, {
-                    "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "epoch": epoch, "step": step, "world_size": size, "config": to_dict(cfg)})
+            if cfg.checkpoint_dir:
+                self._save(model, optimizer, scaler, epoch, step, hvd)
             report_start = time.perf_counter()
 
+        if not test:  # resumed from the checkpoint at the very end: nothing left to train
+            test = self.evaluate(model, test_loader, device, cfg.amp, amp_dtype, hvd)
         summary = {
             "event": "summary", "epochs": epoch, "steps": step, "world_size": size,
             "model": cfg.model, "dataset": cfg.dataset,
@@ -218,6 +244,65 @@ class Trainer:
         if rank == 0:
             print(json.dumps(summary), flush=True)
         return summary
+
+    def _save(self, model, optimizer, scaler, epoch: int, step: int, hvd) -> None:
+        """Every rank contributes its RNG state; rank 0 writes the checkpoint of ``step``."""
+        rng = hvd.allgather_object(rng_state())
+        if hvd.rank() != 0:
+            return
+        checkpoint.save(self.cfg.checkpoint_dir, step, {
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict() if scaler else None, "rng": rng,
+            "epoch": epoch, "step": step, "world_size": hvd.size(), "config": to_dict(self.cfg),
+        }, keep=self.cfg.keep_checkpoints)
+
+    def _resume(self, model, optimizer, scaler, hvd) -> tuple[int, int]:
+        """(epoch, step) to start from: rank 0 loads the newest valid checkpoint into the
+        model and optimizer (the caller broadcasts them) and shares the rest; (0, 0) if none."""
+        cfg = self.cfg
+        if not (cfg.checkpoint_dir and cfg.resume):
+            return 0, 0
+        shared = None
+        if hvd.rank() == 0:
+            try:
+                shared = self._load_on_rank0(model, optimizer, scaler, hvd.size())
+            except (checkpoint.CheckpointError, ConfigError) as exc:
+                shared = {"error": str(exc)}
+        shared = hvd.broadcast_object(shared, root_rank=0, name="resume")
+        if shared is None:
+            return 0, 0
+        if "error" in shared:  # every rank stops with the same line
+            raise checkpoint.CheckpointError(shared["error"])
+        set_rng_state(shared["rng"][hvd.rank()])
+        if hvd.rank() == 0:
+            print(f"hvdkit: resumed from {shared['path']} (epoch {shared['epoch'] + 1}, step {shared['step']})",
+                  file=sys.stderr, flush=True)
+        return shared["epoch"], shared["step"]
+
+    def _load_on_rank0(self, model, optimizer, scaler, size: int) -> Optional[dict]:
+        def warn(message: str) -> None:
+            print(f"hvdkit: warning: {message}", file=sys.stderr, flush=True)
+
+        found = checkpoint.load_latest(self.cfg.checkpoint_dir, warn)
+        if found is None:
+            return None
+        path, state = found
+        if state["world_size"] != size:
+            raise ConfigError(f"checkpoint {path} was written by {state['world_size']} ranks, this job has {size}; "
+                              f"resume with {state['world_size']} ranks (the data order and learning rate "
+                              f"depend on it), or start afresh in another --checkpoint-dir")
+        if state["config"]["model"] != self.cfg.model:
+            raise ConfigError(f"checkpoint {path} is of model {state['config']['model']!r}, "
+                              f"not {self.cfg.model!r}")
+        try:
+            model.load_state_dict(state["model"])
+        except RuntimeError as exc:
+            raise ConfigError(f"checkpoint {path} does not fit this model: "
+                              f"{str(exc).splitlines()[0]}") from None
+        optimizer.load_state_dict(state["optimizer"])
+        if scaler and state["scaler"]:
+            scaler.load_state_dict(state["scaler"])
+        return {"path": str(path), "epoch": state["epoch"], "step": state["step"], "rng": state["rng"]}
 
     @staticmethod
     def evaluate(model: nn.Module, loader, device: torch.device, amp: bool, amp_dtype, hvd) -> dict:

@@ -1,0 +1,201 @@
+"""Checkpoints, resume and failures, with real processes: nothing lost, nothing hung."""
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from hvdkit import checkpoint, selftest
+from conftest import run
+
+pytestmark = pytest.mark.slow
+
+TRAIN = [sys.executable, "-m", "hvdkit", "train"]
+# The step schedule does not depend on the total number of steps, so a run stopped by
+# --max-steps and then resumed follows the same learning rates as one that never stopped.
+RUN = ["--model", "mlp", "--epochs", "4", "--lr-schedule", "step", "--lr-decay-epochs", "2", "3"]
+
+
+def mpirun_train(ckpt, logs, *args):
+    return selftest.mpirun_command(2, [*TRAIN, "--checkpoint-dir", str(ckpt), "--log-dir", str(logs), *RUN, *args])
+
+
+def weights(ckpt_dir):
+    return checkpoint.load(checkpoint.existing(str(ckpt_dir))[-1])["model"]
+
+
+def assert_bitwise_equal(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reference")
+    proc = run(mpirun_train(tmp / "ckpt", tmp / "logs"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return weights(tmp / "ckpt")
+
+
+def test_resume_mid_epoch_is_bitwise_identical(tmp_path, uninterrupted):
+    # 1,437 digits on 2 ranks x 32: 23 steps an epoch, so step 30 is mid-epoch 2.
+    first = run(mpirun_train(tmp_path / "ckpt", tmp_path / "logs", "--max-steps", "30"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert [p.name for p in checkpoint.existing(str(tmp_path / "ckpt"))] == ["ckpt-step000000023.pt",
+                                                                           "ckpt-step000000030.pt"]
+    second = run(mpirun_train(tmp_path / "ckpt", tmp_path / "logs"))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stderr and "ckpt-step000000030.pt (epoch 2, step 30)" in second.stderr
+    summary = selftest.parse_records(second.stdout, "summary")[0]
+    assert summary["steps"] == 92 and summary["epochs"] == 4
+    assert_bitwise_equal(weights(tmp_path / "ckpt"), uninterrupted)
+
+
+def _kill_tree(proc):
+    tree = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
+    for p in tree:
+        try:
+            p.kill()  # SIGKILL
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=30)
+
+
+def test_sigkill_then_resume_is_bitwise_identical(tmp_path, uninterrupted):
+    ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
+    proc = subprocess.Popen(mpirun_train(ckpt, logs, "--checkpoint-steps", "7"), env=selftest.mpi_root_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not checkpoint.path_for(str(ckpt), 14).exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its second checkpoint"
+        time.sleep(0.002)
+    _kill_tree(proc)
+    newest = checkpoint.existing(str(ckpt))[-1]
+    assert checkpoint.load(newest)["step"] < 92, "killed before the end"
+    resumed = run(mpirun_train(ckpt, logs, "--checkpoint-steps", "7"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {newest}" in resumed.stderr
+    assert_bitwise_equal(weights(ckpt), uninterrupted)
+
+
+def _one_epoch(tmp_path, *args, env=None):
+    return run([*TRAIN, "--model", "mlp", "--epochs", "1", "--checkpoint-steps", "5", "--keep-checkpoints", "3",
+                "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs"), *args], env=env)
+
+
+def test_corrupted_newest_checkpoint_falls_back_with_a_warning(tmp_path):
+    first = _one_epoch(tmp_path, "--max-steps", "20")
+    assert first.returncode == 0, first.stderr
+    files = checkpoint.existing(str(tmp_path / "ckpt"))
+    assert [f.name for f in files] == ["ckpt-step000000010.pt", "ckpt-step000000015.pt", "ckpt-step000000020.pt"]
+    data = bytearray(files[-1].read_bytes())
+    data[-100] ^= 0xFF
+    files[-1].write_bytes(bytes(data))
+    second = _one_epoch(tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert f"hvdkit: warning: {files[-1]} is corrupted (checksum mismatch); using ckpt-step000000015.pt instead" \
+        in second.stderr
+    assert "resumed from" in second.stderr and "(epoch 1, step 15)" in second.stderr
+
+
+def _snapshot(directory):
+    return {p.name: p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("case, args, line, code", [
+    ("only-corrupted", [], "is corrupted (checksum mismatch)", 1),
+    ("other-model", ["--model", "cnn"], "is of model 'mlp', not 'cnn'", 1),
+    ("no-resume", ["--no-resume"], "holds checkpoints of an earlier run", 2),
+])
+def test_unusable_checkpoints_stop_in_one_line_and_touch_nothing(tmp_path, case, args, line, code):
+    first = _one_epoch(tmp_path, "--max-steps", "5")
+    assert first.returncode == 0, first.stderr
+    if case == "only-corrupted":
+        path = checkpoint.existing(str(tmp_path / "ckpt"))[0]
+        path.write_bytes(path.read_bytes()[:-10])
+    before = _snapshot(tmp_path)
+    proc = _one_epoch(tmp_path, *args)
+    assert proc.returncode == code
+    assert proc.stderr.startswith("hvdkit train: ") and line in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert _snapshot(tmp_path) == before, "existing checkpoints and logs untouched"
+
+
+def test_resume_with_another_world_size_is_refused(tmp_path):
+    first = _one_epoch(tmp_path, "--max-steps", "5")
+    assert first.returncode == 0
+    before = _snapshot(tmp_path / "ckpt")
+    proc = run(selftest.mpirun_command(2, [*TRAIN, "--model", "mlp", "--epochs", "1",
+                                           "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                           "--log-dir", str(tmp_path / "logs2")]))
+    assert proc.returncode != 0
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("hvdkit train:")]
+    assert len(lines) == 1 and "was written by 1 ranks, this job has 2" in lines[0], proc.stderr[-2000:]
+    assert _snapshot(tmp_path / "ckpt") == before
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 200 KiB tmpfs: room for one mlp checkpoint (about 140 KiB), not for two."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs to fill the disk needs root (CI runs as root)")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_disk_full_keeps_the_previous_checkpoint(tmp_path, small_disk):
+    proc = run([*TRAIN, "--model", "mlp", "--epochs", "1", "--checkpoint-steps", "5",
+                "--checkpoint-dir", str(small_disk), "--log-dir", str(tmp_path / "logs")])
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"hvdkit train: cannot write checkpoint {small_disk}/ckpt-step000000010.pt: No space left on device; "
+        f"the previous checkpoints are untouched")
+    assert [p.name for p in small_disk.iterdir()] == ["ckpt-step000000005.pt"], "no partial file left"
+    assert checkpoint.load(small_disk / "ckpt-step000000005.pt")["step"] == 5
+
+
+# --- failure semantics: one rank fails, the whole job ends, non-zero, within 60 s ------------
+
+FAILING_RANK = """
+import os, signal, sys, time
+import torch, horovod.torch as hvd
+hvd.init()
+for step in range(1000):
+    if hvd.rank() == 1 and step == 3:
+        if sys.argv[1] == "raise":
+            raise RuntimeError("rank 1 fails on purpose")
+        os.kill(os.getpid(), signal.SIGKILL)
+    hvd.allreduce(torch.ones(4), name=f"step.{step}")
+    time.sleep(0.01)
+"""
+
+LAUNCHES = {
+    "horovodrun --gloo": lambda cmd: selftest.horovodrun_command("gloo", 2, cmd),
+    "horovodrun --mpi": lambda cmd: selftest.horovodrun_command("mpi", 2, cmd),
+    "mpirun": lambda cmd: selftest.mpirun_command(2, cmd),
+}
+
+
+@pytest.mark.parametrize("how", ["raise", "kill"])
+@pytest.mark.parametrize("launcher", list(LAUNCHES))
+def test_a_failing_rank_ends_the_job_within_60s(tmp_path, launcher, how):
+    script = tmp_path / "fail.py"
+    script.write_text(FAILING_RANK)
+    start = time.monotonic()
+    proc = subprocess.Popen(LAUNCHES[launcher]([sys.executable, str(script), how]), env=selftest.mpi_root_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)
+        pytest.fail(f"{launcher}: the job was still running 60 s after rank 1 failed ({how})")
+    assert proc.returncode != 0, output[-2000:]
+    assert time.monotonic() - start < 60

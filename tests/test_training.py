@@ -34,7 +34,7 @@ def train(tmp_path, name, *args, launcher=None, timeout=300):
 
 
 def final_weights(ckpt_dir):
-    return torch.load(checkpoint.latest(str(ckpt_dir)), weights_only=False)["model"]
+    return checkpoint.load(checkpoint.existing(str(ckpt_dir))[-1])["model"]
 
 
 @pytest.fixture(scope="module")

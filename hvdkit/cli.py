@@ -25,6 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="data-parallel training; launch one per GPU/slot with horovodrun, "
                                          "mpirun or srun")
     train.add_argument("--list", action="store_true", help="list the models and datasets, then exit")
+    train.add_argument("--debug", action="store_true", help="show the traceback of any error")
     config.add_arguments(train)
     return parser
 
@@ -48,6 +49,29 @@ def train(args: argparse.Namespace) -> int:
         print("models:  ", " ".join(models.names()))
         print("datasets:", " ".join(data.DATASETS))
         return 0
+    from hvdkit.checkpoint import CheckpointError  # imports torch, which only training needs
+    from hvdkit.trainer import Trainer, failure_hint
+
+    try:
+        cfg = config.from_args(args)
+        Trainer(cfg).fit()
+    except config.ConfigError as exc:
+        if args.debug:
+            raise
+        _say_once(f"hvdkit train: {exc}")
+        return 2
+    except CheckpointError as exc:
+        if args.debug:
+            raise
+        _say_once(f"hvdkit train: {exc}")
+        return 1
+    except Exception as exc:
+        hint = failure_hint(exc)
+        if hint is None or args.debug:
+            raise
+        print(f"hvdkit train: {hint}", file=sys.stderr, flush=True)
+        return 1
+    return 0
     from hvdkit.checkpoint import CheckpointError  # imports torch, which only training needs
 
     try:

@@ -57,6 +57,8 @@ class TrainConfig:
     checkpoint_steps: Optional[int] = field(default=None,
                                             metadata={"help": "also checkpoint every N steps (default: per epoch)"})
     keep_checkpoints: int = field(default=3, metadata={"help": "how many of the newest checkpoints to keep"})
+    stall_timeout: float = field(default=300.0, metadata={
+        "help": "seconds a collective may wait for a missing rank before Horovod names it and ends the job"})
     resume: bool = field(default=True, metadata={"help": "resume from the newest valid checkpoint in checkpoint_dir"})
 
 
@@ -99,7 +101,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"config: {name} must be > 0 (got {getattr(cfg, name)})")
-    for name in ("momentum", "weight_decay", "warmup_epochs", "num_workers"):
+    for name in ("momentum", "weight_decay", "warmup_epochs", "num_workers", "stall_timeout"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"config: {name} must be >= 0 (got {getattr(cfg, name)})")
     for name in ("max_steps", "checkpoint_steps"):

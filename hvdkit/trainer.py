@@ -26,6 +26,7 @@ from torch.utils.data import Dataset
 from hvdkit import checkpoint, data, env, models
 from hvdkit.config import ConfigError, TrainConfig, to_dict, validate
 from hvdkit.metrics import Metrics
+from hvdkit.watchdog import Watchdog
 
 
 def learning_rate(cfg: TrainConfig, step: int, steps_per_epoch: int, total_steps: int, lr_scaler: float) -> float:
@@ -52,6 +53,33 @@ def place_process(local_rank: int, local_size: int) -> torch.device:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     torch.set_num_threads(max(1, cores // local_size))
     return torch.device("cpu")
+
+
+def stall_settings(timeout: float) -> dict:
+    """Horovod's stall inspector: warn about a collective some rank has not joined after
+    min(60 s, timeout/2), naming the tensor and the missing ranks, and end the job after
+    ``timeout`` seconds instead of hanging until the allocation's time limit. 0 disables it.
+    It works under the MPI controller only; the Watchdog covers Gloo."""
+    if timeout <= 0:
+        return {"HOROVOD_STALL_CHECK_DISABLE": "1"}
+    return {"HOROVOD_STALL_CHECK_TIME_SECONDS": str(max(1, int(min(60.0, timeout / 2)))),
+            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": str(max(1, int(timeout)))}
+
+
+OOM_HINT = ("out of memory: lower --batch-size (it is per rank), use --amp, or a smaller --image-size; "
+            "see README 'When things go wrong'")
+NCCL_HINT = ("NCCL error: rerun with NCCL_DEBUG=INFO to see which link failed; on hosts with several "
+             "network interfaces set NCCL_SOCKET_IFNAME (e.g. ib0 or eth0); see README 'When things go wrong'")
+
+
+def failure_hint(exc: BaseException) -> Optional[str]:
+    """The troubleshooting line for failures with a known fix, else None."""
+    text = str(exc)
+    if isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in text or "out of memory" in text:
+        return f"{OOM_HINT} ({text.splitlines()[0] if text else type(exc).__name__})"
+    if "NCCL" in text or "nccl" in text:
+        return f"{NCCL_HINT} ({text.splitlines()[0]})"
+    return None
 
 
 def seed_everything(seed: int) -> None:
@@ -102,8 +130,11 @@ class Trainer:
         import horovod.torch as hvd
 
         cfg = self.cfg
+        for name, value in stall_settings(cfg.stall_timeout).items():
+            os.environ.setdefault(name, value)  # the user's own HOROVOD_STALL_* settings win
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
+        watchdog = Watchdog.after_stall_inspector(cfg.stall_timeout, rank)
         problem = env.disagreement(env.detect(), rank, size, hvd.local_rank())
         if problem:
             print(f"hvdkit: warning: {problem}", file=sys.stderr, flush=True)
@@ -161,6 +192,7 @@ class Trainer:
             sampler.set_epoch(epoch, start=(step - epoch * steps_per_epoch) * train_loader.batch_size)
             model.train()
             for images, labels in train_loader:
+                watchdog.beat(f"training step {step + 1}")
                 lr = learning_rate(cfg, step, steps_per_epoch, total_steps, lr_scaler)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
@@ -222,9 +254,11 @@ class Trainer:
                 hvd.join()  # with a device argument, a GPU build of Horovod hangs on a CPU-only host
             if step == (epoch + 1) * steps_per_epoch:  # not when max_steps stopped it part-way
                 epoch += 1
+            watchdog.beat(f"evaluation after step {step}")
             test = self.evaluate(model, test_loader, device, cfg.amp, amp_dtype, hvd)
             metrics.record("test", step, {"epoch": epoch, **test})
             if cfg.checkpoint_dir:
+                watchdog.beat(f"checkpoint of step {step}")
                 self._save(model, optimizer, scaler, epoch, step, hvd)
             report_start = time.perf_counter()
 
@@ -239,6 +273,7 @@ class Trainer:
             "images_per_sec": samples_trained / train_seconds if train_seconds else 0.0,
             "wall_seconds": time.perf_counter() - wall_start,
         }
+        watchdog.stop()
         metrics.write(summary)
         metrics.close()
         if rank == 0:

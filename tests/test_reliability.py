@@ -199,3 +199,75 @@ def test_a_failing_rank_ends_the_job_within_60s(tmp_path, launcher, how):
         pytest.fail(f"{launcher}: the job was still running 60 s after rank 1 failed ({how})")
     assert proc.returncode != 0, output[-2000:]
     assert time.monotonic() - start < 60
+
+
+STALLING_RANK = """
+import os, sys, time
+import torch, horovod.torch as hvd
+from hvdkit.trainer import stall_settings
+from hvdkit.watchdog import Watchdog
+os.environ.update(stall_settings(float(sys.argv[1])))  # what the Trainer sets up
+hvd.init()
+watchdog = Watchdog.after_stall_inspector(float(sys.argv[1]), hvd.rank())
+hvd.allreduce(torch.ones(1), name="warmup")
+watchdog.beat("training step 7")
+if hvd.rank() == 1:
+    time.sleep(600)  # stops calling collectives without failing
+hvd.allreduce(torch.ones(4), name="grad.layer1.weight")
+"""
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun --gloo", "mpirun"])
+def test_a_stalled_collective_is_named_and_ends_the_job(tmp_path, launcher):
+    script = tmp_path / "stall.py"
+    script.write_text(STALLING_RANK)
+    proc = subprocess.Popen(LAUNCHES[launcher]([sys.executable, str(script), "6"]), env=selftest.mpi_root_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)
+        pytest.fail(f"{launcher}: a stall with a 6 s timeout was still hanging after 60 s")
+    assert proc.returncode != 0
+    if launcher == "mpirun":  # Horovod's stall inspector names the tensor and the missing rank
+        assert "Missing ranks:" in output and "grad.layer1.weight" in output, output[-3000:]
+        assert "stalled for longer than 6 seconds" in output
+    else:  # under Gloo Horovod says nothing; hvdkit's watchdog says where each rank was
+        assert "hvdkit: rank 0 made no progress for" in output and "in training step 7" in output, output[-3000:]
+
+
+def test_stall_settings():
+    from hvdkit.trainer import stall_settings
+
+    assert stall_settings(300) == {"HOROVOD_STALL_CHECK_TIME_SECONDS": "60",
+                                   "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "300"}
+    assert stall_settings(6) == {"HOROVOD_STALL_CHECK_TIME_SECONDS": "3", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "6"}
+    assert stall_settings(0) == {"HOROVOD_STALL_CHECK_DISABLE": "1"}
+
+
+def test_failure_hints_for_oom_and_nccl():
+    """Real exception objects as torch and Horovod raise them; a GPU to run out of is not here."""
+    from hvdkit.trainer import failure_hint
+
+    gpu = failure_hint(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert gpu.startswith("out of memory: lower --batch-size") and "Tried to allocate 2.00 GiB" in gpu
+    cpu = failure_hint(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"))
+    assert cpu.startswith("out of memory")
+    nccl = failure_hint(RuntimeError("NCCL error in: nccl_operations.cc:112, unhandled system error"))
+    assert "NCCL_DEBUG=INFO" in nccl and "NCCL_SOCKET_IFNAME" in nccl
+    assert failure_hint(ValueError("something else")) is None
+
+
+def test_dataset_smaller_than_one_global_batch(tmp_path):
+    proc = run(selftest.mpirun_command(2, [*TRAIN, "--batch-size", "1024", "--log-dir", str(tmp_path)]))
+    assert proc.returncode != 0
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("hvdkit train:")]
+    assert lines == ["hvdkit train: data: the training set has 1437 samples, fewer than "
+                     "world size x batch_size = 2 x 1024"], proc.stderr[-2000:]
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    quiet = run([*TRAIN, "--model", "nope", "--log-dir", str(tmp_path)])
+    loud = run([*TRAIN, "--model", "nope", "--debug", "--log-dir", str(tmp_path)])
+    assert quiet.returncode == 2 and "Traceback" not in quiet.stderr
+    assert loud.returncode != 0 and "Traceback" in loud.stderr and "UnknownModel" in loud.stderr

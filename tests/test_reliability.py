@@ -1,6 +1,7 @@
 """Checkpoints, resume and failures, with real processes: nothing lost, nothing hung."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -233,7 +234,8 @@ def test_a_stalled_collective_is_named_and_ends_the_job(tmp_path, launcher):
         assert "Missing ranks:" in output and "grad.layer1.weight" in output, output[-3000:]
         assert "stalled for longer than 6 seconds" in output
     else:  # under Gloo Horovod says nothing; hvdkit's watchdog says where each rank was
-        assert "hvdkit: rank 0 made no progress for" in output and "in training step 7" in output, output[-3000:]
+        # Both ranks' watchdogs run; whichever fires first ends the job, so either may speak.
+        assert re.search(r"hvdkit: rank [01] made no progress for \d+ s in training step 7", output), output[-3000:]
 
 
 def test_stall_settings():

@@ -54,7 +54,8 @@ def train(args: argparse.Namespace) -> int:
 
     try:
         cfg = config.from_args(args)
-        Trainer(cfg).fit()
+        trainer = Trainer(cfg)
+        trainer.fit_elastic() if cfg.elastic else trainer.fit()
     except config.ConfigError as exc:
         if args.debug:
             raise
@@ -77,7 +78,8 @@ def train(args: argparse.Namespace) -> int:
     try:
         cfg = config.from_args(args)
         from hvdkit.trainer import Trainer
-        Trainer(cfg).fit()
+        trainer = Trainer(cfg)
+        trainer.fit_elastic() if cfg.elastic else trainer.fit()
     except config.ConfigError as exc:
         _say_once(f"hvdkit train: {exc}")
         return 2

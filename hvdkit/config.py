@@ -59,6 +59,9 @@ class TrainConfig:
     keep_checkpoints: int = field(default=3, metadata={"help": "how many of the newest checkpoints to keep"})
     stall_timeout: float = field(default=300.0, metadata={
         "help": "seconds a collective may wait for a missing rank before Horovod names it and ends the job"})
+    elastic: bool = field(default=False, metadata={
+        "help": "elastic training (horovodrun --min-np/--max-np with a host discovery script)"})
+    commit_steps: int = field(default=10, metadata={"help": "elastic: commit the state every N steps"})
     resume: bool = field(default=True, metadata={"help": "resume from the newest valid checkpoint in checkpoint_dir"})
 
 
@@ -97,7 +100,8 @@ def _coerce(name: str, value: Any) -> Any:
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Reject impossible values, naming the key. Registries are checked by the caller's lookups."""
     positive = ("batch_size", "epochs", "base_lr", "batches_per_allreduce", "log_interval",
-                "gradient_predivide_factor", "lr_decay_factor", "image_size", "keep_checkpoints")
+                "gradient_predivide_factor", "lr_decay_factor", "image_size", "keep_checkpoints",
+                "commit_steps")
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"config: {name} must be > 0 (got {getattr(cfg, name)})")
@@ -113,6 +117,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"config: lr_schedule must be one of {', '.join(LR_SCHEDULES)} (got {cfg.lr_schedule!r})")
     if cfg.use_adasum and cfg.gradient_predivide_factor != 1.0:
         raise ConfigError("config: gradient_predivide_factor must be 1.0 with use_adasum (Horovod averages only)")
+    if cfg.elastic and cfg.checkpoint_dir:
+        raise ConfigError("config: checkpoint_dir is not supported with elastic yet: elastic state is committed "
+                          "in memory every commit_steps; drop one of the two")
     for name in ("log_dir", "checkpoint_dir"):
         _check_writable(name, getattr(cfg, name))
     return cfg

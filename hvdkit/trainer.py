@@ -29,19 +29,70 @@ from hvdkit.metrics import Metrics
 from hvdkit.watchdog import Watchdog
 
 
-def learning_rate(cfg: TrainConfig, step: int, steps_per_epoch: int, total_steps: int, lr_scaler: float) -> float:
-    """Gradual warmup from base_lr to base_lr x lr_scaler (Goyal et al.), then decay."""
-    epoch = step / steps_per_epoch
+def learning_rate(cfg: TrainConfig, epoch: float, final_epoch: float, lr_scaler: float) -> float:
+    """At (fractional) ``epoch`` of ``final_epoch``: gradual warmup from base_lr to
+    base_lr x lr_scaler (Goyal et al.), then step or cosine decay."""
     peak = cfg.base_lr * lr_scaler
     if epoch < cfg.warmup_epochs:
         return cfg.base_lr * (1 + (lr_scaler - 1) * epoch / cfg.warmup_epochs)
     if cfg.lr_schedule == "step":
         return peak * cfg.lr_decay_factor ** sum(epoch >= e for e in cfg.lr_decay_epochs)
     if cfg.lr_schedule == "cosine":
-        warmup_steps = cfg.warmup_epochs * steps_per_epoch
-        progress = (step - warmup_steps) / max(1.0, total_steps - warmup_steps)
+        progress = (epoch - cfg.warmup_epochs) / max(1e-9, final_epoch - cfg.warmup_epochs)
         return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return peak
+
+
+def lr_scaler(cfg: TrainConfig, hvd, device: torch.device) -> float:
+    """Linear scaling: a step averages size x K micro-batches' gradients. Adasum adapts to
+    the gradients instead; on GPUs it still sums within a node (Horovod's rule)."""
+    if cfg.use_adasum:
+        gpu_local_sum = device.type == "cuda" and hvd.nccl_built()
+        return cfg.batches_per_allreduce * (hvd.local_size() if gpu_local_sum else 1)
+    return cfg.batches_per_allreduce * hvd.size()
+
+
+def amp_setup(cfg: TrainConfig, device: torch.device):
+    """(autocast dtype, GradScaler or None): bf16 needs no loss scaling; fp16 on GPUs does."""
+    amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    return amp_dtype, torch.amp.GradScaler("cuda") if cfg.amp and device.type == "cuda" else None
+
+
+def train_step(cfg: TrainConfig, model, optimizer, scaler, images, labels, lr: float, window: torch.Tensor,
+               device: torch.device, amp_dtype) -> None:
+    """One optimizer step over a batch of K micro-batches; adds loss, hits and count to ``window``."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad()
+
+    # K micro-batches: gradients accumulate locally; the K-th backward starts the allreduce.
+    micro_batches = list(zip(images.split(cfg.batch_size), labels.split(cfg.batch_size), strict=True))
+    for x, y in micro_batches:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=cfg.amp):
+            output = model(x)
+            loss = F.cross_entropy(output, y)
+        window += torch.stack([loss.detach().float() * len(y), (output.argmax(1) == y).sum().float(),
+                               torch.tensor(float(len(y)), device=device)])
+        loss = loss / len(micro_batches)
+        (scaler.scale(loss) if scaler else loss).backward()
+
+    # Averaging: wait for the averaged gradients, unscale and clip them, then step without a
+    # second synchronize. Adasum combines the ranks' updates inside step() instead, so there
+    # the local gradients are unscaled and clipped.
+    if not cfg.use_adasum:
+        optimizer.synchronize()
+    if scaler:
+        scaler.unscale_(optimizer)
+    if cfg.clip_grad_norm:
+        nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
+    with contextlib.nullcontext() if cfg.use_adasum else optimizer.skip_synchronize():
+        if scaler:
+            scaler.step(optimizer)
+        else:
+            optimizer.step()
+    if scaler:
+        scaler.update()
 
 
 def place_process(local_rank: int, local_size: int) -> torch.device:
@@ -148,24 +199,9 @@ class Trainer:
                                                           pin_memory=device.type == "cuda")
         model = self.model.to(device)
 
-        # Linear scaling: the step averages size x K micro-batches' gradients. Adasum adapts
-        # to the gradients instead; on GPUs it still sums within a node (Horovod's rule).
-        lr_scaler = cfg.batches_per_allreduce * size
-        if cfg.use_adasum:
-            gpu_local_sum = device.type == "cuda" and hvd.nccl_built()
-            lr_scaler = cfg.batches_per_allreduce * (hvd.local_size() if gpu_local_sum else 1)
-        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.base_lr * lr_scaler,
-                                    momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-        optimizer = hvd.DistributedOptimizer(
-            optimizer, named_parameters=model.named_parameters(),
-            compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,
-            backward_passes_per_step=cfg.batches_per_allreduce,
-            op=hvd.Adasum if cfg.use_adasum else hvd.Average,
-            gradient_predivide_factor=cfg.gradient_predivide_factor)
-
-        # Mixed precision: bf16 needs no loss scaling; fp16 on GPUs does.
-        amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
-        scaler = torch.amp.GradScaler("cuda") if cfg.amp and device.type == "cuda" else None
+        scaling = lr_scaler(cfg, hvd, device)
+        optimizer = self._distributed_optimizer(model, hvd)
+        amp_dtype, scaler = amp_setup(cfg, device)
 
         # Every rank starts from rank 0's state: a checkpoint it loaded, or its initial weights.
         # Optimizer state first: on a rank with empty state Horovod takes a dummy step, whose
@@ -193,40 +229,8 @@ class Trainer:
             model.train()
             for images, labels in train_loader:
                 watchdog.beat(f"training step {step + 1}")
-                lr = learning_rate(cfg, step, steps_per_epoch, total_steps, lr_scaler)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                optimizer.zero_grad()
-
-                # K micro-batches: gradients accumulate locally; the K-th backward starts the allreduce.
-                micro_batches = list(zip(images.split(cfg.batch_size), labels.split(cfg.batch_size), strict=True))
-                for x, y in micro_batches:
-                    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                    with torch.autocast(device.type, dtype=amp_dtype, enabled=cfg.amp):
-                        output = model(x)
-                        loss = F.cross_entropy(output, y)
-                    window += torch.stack([loss.detach().float() * len(y),
-                                           (output.argmax(1) == y).sum().float(),
-                                           torch.tensor(float(len(y)), device=device)])
-                    loss = loss / len(micro_batches)
-                    (scaler.scale(loss) if scaler else loss).backward()
-
-                # Averaging: wait for the averaged gradients, unscale and clip them, then step
-                # without a second synchronize. Adasum combines the ranks' updates inside
-                # step() instead, so there the local gradients are unscaled and clipped.
-                if not cfg.use_adasum:
-                    optimizer.synchronize()
-                if scaler:
-                    scaler.unscale_(optimizer)
-                if cfg.clip_grad_norm:
-                    nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm)
-                with contextlib.nullcontext() if cfg.use_adasum else optimizer.skip_synchronize():
-                    if scaler:
-                        scaler.step(optimizer)
-                    else:
-                        optimizer.step()
-                if scaler:
-                    scaler.update()
+                lr = learning_rate(cfg, step / steps_per_epoch, total_steps / steps_per_epoch, scaling)
+                train_step(cfg, model, optimizer, scaler, images, labels, lr, window, device, amp_dtype)
                 step += 1
 
                 end_of_epoch = step % steps_per_epoch == 0 or step == total_steps
@@ -236,7 +240,7 @@ class Trainer:
                     samples_trained += count
                     train_seconds += now - report_start
                     train = {"loss": loss_sum / count, "accuracy": correct / count}
-                    metrics.record("train", step, {"epoch": epoch + 1, **train, "lr": lr,
+                    metrics.record("train", step, {"epoch": epoch + 1, **train, "lr": lr, "world_size": size,
                                                    "images_per_sec": count / (now - report_start)},
                                    advance=step - reported_step)
                     window.zero_()
@@ -279,6 +283,98 @@ class Trainer:
         if rank == 0:
             print(json.dumps(summary), flush=True)
         return summary
+
+    def fit_elastic(self) -> dict:
+        """Elastic training: ranks may leave or join; the job goes on with those left.
+
+        Horovod restores the last committed state (model, optimizer, sampler position, epoch,
+        step) on every rank after a change, and the ElasticSampler shares the rest of the
+        epoch among the new set of ranks. The learning rate follows the current world size.
+        """
+        import horovod.torch as hvd
+
+        cfg = self.cfg
+        hvd.init()
+        device = place_process(hvd.local_rank(), hvd.local_size())
+        seed_everything(cfg.seed + hvd.rank())
+        model = self.model.to(device)
+        optimizer = self._distributed_optimizer(model, hvd)
+        amp_dtype, scaler = amp_setup(cfg, device)
+        sampler = hvd.elastic.ElasticSampler(self.train_set, shuffle=True, seed=cfg.seed)
+        loader = torch.utils.data.DataLoader(self.train_set, batch_size=cfg.batch_size * cfg.batches_per_allreduce,
+                                             sampler=sampler, num_workers=cfg.num_workers)
+        state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0)
+        sinks = {"metrics": Metrics(cfg.log_dir, 0, enabled=hvd.rank() == 0)}
+        sinks["metrics"].write({"event": "config", "world_size": hvd.size(), **to_dict(cfg)})
+
+        def on_reset() -> None:
+            """After ranks left or joined, rank 0 may be another process: it takes the sinks."""
+            sinks["metrics"].close()
+            sinks["metrics"] = Metrics(cfg.log_dir, 0, enabled=hvd.rank() == 0)
+            sinks["metrics"].write({"event": "reset", "step": state.step, "world_size": hvd.size()})
+
+        state.register_reset_callbacks([on_reset])
+        final_step = cfg.max_steps or float("inf")
+        result = {}
+
+        @hvd.elastic.run
+        def train(state) -> None:
+            window = torch.zeros(3, device=device)
+            while state.epoch < cfg.epochs and state.step < final_step:
+                model.train()
+                for images, labels in loader:
+                    epoch = state.epoch + sampler.processed_num / len(self.train_set)
+                    lr = learning_rate(cfg, epoch, cfg.epochs, lr_scaler(cfg, hvd, device))
+                    train_step(cfg, model, optimizer, scaler, images, labels, lr, window, device, amp_dtype)
+                    sampler.record_batch(0, loader.batch_size)
+                    state.step += 1
+                    if state.step % cfg.log_interval == 0:
+                        loss_sum, correct, count = hvd.allreduce(window, op=hvd.Sum, name="train.metrics").tolist()
+                        result["train"] = {"loss": loss_sum / count, "accuracy": correct / count}
+                        sinks["metrics"].record("train", state.step, {"epoch": state.epoch + 1, **result["train"],
+                                                                      "lr": lr, "world_size": hvd.size()})
+                        window.zero_()
+                    if state.step % cfg.commit_steps == 0:
+                        state.commit()  # also where Horovod applies a change of hosts
+                    if state.step >= final_step:
+                        break
+                else:
+                    state.epoch += 1
+                    sampler.set_epoch(state.epoch)
+                test_loader = torch.utils.data.DataLoader(
+                    self.test_set, batch_size=cfg.batch_size,
+                    sampler=data.ShardSampler(len(self.test_set), hvd.rank(), hvd.size()))
+                result["test"] = self.evaluate(model, test_loader, device, cfg.amp, amp_dtype, hvd)
+                sinks["metrics"].record("test", state.step, {"epoch": state.epoch, **result["test"]})
+                state.commit()
+
+        wall_start = time.perf_counter()
+        train(state)
+        train_result = result.get("train", {})
+        test = result.get("test", {})
+        summary = {
+            "event": "summary", "elastic": True, "epochs": state.epoch, "steps": state.step,
+            "world_size": hvd.size(), "model": cfg.model, "dataset": cfg.dataset,
+            "train_loss": train_result.get("loss"), "train_accuracy": train_result.get("accuracy"),
+            "test_loss": test.get("loss"), "test_accuracy": test.get("accuracy"),
+            "test_samples": test.get("samples"), "wall_seconds": time.perf_counter() - wall_start,
+        }
+        sinks["metrics"].write(summary)
+        sinks["metrics"].close()
+        if hvd.rank() == 0:
+            print(json.dumps(summary), flush=True)
+        return summary
+
+    def _distributed_optimizer(self, model: nn.Module, hvd):
+        cfg = self.cfg
+        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.base_lr, momentum=cfg.momentum,
+                                    weight_decay=cfg.weight_decay)
+        return hvd.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(),
+            compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,
+            backward_passes_per_step=cfg.batches_per_allreduce,
+            op=hvd.Adasum if cfg.use_adasum else hvd.Average,
+            gradient_predivide_factor=cfg.gradient_predivide_factor)
 
     def _save(self, model, optimizer, scaler, epoch: int, step: int, hvd) -> None:
         """Every rank contributes its RNG state; rank 0 writes the checkpoint of ``step``."""

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hvdkit import checkpoint, selftest
+from hvdkit.launch import find_program as launch_find
 from conftest import run
 
 pytestmark = pytest.mark.slow
@@ -273,3 +274,55 @@ def test_debug_shows_the_traceback(tmp_path):
     loud = run([*TRAIN, "--model", "nope", "--debug", "--log-dir", str(tmp_path)])
     assert quiet.returncode == 2 and "Traceback" not in quiet.stderr
     assert loud.returncode != 0 and "Traceback" in loud.stderr and "UnknownModel" in loud.stderr
+
+
+# --- elastic training: a worker removed from discovery, then added back -----------------------
+
+def _records(path):
+    import json
+
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _wait_for(predicate, proc, what, seconds=120):
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if proc.poll() is not None:
+            pytest.fail(f"the elastic job ended (exit {proc.returncode}) while waiting for {what}")
+        if time.monotonic() > deadline:
+            _kill_tree(proc)
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def test_elastic_training_scales_down_and_back_up(tmp_path):
+    from conftest import REPO
+
+    hosts, logs = tmp_path / "hosts", tmp_path / "logs"
+    hosts.write_text("localhost:2\n")
+    horovodrun = launch_find("horovodrun")
+    # One host: Horovod's elastic driver needs the interface named, or it waits for a second host.
+    cmd = [horovodrun, "-np", "2", "--min-np", "1", "--max-np", "2", "--network-interface", "lo",
+           "--host-discovery-script", str(REPO / "launchers" / "discover_hosts.sh"),
+           *TRAIN, "--elastic", "--dataset", "synthetic", "--epochs", "6", "--log-interval", "5",
+           "--commit-steps", "5", "--log-dir", str(logs)]
+    env = dict(selftest.mpi_root_env(), HVDKIT_HOSTS_FILE=str(hosts), PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    jsonl = logs / "metrics.jsonl"
+
+    def sizes():
+        return [r["world_size"] for r in _records(jsonl) if r["event"] == "train"]
+
+    _wait_for(lambda: sizes().count(2) >= 2, proc, "training on 2 ranks")
+    hosts.write_text("localhost:1\n")  # a worker leaves
+    _wait_for(lambda: 1 in sizes(), proc, "training on 1 rank after the worker left")
+    hosts.write_text("localhost:2\n")  # and comes back
+    _wait_for(lambda: 2 in sizes()[sizes().index(1):], proc, "training on 2 ranks again")
+    output, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, output[-3000:]
+    summary = selftest.parse_records(output, "summary")[0]
+    assert summary["epochs"] == 6 and summary["world_size"] == 2 and summary["test_samples"] == 512
+    resets = [r for r in _records(jsonl) if r["event"] == "reset"]
+    assert [r["world_size"] for r in resets][:2] == [1, 2], resets

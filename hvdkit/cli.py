@@ -55,36 +55,20 @@ def train(args: argparse.Namespace) -> int:
     try:
         cfg = config.from_args(args)
         trainer = Trainer(cfg)
-        trainer.fit_elastic() if cfg.elastic else trainer.fit()
-    except config.ConfigError as exc:
+        if cfg.elastic:
+            trainer.fit_elastic()
+        else:
+            trainer.fit()
+    except (config.ConfigError, CheckpointError) as exc:
         if args.debug:
             raise
         _say_once(f"hvdkit train: {exc}")
-        return 2
-    except CheckpointError as exc:
-        if args.debug:
-            raise
-        _say_once(f"hvdkit train: {exc}")
-        return 1
+        return 2 if isinstance(exc, config.ConfigError) else 1
     except Exception as exc:
         hint = failure_hint(exc)
         if hint is None or args.debug:
             raise
         print(f"hvdkit train: {hint}", file=sys.stderr, flush=True)
-        return 1
-    return 0
-    from hvdkit.checkpoint import CheckpointError  # imports torch, which only training needs
-
-    try:
-        cfg = config.from_args(args)
-        from hvdkit.trainer import Trainer
-        trainer = Trainer(cfg)
-        trainer.fit_elastic() if cfg.elastic else trainer.fit()
-    except config.ConfigError as exc:
-        _say_once(f"hvdkit train: {exc}")
-        return 2
-    except CheckpointError as exc:
-        _say_once(f"hvdkit train: {exc}")
         return 1
     return 0
 

@@ -1,0 +1,88 @@
+"""The sbatch templates, submitted to a real Slurm cluster that this module starts."""
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from hvdkit import selftest
+from conftest import REPO
+import slurm_cluster
+
+pytestmark = pytest.mark.slow
+VENV_BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    missing = slurm_cluster.missing_binaries()
+    if missing:
+        if os.environ.get("CI"):
+            pytest.fail(f"Slurm is required in CI but {', '.join(missing)} is missing (make setup installs it)")
+        pytest.skip(f"Slurm is not installed here ({', '.join(missing)} missing): run `make setup`")
+    if os.geteuid() != 0:
+        pytest.skip("the test cluster runs slurmd as root; run the suite as root (CI does)")
+    _nodes_resolve_locally()
+    cluster = slurm_cluster.SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+def _nodes_resolve_locally():
+    """horovodrun starts ranks on hosts that resolve to this machine without ssh; the test
+    nodes are both this machine, so their names must resolve to 127.0.0.1."""
+    try:
+        if all(socket.gethostbyname(n) == "127.0.0.1" for n in slurm_cluster.NODES):
+            return
+    except socket.gaierror:
+        pass
+    with open("/etc/hosts", "a") as hosts:
+        hosts.write(f"127.0.0.1 {' '.join(slurm_cluster.NODES)}  # hvdkit test cluster\n")
+
+
+def submit(cluster, tmp_path, template, *sbatch_args, args="--epochs 1 --max-steps 8", extra_env=None):
+    env = dict(cluster.env, PATH=f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=str(REPO),
+               HVDKIT=str(VENV_BIN / "hvdkit"), HVDKIT_COMMAND=f"{VENV_BIN / 'hvdkit'} train",
+               HVDKIT_ARGS=args, HVDKIT_RUN_DIR=str(tmp_path / "run"), **(extra_env or {}))
+    env = selftest.mpi_root_env(env)
+    job = cluster.sbatch("--chdir", str(tmp_path), "--output", str(tmp_path / "job-%j.out"), *sbatch_args,
+                         str(REPO / "slurm" / template), env=env)
+    return job
+
+
+def job_log(tmp_path, job):
+    return (tmp_path / f"job-{job}.out").read_text()
+
+
+@pytest.mark.parametrize("template, nodes, tasks", [
+    ("single-node.sbatch", 1, 2),
+    ("multi-node-srun.sbatch", 2, 2),
+    ("multi-node-mpirun.sbatch", 2, 2),
+    ("multi-node-horovodrun.sbatch", 2, 2),
+])
+def test_template_runs_to_completion(cluster, tmp_path, template, nodes, tasks):
+    job = submit(cluster, tmp_path, template)
+    info = cluster.wait(job)
+    log = job_log(tmp_path, job)
+    assert info["JobState"] == "COMPLETED", log[-3000:]
+    assert info["NumNodes"] == str(nodes) and info["NumTasks"] == str(tasks)
+    head = log.splitlines()[:3]
+    assert any(f"{VENV_BIN / 'hvdkit'} train --log-dir" in line for line in head), f"no resolved command in {head}"
+    summary = selftest.parse_records(log, "summary")
+    assert len(summary) == 1 and summary[0]["world_size"] == tasks and summary[0]["steps"] == 8, log[-3000:]
+    assert (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_array_runs_one_training_per_index(cluster, tmp_path):
+    job = submit(cluster, tmp_path, "array.sbatch", "--array=0-1", "--output", str(tmp_path / "job-%A_%a.out"),
+                 extra_env={"HVDKIT_SWEEP": "--seed 1|--seed 2"})
+    for index in (0, 1):
+        info = cluster.wait(f"{job}_{index}")
+        log = (tmp_path / f"job-{job}_{index}.out").read_text()
+        assert info["JobState"] == "COMPLETED", log[-3000:]
+        assert f"--seed {index + 1}" in log
+        assert selftest.parse_records(log, "summary")[0]["steps"] == 8
+        assert (tmp_path / "run" / str(index) / "checkpoints").is_dir()

@@ -55,10 +55,7 @@ def train(args: argparse.Namespace) -> int:
     try:
         cfg = config.from_args(args)
         trainer = Trainer(cfg)
-        if cfg.elastic:
-            trainer.fit_elastic()
-        else:
-            trainer.fit()
+        summary = trainer.fit_elastic() if cfg.elastic else trainer.fit()
     except (config.ConfigError, CheckpointError) as exc:
         if args.debug:
             raise
@@ -70,7 +67,7 @@ def train(args: argparse.Namespace) -> int:
             raise
         print(f"hvdkit train: {hint}", file=sys.stderr, flush=True)
         return 1
-    return 0
+    return summary.get("exit_code", 0)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

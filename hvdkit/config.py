@@ -62,6 +62,8 @@ class TrainConfig:
     elastic: bool = field(default=False, metadata={
         "help": "elastic training (horovodrun --min-np/--max-np with a host discovery script)"})
     commit_steps: int = field(default=10, metadata={"help": "elastic: commit the state every N steps"})
+    max_requeues: int = field(default=3, metadata={"help": "after a stop signal (SIGUSR1), requeue the Slurm job "
+                                                         "at most this many times"})
     resume: bool = field(default=True, metadata={"help": "resume from the newest valid checkpoint in checkpoint_dir"})
 
 
@@ -105,7 +107,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"config: {name} must be > 0 (got {getattr(cfg, name)})")
-    for name in ("momentum", "weight_decay", "warmup_epochs", "num_workers", "stall_timeout"):
+    for name in ("momentum", "weight_decay", "warmup_epochs", "num_workers", "stall_timeout", "max_requeues"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"config: {name} must be >= 0 (got {getattr(cfg, name)})")
     for name in ("max_steps", "checkpoint_steps"):

@@ -23,9 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from hvdkit import checkpoint, data, env, models
+from hvdkit import checkpoint, data, env, models, preemption
 from hvdkit.config import ConfigError, TrainConfig, to_dict, validate
 from hvdkit.metrics import Metrics
+from hvdkit.preemption import StopSignal
 from hvdkit.watchdog import Watchdog
 
 
@@ -72,8 +73,8 @@ def train_step(cfg: TrainConfig, model, optimizer, scaler, images, labels, lr: f
         with torch.autocast(device.type, dtype=amp_dtype, enabled=cfg.amp):
             output = model(x)
             loss = F.cross_entropy(output, y)
-        window += torch.stack([loss.detach().float() * len(y), (output.argmax(1) == y).sum().float(),
-                               torch.tensor(float(len(y)), device=device)])
+        window[:3] += torch.stack([loss.detach().float() * len(y), (output.argmax(1) == y).sum().float(),
+                                   torch.tensor(float(len(y)), device=device)])
         loss = loss / len(micro_batches)
         (scaler.scale(loss) if scaler else loss).backward()
 
@@ -96,13 +97,17 @@ def train_step(cfg: TrainConfig, model, optimizer, scaler, images, labels, lr: f
 
 
 def place_process(local_rank: int, local_size: int) -> torch.device:
-    """The GPU local_rank % GPUs when there are GPUs; else the CPU with a fair share of cores."""
+    """The GPU local_rank % GPUs when there are GPUs; else the CPU with OMP_NUM_THREADS threads,
+    or a fair share of this node's cores."""
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
         return device
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(max(1, cores // local_size))
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # the job script's choice (Slurm: cpus-per-task)
+        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // local_size))
     return torch.device("cpu")
 
 
@@ -218,7 +223,10 @@ class Trainer:
         metrics.write({"event": "config", "world_size": size, **to_dict(cfg)})
 
         reported_step = step
-        window = torch.zeros(3, device=device)  # loss x samples, correct, samples since the last report
+        # Since the last report: loss x samples, correct, samples; and whether a stop signal came.
+        window = torch.zeros(4, device=device)
+        stop = StopSignal()
+        stopping = False
         train = {"loss": float("nan"), "accuracy": float("nan")}
         test = {}
         samples_trained, train_seconds = 0.0, 0.0
@@ -235,7 +243,9 @@ class Trainer:
 
                 end_of_epoch = step % steps_per_epoch == 0 or step == total_steps
                 if step % cfg.log_interval == 0 or end_of_epoch:
-                    loss_sum, correct, count = hvd.allreduce(window, op=hvd.Sum, name="train.metrics").tolist()
+                    window[3] = float(stop.received is not None)
+                    loss_sum, correct, count, stops = hvd.allreduce(window, op=hvd.Sum, name="train.metrics").tolist()
+                    stopping = stops > 0  # every rank stops at this step, whichever got the signal
                     now = time.perf_counter()
                     samples_trained += count
                     train_seconds += now - report_start
@@ -245,11 +255,13 @@ class Trainer:
                                    advance=step - reported_step)
                     window.zero_()
                     report_start, reported_step = now, step
-                if cfg.checkpoint_dir and cfg.checkpoint_steps and step % cfg.checkpoint_steps == 0 \
-                        and not end_of_epoch:
+                periodic = cfg.checkpoint_steps and step % cfg.checkpoint_steps == 0 and not end_of_epoch
+                if cfg.checkpoint_dir and (periodic or stopping):
                     self._save(model, optimizer, scaler, epoch, step, hvd)
-                if step >= total_steps:
+                if step >= total_steps or stopping:
                     break
+            if stopping:
+                break
 
             # A rank with fewer batches waits here instead of hanging the others' allreduce.
             if device.type == "cuda":
@@ -266,7 +278,8 @@ class Trainer:
                 self._save(model, optimizer, scaler, epoch, step, hvd)
             report_start = time.perf_counter()
 
-        if not test:  # resumed from the checkpoint at the very end: nothing left to train
+        stop.restore()
+        if not test:  # resumed at the very end, or stopped before an epoch ended
             test = self.evaluate(model, test_loader, device, cfg.amp, amp_dtype, hvd)
         summary = {
             "event": "summary", "epochs": epoch, "steps": step, "world_size": size,
@@ -277,6 +290,13 @@ class Trainer:
             "images_per_sec": samples_trained / train_seconds if train_seconds else 0.0,
             "wall_seconds": time.perf_counter() - wall_start,
         }
+        if stopping:
+            saved = f"checkpoint of step {step} saved" if cfg.checkpoint_dir else "no --checkpoint-dir: progress lost"
+            outcome = preemption.requeue(os.environ, cfg.max_requeues) if rank == 0 else ""
+            summary.update(stopped=True, exit_code=preemption.exit_code(outcome) if rank == 0 else 0)
+            if rank == 0:
+                print(f"hvdkit: stopped by signal {stop.received or 'on another rank'} at step {step}; {saved}; "
+                      f"{outcome}", file=sys.stderr, flush=True)
         watchdog.stop()
         metrics.write(summary)
         metrics.close()

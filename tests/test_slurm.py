@@ -86,3 +86,48 @@ def test_array_runs_one_training_per_index(cluster, tmp_path):
         assert f"--seed {index + 1}" in log
         assert selftest.parse_records(log, "summary")[0]["steps"] == 8
         assert (tmp_path / "run" / str(index) / "checkpoints").is_dir()
+
+
+PREEMPT_ARGS = "--dataset synthetic --epochs 2 --log-interval 4"
+
+
+def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(cluster, tmp_path):
+    import subprocess
+    import time
+
+    from hvdkit import checkpoint
+    from conftest import run
+
+    reference = tmp_path / "reference"
+    proc = run(selftest.mpirun_command(2, [*str(VENV_BIN / "hvdkit train").split(), *PREEMPT_ARGS.split(),
+                                           "--checkpoint-dir", str(reference), "--log-dir", str(tmp_path / "ref-logs")]),
+               env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    job = submit(cluster, tmp_path, "preemptible.sbatch", args=PREEMPT_ARGS)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and '"event": "train"' in metrics.read_text()):
+        assert time.monotonic() < deadline, f"job {job} did not start training: {cluster.job(job).get('JobState')}"
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--signal=USR1", job], env=cluster.env, check=True)
+    info = cluster.wait(job, timeout=300)
+    log = job_log(tmp_path, job)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-3000:]
+    assert "restart 0" in log and "restart 1" in log
+    rank0 = (tmp_path / "run" / "rank-0.log").read_text()
+    assert "requeued job" in rank0 or "requeued job" in log
+    summaries = selftest.parse_records(log, "summary")
+    assert summaries[-1]["epochs"] == 2 and not summaries[-1].get("stopped"), summaries
+    assert any(s.get("stopped") for s in summaries), "the stopped run reported its summary too"
+    final = checkpoint.load(checkpoint.existing(str(tmp_path / "run" / "checkpoints"))[-1])
+    expected = checkpoint.load(checkpoint.existing(str(reference))[-1])
+    assert final["step"] == expected["step"]
+    for name, tensor in expected["model"].items():
+        assert torch_equal(final["model"][name], tensor), name
+
+
+def torch_equal(a, b):
+    import torch
+
+    return torch.equal(a, b)

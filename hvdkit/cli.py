@@ -21,6 +21,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="build Horovod against the installed torch (same as python -m hvdkit.build)")
 
     sub.add_parser("launch", add_help=False, help="start a command on N ranks with horovodrun, mpirun or srun")
+    sub.add_parser("slurm", add_help=False, help="render or submit an sbatch script from the templates in slurm/")
 
     train = sub.add_parser("train", help="data-parallel training; launch one per GPU/slot with horovodrun, "
                                          "mpirun or srun")
@@ -79,6 +80,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv[:1] == ["launch"]:
         from hvdkit import launch
         return launch.main(argv[1:])
+    if argv[:1] == ["slurm"]:
+        from hvdkit import slurm
+        return slurm.main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "doctor":
         from hvdkit import doctor

@@ -131,3 +131,35 @@ def torch_equal(a, b):
     import torch
 
     return torch.equal(a, b)
+
+
+def test_rendered_scripts_pass_sbatch_test_only(cluster, tmp_path):
+    """The golden requests, fitted to the test cluster (its one partition, 2 nodes of 2 CPUs, no GPUs)."""
+    import dataclasses
+    import subprocess
+
+    from hvdkit import slurm
+    from test_slurm_render import CASES
+
+    for name, request in CASES.items():
+        fitted = dataclasses.replace(request, partition="debug", account=None, gpus_per_node=0,
+                                     nodes=min(request.nodes, 2), tasks_per_node=1, cpus_per_task=1)
+        result = subprocess.run(["sbatch", "--test-only"], input=slurm.render(fitted), env=cluster.env,
+                                capture_output=True, text=True, cwd=tmp_path)
+        assert result.returncode == 0 and "to start at" in result.stderr, f"{name}: {result.stderr}"
+
+
+def test_hvdkit_slurm_submit_runs_the_job(cluster, tmp_path):
+    from conftest import run
+
+    env = selftest.mpi_root_env(dict(cluster.env, PATH=f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}",
+                                     PYTHONPATH=str(REPO)))
+    proc = run([sys.executable, "-m", "hvdkit", "slurm", "submit", "--nodes", "2", "--time", "10:00", "--",
+                "hvdkit", "train", "--max-steps", "4"], env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    job = proc.stdout.strip()
+    assert job.isdigit()
+    info = cluster.wait(job)
+    log = (tmp_path / f"hvdkit-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED", log[-3000:]
+    assert selftest.parse_records(log, "summary")[0]["steps"] == 4

@@ -233,9 +233,11 @@ def intel_command(spec: LaunchSpec) -> list[str]:
 
 
 def srun_command(spec: LaunchSpec) -> list[str]:
-    """srun exports the whole environment; set_env is added to --export."""
+    """srun exports the whole environment; set_env is added to --export. --kill-on-bad-exit
+    ends every task when one fails, where srun would otherwise wait for the rest."""
     export = ",".join(["ALL", *(f"{k}={v}" for k, v in spec.set_env.items())])
-    cmd = [spec.program or "srun", f"--ntasks={spec.np}", f"--mpi={spec.srun_mpi}", f"--export={export}"]
+    cmd = [spec.program or "srun", f"--ntasks={spec.np}", f"--mpi={spec.srun_mpi}", "--kill-on-bad-exit=1",
+           f"--export={export}"]
     if spec.hosts:
         cmd.append(f"--nodelist={','.join(h.name for h in spec.hosts)}")
     return cmd + list(spec.command)

@@ -53,7 +53,8 @@ def test_horovodrun_and_srun_golden():
     spec = LaunchSpec(np=8, command=WORKER, hosts=[Host("h1", 4), Host("h2", 4)], controller="gloo",
                       set_env={"NCCL_DEBUG": "INFO"})
     assert launch.horovodrun_command(spec) == ["horovodrun", "-np", "8", "-H", "h1:4,h2:4", "--gloo", *WORKER]
-    assert launch.srun_command(spec) == ["srun", "--ntasks=8", "--mpi=pmix", "--export=ALL,NCCL_DEBUG=INFO",
+    assert launch.srun_command(spec) == ["srun", "--ntasks=8", "--mpi=pmix", "--kill-on-bad-exit=1",
+                                         "--export=ALL,NCCL_DEBUG=INFO",
                                          "--nodelist=h1,h2", *WORKER]
 
 

@@ -163,3 +163,23 @@ def test_hvdkit_slurm_submit_runs_the_job(cluster, tmp_path):
     log = (tmp_path / f"hvdkit-{job}.out").read_text()
     assert info["JobState"] == "COMPLETED", log[-3000:]
     assert selftest.parse_records(log, "summary")[0]["steps"] == 4
+
+
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_a_failing_rank_ends_an_srun_job_within_60s(cluster, tmp_path, how):
+    """Issue 5's failure semantics under srun, started as users do: hvdkit launch in salloc."""
+    import subprocess
+    import time
+
+    from test_reliability import FAILING_RANK
+
+    script = tmp_path / "fail.py"
+    script.write_text(FAILING_RANK)
+    env = selftest.mpi_root_env(dict(cluster.env, PATH=f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}",
+                                     PYTHONPATH=str(REPO)))
+    start = time.monotonic()
+    proc = subprocess.run(["salloc", "-N", "2", "-n", "2", str(VENV_BIN / "hvdkit"), "launch", "-np", "2",
+                           "--launcher", "srun", "--", sys.executable, str(script), how],
+                          env=env, capture_output=True, text=True, timeout=90, cwd=tmp_path)
+    assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert time.monotonic() - start < 60, f"took {time.monotonic() - start:.0f} s"

@@ -326,3 +326,13 @@ def test_elastic_training_scales_down_and_back_up(tmp_path):
     assert summary["epochs"] == 6 and summary["world_size"] == 2 and summary["test_samples"] == 512
     resets = [r for r in _records(jsonl) if r["event"] == "reset"]
     assert [r["world_size"] for r in resets][:2] == [1, 2], resets
+
+
+def test_requeues_are_bounded(tmp_path):
+    """The bound is checked before scontrol runs: with no scontrol on PATH, nothing else could answer."""
+    from hvdkit import preemption
+
+    assert preemption.requeue({}, 3) == "not a Slurm job: rerun the same command to resume"
+    limited = preemption.requeue({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "3"}, 3)
+    assert limited == "not requeued: job 7 was restarted 3 times already (--max-requeues 3)"
+    assert preemption.exit_code(limited) == 1 and preemption.exit_code("requeued job 7 (restart 1 of at most 3)") == 0

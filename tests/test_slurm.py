@@ -74,6 +74,7 @@ def test_template_runs_to_completion(cluster, tmp_path, template, nodes, tasks):
     summary = selftest.parse_records(log, "summary")
     assert len(summary) == 1 and summary[0]["world_size"] == tasks and summary[0]["steps"] == 8, log[-3000:]
     assert (tmp_path / "run" / "metrics.jsonl").exists()
+    assert sorted(p.name for p in (tmp_path / "run").glob("rank-*.log")) == [f"rank-{r}.log" for r in range(tasks)]
 
 
 def test_array_runs_one_training_per_index(cluster, tmp_path):

@@ -329,7 +329,7 @@ def test_elastic_training_scales_down_and_back_up(tmp_path):
 
 
 def test_requeues_are_bounded(tmp_path):
-    """The bound is checked before scontrol runs: with no scontrol on PATH, nothing else could answer."""
+    """Past the bound, no scontrol requeue is run and the exit code says the job stopped."""
     from hvdkit import preemption
 
     assert preemption.requeue({}, 3) == "not a Slurm job: rerun the same command to resume"

@@ -56,6 +56,8 @@ def test_unwritable_directories_are_refused(tmp_path):
     blocker.write_text("x")
     with pytest.raises(ConfigError, match="config: checkpoint_dir .* is not a directory"):
         config.parse(["--checkpoint-dir", str(blocker / "ckpt")])
+    with pytest.raises(ConfigError, match="config: log_dir .* is not a directory"):
+        config.parse(["--log-dir", str(blocker / "logs")])
     with pytest.raises(ConfigError, match="config: cannot read"):
         config.parse(["--config", str(tmp_path / "missing.yaml")])
 

@@ -207,22 +207,29 @@ class ResumableSampler(DistributedSampler):
         return self.num_samples - self.start
 
 
-def loaders(train_set: Dataset, test_set: Dataset, cfg: TrainConfig, rank: int, size: int, pin_memory: bool):
-    """(train loader, its DistributedSampler, test loader) for this rank.
-
-    A training batch holds batches_per_allreduce micro-batches, as in Horovod's examples.
-    """
+def loader_options(cfg: TrainConfig, rank: int, pin_memory: bool) -> dict:
+    """DataLoader settings every hvdkit loader shares, the elastic one included."""
     context = None
     if cfg.num_workers > 0 and "forkserver" in multiprocessing.get_all_start_methods():
         context = "forkserver"  # forking a process that holds MPI/InfiniBand state is unsafe
     # A generator of its own: creating an iterator must not draw from the global RNG, which
     # checkpoints restore, or a resumed run would diverge from an uninterrupted one.
-    common = dict(num_workers=cfg.num_workers, pin_memory=pin_memory, multiprocessing_context=context,
-                  persistent_workers=cfg.num_workers > 0,
-                  generator=torch.Generator().manual_seed(cfg.seed + rank))
+    return dict(num_workers=cfg.num_workers, pin_memory=pin_memory, multiprocessing_context=context,
+                persistent_workers=cfg.num_workers > 0, generator=torch.Generator().manual_seed(cfg.seed + rank))
+
+
+def test_loader(test_set: Dataset, cfg: TrainConfig, rank: int, size: int, pin_memory: bool) -> DataLoader:
+    """This rank's shard of the test set, every sample on exactly one rank."""
+    return DataLoader(test_set, batch_size=cfg.batch_size, sampler=ShardSampler(len(test_set), rank, size),
+                      **loader_options(cfg, rank, pin_memory))
+
+
+def loaders(train_set: Dataset, test_set: Dataset, cfg: TrainConfig, rank: int, size: int, pin_memory: bool):
+    """(train loader, its DistributedSampler, test loader) for this rank.
+
+    A training batch holds batches_per_allreduce micro-batches, as in Horovod's examples.
+    """
     sampler = ResumableSampler(train_set, num_replicas=size, rank=rank, shuffle=True, seed=cfg.seed)
     train = DataLoader(train_set, batch_size=cfg.batch_size * cfg.batches_per_allreduce,
-                       sampler=sampler, **common)
-    test = DataLoader(test_set, batch_size=cfg.batch_size,
-                      sampler=ShardSampler(len(test_set), rank, size), **common)
-    return train, sampler, test
+                       sampler=sampler, **loader_options(cfg, rank, pin_memory))
+    return train, sampler, test_loader(test_set, cfg, rank, size, pin_memory)

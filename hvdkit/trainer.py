@@ -321,8 +321,9 @@ class Trainer:
         optimizer = self._distributed_optimizer(model, hvd)
         amp_dtype, scaler = amp_setup(cfg, device)
         sampler = hvd.elastic.ElasticSampler(self.train_set, shuffle=True, seed=cfg.seed)
+        pin_memory = device.type == "cuda"
         loader = torch.utils.data.DataLoader(self.train_set, batch_size=cfg.batch_size * cfg.batches_per_allreduce,
-                                             sampler=sampler, num_workers=cfg.num_workers)
+                                             sampler=sampler, **data.loader_options(cfg, hvd.rank(), pin_memory))
         state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0)
         sinks = {"metrics": Metrics(cfg.log_dir, 0, enabled=hvd.rank() == 0)}
         sinks["metrics"].write({"event": "config", "world_size": hvd.size(), **to_dict(cfg)})
@@ -361,9 +362,7 @@ class Trainer:
                 else:
                     state.epoch += 1
                     sampler.set_epoch(state.epoch)
-                test_loader = torch.utils.data.DataLoader(
-                    self.test_set, batch_size=cfg.batch_size,
-                    sampler=data.ShardSampler(len(self.test_set), hvd.rank(), hvd.size()))
+                test_loader = data.test_loader(self.test_set, cfg, hvd.rank(), hvd.size(), pin_memory)
                 result["test"] = self.evaluate(model, test_loader, device, cfg.amp, amp_dtype, hvd)
                 sinks["metrics"].record("test", state.step, {"epoch": state.epoch, **result["test"]})
                 state.commit()

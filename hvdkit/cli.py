@@ -22,6 +22,8 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("launch", add_help=False, help="start a command on N ranks with horovodrun, mpirun or srun")
     sub.add_parser("slurm", add_help=False, help="render or submit an sbatch script from the templates in slurm/")
+    sub.add_parser("bench", add_help=False,
+                   help="benchmarks: synthetic (--compare ddp), allreduce bandwidth, scaling")
 
     train = sub.add_parser("train", help="data-parallel training; launch one per GPU/slot with horovodrun, "
                                          "mpirun or srun")
@@ -83,6 +85,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv[:1] == ["slurm"]:
         from hvdkit import slurm
         return slurm.main(argv[1:])
+    if argv[:1] == ["bench"]:
+        from hvdkit import bench
+        return bench.main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "doctor":
         from hvdkit import doctor

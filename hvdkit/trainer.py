@@ -122,6 +122,36 @@ def stall_settings(timeout: float) -> dict:
             "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": str(max(1, int(timeout)))}
 
 
+def performance_settings(on_gpu: bool) -> dict:
+    """Horovod and Open MPI knobs measured best for this loop (docs/performance.md).
+
+    On CPUs the ranks' compute threads take every core, so a rank waiting in MPI must
+    yield its core instead of spinning on it: Horovod's background thread waits in an MPI
+    collective each cycle, and Open MPI busy-polls unless told it is oversubscribed. On
+    GPUs the cores are free and spinning gives the lowest latency, so nothing is set.
+    """
+    if on_gpu:
+        return {}
+    return {"OMPI_MCA_mpi_yield_when_idle": "1"}
+
+
+def horovod_settings(cfg: TrainConfig) -> dict:
+    """What the Trainer sets before hvd.init(); a variable the user exported wins."""
+    return {**performance_settings(torch.cuda.is_available()), **stall_settings(cfg.stall_timeout)}
+
+
+def distributed_optimizer(cfg: TrainConfig, model: nn.Module, hvd):
+    """SGD wrapped in Horovod's DistributedOptimizer as the config asks."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.base_lr, momentum=cfg.momentum,
+                                weight_decay=cfg.weight_decay)
+    return hvd.DistributedOptimizer(
+        optimizer, named_parameters=model.named_parameters(),
+        compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,
+        backward_passes_per_step=cfg.batches_per_allreduce,
+        op=hvd.Adasum if cfg.use_adasum else hvd.Average,
+        gradient_predivide_factor=cfg.gradient_predivide_factor)
+
+
 OOM_HINT = ("out of memory: lower --batch-size (it is per rank), use --amp, or a smaller --image-size; "
             "see README 'When things go wrong'")
 NCCL_HINT = ("NCCL error: rerun with NCCL_DEBUG=INFO to see which link failed; on hosts with several "
@@ -186,8 +216,8 @@ class Trainer:
         import horovod.torch as hvd
 
         cfg = self.cfg
-        for name, value in stall_settings(cfg.stall_timeout).items():
-            os.environ.setdefault(name, value)  # the user's own HOROVOD_STALL_* settings win
+        for name, value in horovod_settings(cfg).items():
+            os.environ.setdefault(name, value)
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
         watchdog = Watchdog.after_stall_inspector(cfg.stall_timeout, rank)
@@ -205,7 +235,7 @@ class Trainer:
         model = self.model.to(device)
 
         scaling = lr_scaler(cfg, hvd, device)
-        optimizer = self._distributed_optimizer(model, hvd)
+        optimizer = distributed_optimizer(cfg, model, hvd)
         amp_dtype, scaler = amp_setup(cfg, device)
 
         # Every rank starts from rank 0's state: a checkpoint it loaded, or its initial weights.
@@ -314,11 +344,13 @@ class Trainer:
         import horovod.torch as hvd
 
         cfg = self.cfg
+        for name, value in performance_settings(torch.cuda.is_available()).items():
+            os.environ.setdefault(name, value)
         hvd.init()
         device = place_process(hvd.local_rank(), hvd.local_size())
         seed_everything(cfg.seed + hvd.rank())
         model = self.model.to(device)
-        optimizer = self._distributed_optimizer(model, hvd)
+        optimizer = distributed_optimizer(cfg, model, hvd)
         amp_dtype, scaler = amp_setup(cfg, device)
         sampler = hvd.elastic.ElasticSampler(self.train_set, shuffle=True, seed=cfg.seed)
         pin_memory = device.type == "cuda"
@@ -383,17 +415,6 @@ class Trainer:
         if hvd.rank() == 0:
             print(json.dumps(summary), flush=True)
         return summary
-
-    def _distributed_optimizer(self, model: nn.Module, hvd):
-        cfg = self.cfg
-        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.base_lr, momentum=cfg.momentum,
-                                    weight_decay=cfg.weight_decay)
-        return hvd.DistributedOptimizer(
-            optimizer, named_parameters=model.named_parameters(),
-            compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,
-            backward_passes_per_step=cfg.batches_per_allreduce,
-            op=hvd.Adasum if cfg.use_adasum else hvd.Average,
-            gradient_predivide_factor=cfg.gradient_predivide_factor)
 
     def _save(self, model, optimizer, scaler, epoch: int, step: int, hvd) -> None:
         """Every rank contributes its RNG state; rank 0 writes the checkpoint of ``step``."""

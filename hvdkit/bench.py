@@ -52,10 +52,11 @@ class RunFailed(RuntimeError):
 
 def parse_size(text: str) -> int:
     """Bytes in ``4K``, ``256M``, ``1G`` or ``4096`` (binary units, as nccl-tests)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", text.upper())
-    if not match or int(match.group(1)) < 4:
-        raise BenchError(f"size {text!r}: expected a number of bytes >= 4 like 4096, 4K, 16M or 1G")
-    return int(match.group(1)) * _UNITS[match.group(2)]
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)I?B?\s*", text.upper())
+    nbytes = int(match.group(1)) * _UNITS[match.group(2)] if match else 0
+    if nbytes < 4 or nbytes % 4:
+        raise BenchError(f"size {text!r}: expected a multiple of 4 bytes (float32) like 4096, 4K, 16M or 1G")
+    return nbytes
 
 
 def size_range(spec: str) -> list[int]:

@@ -1,0 +1,215 @@
+"""The benchmarks compute their figures right; real launches on tiny sizes, no timing asserted.
+
+The figure functions are checked on hand-made inputs; the commands are run for real
+(mpirun, horovodrun, torch.distributed over Gloo) at sizes that take seconds, and their
+records checked for consistency with those functions: totals summed across ranks,
+busbw from algbw, efficiency from the totals, and every file they promise written.
+"""
+
+import csv
+import json
+import math
+import re
+import sys
+
+import pytest
+
+from conftest import run
+from hvdkit import bench
+from hvdkit.selftest import horovodrun_command, parse_records
+
+HVDKIT = [sys.executable, "-m", "hvdkit.cli", "bench"]
+TINY = ["--model", "resnet18", "--batch-size", "4", "--image-size", "32", "--num-classes", "10",
+        "--num-warmup-batches", "1", "--num-batches-per-iter", "2", "--num-iters", "3"]
+
+
+# ---------------------------------------------------------------------------
+# Figures.
+# ---------------------------------------------------------------------------
+
+def test_sizes():
+    assert bench.parse_size("4K") == 4096 and bench.parse_size("256M") == 256 << 20
+    assert bench.parse_size("1G") == 1 << 30 and bench.parse_size("4096") == 4096 and bench.parse_size("8KiB") == 8192
+    assert bench.size_range("4K..64K") == [4096, 8192, 16384, 32768, 65536]
+    assert len(bench.size_range("4K..256M")) == 17
+    assert bench.size_range("4K,1M") == [4096, 1 << 20]
+    assert [bench.format_size(s) for s in (4096, 1 << 20, 1 << 30, 100)] == ["4K", "1M", "1G", "100"]
+
+
+@pytest.mark.parametrize("bad", ["4X", "", "2", "6", "1.5M", "-4K"])
+def test_bad_size(bad):
+    with pytest.raises(bench.BenchError, match="size"):
+        bench.parse_size(bad)
+
+
+def test_bad_range():
+    with pytest.raises(bench.BenchError, match="smaller than the first"):
+        bench.size_range("1M..4K")
+
+
+def test_bandwidths():
+    assert bench.algbw(10**9, 1.0) == 1.0
+    assert bench.algbw(64 << 20, 0.01) == pytest.approx((64 << 20) / 0.01 / 1e9)
+    # busbw = algbw x 2(n-1)/n: equal at 2 ranks, 1.5x at 4, 1.75x at 8, nothing moves at 1
+    assert bench.busbw(2.0, 2) == 2.0
+    assert bench.busbw(2.0, 4) == 3.0
+    assert bench.busbw(2.0, 8) == 3.5
+    assert bench.busbw(2.0, 1) == 0.0
+
+
+def test_rate_stats_match_horovods():
+    rates = [10.0, 12.0, 14.0]
+    mean, conf = bench.rate_stats(rates)
+    assert mean == 12.0
+    assert conf == pytest.approx(1.96 * math.sqrt(8 / 3))  # numpy's std: population
+    assert bench.rate_stats([5.0]) == (5.0, 0.0)
+
+
+def test_total_is_summed_across_ranks():
+    result = bench.cross_rank_total([[10.0, 1.0], [30.0, 3.0]])
+    assert result["total_img_sec"] == 40.0  # rank 0's 10 x 2 would say 20
+    assert result["img_sec_per_device"] == 20.0
+    assert result["total_img_sec_conf"] == 4.0
+    assert result["rank_img_sec"] == [10.0, 30.0]
+
+
+def test_scaling_table():
+    rows = bench.scaling_table({2: 150.0, 1: 100.0, 4: 200.0})
+    assert [r["np"] for r in rows] == [1, 2, 4]
+    assert [r["speedup"] for r in rows] == [1.0, 1.5, 2.0]
+    assert [r["efficiency"] for r in rows] == [1.0, 0.75, 0.5]
+    # without np=1, the smallest size run is the base
+    rows = bench.scaling_table({2: 100.0, 4: 150.0})
+    assert rows[1]["efficiency"] == pytest.approx(0.75)
+
+
+def test_ratio_summary():
+    def cell(busbw):
+        return {"time_us": 1.0, "algbw": busbw, "busbw": busbw}
+    record = {"implementations": list(bench.ALLREDUCE_IMPLS), "rows": [
+        {"bytes": 4096, **{n: cell(b) for n, b in zip(bench.ALLREDUCE_IMPLS, (8.0, 0.5, 1.0, 0.9))}},
+        {"bytes": 16 << 20, **{n: cell(b) for n, b in zip(bench.ALLREDUCE_IMPLS, (2.0, 1.0, 1.8, 0.9))}},
+        {"bytes": 64 << 20, **{n: cell(b) for n, b in zip(bench.ALLREDUCE_IMPLS, (2.0, 1.0, 1.6, 0.9))}},
+    ]}
+    summary = bench.ratio_summary(record)
+    # the 4K row is below 16 MiB: it counts against torch.distributed only
+    assert summary["ratios"] == {"in-place/mpi4py min >=16M": 0.8, "in-place/torch min": 1.6}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["allreduce", "--sizes", "4X"], "size '4X'"),
+    (["allreduce", "--sizes", "1M..4K"], "smaller than the first"),
+    (["scaling", "--np", "0"], "world sizes must be >= 1"),
+    (["scaling", "--np", "one"], "expected a list like 1,2,4"),
+    (["synthetic", "--compare", "torchrun"], "unknown implementation 'torchrun'"),
+    (["synthetic", "--batch-size", "0"], "expected a whole number >= 1"),
+])
+def test_bad_input_is_one_line(argv, message):
+    proc = run(HVDKIT + argv, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert message in proc.stderr
+
+
+def test_drivers_refuse_to_run_under_a_launcher():
+    """Open MPI's rank variables set on a plain process stand in for a launch here: the
+    refusal happens before anything would use them."""
+    for argv in (["allreduce", "-np", "2"], ["scaling", "--np", "1,2"], ["synthetic", "--compare", "ddp"]):
+        proc = run(HVDKIT + argv, timeout=60, env={**__import__("os").environ, "OMPI_COMM_WORLD_RANK": "0",
+                                                   "OMPI_COMM_WORLD_SIZE": "2"})
+        assert proc.returncode == 2 and "without a launcher" in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------------------
+# Real launches.
+# ---------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_synthetic_under_horovodrun_prints_horovods_output(hvd_built):
+    """`horovodrun -np 2 hvdkit bench synthetic`, as users run Horovod's benchmark script."""
+    proc = run(horovodrun_command("gloo", 2, HVDKIT + ["synthetic", *TINY]), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert re.search(r"Number of CPUs: 2", proc.stdout)
+    assert len(re.findall(r"Iter #\d: [\d.]+ img/sec per CPU", proc.stdout)) == 3  # rank 0 only
+    per = re.search(r"Img/sec per CPU: ([\d.]+) \+-([\d.]+)", proc.stdout)
+    total = re.search(r"Total img/sec on 2 CPU\(s\): ([\d.]+) \+-([\d.]+)", proc.stdout)
+    assert per and total, proc.stdout[-2000:]
+    [record] = parse_records(proc.stdout, "bench.synthetic")
+    assert record["impl"] == "hvdkit" and record["world_size"] == 2
+    assert record["environment"]["controller"] == "gloo"
+    rates = record["rank_img_sec"]
+    assert len(rates) == 2 and all(r > 0 for r in rates)
+    assert record["total_img_sec"] == pytest.approx(sum(rates))
+    assert float(total.group(1)) == pytest.approx(sum(rates), abs=0.05)
+    assert float(per.group(1)) == pytest.approx(sum(rates) / 2, abs=0.05)
+
+
+@pytest.mark.slow
+def test_compare_runs_each_implementation_and_reports_ratios(hvd_built):
+    proc = run(HVDKIT + ["synthetic", "-np", "2", "--compare", "horovod,ddp", *TINY], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    for impl in ("hvdkit", "horovod", "ddp"):
+        assert f"== {impl}: np=2" in proc.stdout
+    assert proc.stdout.count("Total img/sec on 2 CPU(s)") == 3
+    assert "# environment" in proc.stdout and "torch_threads: 1" in proc.stdout
+    [record] = parse_records(proc.stdout, "bench.compare")
+    totals = record["total_img_sec"]
+    assert set(totals) == {"hvdkit", "horovod", "ddp"} and all(v > 0 for v in totals.values())
+    assert record["ratios"]["hvdkit/ddp"] == pytest.approx(totals["hvdkit"] / totals["ddp"])
+    assert record["ratios"]["hvdkit/horovod"] == pytest.approx(totals["hvdkit"] / totals["horovod"])
+    # the Trainer's setting is in force and reported
+    assert record["environment"]["knobs"].get("OMPI_MCA_mpi_yield_when_idle") == "1"
+
+
+def _read_allreduce(out):
+    rows = list(csv.DictReader((out / "allreduce.csv").open()))
+    record = json.loads((out / "allreduce.json").read_text())
+    assert (out / "allreduce.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return rows, record
+
+
+@pytest.mark.slow
+def test_allreduce_under_mpirun(tmp_path, hvd_built):
+    """Every implementation's result is checked by the worker before it is timed; here, that
+    the reported figures follow from the times and the files hold them."""
+    out = tmp_path / "ar"
+    proc = run(HVDKIT + ["allreduce", "-np", "2", "--sizes", "4K..16K", "--iters", "5", "--out", str(out)],
+               timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    rows, record = _read_allreduce(out)
+    assert record["implementations"] == list(bench.ALLREDUCE_IMPLS)
+    assert record["environment"]["controller"] == "mpi"
+    assert len(rows) == 3 * 4
+    for row in record["rows"]:
+        for name in bench.ALLREDUCE_IMPLS:
+            cell = row[name]
+            assert cell["algbw"] == pytest.approx(row["bytes"] / (cell["time_us"] * 1e-6) / 1e9)
+            assert cell["busbw"] == pytest.approx(cell["algbw"])  # 2(n-1)/n = 1 at n = 2
+    assert {r["implementation"] for r in rows} == set(bench.ALLREDUCE_IMPLS)
+    assert "horovod in-place / mpi4py" not in proc.stdout  # no size reached 16M
+    assert "horovod in-place / torch.distributed busbw, every size: min" in proc.stdout
+
+
+@pytest.mark.slow
+def test_allreduce_under_gloo_says_why_mpi_is_missing(tmp_path, hvd_built):
+    out = tmp_path / "ar"
+    proc = run(HVDKIT + ["allreduce", "-np", "2", "--gloo", "--sizes", "4K", "--iters", "3", "--out", str(out)],
+               timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "# skipped mpi4py: a Gloo launch (horovodrun --gloo) has no MPI" in proc.stdout
+    rows, record = _read_allreduce(out)
+    assert record["implementations"] == ["torch.distributed", "horovod in-place", "horovod out-of-place"]
+    assert record["environment"]["controller"] == "gloo"
+
+
+@pytest.mark.slow
+def test_scaling_table_and_plot(tmp_path, hvd_built):
+    out = tmp_path / "scaling"
+    proc = run(HVDKIT + ["scaling", "--np", "1,2", *TINY, "--out", str(out)], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    record = json.loads((out / "scaling.json").read_text())
+    one, two = record["rows"]
+    assert (one["np"], two["np"]) == (1, 2) and one["efficiency"] == 1.0
+    assert two["efficiency"] == pytest.approx(two["total_img_sec"] / (2 * one["total_img_sec"]))
+    assert (out / "scaling.png").read_bytes()[:4] == b"\x89PNG"
+    assert re.search(r"^\s+2\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+%$", proc.stdout, re.M), proc.stdout[-1500:]

@@ -429,14 +429,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_command(args: argparse.Namespace, np: int, worker: Sequence[str]) -> list[str]:
-    """`hvdkit launch` of ``worker`` on ``np`` ranks, with a rendezvous for torch.distributed
-    on the first host (this machine unless -H/--hostfile says otherwise)."""
+def launch_command(args: argparse.Namespace, np: int, worker: Sequence[str],
+                   knobs_set: Optional[dict] = None) -> list[str]:
+    """`hvdkit launch` of ``worker`` on ``np`` ranks, with ``knobs_set`` in every rank and a
+    rendezvous for torch.distributed on the first host (this machine unless -H says otherwise)."""
     master = "127.0.0.1"
     if args.hosts:
         master = args.hosts.split(",")[0].split(":")[0]
     cmd = [find_program("hvdkit") or "hvdkit", "launch", "-np", str(np), "--launcher", args.launcher,
            "-x", f"MASTER_ADDR={master}", "-x", f"MASTER_PORT={_free_port()}"]
+    for name, value in (knobs_set or {}).items():
+        cmd += ["-x", f"{name}={value}"]
     if args.hosts:
         cmd += ["-H", args.hosts]
     if args.controller:
@@ -470,28 +473,31 @@ def _synthetic_worker_args(args: argparse.Namespace, impl: str) -> list[str]:
 
 
 def compare_synthetic(args: argparse.Namespace) -> int:
-    """hvdkit and each --compare implementation, alternating order over --repeats rounds so
-    that drift on a shared machine falls on all of them alike."""
-    impls = ["hvdkit", *[i for i in args.compare if i != "hvdkit"]]
+    """hvdkit, each --compare implementation and hvdkit under each --knob, alternating order
+    over --repeats rounds so that drift on a shared machine falls on all of them alike."""
+    entries = [("hvdkit", "hvdkit", {})]
+    entries += [(impl, impl, {}) for impl in args.compare if impl != "hvdkit"]
+    entries += [(f"hvdkit {name}={value}", "hvdkit", {name: value}) for name, value in args.knob]
     np = args.np or default_np()
-    runs: dict[str, list[dict]] = {i: [] for i in impls}
+    runs: dict[str, list[dict]] = {label: [] for label, _, _ in entries}
     for round_index in range(args.repeats):
-        for impl in (impls if round_index % 2 == 0 else impls[::-1]):
-            print(f"== {impl}: np={np}, {args.model}, batch {args.batch_size}, "
+        for label, impl, knob in (entries if round_index % 2 == 0 else entries[::-1]):
+            print(f"== {label}: np={np}, {args.model}, batch {args.batch_size}, "
                   f"{args.image_size}x{args.image_size} (round {round_index + 1} of {args.repeats})", flush=True)
-            command = launch_command(args, np, _synthetic_worker_args(args, impl))
-            runs[impl].append(run_launch(command, "bench.synthetic", impl, args.timeout))
+            command = launch_command(args, np, _synthetic_worker_args(args, impl), knob)
+            runs[label].append(run_launch(command, "bench.synthetic", label, args.timeout))
     print_environment(runs["hvdkit"][-1]["environment"])
-    summary = {impl: statistics.fmean(r["total_img_sec"] for r in results) for impl, results in runs.items()}
+    summary = {label: statistics.fmean(r["total_img_sec"] for r in results) for label, results in runs.items()}
     kind = runs["hvdkit"][-1]["device"]
-    print(f"\n{'implementation':<18} {'total img/sec':>14} {'per ' + kind:>10} {'hvdkit / it':>12}")
-    for impl in impls:
-        total = summary[impl]
-        print(f"{impl:<18} {total:>14.1f} {total / np:>10.1f} {summary['hvdkit'] / total:>12.3f}")
-    ratios = {f"hvdkit/{impl}": summary["hvdkit"] / summary[impl] for impl in impls if impl != "hvdkit"}
+    width = max(18, *(len(label) for label in summary))
+    print(f"\n{'implementation':<{width}} {'total img/sec':>14} {'per ' + kind:>10} {'hvdkit / it':>12}")
+    for label, total in summary.items():
+        print(f"{label:<{width}} {total:>14.1f} {total / np:>10.1f} {summary['hvdkit'] / total:>12.3f}")
+    ratios = {f"hvdkit/{label}": summary["hvdkit"] / total for label, total in summary.items() if label != "hvdkit"}
     print(json.dumps({"event": "bench.compare", "np": np, "model": args.model, "batch_size": args.batch_size,
                       "image_size": args.image_size, "repeats": args.repeats, "total_img_sec": summary,
-                      "ratios": ratios, "runs": {i: [r["total_img_sec"] for r in rs] for i, rs in runs.items()},
+                      "ratios": ratios, "runs": {label: [r["total_img_sec"] for r in rs] for label, rs in runs.items()},
+                      "knobs": {label: rs[-1]["environment"]["knobs"] for label, rs in runs.items()},
                       "environment": runs["hvdkit"][-1]["environment"]}), flush=True)
     return 0
 
@@ -506,10 +512,12 @@ def scaling(args: argparse.Namespace) -> int:
         totals[np] = records[np]["total_img_sec"]
     table = scaling_table(totals)
     print_environment(records[max(totals)]["environment"])
-    print(f"\n{'np':>4} {'total img/sec':>14} {'per rank':>10} {'speedup':>8} {'efficiency':>11}")
+    for row in table:  # a rank alone on a node gets all its cores: say so beside the figures
+        row["torch_threads"] = records[row["np"]]["environment"]["torch_threads"]
+    print(f"\n{'np':>4} {'threads/rank':>12} {'total img/sec':>14} {'per rank':>10} {'speedup':>8} {'efficiency':>11}")
     for row in table:
-        print(f"{row['np']:>4} {row['total_img_sec']:>14.1f} {row['per_rank_img_sec']:>10.1f} "
-              f"{row['speedup']:>8.2f} {row['efficiency']:>10.1%}")
+        print(f"{row['np']:>4} {row['torch_threads']:>12} {row['total_img_sec']:>14.1f} "
+              f"{row['per_rank_img_sec']:>10.1f} {row['speedup']:>8.2f} {row['efficiency']:>10.1%}")
     out = _out_dir(args, "scaling")
     _plot_scaling(table, args, out / "scaling.png")
     record = {"event": "bench.scaling", "impl": args.impl, "model": args.model, "batch_size": args.batch_size,
@@ -681,6 +689,13 @@ def _compare_list(text: str) -> list[str]:
     return names
 
 
+def _knob(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE like HOROVOD_CYCLE_TIME=1, got {text!r}")
+    return name, value
+
+
 def _launch_arguments(p: argparse.ArgumentParser, files: bool) -> None:
     p.add_argument("--launcher", choices=("auto", "horovodrun", "mpirun", "srun"), default="auto",
                    help="how to start the ranks (as hvdkit launch; default: auto)")
@@ -718,6 +733,9 @@ def parser() -> argparse.ArgumentParser:
                      help="ranks to launch (default: one per GPU, else per core); under a launcher, its ranks")
     syn.add_argument("--compare", type=_compare_list, default=[], metavar="IMPL[,IMPL]",
                      help=f"also run these, launched the same way: {IMPL_HELP}")
+    syn.add_argument("--knob", type=_knob, action="append", default=[], metavar="NAME=VALUE",
+                     help="also run hvdkit with this setting (HOROVOD_*, OMPI_MCA_*, NCCL_*, ...), one run "
+                          "per --knob; repeatable")
     syn.add_argument("--repeats", type=_positive, default=1, help="rounds over the implementations (default 1)")
     syn.add_argument("--impl", choices=SYNTHETIC_IMPLS, help=argparse.SUPPRESS)
     _launch_arguments(syn, files=False)
@@ -757,12 +775,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if under_launcher:
                 raise BenchError("scaling launches its own ranks: run it without a launcher, with --np 1,2")
             return scaling(args)
-        if args.impl or (under_launcher and not args.compare):
+        if args.impl or (under_launcher and not args.compare and not args.knob):
             args.impl = args.impl or "hvdkit"
             synthetic_worker(args)
             return 0
         if under_launcher:
-            raise BenchError("--compare launches each implementation itself: run it without a launcher, with -np N")
+            raise BenchError("--compare and --knob launch each run themselves: run it without a launcher, with -np N")
         return compare_synthetic(args)
     except (BenchError, RunFailed) as exc:
         print(f"hvdkit bench: {exc}", file=sys.stderr, flush=True)

@@ -103,6 +103,7 @@ def test_ratio_summary():
     (["scaling", "--np", "one"], "expected a list like 1,2,4"),
     (["synthetic", "--compare", "torchrun"], "unknown implementation 'torchrun'"),
     (["synthetic", "--batch-size", "0"], "expected a whole number >= 1"),
+    (["synthetic", "--knob", "HOROVOD_CYCLE_TIME"], "expected NAME=VALUE"),
 ])
 def test_bad_input_is_one_line(argv, message):
     proc = run(HVDKIT + argv, timeout=60)
@@ -146,19 +147,23 @@ def test_synthetic_under_horovodrun_prints_horovods_output(hvd_built):
 
 @pytest.mark.slow
 def test_compare_runs_each_implementation_and_reports_ratios(hvd_built):
-    proc = run(HVDKIT + ["synthetic", "-np", "2", "--compare", "horovod,ddp", *TINY], timeout=600)
+    proc = run(HVDKIT + ["synthetic", "-np", "2", "--compare", "horovod,ddp", "--knob", "HOROVOD_CYCLE_TIME=1",
+                         *TINY], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    for impl in ("hvdkit", "horovod", "ddp"):
-        assert f"== {impl}: np=2" in proc.stdout
-    assert proc.stdout.count("Total img/sec on 2 CPU(s)") == 3
+    labels = ("hvdkit", "horovod", "ddp", "hvdkit HOROVOD_CYCLE_TIME=1")
+    for label in labels:
+        assert f"== {label}: np=2" in proc.stdout
+    assert proc.stdout.count("Total img/sec on 2 CPU(s)") == 4
     assert "# environment" in proc.stdout and "torch_threads: 1" in proc.stdout
     [record] = parse_records(proc.stdout, "bench.compare")
     totals = record["total_img_sec"]
-    assert set(totals) == {"hvdkit", "horovod", "ddp"} and all(v > 0 for v in totals.values())
-    assert record["ratios"]["hvdkit/ddp"] == pytest.approx(totals["hvdkit"] / totals["ddp"])
-    assert record["ratios"]["hvdkit/horovod"] == pytest.approx(totals["hvdkit"] / totals["horovod"])
-    # the Trainer's setting is in force and reported
-    assert record["environment"]["knobs"].get("OMPI_MCA_mpi_yield_when_idle") == "1"
+    assert set(totals) == set(labels) and all(v > 0 for v in totals.values())
+    for label in labels[1:]:
+        assert record["ratios"][f"hvdkit/{label}"] == pytest.approx(totals["hvdkit"] / totals[label])
+    # the Trainer's settings are in force and reported; a --knob overrides one of them in its run only
+    assert record["knobs"]["hvdkit"]["OMPI_MCA_mpi_yield_when_idle"] == "1"
+    assert record["knobs"]["hvdkit"]["HOROVOD_CYCLE_TIME"] == "0.1"
+    assert record["knobs"]["hvdkit HOROVOD_CYCLE_TIME=1"]["HOROVOD_CYCLE_TIME"] == "1"
 
 
 def _read_allreduce(out):
@@ -212,4 +217,5 @@ def test_scaling_table_and_plot(tmp_path, hvd_built):
     assert (one["np"], two["np"]) == (1, 2) and one["efficiency"] == 1.0
     assert two["efficiency"] == pytest.approx(two["total_img_sec"] / (2 * one["total_img_sec"]))
     assert (out / "scaling.png").read_bytes()[:4] == b"\x89PNG"
-    assert re.search(r"^\s+2\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+%$", proc.stdout, re.M), proc.stdout[-1500:]
+    assert two["torch_threads"] == 1  # one per core on this 2-core machine; np=1 gets both
+    assert re.search(r"^\s+2\s+1\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+%$", proc.stdout, re.M), proc.stdout[-1500:]

@@ -346,8 +346,6 @@ class Trainer:
         import horovod.torch as hvd
 
         cfg = self.cfg
-        for name, value in performance_settings(torch.cuda.is_available()).items():
-            os.environ.setdefault(name, value)
         hvd.init()
         device = place_process(hvd.local_rank(), hvd.local_size())
         seed_everything(cfg.seed + hvd.rank())

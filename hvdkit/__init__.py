@@ -1,12 +1,13 @@
 """hvdkit: a Horovod/MPI training toolkit for PyTorch.
 
-``hvdkit.Trainer`` and ``hvdkit.TrainConfig`` are imported on first use, so that
+``hvdkit.Session`` (the own-loop API), ``hvdkit.Trainer`` and ``hvdkit.TrainConfig`` are imported on first use, so that
 ``python -m hvdkit.build`` runs before torch's and Horovod's heavier imports are needed.
 """
 
 __version__ = "0.1.0"
 
-_LAZY = {"Trainer": "hvdkit.trainer", "TrainConfig": "hvdkit.config"}
+_LAZY = {"Trainer": "hvdkit.trainer", "TrainConfig": "hvdkit.config", "Session": "hvdkit.session",
+         "sync_batch_norm": "hvdkit.session"}
 
 
 def __getattr__(name):

@@ -28,8 +28,8 @@ from hvdkit import env
 from hvdkit.launch import find_program, local_slots
 from hvdkit.selftest import mpi_root_env, parse_records
 
-SYNTHETIC_IMPLS = ("hvdkit", "horovod", "horovod-defaults", "ddp")
-IMPL_HELP = ("hvdkit: the Trainer's step and defaults; horovod: a hand-written Horovod loop (Horovod's "
+SYNTHETIC_IMPLS = ("hvdkit", "own-loop", "horovod", "horovod-defaults", "ddp")
+IMPL_HELP = ("hvdkit: the Trainer's step and defaults; own-loop: the README's own loop on hvdkit.Session; horovod: a hand-written Horovod loop (Horovod's "
              "example) with the same settings; horovod-defaults: that loop with Horovod's own defaults; "
              "ddp: torch DistributedDataParallel (NCCL on GPUs, Gloo on CPUs)")
 ALLREDUCE_IMPLS = ("mpi4py", "torch.distributed", "horovod in-place", "horovod out-of-place")
@@ -212,14 +212,19 @@ def synthetic_worker(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
 
     from hvdkit import models
-    from hvdkit.config import TrainConfig
-    from hvdkit.trainer import amp_setup, distributed_optimizer, performance_settings, place_process, train_step
+    from hvdkit.session import Session, performance_settings, place_process
+    from hvdkit.trainer import classification_loss, train_step
 
     impl = args.impl
-    if impl in ("hvdkit", "horovod"):
+    if impl == "horovod":
         _apply_defaults(performance_settings(torch.cuda.is_available()))
     launch = env.detect()
-    if impl == "ddp":
+    if impl in ("hvdkit", "own-loop"):  # the Session applies the same settings itself
+        session = Session(batch_size=args.batch_size, fp16_allreduce=args.fp16_allreduce, amp=args.amp,
+                          seed=args.seed)
+        device = session.device
+        comm = _horovod_comm(session.hvd)
+    elif impl == "ddp":
         device = place_process(launch.local_rank or 0, launch.local_size or 1)
         _init_torch_distributed("nccl" if device.type == "cuda" else "gloo")
         comm = _torch_comm()
@@ -234,16 +239,25 @@ def synthetic_worker(args: argparse.Namespace) -> None:
     model = models.build(args.model, 3, args.image_size, args.num_classes).to(device)
     images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
     labels = torch.randint(0, args.num_classes, (args.batch_size,), device=device)
-    cfg = TrainConfig(model=args.model, batch_size=args.batch_size, base_lr=args.lr, momentum=0.0, weight_decay=0.0,
-                      fp16_allreduce=args.fp16_allreduce, amp=args.amp)
-    amp_dtype, scaler = amp_setup(cfg, device)
+    amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    scaler = torch.amp.GradScaler("cuda") if args.amp and device.type == "cuda" else None
 
-    if impl == "hvdkit":
-        optimizer = distributed_optimizer(cfg, model, hvd)
-        window = torch.zeros(4, device=device)
+    if impl == "hvdkit":  # the Trainer's step
+        model, optimizer = session.setup(model, torch.optim.SGD(model.parameters(), lr=args.lr))
 
         def step() -> None:
-            train_step(cfg, model, optimizer, scaler, images, labels, args.lr, window, device, amp_dtype)
+            train_step(session, model, classification_loss, (images, labels))
+    elif impl == "own-loop":  # the README's own loop on the Session API
+        model, optimizer = session.setup(model, torch.optim.SGD(model.parameters(), lr=args.lr))
+
+        def step() -> None:
+            optimizer.zero_grad()
+            for x, y in session.micro_batches((images, labels)):
+                with session.autocast():
+                    loss = F.cross_entropy(model(x), y)
+                session.backward(loss)
+                session.log(len(y), loss=loss)
+            session.step()
     elif impl == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
         if args.fp16_allreduce:
@@ -283,9 +297,6 @@ def synthetic_worker(args: argparse.Namespace) -> None:
             else:
                 loss.backward()
                 optimizer.step()
-    if impl == "hvdkit":  # as Trainer.fit: optimizer state first, then the parameters
-        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
     def timed_batches() -> float:
         start = time.perf_counter()
@@ -336,7 +347,7 @@ def allreduce_worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from hvdkit.trainer import performance_settings, place_process
+    from hvdkit.session import performance_settings, place_process
 
     if not args.no_tuning:
         _apply_defaults(performance_settings(torch.cuda.is_available()))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -16,12 +17,13 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 
-
 class ConfigError(ValueError):
     """A bad configuration value; the message names the key."""
 
 
 LR_SCHEDULES = ("cosine", "step", "none")
+LR_SCALINGS = ("linear", "sqrt", "none")
+OPTIMIZERS = ("sgd", "adamw", "adam")
 
 
 @dataclass
@@ -29,15 +31,21 @@ class TrainConfig:
     """Hyper-parameters and paths of one training run. Batch size is per rank, as in Horovod."""
 
     model: str = field(default="cnn", metadata={"help": "model name (see `hvdkit train --list`)"})
-    dataset: str = field(default="digits", metadata={"help": "digits (embedded), mnist, cifar10, imagefolder, synthetic"})
-    data_dir: Optional[str] = field(default=None, metadata={"help": "root of mnist/cifar10/imagefolder data"})
+    dataset: str = field(default="digits", metadata={
+        "help": "digits (embedded), text (embedded), mnist, cifar10, imagefolder, synthetic"})
+    data_dir: Optional[str] = field(default=None, metadata={
+        "help": "root of mnist/cifar10/imagefolder data; for text, a .txt file or a folder of them"})
     image_size: int = field(default=32, metadata={"help": "side of imagefolder/synthetic images"})
+    seq_len: int = field(default=64, metadata={"help": "text: tokens (bytes) per training sequence"})
     batch_size: int = field(default=32, metadata={"help": "samples per rank per backward pass"})
     epochs: int = field(default=12, metadata={"help": "passes over the training set"})
     max_steps: Optional[int] = field(default=None, metadata={"help": "stop after this many optimizer steps"})
-    base_lr: float = field(default=0.025, metadata={"help": "learning rate of one rank; scaled by size x K"})
+    optimizer: str = field(default="sgd", metadata={"help": "sgd, adamw or adam"})
+    base_lr: float = field(default=0.025, metadata={"help": "learning rate of one rank; scaled as lr_scaling says"})
+    lr_scaling: str = field(default="linear", metadata={
+        "help": "peak lr = base_lr x (size x K) for linear, x sqrt(size x K) for sqrt, x 1 for none"})
     momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
-    weight_decay: float = field(default=5e-5, metadata={"help": "SGD weight decay"})
+    weight_decay: float = field(default=5e-5, metadata={"help": "weight decay (decoupled for adamw)"})
     warmup_epochs: float = field(default=1.0, metadata={"help": "gradual warmup from base_lr to the scaled lr"})
     lr_schedule: str = field(default="cosine", metadata={"help": "after warmup: cosine, step or none"})
     lr_decay_epochs: list = field(default_factory=lambda: [30, 60, 80],
@@ -49,10 +57,14 @@ class TrainConfig:
     gradient_predivide_factor: float = field(default=1.0, metadata={"help": "divide gradients before the sum"})
     amp: bool = field(default=False, metadata={"help": "mixed precision: bf16 on CPU, fp16 + GradScaler on GPU"})
     clip_grad_norm: Optional[float] = field(default=None, metadata={"help": "clip gradients to this total norm"})
+    sync_batch_norm: bool = field(default=False, metadata={
+        "help": "replace BatchNorm layers with hvd.SyncBatchNorm (statistics over all ranks' batches)"})
+    compile: bool = field(default=False, metadata={"help": "torch.compile the model"})
     seed: int = field(default=42, metadata={"help": "random seed (each rank adds its rank)"})
     num_workers: int = field(default=0, metadata={"help": "data loader worker processes per rank"})
     log_interval: int = field(default=10, metadata={"help": "optimizer steps between metric reports"})
-    log_dir: Optional[str] = field(default="runs/latest", metadata={"help": "metrics.jsonl and TensorBoard events"})
+    log_dir: Optional[str] = field(default=None, metadata={
+        "help": "metrics.jsonl and TensorBoard events (default: a new runs/<date>-<time> per run)"})
     checkpoint_dir: Optional[str] = field(default=None, metadata={"help": "where rank 0 writes checkpoints"})
     checkpoint_steps: Optional[int] = field(default=None,
                                             metadata={"help": "also checkpoint every N steps (default: per epoch)"})
@@ -101,9 +113,12 @@ def _coerce(name: str, value: Any) -> Any:
 
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Reject impossible values, naming the key. Registries are checked by the caller's lookups."""
+    for name, value in dataclasses.asdict(cfg).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"config: {name} must be a finite number (got {value})")
     positive = ("batch_size", "epochs", "base_lr", "batches_per_allreduce", "log_interval",
                 "gradient_predivide_factor", "lr_decay_factor", "image_size", "keep_checkpoints",
-                "commit_steps")
+                "commit_steps", "seq_len")
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"config: {name} must be > 0 (got {getattr(cfg, name)})")
@@ -117,6 +132,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"config: clip_grad_norm must be > 0 (got {cfg.clip_grad_norm})")
     if cfg.lr_schedule not in LR_SCHEDULES:
         raise ConfigError(f"config: lr_schedule must be one of {', '.join(LR_SCHEDULES)} (got {cfg.lr_schedule!r})")
+    for name, choices in (("lr_scaling", LR_SCALINGS), ("optimizer", OPTIMIZERS)):
+        if getattr(cfg, name) not in choices:
+            raise ConfigError(f"config: {name} must be one of {', '.join(choices)} (got {getattr(cfg, name)!r})")
     if cfg.use_adasum and cfg.gradient_predivide_factor != 1.0:
         raise ConfigError("config: gradient_predivide_factor must be 1.0 with use_adasum (Horovod averages only)")
     if cfg.elastic and cfg.checkpoint_dir:
@@ -147,6 +165,24 @@ def from_mapping(values: Mapping[str, Any], base: Optional[TrainConfig] = None) 
             raise ConfigError(f"config: unknown key {key!r}")
         updates[name] = _coerce(name, value)
     return dataclasses.replace(base or TrainConfig(), **updates)
+
+
+ENV_PREFIX = "HVDKIT_"
+
+
+def from_environ(environ: Mapping[str, str]) -> dict:
+    """Config keys set as HVDKIT_<KEY> variables (``HVDKIT_CHECKPOINT_DIR=ckpt``), each value read
+    as YAML, so that a job script can point anyone's script at its directories without adding
+    flags to it. Variables of other hvdkit settings (HVDKIT_CACHE_DIR, ...) are not keys."""
+    import yaml
+
+    values = {}
+    for name in FIELDS:
+        text = environ.get(ENV_PREFIX + name.upper())
+        if text is not None:
+            kind, _ = _base_type(name)
+            values[name] = text if kind is str else yaml.safe_load(text)
+    return values
 
 
 def load_yaml(path: str) -> dict:

@@ -34,7 +34,8 @@ class Datasets:
     test: Dataset
     in_channels: int
     image_size: int
-    num_classes: int
+    num_classes: int  # for text: the vocabulary (256 bytes)
+    tokens_per_sample: int = 0  # text only: a sample predicts this many next tokens
 
 
 def digits(cfg: TrainConfig) -> Datasets:
@@ -156,8 +157,69 @@ def synthetic(cfg: TrainConfig) -> Datasets:
                     in_channels=3, image_size=cfg.image_size, num_classes=SYNTHETIC_CLASSES)
 
 
+# Python's own standard library: present wherever Python is, so the language model needs
+# no download. About 1.4 MB of these files on CPython 3.11; modules missing from another
+# version are skipped.
+TEXT_MODULES = ("argparse", "ast", "asyncio.base_events", "asyncio.tasks", "calendar", "collections", "configparser",
+                "dataclasses", "datetime", "decimal", "difflib", "email.message", "enum", "fractions", "ftplib",
+                "functools", "http.client", "imaplib", "inspect", "ipaddress", "logging", "mailbox", "os", "pathlib",
+                "pdb", "pickle", "pydoc", "random", "shutil", "smtplib", "statistics", "string", "subprocess",
+                "tarfile", "tempfile", "textwrap", "threading", "tokenize", "traceback", "typing", "unittest.case",
+                "urllib.parse", "urllib.request", "uuid", "zipfile")
+TEXT_TEST_FRACTION = 0.05
+VOCAB = 256  # bytes
+
+
+class TextChunks(Dataset):
+    """Non-overlapping ``seq_len``-byte windows of a byte string: (input bytes, the next byte
+    after each)."""
+
+    def __init__(self, corpus: torch.Tensor, seq_len: int) -> None:
+        self.corpus, self.seq_len = corpus, seq_len
+
+    def __len__(self) -> int:
+        return (len(self.corpus) - 1) // self.seq_len
+
+    def __getitem__(self, index: int):
+        start = index * self.seq_len
+        window = self.corpus[start:start + self.seq_len + 1]
+        return window[:-1], window[1:]
+
+
+def _stdlib_corpus() -> bytes:
+    import importlib.util
+
+    parts = []
+    for name in TEXT_MODULES:
+        spec = importlib.util.find_spec(name)
+        origin = getattr(spec, "origin", None) if spec else None
+        if origin and origin.endswith(".py"):
+            parts.append(Path(origin).read_bytes())
+    return b"\n".join(parts)
+
+
+def text(cfg: TrainConfig) -> Datasets:
+    """Bytes of ``--data-dir`` (a .txt file, or the .txt files of a folder in name order), else
+    the embedded corpus; the last 5% is the test set."""
+    if cfg.data_dir:
+        root = Path(cfg.data_dir)
+        files = sorted(root.glob("*.txt")) if root.is_dir() else [root]
+        if not files or not all(f.is_file() for f in files):
+            raise DataError(f"data: text needs --data-dir to be a .txt file or a folder of them (got {root})")
+        corpus = b"\n".join(f.read_bytes() for f in files)
+    else:
+        corpus = _stdlib_corpus()
+    split = int(len(corpus) * (1 - TEXT_TEST_FRACTION))
+    tokens = torch.frombuffer(bytearray(corpus), dtype=torch.uint8).long()
+    train, test = TextChunks(tokens[:split], cfg.seq_len), TextChunks(tokens[split:], cfg.seq_len)
+    if len(test) == 0:
+        raise DataError(f"data: the text has {len(corpus)} bytes, too few for a test set of {cfg.seq_len}-byte "
+                        f"sequences")
+    return Datasets(train, test, in_channels=0, image_size=0, num_classes=VOCAB, tokens_per_sample=cfg.seq_len)
+
+
 DATASETS: dict[str, Callable[[TrainConfig], Datasets]] = {
-    "digits": digits, "mnist": mnist, "cifar10": cifar10, "imagefolder": imagefolder, "synthetic": synthetic,
+    "digits": digits, "text": text, "mnist": mnist, "cifar10": cifar10, "imagefolder": imagefolder, "synthetic": synthetic,
 }
 
 
@@ -216,20 +278,3 @@ def loader_options(cfg: TrainConfig, rank: int, pin_memory: bool) -> dict:
     # checkpoints restore, or a resumed run would diverge from an uninterrupted one.
     return dict(num_workers=cfg.num_workers, pin_memory=pin_memory, multiprocessing_context=context,
                 persistent_workers=cfg.num_workers > 0, generator=torch.Generator().manual_seed(cfg.seed + rank))
-
-
-def test_loader(test_set: Dataset, cfg: TrainConfig, rank: int, size: int, pin_memory: bool) -> DataLoader:
-    """This rank's shard of the test set, every sample on exactly one rank."""
-    return DataLoader(test_set, batch_size=cfg.batch_size, sampler=ShardSampler(len(test_set), rank, size),
-                      **loader_options(cfg, rank, pin_memory))
-
-
-def loaders(train_set: Dataset, test_set: Dataset, cfg: TrainConfig, rank: int, size: int, pin_memory: bool):
-    """(train loader, its DistributedSampler, test loader) for this rank.
-
-    A training batch holds batches_per_allreduce micro-batches, as in Horovod's examples.
-    """
-    sampler = ResumableSampler(train_set, num_replicas=size, rank=rank, shuffle=True, seed=cfg.seed)
-    train = DataLoader(train_set, batch_size=cfg.batch_size * cfg.batches_per_allreduce,
-                       sampler=sampler, **loader_options(cfg, rank, pin_memory))
-    return train, sampler, test_loader(test_set, cfg, rank, size, pin_memory)

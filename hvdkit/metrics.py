@@ -7,6 +7,7 @@ only rank 0 prints or writes.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Optional
@@ -31,12 +32,14 @@ class Metrics:
             self.jsonl = open(Path(log_dir) / "metrics.jsonl", "a")
             self.tensorboard = SummaryWriter(log_dir)
 
-    def record(self, event: str, step: int, values: dict, advance: int = 0) -> None:
+    def record(self, event: str, step: int, values: dict, position: Optional[int] = None) -> None:
         """One report: to the bar (or a plain line), one JSONL line, one TensorBoard scalar each."""
         if not self.enabled:
             return
+        values = finite_or_none(values)
         if self.bar is not None:
-            self.bar.update(advance)
+            if position is not None:
+                self.bar.update(position - self.bar.n)
             self.bar.set_postfix({k: _short(v) for k, v in values.items() if k in _SHOWN})
         else:
             shown = " ".join(f"{k} {_short(v)}" for k, v in values.items() if k in _SHOWN)
@@ -44,12 +47,12 @@ class Metrics:
         self.write({"event": event, "step": step, **values})
         if self.tensorboard is not None:
             for key, value in values.items():
-                if isinstance(value, (int, float)) and key not in ("epoch",):
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "epoch":
                     self.tensorboard.add_scalar(f"{event}/{key}", value, step)
 
     def write(self, record: dict) -> None:
         if self.jsonl is not None:
-            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.write(json.dumps(finite_or_none(record), allow_nan=False) + "\n")
             self.jsonl.flush()
 
     def close(self) -> None:
@@ -61,7 +64,18 @@ class Metrics:
             self.tensorboard.close()
 
 
-_SHOWN = ("epoch", "loss", "accuracy", "lr", "images_per_sec")
+_SHOWN = ("epoch", "loss", "accuracy", "bits_per_byte", "lr", "samples_per_sec", "tokens_per_sec")
+
+
+def finite_or_none(record):
+    """``record`` with NaN and infinities as None: strict JSON has no NaN."""
+    if isinstance(record, float) and not math.isfinite(record):
+        return None
+    if isinstance(record, dict):
+        return {key: finite_or_none(value) for key, value in record.items()}
+    if isinstance(record, (list, tuple)):
+        return [finite_or_none(value) for value in record]
+    return record
 
 
 def _short(value):

@@ -1,4 +1,4 @@
-"""Models by name: small built-in nets and torchvision's classification models."""
+"""Models by name: small built-in nets, torchvision's classification models, a tiny GPT."""
 
 from __future__ import annotations
 
@@ -38,6 +38,39 @@ def cnn(in_channels: int, image_size: int, num_classes: int) -> nn.Module:
 BUILTIN: dict[str, Callable[[int, int, int], nn.Module]] = {"mlp": mlp, "cnn": cnn}
 
 
+class TinyGPT(nn.Module):
+    """A decoder-only Transformer over bytes: token and position embeddings, pre-norm causal
+    self-attention blocks (torch's TransformerEncoderLayer with a causal mask), a linear head.
+    Input (B, T) token ids; output (B, T, vocab) logits of each next token."""
+
+    def __init__(self, vocab: int, seq_len: int, width: int = 128, layers: int = 4, heads: int = 4) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(seq_len, width)
+        block = nn.TransformerEncoderLayer(width, heads, dim_feedforward=4 * width, dropout=0.0, activation="gelu",
+                                           batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        x = self.tokens(tokens) + self.positions(torch.arange(length, device=tokens.device))
+        x = self.blocks(x, mask=self.mask[:length, :length], is_causal=True)
+        return self.head(self.norm(x))
+
+
+LANGUAGE_MODELS: dict[str, Callable[[int, int], nn.Module]] = {"gpt-tiny": TinyGPT}
+
+
+def build_language_model(name: str, vocab: int, seq_len: int) -> nn.Module:
+    if name not in LANGUAGE_MODELS:
+        raise UnknownModel(f"model {name!r} is not a language model; with --dataset text choose one of: "
+                           f"{', '.join(LANGUAGE_MODELS)}")
+    return LANGUAGE_MODELS[name](vocab, seq_len)
+
+
 class _RepeatChannels(nn.Module):
     """Feeds grayscale images to torchvision models, which expect three channels."""
 
@@ -46,10 +79,12 @@ class _RepeatChannels(nn.Module):
 
 
 def names() -> list[str]:
-    return [*BUILTIN, *TORCHVISION_MODELS]
+    return [*BUILTIN, *TORCHVISION_MODELS, *LANGUAGE_MODELS]
 
 
 def build(name: str, in_channels: int, image_size: int, num_classes: int) -> nn.Module:
+    if name in LANGUAGE_MODELS:
+        raise UnknownModel(f"model {name!r} is a language model: use it with --dataset text")
     if name in BUILTIN:
         return BUILTIN[name](in_channels, image_size, num_classes)
     import torchvision

@@ -206,7 +206,7 @@ def test_a_failing_rank_ends_the_job_within_60s(tmp_path, launcher, how):
 STALLING_RANK = """
 import os, sys, time
 import torch, horovod.torch as hvd
-from hvdkit.trainer import stall_settings
+from hvdkit.session import stall_settings
 from hvdkit.watchdog import Watchdog
 os.environ.update(stall_settings(float(sys.argv[1])))  # what the Trainer sets up
 hvd.init()
@@ -240,7 +240,7 @@ def test_a_stalled_collective_is_named_and_ends_the_job(tmp_path, launcher):
 
 
 def test_stall_settings():
-    from hvdkit.trainer import stall_settings
+    from hvdkit.session import stall_settings
 
     assert stall_settings(300) == {"HOROVOD_STALL_CHECK_TIME_SECONDS": "60",
                                    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "300"}

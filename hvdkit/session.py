@@ -1,0 +1,608 @@
+"""The own-loop API: the distributed parts of a training loop on Horovod, for your own loop.
+
+A Horovod script keeps its loop and hands hvdkit the parts that are easy to get wrong::
+
+    session = hvdkit.Session(batch_size=32, checkpoint_dir="ckpt")   # hvd.init(), device, seeds
+    model, optimizer = session.setup(model, torch.optim.AdamW(model.parameters()))
+    loader = session.loader(train_set)                  # sharded; a resume continues mid-epoch
+    for epoch in session.epochs(10):                    # join, checkpoint at each epoch's end
+        for batch in loader:
+            optimizer.zero_grad()
+            for x, y in session.micro_batches(batch):   # K micro-batches per allreduce
+                with session.autocast():
+                    loss = F.cross_entropy(model(x), y)
+                session.backward(loss)
+                session.log(len(y), loss=loss)
+            session.step()                              # allreduce, unscale, clip, step
+            if session.report_due():
+                session.report("train")                 # every rank's sums in one allreduce
+            if session.should_stop():                   # SIGUSR1: all ranks stop at one step
+                break
+    session.finish()
+
+``Trainer`` is a loop over this class. Everything it reads is a ``TrainConfig`` key, so
+``Session(**keys)`` and ``hvdkit train --key`` mean the same thing and are checked alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from hvdkit import checkpoint, data, env, preemption
+from hvdkit.config import ConfigError, TrainConfig, from_environ, from_mapping, to_dict, validate
+from hvdkit.metrics import Metrics, finite_or_none
+from hvdkit.preemption import StopSignal
+from hvdkit.watchdog import Watchdog
+
+
+def place_process(local_rank: int, local_size: int) -> torch.device:
+    """The GPU local_rank % GPUs when there are GPUs; else the CPU with OMP_NUM_THREADS threads,
+    or a fair share of this node's cores."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # the job script's choice (Slurm: cpus-per-task)
+        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // local_size))
+    return torch.device("cpu")
+
+
+def stall_settings(timeout: float) -> dict:
+    """Horovod's stall inspector: warn about a collective some rank has not joined after
+    min(60 s, timeout/2), naming the tensor and the missing ranks, and end the job after
+    ``timeout`` seconds instead of hanging until the allocation's time limit. 0 disables it.
+    It works under the MPI controller only; the Watchdog covers Gloo."""
+    if timeout <= 0:
+        return {"HOROVOD_STALL_CHECK_DISABLE": "1"}
+    return {"HOROVOD_STALL_CHECK_TIME_SECONDS": str(max(1, int(min(60.0, timeout / 2)))),
+            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": str(max(1, int(timeout)))}
+
+
+def performance_settings(on_gpu: bool) -> dict:
+    """Horovod and Open MPI knobs measured best for this loop (docs/performance.md).
+
+    On CPUs the ranks' compute threads take every core, so a rank waiting in MPI must
+    yield its core instead of spinning on it: Horovod's background thread waits in an MPI
+    collective each cycle, and Open MPI busy-polls unless told it is oversubscribed. Once
+    waiting yields, a 0.1 ms cycle costs training nothing measurable and cuts the latency
+    of every allreduce, which waits for the next cycle, from ~1.2 ms to ~0.3 ms. GPUs are
+    left at Horovod's defaults: no GPU was available to measure them.
+    """
+    if on_gpu:
+        return {}
+    return {"OMPI_MCA_mpi_yield_when_idle": "1", "HOROVOD_CYCLE_TIME": "0.1"}
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def lr_multiplier(cfg: TrainConfig, size: int, local_size: int, on_gpu_with_nccl: bool) -> float:
+    """How much larger than base_lr the peak learning rate is, by ``cfg.lr_scaling``.
+
+    A step averages size x K micro-batches' gradients (linear: Goyal et al.; sqrt: Krizhevsky's
+    rule, common for Adam). Adasum adapts to the gradients instead, so only K counts, and on
+    GPUs the sum within a node (Horovod's rule)."""
+    ranks = (local_size if on_gpu_with_nccl else 1) if cfg.use_adasum else size
+    batches = ranks * cfg.batches_per_allreduce
+    return {"linear": float(batches), "sqrt": math.sqrt(batches), "none": 1.0}[cfg.lr_scaling]
+
+
+def split_batch(batch: Any, size: int) -> list:
+    """``batch`` (tensors nested in tuples, lists and dicts) as chunks of at most ``size`` samples."""
+    if isinstance(batch, torch.Tensor):
+        return list(batch.split(size))
+    if isinstance(batch, dict):
+        parts = {key: split_batch(value, size) for key, value in batch.items()}
+        count = _same_count(parts.values())
+        return [{key: chunks[i] for key, chunks in parts.items()} for i in range(count)]
+    if isinstance(batch, (tuple, list)):
+        parts = [split_batch(value, size) for value in batch]
+        count = _same_count(parts)
+        return [type(batch)(chunks[i] for chunks in parts) if not _is_namedtuple(batch)
+                else type(batch)(*(chunks[i] for chunks in parts)) for i in range(count)]
+    raise TypeError(f"batch: cannot split a {type(batch).__name__}; batches are tensors nested in "
+                    f"tuples, lists and dicts")
+
+
+def _same_count(parts) -> int:
+    counts = {len(chunks) for chunks in parts}
+    if len(counts) != 1:
+        raise ValueError("batch: its tensors hold different numbers of samples")
+    return counts.pop()
+
+
+def _is_namedtuple(value) -> bool:
+    return isinstance(value, tuple) and hasattr(value, "_fields")
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor moved to ``device`` (asynchronously from pinned memory)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    if _is_namedtuple(batch):
+        return type(batch)(*(to_device(value, device) for value in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(value, device) for value in batch)
+    return batch
+
+
+def batch_len(batch: Any) -> int:
+    """Samples in a batch: the leading size of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return len(batch)
+    values = batch.values() if isinstance(batch, dict) else batch
+    for value in values:
+        with contextlib.suppress(TypeError):
+            return batch_len(value)
+    raise TypeError("batch: holds no tensor")
+
+
+def sync_batch_norm(model: nn.Module) -> nn.Module:
+    """``model`` with each BatchNorm layer replaced by ``hvd.SyncBatchNorm``, weights and
+    running statistics kept. Call it before creating the optimizer: it makes new parameters."""
+    import horovod.torch as hvd
+
+    if isinstance(model, nn.modules.batchnorm._BatchNorm) and not isinstance(model, hvd.SyncBatchNorm):
+        synced = hvd.SyncBatchNorm(model.num_features, model.eps, model.momentum, model.affine,
+                                   model.track_running_stats)
+        synced.load_state_dict(model.state_dict())
+        return synced.to(next(iter(model.state_dict().values()), torch.empty(0)).device)
+    for name, child in model.named_children():
+        setattr(model, name, sync_batch_norm(child))
+    return model
+
+
+def new_run_dir(root: str = "runs") -> str:
+    """runs/<date>-<time>[-N]: a directory no earlier run used, so runs never share metrics."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    candidate, n = Path(root) / stamp, 1
+    while candidate.exists():
+        n += 1
+        candidate = Path(root) / f"{stamp}-{n}"
+    return str(candidate)
+
+
+class Session:
+    """Horovod started for one training process, and the distributed parts of its loop.
+
+    Keyword arguments are ``TrainConfig`` keys (``batch_size``, ``batches_per_allreduce``,
+    ``amp``, ``clip_grad_norm``, ``checkpoint_dir``, ``log_interval``, ...), validated as
+    ``hvdkit train`` validates its flags; without a ``config``, ``HVDKIT_<KEY>`` environment
+    variables set the keys your keywords leave out (``HVDKIT_CHECKPOINT_DIR=ckpt``). Every method that communicates must be called by
+    every rank at the same point of the loop, as with Horovod itself.
+    """
+
+    def __init__(self, config: Optional[TrainConfig] = None, **keys) -> None:
+        import horovod.torch as hvd
+
+        if config is None:  # your own loop: HVDKIT_<KEY> variables, then your keywords
+            config = from_mapping(from_environ(os.environ))
+        self.cfg = cfg = validate(from_mapping(keys, base=config))
+        env_settings = {**performance_settings(torch.cuda.is_available()), **stall_settings(cfg.stall_timeout)}
+        for name, value in ({} if cfg.elastic else env_settings).items():
+            os.environ.setdefault(name, value)  # a variable the user exported wins
+        hvd.init()
+        self.hvd = hvd
+        problem = env.disagreement(env.detect(), hvd.rank(), hvd.size(), hvd.local_rank())
+        if problem:
+            print(f"hvdkit: warning: {problem}", file=sys.stderr, flush=True)
+        self.device = place_process(hvd.local_rank(), hvd.local_size())
+        seed_everything(cfg.seed + hvd.rank())
+        self.watchdog = Watchdog.after_stall_inspector(0 if cfg.elastic else cfg.stall_timeout, hvd.rank())
+        self.amp_dtype = torch.float16 if self.device.type == "cuda" else torch.bfloat16
+        # fp16 needs loss scaling, bf16 does not.
+        self.scaler = torch.amp.GradScaler("cuda") if cfg.amp and self.device.type == "cuda" else None
+        self.global_step, self.epoch = 0, 0
+        self.extra: dict = {}  # your own picklable state, saved in checkpoints and restored on resume
+        self.model = self.optimizer = self.scheduler = None
+        self._loaders: list[DataLoader] = []
+        self._micro_size = cfg.batch_size
+        self._micro_count = cfg.batches_per_allreduce
+        self._sums: dict[str, torch.Tensor] = {}
+        self._count = torch.zeros((), device=self.device)
+        self._signal = StopSignal()
+        self._agreed: Optional[tuple[int, bool]] = None  # (step, stop) from the last agreement
+        self._last_count = 0.0
+        self.stopped = False
+        self.exit_code = 0
+        self.log_dir = cfg.log_dir or self._run_dir()
+        self._metrics: Optional[Metrics] = None
+        self.total_steps = 0  # for the progress bar; set it if you know it, epochs() does
+        self._samples, self._seconds = 0.0, 0.0
+        self._report_start = self._wall_start = time.perf_counter()
+
+    def _run_dir(self) -> str:
+        """A new directory for this run's metrics, the same on every rank. Elastic workers may
+        join while the others train, so there it comes from the job (no collective)."""
+        if self.cfg.elastic:
+            job = os.environ.get("SLURM_JOB_ID") or os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", "job")
+            return str(Path("runs") / f"elastic-{job}")
+        return self.hvd.broadcast_object(new_run_dir() if self.rank == 0 else None, root_rank=0,
+                                         name="hvdkit.log_dir")
+
+    # -- who and where -------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.hvd.rank()
+
+    @property
+    def size(self) -> int:
+        return self.hvd.size()
+
+    @property
+    def local_rank(self) -> int:
+        return self.hvd.local_rank()
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def print(self, *args, **kwargs) -> None:
+        """print() on rank 0 only."""
+        if self.rank == 0:
+            print(*args, **kwargs, flush=True)
+
+    # -- model, optimizer, resume -----------------------------------------------------------
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler=None):
+        """(model, optimizer): the model on this rank's device, the optimizer wrapped in
+        Horovod's DistributedOptimizer, and every rank holding the same state.
+
+        That state is the newest valid checkpoint in ``checkpoint_dir`` when there is one
+        (rank 0 reads it and sends it to all; model, optimizer, ``scheduler``, GradScaler,
+        each rank's RNG, the data position and ``extra``), else rank 0's initial weights. On a
+        fresh start every optimizer's state is empty, so only the parameters are broadcast:
+        Horovod's broadcast_optimizer_state would take a zero-gradient step to create state,
+        which with weight decay (AdamW) moves the weights and advances Adam's step count.
+        A ``scheduler`` is stepped once per optimizer step by ``step()``.
+        """
+        cfg, hvd = self.cfg, self.hvd
+        model = model.to(self.device)
+        self.model, self.scheduler = model, scheduler
+        self.optimizer = hvd.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(),
+            compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,
+            backward_passes_per_step=cfg.batches_per_allreduce,
+            op=hvd.Adasum if cfg.use_adasum else hvd.Average,
+            gradient_predivide_factor=cfg.gradient_predivide_factor)
+        # Elastic: hvd.elastic.run syncs the state when it starts, and workers that join later
+        # must not wait here in a broadcast the others never enter.
+        if not self._resume() and not cfg.elastic:
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        self._report_start = time.perf_counter()
+        return model, self.optimizer
+
+    def lr_multiplier(self) -> float:
+        """Peak learning rate / base_lr for this world size, by ``lr_scaling``."""
+        on_nccl = self.device.type == "cuda" and self.hvd.nccl_built()
+        return lr_multiplier(self.cfg, self.size, self.hvd.local_size(), on_nccl)
+
+    def _resume(self) -> bool:
+        """Load the newest valid checkpoint on every rank (read by rank 0); False if none."""
+        cfg, hvd = self.cfg, self.hvd
+        if not (cfg.checkpoint_dir and cfg.resume):
+            return False
+        state = None
+        if self.rank == 0:
+            try:
+                state = self._read_checkpoint()
+            except (checkpoint.CheckpointError, ConfigError) as exc:
+                state = {"error": str(exc)}
+        state = hvd.broadcast_object(state, root_rank=0, name="hvdkit.resume")
+        if state is None:
+            return False
+        if "error" in state:  # every rank stops with the same line
+            raise checkpoint.CheckpointError(state["error"])
+        try:
+            self.model.load_state_dict(state["model"])
+        except RuntimeError as exc:
+            raise ConfigError(f"checkpoint {state['path']} does not fit this model: "
+                              f"{str(exc).splitlines()[0]}") from None
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler") is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        set_rng_state(state["rng"][self.rank])
+        self.epoch, self.global_step = state["epoch"], state["step"]
+        self.extra.update(state.get("extra") or {})
+        if self.rank == 0:
+            print(f"hvdkit: resumed from {state['path']} (epoch {self.epoch + 1}, step {self.global_step})",
+                  file=sys.stderr, flush=True)
+        return True
+
+    def _read_checkpoint(self) -> Optional[dict]:
+        def warn(message: str) -> None:
+            print(f"hvdkit: warning: {message}", file=sys.stderr, flush=True)
+
+        found = checkpoint.load_latest(self.cfg.checkpoint_dir, warn)
+        if found is None:
+            return None
+        path, state = found
+        if state["world_size"] != self.size:
+            raise ConfigError(f"checkpoint {path} was written by {state['world_size']} ranks, this job has "
+                              f"{self.size}; resume with {state['world_size']} ranks (the data order and learning "
+                              f"rate depend on it), or start afresh in another --checkpoint-dir")
+        if state["config"]["model"] != self.cfg.model:
+            raise ConfigError(f"checkpoint {path} is of model {state['config']['model']!r}, "
+                              f"not {self.cfg.model!r}")
+        return {**state, "path": str(path)}
+
+    def save(self) -> None:
+        """Write a checkpoint of this step to ``checkpoint_dir`` (all ranks call it; rank 0 writes)."""
+        if not self.cfg.checkpoint_dir:
+            return
+        self.watchdog.beat(f"checkpoint of step {self.global_step}")
+        rng = self.hvd.allgather_object(rng_state())
+        if self.rank != 0:
+            return
+        checkpoint.save(self.cfg.checkpoint_dir, self.global_step, {
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler else None, "rng": rng, "extra": self.extra,
+            "epoch": self.epoch, "step": self.global_step, "world_size": self.size, "config": to_dict(self.cfg),
+        }, keep=self.cfg.keep_checkpoints)
+
+    # -- data ------------------------------------------------------------------------------
+    def loader(self, data_or_loader, batch_size: Optional[int] = None, shuffle: bool = True,
+               **loader_args) -> DataLoader:
+        """A training DataLoader over this rank's shard, whose batches hold K micro-batches.
+
+        Give a Dataset, or a DataLoader whose dataset, collate_fn and drop_last are kept. The
+        order is DistributedSampler's (seed + epoch); ``epochs()`` starts a resumed epoch at
+        the sample where its checkpoint was taken.
+        """
+        if isinstance(data_or_loader, DataLoader):
+            old = data_or_loader
+            batch_size = batch_size or old.batch_size
+            loader_args = {"collate_fn": old.collate_fn, "drop_last": old.drop_last, **loader_args}
+            dataset = old.dataset
+        else:
+            dataset = data_or_loader
+        batch_size = batch_size or self.cfg.batch_size
+        if len(dataset) < self.size * batch_size:
+            raise ConfigError(f"data: the training set has {len(dataset)} samples, fewer than "
+                              f"world size x batch_size = {self.size} x {batch_size}")
+        sampler = data.ResumableSampler(dataset, num_replicas=self.size, rank=self.rank, shuffle=shuffle,
+                                        seed=self.cfg.seed)
+        options = {**data.loader_options(self.cfg, self.rank, self.device.type == "cuda"), **loader_args}
+        made = DataLoader(dataset, batch_size=batch_size * self.cfg.batches_per_allreduce, sampler=sampler,
+                          **options)
+        self._micro_size = batch_size
+        self._loaders.append(made)
+        return made
+
+    def eval_loader(self, dataset: Dataset, batch_size: Optional[int] = None, **loader_args) -> DataLoader:
+        """This rank's share of an evaluation set: every sample on exactly one rank, none twice."""
+        options = {**data.loader_options(self.cfg, self.rank, self.device.type == "cuda"), **loader_args}
+        return DataLoader(dataset, batch_size=batch_size or self.cfg.batch_size,
+                          sampler=data.ShardSampler(len(dataset), self.rank, self.size), **options)
+
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps in a whole epoch of the first loader()."""
+        loader = self._loaders[0]
+        return math.ceil(loader.sampler.num_samples / loader.batch_size) if not loader.drop_last \
+            else loader.sampler.num_samples // loader.batch_size
+
+    def epochs(self, count: int, max_steps: Optional[int] = None) -> Iterator[int]:
+        """Epoch numbers from where a resume left off to ``count``; after each: join, checkpoint.
+
+        What the loop body does after its batches (evaluation, say) comes before the checkpoint.
+
+        A resumed epoch continues at the sample where its checkpoint was taken, in the same
+        order. The loop ends early when ``should_stop()`` agreed to stop, or at ``max_steps``.
+        """
+        per_epoch = self.steps_per_epoch() if self._loaders else None
+        if per_epoch:
+            self.total_steps = min(count * per_epoch, max_steps or count * per_epoch)
+        while self.epoch < count and not self.stopped and self.global_step < (max_steps or math.inf):
+            for loader in self._loaders:
+                done = self.global_step - self.epoch * per_epoch
+                loader.sampler.set_epoch(self.epoch, start=done * loader.batch_size)
+            yield self.epoch
+            if self.stopped:
+                return
+            self.join()
+            finished = per_epoch is None or self.global_step >= (self.epoch + 1) * per_epoch
+            if finished:
+                self.epoch += 1
+            self.save()
+            if not finished:  # max_steps ended it part-way
+                return
+
+    def join(self) -> None:
+        """Wait for every rank to finish its batches: a rank with fewer waits here instead of
+        hanging the others' allreduce."""
+        self.watchdog.beat(f"join after step {self.global_step}")
+        if self.device.type == "cuda":
+            self.hvd.join(self.device.index)
+        else:
+            self.hvd.join()  # with a device argument, a GPU build of Horovod hangs on a CPU-only host
+
+    # -- the step --------------------------------------------------------------------------
+    def micro_batches(self, batch: Any) -> list:
+        """``batch`` on this device, split into the micro-batches of one optimizer step."""
+        chunks = split_batch(batch, self._micro_size) if self.cfg.batches_per_allreduce > 1 else [batch]
+        self._micro_count = len(chunks)
+        return [to_device(chunk, self.device) for chunk in chunks]
+
+    def autocast(self):
+        """Mixed precision when ``amp``: fp16 on GPUs, bf16 on CPUs."""
+        return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.cfg.amp)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss, averaged over the step's micro-batches and
+        scaled for fp16. The last micro-batch's backward starts the allreduce."""
+        loss = loss / self._micro_count
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def step(self) -> None:
+        """Wait for the averaged gradients, unscale and clip them, then step without a second
+        synchronize. Adasum combines the ranks' updates inside step() instead, so there the
+        local gradients are unscaled and clipped. Then the scheduler, and a checkpoint every
+        ``checkpoint_steps``."""
+        cfg, optimizer = self.cfg, self.optimizer
+        self.watchdog.beat(f"training step {self.global_step + 1}")
+        if not cfg.use_adasum:
+            optimizer.synchronize()
+        if self.scaler:
+            self.scaler.unscale_(optimizer)
+        if cfg.clip_grad_norm:
+            nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_grad_norm)
+        with contextlib.nullcontext() if cfg.use_adasum else optimizer.skip_synchronize():
+            if self.scaler:
+                self.scaler.step(optimizer)
+            else:
+                optimizer.step()
+        if self.scaler:
+            self.scaler.update()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.global_step += 1
+        self._micro_count = cfg.batches_per_allreduce
+        periodic = cfg.checkpoint_steps and self.global_step % cfg.checkpoint_steps == 0
+        end_of_epoch = self._loaders and self.global_step % self.steps_per_epoch() == 0
+        if periodic and not end_of_epoch and self.global_step < (self.total_steps or math.inf):
+            self.save()
+
+    # -- metrics and stopping ------------------------------------------------------------------
+    def log(self, samples: int, **means) -> None:
+        """Add a micro-batch's metrics (each a mean over its ``samples``) to this report's sums.
+
+        No communication: the sums stay on the device until ``report()``."""
+        for name, value in means.items():
+            value = value.detach().float() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+            self._sums[name] = self._sums.get(name, 0) + value.to(self.device) * samples
+        self._count += samples
+
+    def report_due(self) -> bool:
+        """True every ``log_interval`` steps and at the end of each epoch."""
+        end_of_epoch = self._loaders and self.global_step % self.steps_per_epoch() == 0
+        return self.global_step % self.cfg.log_interval == 0 or bool(end_of_epoch) or \
+            self.global_step == self.total_steps
+
+    def report(self, stage: str = "train", **extra) -> dict:
+        """The sample-weighted means of everything log()ged since the last report, over all
+        ranks, in one allreduce that also carries the stop flag; rank 0 shows and writes them
+        with ``extra`` (e.g. lr) and the throughput."""
+        names = sorted(self._sums)
+        flag = torch.tensor(float(self._signal.received is not None), device=self.device)
+        window = torch.stack([*(self._sums[n] for n in names), self._count.float(), flag])
+        *sums, count, stops = self.hvd.allreduce(window, op=self.hvd.Sum, name=f"hvdkit.{stage}").tolist()
+        self._agreed = (self.global_step, stops > 0)
+        self._last_count = count
+        means = {name: total / count if count else float("nan") for name, total in zip(names, sums, strict=True)}
+        values = {**extra, **means}
+        if stage == "train":
+            now = time.perf_counter()
+            self._samples += count
+            self._seconds += now - self._report_start
+            values["samples_per_sec"] = count / max(now - self._report_start, 1e-9)
+        self.metrics.record(stage, self.global_step, values, position=self.global_step)
+        self._report_start = time.perf_counter()  # evaluation and writing are not training time
+        self._sums, self._count = {}, torch.zeros((), device=self.device)
+        return means
+
+    def evaluate(self, eval_loader: DataLoader, metrics_of: Callable[[Any], tuple[int, dict]]) -> dict:
+        """Means over the whole evaluation set, and its size: ``metrics_of(batch)`` gives
+        (samples, means) for each batch of this rank's share; one allreduce sums them all.
+        Every rank needs at least one batch (an evaluation set of at least world size)."""
+        self.model.eval()
+        with torch.no_grad(), self.autocast():
+            for batch in eval_loader:
+                samples, means = metrics_of(to_device(batch, self.device))
+                self.log(samples, **means)
+        result = self.report("test")
+        self.model.train()
+        return {**result, "samples": int(self._last_count)}
+
+    def should_stop(self) -> bool:
+        """True on every rank at the same step once any rank got SIGUSR1 (Slurm's warning
+        before a time limit, or preemption); then the checkpoint of that step has been
+        written and the Slurm job requeued. Call it every step; it communicates only at
+        report steps, reusing report()'s allreduce when there was one."""
+        if self.stopped:
+            return True
+        if not self.report_due():
+            return False
+        if self._agreed is None or self._agreed[0] != self.global_step:
+            flag = torch.tensor(float(self._signal.received is not None))
+            self._agreed = (self.global_step, self.hvd.allreduce(flag, op=self.hvd.Sum, name="hvdkit.stop") > 0)
+        if not self._agreed[1]:
+            return False
+        self.stopped = True
+        self.save()
+        saved = (f"checkpoint of step {self.global_step} saved" if self.cfg.checkpoint_dir
+                 else "no checkpoint_dir: progress lost")
+        if self.rank == 0:
+            outcome = preemption.requeue(os.environ, self.cfg.max_requeues)
+            self.exit_code = preemption.exit_code(outcome)
+            print(f"hvdkit: stopped by signal {self._signal.received or 'on another rank'} at step "
+                  f"{self.global_step}; {saved}; {outcome}", file=sys.stderr, flush=True)
+        return True
+
+    @property
+    def metrics(self) -> Metrics:
+        """Rank 0's sink (progress, metrics.jsonl, TensorBoard); other ranks' drops everything."""
+        if self._metrics is None:
+            self._metrics = Metrics(self.log_dir, self.total_steps, enabled=self.rank == 0)
+            self._metrics.write({"event": "config", "world_size": self.size, **to_dict(self.cfg)})
+        return self._metrics
+
+    def throughput(self) -> float:
+        """Training samples per second over all ranks, counted at reports."""
+        return self._samples / self._seconds if self._seconds else 0.0
+
+    def finish(self, summary: Optional[dict] = None) -> dict:
+        """End the run: stop the watchdog and signal handlers, write and print (rank 0) the
+        summary as one JSON line, and return it. Its exit_code is non-zero after a stop that
+        was not requeued, so that a job script does not take the stop for success."""
+        summary = {"event": "summary", "epochs": self.epoch, "steps": self.global_step, "world_size": self.size,
+                   **(summary or {}), "wall_seconds": time.perf_counter() - self._wall_start,
+                   "stopped": self.stopped, "exit_code": self.exit_code}
+        self._signal.restore()
+        self.watchdog.stop()
+        self.metrics.write(summary)
+        self.metrics.close()
+        if self.rank == 0:
+            print(json.dumps(finite_or_none(summary)), flush=True)
+        return summary
+
+    def reset_metrics(self) -> None:
+        """After elastic ranks left or joined, rank 0 may be another process: it takes the sink."""
+        if self._metrics is not None:
+            self._metrics.close()
+        self._metrics = None

@@ -298,6 +298,10 @@ class Session:
             backward_passes_per_step=cfg.batches_per_allreduce,
             op=hvd.Adasum if cfg.use_adasum else hvd.Average,
             gradient_predivide_factor=cfg.gradient_predivide_factor)
+        if scheduler is not None:
+            # Horovod's wrapper is a new optimizer object sharing the param_groups list, until
+            # load_state_dict replaces that list: the scheduler must act on the wrapper.
+            scheduler.optimizer = self.optimizer
         # Elastic: hvd.elastic.run syncs the state when it starts, and workers that join later
         # must not wait here in a broadcast the others never enter.
         if not self._resume() and not cfg.elastic:

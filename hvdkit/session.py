@@ -173,8 +173,13 @@ def batch_len(batch: Any) -> int:
 
 def sync_batch_norm(model: nn.Module) -> nn.Module:
     """``model`` with each BatchNorm layer replaced by ``hvd.SyncBatchNorm``, weights and
-    running statistics kept. Call it before creating the optimizer: it makes new parameters."""
+    running statistics kept. Call it before creating the optimizer: it makes new parameters.
+    Horovod's SyncBatchNorm runs on GPUs only, so on a CPU-only host this is refused."""
     import horovod.torch as hvd
+
+    if not torch.cuda.is_available():
+        raise ConfigError("sync_batch_norm: Horovod's SyncBatchNorm runs on GPUs only and this host has none; "
+                          "drop sync_batch_norm (--sync-batch-norm) on CPUs")
 
     if isinstance(model, nn.modules.batchnorm._BatchNorm) and not isinstance(model, hvd.SyncBatchNorm):
         synced = hvd.SyncBatchNorm(model.num_features, model.eps, model.momentum, model.affine,
@@ -291,17 +296,16 @@ class Session:
         """
         cfg, hvd = self.cfg, self.hvd
         model = model.to(self.device)
-        self.model, self.scheduler = model, scheduler
+        self.model, self.scheduler, self._inner = model, scheduler, optimizer
         self.optimizer = hvd.DistributedOptimizer(
             optimizer, named_parameters=model.named_parameters(),
             compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,
             backward_passes_per_step=cfg.batches_per_allreduce,
             op=hvd.Adasum if cfg.use_adasum else hvd.Average,
             gradient_predivide_factor=cfg.gradient_predivide_factor)
-        if scheduler is not None:
-            # Horovod's wrapper is a new optimizer object sharing the param_groups list, until
-            # load_state_dict replaces that list: the scheduler must act on the wrapper.
-            scheduler.optimizer = self.optimizer
+        # A scheduler warns that it stepped before the optimizer when the step it wrapped (the
+        # one you passed) was not called; Horovod's wrapper is called instead, and first.
+        optimizer._opt_called = True
         # Elastic: hvd.elastic.run syncs the state when it starts, and workers that join later
         # must not wait here in a broadcast the others never enter.
         if not self._resume() and not cfg.elastic:
@@ -336,6 +340,11 @@ class Session:
             raise ConfigError(f"checkpoint {state['path']} does not fit this model: "
                               f"{str(exc).splitlines()[0]}") from None
         self.optimizer.load_state_dict(state["optimizer"])
+        # That made new param-group dicts; a scheduler sets the rates in the dicts of the
+        # optimizer you passed, so those must stay the ones Horovod's wrapper steps with.
+        for mine, loaded in zip(self._inner.param_groups, self.optimizer.param_groups, strict=True):
+            mine.update(loaded)
+        self.optimizer.param_groups = self._inner.param_groups
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler") is not None:

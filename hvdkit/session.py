@@ -335,7 +335,7 @@ class Session:
         if "error" in state:  # every rank stops with the same line
             raise checkpoint.CheckpointError(state["error"])
         try:
-            self.model.load_state_dict(state["model"])
+            self._module().load_state_dict(state["model"])
         except RuntimeError as exc:
             raise ConfigError(f"checkpoint {state['path']} does not fit this model: "
                               f"{str(exc).splitlines()[0]}") from None
@@ -374,6 +374,11 @@ class Session:
                               f"not {self.cfg.model!r}")
         return {**state, "path": str(path)}
 
+    def _module(self) -> nn.Module:
+        """The model without torch.compile's wrapper, so that a checkpoint's keys are the
+        same whether the model was compiled or not."""
+        return getattr(self.model, "_orig_mod", self.model)
+
     def save(self) -> None:
         """Write a checkpoint of this step to ``checkpoint_dir`` (all ranks call it; rank 0 writes)."""
         if not self.cfg.checkpoint_dir:
@@ -383,7 +388,7 @@ class Session:
         if self.rank != 0:
             return
         checkpoint.save(self.cfg.checkpoint_dir, self.global_step, {
-            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "model": self._module().state_dict(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler else None, "rng": rng, "extra": self.extra,
             "epoch": self.epoch, "step": self.global_step, "world_size": self.size, "config": to_dict(self.cfg),

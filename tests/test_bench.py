@@ -147,13 +147,13 @@ def test_synthetic_under_horovodrun_prints_horovods_output(hvd_built):
 
 @pytest.mark.slow
 def test_compare_runs_each_implementation_and_reports_ratios(hvd_built):
-    proc = run(HVDKIT + ["synthetic", "-np", "2", "--compare", "horovod,ddp", "--knob", "HOROVOD_CYCLE_TIME=1",
+    proc = run(HVDKIT + ["synthetic", "-np", "2", "--compare", "own-loop,horovod,ddp", "--knob", "HOROVOD_CYCLE_TIME=1",
                          *TINY], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    labels = ("hvdkit", "horovod", "ddp", "hvdkit HOROVOD_CYCLE_TIME=1")
+    labels = ("hvdkit", "own-loop", "horovod", "ddp", "hvdkit HOROVOD_CYCLE_TIME=1")
     for label in labels:
         assert f"== {label}: np=2" in proc.stdout
-    assert proc.stdout.count("Total img/sec on 2 CPU(s)") == 4
+    assert proc.stdout.count("Total img/sec on 2 CPU(s)") == 5
     assert "# environment" in proc.stdout and "torch_threads: 1" in proc.stdout
     [record] = parse_records(proc.stdout, "bench.compare")
     totals = record["total_img_sec"]
@@ -163,6 +163,7 @@ def test_compare_runs_each_implementation_and_reports_ratios(hvd_built):
     # the Trainer's settings are in force and reported; a --knob overrides one of them in its run only
     assert record["knobs"]["hvdkit"]["OMPI_MCA_mpi_yield_when_idle"] == "1"
     assert record["knobs"]["hvdkit"]["HOROVOD_CYCLE_TIME"] == "0.1"
+    assert record["knobs"]["own-loop"]["HOROVOD_CYCLE_TIME"] == "0.1", "the Session applies the same settings"
     assert record["knobs"]["hvdkit HOROVOD_CYCLE_TIME=1"]["HOROVOD_CYCLE_TIME"] == "1"
 
 

@@ -18,7 +18,7 @@ endif
 # horovodrun and mpirun from the virtual environment come first.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup system-packages horovod train doctor test clean
+.PHONY: setup system-packages horovod train train-lm doctor test clean
 
 setup: system-packages $(STAMPS)/python-packages horovod
 
@@ -55,6 +55,12 @@ doctor: setup
 # The main job: 2 ranks on this machine, the embedded digits dataset, the default config.
 train: setup
 	$(VENV)/bin/horovodrun -np 2 -H localhost:2 $(VENV)/bin/hvdkit train $(TRAIN_ARGS)
+
+# The language model: 2 ranks, the embedded text corpus, AdamW, warmup + cosine, bf16.
+train-lm: setup
+	$(VENV)/bin/horovodrun -np 2 -H localhost:2 $(VENV)/bin/hvdkit train --model gpt-tiny --dataset text \
+	    --optimizer adamw --base-lr 2e-3 --lr-scaling none --epochs 2 --warmup-epochs 0.1 --weight-decay 0.1 \
+	    --clip-grad-norm 1.0 --amp $(TRAIN_ARGS)
 
 test: setup
 	$(PY) -m pytest tests $(PYTEST_ARGS)

@@ -395,3 +395,31 @@ def test_each_run_gets_its_own_directory_and_strict_json(tmp_path):
     for run_dir in runs:
         for line in (run_dir / "metrics.jsonl").read_text().splitlines():
             strict(line)
+
+
+@pytest.mark.slow
+def test_readme_own_loop_example_runs_and_resumes(tmp_path):
+    """The "Your own loop" code from README.md, as a user would run it, then run again."""
+    section = (REPO / "README.md").read_text().split("## Your own loop", 1)[1]
+    script = tmp_path / "own_loop.py"
+    script.write_text(section.split("```python\n", 1)[1].split("```", 1)[0])
+    command = selftest.horovodrun_command("gloo", 2, [sys.executable, str(script)])
+    proc = run(command, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = selftest.parse_records(proc.stdout, "summary")[0]
+    # 3,584 samples, 2 ranks x 2 x 32 per step: 28 steps an epoch
+    assert summary["world_size"] == 2 and summary["steps"] == 112 and summary["test_samples"] == 512
+    assert summary["test_accuracy"] > 0.85, summary
+    ckpt = tmp_path / "runs" / "own-loop" / "ckpt"
+    assert checkpoint.existing(str(ckpt))[-1] == checkpoint.path_for(str(ckpt), 112)
+    again = run(command, cwd=tmp_path)  # finished: resumes at its end and trains nothing more
+    assert again.returncode == 0 and "(epoch 5, step 112)" in again.stderr, again.stderr[-2000:]
+
+
+def test_documented_port_diff_is_current():
+    import difflib
+
+    old, new = "examples/horovod_digits.py", "examples/hvdkit_digits.py"
+    diff = "".join(difflib.unified_diff((REPO / old).read_text().splitlines(keepends=True),
+                                        (REPO / new).read_text().splitlines(keepends=True), old, new))
+    assert f"```diff\n{diff}```" in (REPO / "docs" / "own-loop.md").read_text()

@@ -423,11 +423,16 @@ class Session:
         self._loaders.append(made)
         return made
 
-    def eval_loader(self, dataset: Dataset, batch_size: Optional[int] = None, **loader_args) -> DataLoader:
-        """This rank's share of an evaluation set: every sample on exactly one rank, none twice."""
+    def eval_loader(self, data_or_loader, batch_size: Optional[int] = None, **loader_args) -> DataLoader:
+        """This rank's share of an evaluation set (a Dataset, or a DataLoader whose dataset and
+        collate_fn are kept): every sample on exactly one rank, none twice."""
+        if isinstance(data_or_loader, DataLoader):
+            batch_size = batch_size or data_or_loader.batch_size
+            loader_args = {"collate_fn": data_or_loader.collate_fn, **loader_args}
+            data_or_loader = data_or_loader.dataset
         options = {**data.loader_options(self.cfg, self.rank, self.device.type == "cuda"), **loader_args}
-        return DataLoader(dataset, batch_size=batch_size or self.cfg.batch_size,
-                          sampler=data.ShardSampler(len(dataset), self.rank, self.size), **options)
+        return DataLoader(data_or_loader, batch_size=batch_size or self.cfg.batch_size,
+                          sampler=data.ShardSampler(len(data_or_loader), self.rank, self.size), **options)
 
     def steps_per_epoch(self) -> int:
         """Optimizer steps in a whole epoch of the first loader()."""

@@ -116,7 +116,8 @@ class Trainer:
     """
 
     def __init__(self, config: Optional[TrainConfig] = None, model: Optional[nn.Module] = None,
-                 train_set: Optional[Dataset | DataLoader] = None, test_set: Optional[Dataset] = None, *,
+                 train_set: Optional[Dataset | DataLoader] = None,
+                 test_set: Optional[Dataset | DataLoader] = None, *,
                  optimizer: Optional[OptimizerFactory] = None, loss_fn: Optional[LossFn] = None) -> None:
         self.cfg = cfg = validate(config or TrainConfig())
         if (train_set is None) != (test_set is None):
@@ -137,7 +138,8 @@ class Trainer:
         if model is None:
             raise ConfigError("Trainer: a model is required with your own datasets")
         if not hasattr(self, "names"):  # the user's own model or data: say so, not the config's defaults
-            self.names = {"model": type(model).__name__, "dataset": type(train_set).__name__}
+            dataset = getattr(train_set, "dataset", train_set)  # a DataLoader's
+            self.names = {"model": type(model).__name__, "dataset": type(dataset).__name__}
         self.model, self.train_set, self.test_set = model, train_set, test_set
         self.loss_fn = loss_fn or classification_loss
         self.make_optimizer = optimizer or make_optimizer(cfg)

@@ -29,7 +29,8 @@ from hvdkit.launch import find_program, local_slots
 from hvdkit.selftest import mpi_root_env, parse_records
 
 SYNTHETIC_IMPLS = ("hvdkit", "own-loop", "horovod", "horovod-defaults", "ddp")
-IMPL_HELP = ("hvdkit: the Trainer's step and defaults; own-loop: the README's own loop on hvdkit.Session; horovod: a hand-written Horovod loop (Horovod's "
+IMPL_HELP = ("hvdkit: the Trainer's step and defaults; own-loop: the README's own loop on hvdkit.Session; "
+             "horovod: a hand-written Horovod loop (Horovod's "
              "example) with the same settings; horovod-defaults: that loop with Horovod's own defaults; "
              "ddp: torch DistributedDataParallel (NCCL on GPUs, Gloo on CPUs)")
 ALLREDUCE_IMPLS = ("mpi4py", "torch.distributed", "horovod in-place", "horovod out-of-place")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
+from torch.utils.data import Dataset, DistributedSampler, Sampler, TensorDataset
 
 from hvdkit.config import ConfigError, TrainConfig
 
@@ -219,7 +219,8 @@ def text(cfg: TrainConfig) -> Datasets:
 
 
 DATASETS: dict[str, Callable[[TrainConfig], Datasets]] = {
-    "digits": digits, "text": text, "mnist": mnist, "cifar10": cifar10, "imagefolder": imagefolder, "synthetic": synthetic,
+    "digits": digits, "text": text, "mnist": mnist, "cifar10": cifar10, "imagefolder": imagefolder,
+    "synthetic": synthetic,
 }
 
 

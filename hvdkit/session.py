@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from hvdkit import checkpoint, data, env, preemption
 from hvdkit.config import ConfigError, TrainConfig, from_environ, from_mapping, to_dict, validate
@@ -184,8 +184,9 @@ def sync_batch_norm(model: nn.Module) -> nn.Module:
     if isinstance(model, nn.modules.batchnorm._BatchNorm) and not isinstance(model, hvd.SyncBatchNorm):
         synced = hvd.SyncBatchNorm(model.num_features, model.eps, model.momentum, model.affine,
                                    model.track_running_stats)
-        synced.load_state_dict(model.state_dict())
-        return synced.to(next(iter(model.state_dict().values()), torch.empty(0)).device)
+        state = model.state_dict()
+        synced.load_state_dict(state)
+        return synced.to(next(iter(state.values())).device) if state else synced
     for name, child in model.named_children():
         setattr(model, name, sync_batch_norm(child))
     return model
@@ -207,8 +208,9 @@ class Session:
     Keyword arguments are ``TrainConfig`` keys (``batch_size``, ``batches_per_allreduce``,
     ``amp``, ``clip_grad_norm``, ``checkpoint_dir``, ``log_interval``, ...), validated as
     ``hvdkit train`` validates its flags; without a ``config``, ``HVDKIT_<KEY>`` environment
-    variables set the keys your keywords leave out (``HVDKIT_CHECKPOINT_DIR=ckpt``). Every method that communicates must be called by
-    every rank at the same point of the loop, as with Horovod itself.
+    variables set the keys your keywords leave out (``HVDKIT_CHECKPOINT_DIR=ckpt``). Every
+    method that communicates must be called by every rank at the same point of the loop, as
+    with Horovod itself.
     """
 
     def __init__(self, config: Optional[TrainConfig] = None, **keys) -> None:
@@ -562,7 +564,10 @@ class Session:
     def evaluate(self, eval_loader: DataLoader, metrics_of: Callable[[Any], tuple[int, dict]]) -> dict:
         """Means over the whole evaluation set, and its size: ``metrics_of(batch)`` gives
         (samples, means) for each batch of this rank's share; one allreduce sums them all.
-        Every rank needs at least one batch (an evaluation set of at least world size)."""
+        Training metrics logged since the last report are kept for the next one. Every rank
+        needs at least one batch (an evaluation set of at least world size)."""
+        training = self._sums, self._count
+        self._sums, self._count = {}, torch.zeros((), device=self.device)
         self.model.eval()
         with torch.no_grad(), self.autocast():
             for batch in eval_loader:
@@ -570,13 +575,15 @@ class Session:
                 self.log(samples, **means)
         result = self.report("test")
         self.model.train()
+        self._sums, self._count = training
         return {**result, "samples": int(self._last_count)}
 
     def should_stop(self) -> bool:
         """True on every rank at the same step once any rank got SIGUSR1 (Slurm's warning
-        before a time limit, or preemption); then the checkpoint of that step has been
-        written and the Slurm job requeued. Call it every step; it communicates only at
-        report steps, reusing report()'s allreduce when there was one."""
+        before a time limit, or preemption); by then the checkpoint of that step is written.
+        ``finish()`` then requeues the Slurm job: a requeue ends the job's processes, so it
+        comes last. Call it every step; it communicates only at report steps, reusing
+        report()'s allreduce when there was one."""
         if self.stopped:
             return True
         if not self.report_due():
@@ -588,13 +595,6 @@ class Session:
             return False
         self.stopped = True
         self.save()
-        saved = (f"checkpoint of step {self.global_step} saved" if self.cfg.checkpoint_dir
-                 else "no checkpoint_dir: progress lost")
-        if self.rank == 0:
-            outcome = preemption.requeue(os.environ, self.cfg.max_requeues)
-            self.exit_code = preemption.exit_code(outcome)
-            print(f"hvdkit: stopped by signal {self._signal.received or 'on another rank'} at step "
-                  f"{self.global_step}; {saved}; {outcome}", file=sys.stderr, flush=True)
         return True
 
     @property
@@ -610,14 +610,22 @@ class Session:
         return self._samples / self._seconds if self._seconds else 0.0
 
     def finish(self, summary: Optional[dict] = None) -> dict:
-        """End the run: stop the watchdog and signal handlers, write and print (rank 0) the
-        summary as one JSON line, and return it. Its exit_code is non-zero after a stop that
-        was not requeued, so that a job script does not take the stop for success."""
+        """End the run: stop the watchdog and signal handlers; after a stop, requeue the Slurm
+        job (rank 0); write and print (rank 0) the summary as one JSON line, and return it.
+        Its exit_code is non-zero after a stop that was not requeued, so that a job script does
+        not take the stop for success."""
+        self._signal.restore()
+        self.watchdog.stop()
+        if self.stopped and self.rank == 0:
+            saved = (f"checkpoint of step {self.global_step} saved" if self.cfg.checkpoint_dir
+                     else "no checkpoint_dir: progress lost")
+            outcome = preemption.requeue(os.environ, self.cfg.max_requeues)
+            self.exit_code = preemption.exit_code(outcome)
+            print(f"hvdkit: stopped by signal {self._signal.received or 'on another rank'} at step "
+                  f"{self.global_step}; {saved}; {outcome}", file=sys.stderr, flush=True)
         summary = {"event": "summary", "epochs": self.epoch, "steps": self.global_step, "world_size": self.size,
                    **(summary or {}), "wall_seconds": time.perf_counter() - self._wall_start,
                    "stopped": self.stopped, "exit_code": self.exit_code}
-        self._signal.restore()
-        self.watchdog.stop()
         self.metrics.write(summary)
         self.metrics.close()
         if self.rank == 0:

@@ -180,7 +180,7 @@ class Trainer:
                 break
             test = self.evaluate(test_loader)
 
-        if not test:  # resumed at the very end, or stopped part-way
+        if not test and not session.stopped:  # resumed at its end; a stopped job has no time to spare
             test = self.evaluate(test_loader)
         return session.finish(self.summary(train, test))
 

@@ -423,3 +423,42 @@ def test_documented_port_diff_is_current():
     diff = "".join(difflib.unified_diff((REPO / old).read_text().splitlines(keepends=True),
                                         (REPO / new).read_text().splitlines(keepends=True), old, new))
     assert f"```diff\n{diff}```" in (REPO / "docs" / "own-loop.md").read_text()
+
+
+EXTRA_STATE = '''
+import sys, torch
+import hvdkit
+
+session = hvdkit.Session(checkpoint_dir=sys.argv[1], log_dir=sys.argv[2])
+model = torch.nn.Linear(2, 1)
+model, optimizer = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+print("restored", session.extra.get("best"), session.global_step)
+for _ in range(3):
+    optimizer.zero_grad()
+    session.backward(model(torch.ones(4, 2)).pow(2).mean())
+    session.step()
+session.extra["best"] = session.global_step * 10
+session.save()
+session.finish()
+'''
+
+
+@pytest.mark.slow
+def test_extra_state_and_step_survive_a_resume(tmp_path):
+    script = tmp_path / "extra.py"
+    script.write_text(EXTRA_STATE)
+    cmd = [sys.executable, str(script), str(tmp_path / "ckpt"), str(tmp_path / "logs")]
+    first, second = run(cmd), run(cmd)
+    assert first.returncode == 0 and "restored None 0" in first.stdout, first.stderr[-2000:]
+    assert second.returncode == 0 and "restored 30 3" in second.stdout, second.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_sync_batch_norm_flag_is_refused_in_one_line_on_cpus(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU: the refusal is for CPU-only hosts")
+    proc = run([*TRAIN, "--sync-batch-norm", "--max-steps", "1", "--log-dir", str(tmp_path)])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == ("hvdkit train: sync_batch_norm: Horovod's SyncBatchNorm runs on "
+                                                    "GPUs only and this host has none; drop sync_batch_norm "
+                                                    "(--sync-batch-norm) on CPUs")

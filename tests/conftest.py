@@ -19,6 +19,34 @@ def run(cmd, timeout=300, env=None, **kwargs):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, **kwargs)
 
 
+def final_weights(ckpt_dir):
+    """The model weights in the newest checkpoint of ``ckpt_dir``."""
+    from hvdkit import checkpoint
+
+    return checkpoint.load(checkpoint.existing(str(ckpt_dir))[-1])["model"]
+
+
+def assert_bitwise_equal(a, b):
+    import torch
+
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def kill_tree(proc):
+    """SIGKILL a launcher and every process it started (psutil: by PID, ours only)."""
+    import psutil
+
+    tree = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=30)
+
+
 @pytest.fixture(scope="session")
 def hvd_built():
     """What the installed Horovod was built with; the multi-process tests need it installed."""

@@ -6,13 +6,12 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 import torch
 
 from hvdkit import checkpoint, selftest
 from hvdkit.launch import find_program as launch_find
-from conftest import run
+from conftest import assert_bitwise_equal, final_weights, kill_tree, run
 
 pytestmark = pytest.mark.slow
 
@@ -26,22 +25,12 @@ def mpirun_train(ckpt, logs, *args):
     return selftest.mpirun_command(2, [*TRAIN, "--checkpoint-dir", str(ckpt), "--log-dir", str(logs), *RUN, *args])
 
 
-def weights(ckpt_dir):
-    return checkpoint.load(checkpoint.existing(str(ckpt_dir))[-1])["model"]
-
-
-def assert_bitwise_equal(a, b):
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
     proc = run(mpirun_train(tmp / "ckpt", tmp / "logs"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return weights(tmp / "ckpt")
+    return final_weights(tmp / "ckpt")
 
 
 def test_resume_mid_epoch_is_bitwise_identical(tmp_path, uninterrupted):
@@ -55,17 +44,7 @@ def test_resume_mid_epoch_is_bitwise_identical(tmp_path, uninterrupted):
     assert "resumed from" in second.stderr and "ckpt-step000000030.pt (epoch 2, step 30)" in second.stderr
     summary = selftest.parse_records(second.stdout, "summary")[0]
     assert summary["steps"] == 92 and summary["epochs"] == 4
-    assert_bitwise_equal(weights(tmp_path / "ckpt"), uninterrupted)
-
-
-def _kill_tree(proc):
-    tree = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
-    for p in tree:
-        try:
-            p.kill()  # SIGKILL
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait(timeout=30)
+    assert_bitwise_equal(final_weights(tmp_path / "ckpt"), uninterrupted)
 
 
 def test_sigkill_then_resume_is_bitwise_identical(tmp_path, uninterrupted):
@@ -76,13 +55,13 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path, uninterrupted):
     while not checkpoint.path_for(str(ckpt), 14).exists():
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its second checkpoint"
         time.sleep(0.002)
-    _kill_tree(proc)
+    kill_tree(proc)
     newest = checkpoint.existing(str(ckpt))[-1]
     assert checkpoint.load(newest)["step"] < 92, "killed before the end"
     resumed = run(mpirun_train(ckpt, logs, "--checkpoint-steps", "7"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {newest}" in resumed.stderr
-    assert_bitwise_equal(weights(ckpt), uninterrupted)
+    assert_bitwise_equal(final_weights(ckpt), uninterrupted)
 
 
 def _one_epoch(tmp_path, *args, env=None):
@@ -197,7 +176,7 @@ def test_a_failing_rank_ends_the_job_within_60s(tmp_path, launcher, how):
     try:
         output, _ = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
-        _kill_tree(proc)
+        kill_tree(proc)
         pytest.fail(f"{launcher}: the job was still running 60 s after rank 1 failed ({how})")
     assert proc.returncode != 0, output[-2000:]
     assert time.monotonic() - start < 60
@@ -228,7 +207,7 @@ def test_a_stalled_collective_is_named_and_ends_the_job(tmp_path, launcher):
     try:
         output, _ = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
-        _kill_tree(proc)
+        kill_tree(proc)
         pytest.fail(f"{launcher}: a stall with a 6 s timeout was still hanging after 60 s")
     assert proc.returncode != 0
     if launcher == "mpirun":  # Horovod's stall inspector names the tensor and the missing rank
@@ -292,7 +271,7 @@ def _wait_for(predicate, proc, what, seconds=120):
         if proc.poll() is not None:
             pytest.fail(f"the elastic job ended (exit {proc.returncode}) while waiting for {what}")
         if time.monotonic() > deadline:
-            _kill_tree(proc)
+            kill_tree(proc)
             pytest.fail(f"timed out waiting for {what}")
         time.sleep(0.2)
 

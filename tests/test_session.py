@@ -20,7 +20,7 @@ from hvdkit.config import ConfigError, TrainConfig
 from hvdkit.metrics import finite_or_none
 from hvdkit.session import batch_len, lr_multiplier, split_batch, sync_batch_norm
 from hvdkit.trainer import lr_factor
-from conftest import REPO, run
+from conftest import REPO, assert_bitwise_equal, final_weights, kill_tree, run
 
 PORTED = [sys.executable, str(REPO / "examples" / "hvdkit_digits.py")]
 TRAIN = [sys.executable, "-m", "hvdkit", "train"]
@@ -120,26 +120,6 @@ def _ported(np_, env=None):
     return selftest.mpirun_command(np_, PORTED), {**os.environ, **(env or {})}
 
 
-def _final_weights(ckpt_dir):
-    return checkpoint.load(checkpoint.existing(str(ckpt_dir))[-1])["model"]
-
-
-def _assert_bitwise_equal(a, b):
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
-
-
-def _kill_tree(proc):
-    tree = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
-    for p in tree:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait(timeout=30)
-
-
 def _wait_for(path, proc, timeout=120):
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -155,7 +135,7 @@ def ported_uninterrupted(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = selftest.parse_records(proc.stdout, "summary")[0]
     assert summary["steps"] == 115 and summary["test_accuracy"] > 0.9, summary
-    return _final_weights(ckpt)
+    return final_weights(ckpt)
 
 
 @pytest.mark.slow
@@ -167,13 +147,13 @@ def test_ported_horovod_example_resumes_after_sigkill_bitwise(tmp_path, ported_u
     try:
         _wait_for(checkpoint.path_for(str(ckpt), 35), proc)  # mid-epoch 2 (23 steps an epoch)
     finally:
-        _kill_tree(proc)
+        kill_tree(proc)
     newest = checkpoint.existing(str(ckpt))[-1]
     assert checkpoint.load(newest)["step"] < 115, "killed before the end"
     resumed = run(cmd, env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {newest}" in resumed.stderr
-    _assert_bitwise_equal(_final_weights(ckpt), ported_uninterrupted)
+    assert_bitwise_equal(final_weights(ckpt), ported_uninterrupted)
 
 
 def _rank_pids(proc, script_name):
@@ -200,7 +180,7 @@ def test_sigusr1_to_one_rank_stops_every_rank_at_one_step_in_an_own_loop(tmp_pat
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
-            _kill_tree(proc)
+            kill_tree(proc)
     assert proc.returncode == 1, err[-3000:]  # stopped and not requeued: not a success
     [line] = [line for line in err.splitlines() if "hvdkit: stopped by signal" in line]
     step = int(line.split(" at step ")[1].split(";")[0])
@@ -211,7 +191,7 @@ def test_sigusr1_to_one_rank_stops_every_rank_at_one_step_in_an_own_loop(tmp_pat
     assert summary["stopped"] is True and summary["steps"] == step and summary["exit_code"] == 1
     resumed = run(cmd, env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    _assert_bitwise_equal(_final_weights(ckpt), ported_uninterrupted)
+    assert_bitwise_equal(final_weights(ckpt), ported_uninterrupted)
 
 
 OWN_TRAINER = '''
@@ -318,7 +298,7 @@ def _train(tmp_path, name, args, launcher=None):
     cmd = [*TRAIN, *LM, "--checkpoint-dir", str(ckpt), "--log-dir", str(tmp_path / f"{name}-logs"), *args]
     proc = run(selftest.mpirun_command(2, cmd) if launcher == "mpirun" else cmd)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return selftest.parse_records(proc.stdout, "summary")[0], _final_weights(ckpt)
+    return selftest.parse_records(proc.stdout, "summary")[0], final_weights(ckpt)
 
 
 @pytest.mark.slow
@@ -355,11 +335,11 @@ def test_language_model_resumes_after_sigkill_bitwise(tmp_path):
     try:
         _wait_for(checkpoint.path_for(str(ckpt), 12), proc)
     finally:
-        _kill_tree(proc)
+        kill_tree(proc)
     assert checkpoint.load(checkpoint.existing(str(ckpt))[-1])["step"] < 24, "killed before the end"
     summary, resumed = _train(tmp_path, "killed", args, launcher="mpirun")
     assert summary["steps"] == 24
-    _assert_bitwise_equal(resumed, uninterrupted)
+    assert_bitwise_equal(resumed, uninterrupted)
 
 
 @pytest.mark.slow
@@ -371,7 +351,7 @@ def test_torch_compile_trains_like_eager(tmp_path):
         proc = run(selftest.mpirun_command(2, [*TRAIN, *args, *extra, "--checkpoint-dir", str(ckpt),
                                                "--log-dir", str(tmp_path / f"{name}-logs")]), timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        weights[name] = _final_weights(ckpt)
+        weights[name] = final_weights(ckpt)
     assert weights["eager"].keys() == weights["compiled"].keys(), "checkpoints hold the uncompiled module's keys"
     for name in weights["eager"]:  # inductor may fuse and reorder float ops
         torch.testing.assert_close(weights["compiled"][name], weights["eager"][name], atol=1e-5, rtol=1e-4)

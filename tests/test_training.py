@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from hvdkit import checkpoint, selftest
-from conftest import run
+from hvdkit import selftest
+from conftest import final_weights, run
 from test_data import make_imagefolder
 
 pytestmark = pytest.mark.slow
@@ -31,10 +31,6 @@ def train(tmp_path, name, *args, launcher=None, timeout=300):
     summaries = selftest.parse_records(proc.stdout, "summary")
     assert len(summaries) == 1, "exactly one rank prints the summary"
     return summaries[0], ckpt, logs
-
-
-def final_weights(ckpt_dir):
-    return checkpoint.load(checkpoint.existing(str(ckpt_dir))[-1])["model"]
 
 
 @pytest.fixture(scope="module")

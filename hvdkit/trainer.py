@@ -123,23 +123,24 @@ class Trainer:
         if (train_set is None) != (test_set is None):
             raise ConfigError("Trainer: give both train_set and test_set, or neither")
         self.tokens_per_sample = 0
+        # The summary names what is trained: the config's names, or your own classes.
+        self.names = {"model": type(model).__name__,
+                      "dataset": type(getattr(train_set, "dataset", train_set)).__name__}  # a DataLoader's
         if train_set is None:
             built = data.build(cfg)
             train_set, test_set = built.train, built.test
             self.tokens_per_sample = built.tokens_per_sample
+            self.names["dataset"] = cfg.dataset
             if model is None:
                 seed_everything(cfg.seed)  # the same initial weights in every run with this seed
                 model = (models.build_language_model(cfg.model, built.num_classes, cfg.seq_len)
                          if built.tokens_per_sample else
                          models.build(cfg.model, built.in_channels, built.image_size, built.num_classes))
-                self.names = {"model": cfg.model, "dataset": cfg.dataset}
+                self.names["model"] = cfg.model
             if loss_fn is None:
                 loss_fn = language_model_loss if built.tokens_per_sample else classification_loss
         if model is None:
             raise ConfigError("Trainer: a model is required with your own datasets")
-        if not hasattr(self, "names"):  # the user's own model or data: say so, not the config's defaults
-            dataset = getattr(train_set, "dataset", train_set)  # a DataLoader's
-            self.names = {"model": type(model).__name__, "dataset": type(dataset).__name__}
         self.model, self.train_set, self.test_set = model, train_set, test_set
         self.loss_fn = loss_fn or classification_loss
         self.make_optimizer = optimizer or make_optimizer(cfg)
@@ -147,7 +148,7 @@ class Trainer:
             raise ConfigError(f"checkpoint_dir {cfg.checkpoint_dir} holds checkpoints of an earlier run, "
                               f"which this run would delete; resume it (drop --no-resume) or use another directory")
 
-    def _prepare(self, session: Session) -> nn.Module:
+    def _prepare(self) -> nn.Module:
         """The model as the config asks: synchronized batch norm, compiled."""
         model = sync_batch_norm(self.model) if self.cfg.sync_batch_norm else self.model
         return torch.compile(model) if self.cfg.compile else model
@@ -157,7 +158,7 @@ class Trainer:
         session = self.session = Session(cfg)
         loader = session.loader(self.train_set)
         test_loader = session.eval_loader(self.test_set)
-        model = self._prepare(session)
+        model = self._prepare()
         optimizer = self.make_optimizer(model.parameters())
         per_epoch = session.steps_per_epoch()
         total_steps = min(cfg.epochs * per_epoch, cfg.max_steps or math.inf)
@@ -212,7 +213,7 @@ class Trainer:
         cfg = self.cfg
         session = self.session = Session(cfg)
         hvd = session.hvd
-        model = self._prepare(session)
+        model = self._prepare()
         model, optimizer = session.setup(model, self.make_optimizer(model.parameters()))
         base_lrs = [group["lr"] for group in optimizer.param_groups]
         sampler = hvd.elastic.ElasticSampler(self.train_set, shuffle=True, seed=cfg.seed)

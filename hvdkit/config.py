@@ -46,7 +46,8 @@ class TrainConfig:
         "help": "peak lr = base_lr x (size x K) for linear, x sqrt(size x K) for sqrt, x 1 for none"})
     momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
     weight_decay: float = field(default=5e-5, metadata={"help": "weight decay (decoupled for adamw)"})
-    warmup_epochs: float = field(default=1.0, metadata={"help": "linear warmup to the peak lr, from base_lr (from 0 if the peak is base_lr)"})
+    warmup_epochs: float = field(default=1.0, metadata={
+        "help": "linear warmup to the peak lr, from base_lr (from 0 if the peak is base_lr)"})
     lr_schedule: str = field(default="cosine", metadata={"help": "after warmup: cosine, step or none"})
     lr_decay_epochs: list = field(default_factory=lambda: [30, 60, 80],
                                   metadata={"help": "epochs at which the step schedule decays", "item": int})

@@ -405,20 +405,13 @@ class Session:
         order is DistributedSampler's (seed + epoch); ``epochs()`` starts a resumed epoch at
         the sample where its checkpoint was taken.
         """
-        if isinstance(data_or_loader, DataLoader):
-            old = data_or_loader
-            batch_size = batch_size or old.batch_size
-            loader_args = {"collate_fn": old.collate_fn, "drop_last": old.drop_last, **loader_args}
-            dataset = old.dataset
-        else:
-            dataset = data_or_loader
-        batch_size = batch_size or self.cfg.batch_size
+        dataset, batch_size, options = self._loader_parts(data_or_loader, batch_size, loader_args,
+                                                          kept=("collate_fn", "drop_last"))
         if len(dataset) < self.size * batch_size:
             raise ConfigError(f"data: the training set has {len(dataset)} samples, fewer than "
                               f"world size x batch_size = {self.size} x {batch_size}")
         sampler = data.ResumableSampler(dataset, num_replicas=self.size, rank=self.rank, shuffle=shuffle,
                                         seed=self.cfg.seed)
-        options = {**data.loader_options(self.cfg, self.rank, self.device.type == "cuda"), **loader_args}
         made = DataLoader(dataset, batch_size=batch_size * self.cfg.batches_per_allreduce, sampler=sampler,
                           **options)
         self._micro_size = batch_size
@@ -428,13 +421,20 @@ class Session:
     def eval_loader(self, data_or_loader, batch_size: Optional[int] = None, **loader_args) -> DataLoader:
         """This rank's share of an evaluation set (a Dataset, or a DataLoader whose dataset and
         collate_fn are kept): every sample on exactly one rank, none twice."""
+        dataset, batch_size, options = self._loader_parts(data_or_loader, batch_size, loader_args,
+                                                          kept=("collate_fn",))
+        return DataLoader(dataset, batch_size=batch_size,
+                          sampler=data.ShardSampler(len(dataset), self.rank, self.size), **options)
+
+    def _loader_parts(self, data_or_loader, batch_size: Optional[int], loader_args: dict, kept: tuple):
+        """(dataset, batch size, DataLoader options) from a Dataset, or from a DataLoader whose
+        ``kept`` settings and batch size carry over; hvdkit's shared loader settings underneath."""
         if isinstance(data_or_loader, DataLoader):
             batch_size = batch_size or data_or_loader.batch_size
-            loader_args = {"collate_fn": data_or_loader.collate_fn, **loader_args}
+            loader_args = {**{name: getattr(data_or_loader, name) for name in kept}, **loader_args}
             data_or_loader = data_or_loader.dataset
         options = {**data.loader_options(self.cfg, self.rank, self.device.type == "cuda"), **loader_args}
-        return DataLoader(data_or_loader, batch_size=batch_size or self.cfg.batch_size,
-                          sampler=data.ShardSampler(len(data_or_loader), self.rank, self.size), **options)
+        return data_or_loader, batch_size or self.cfg.batch_size, options
 
     def steps_per_epoch(self) -> int:
         """Optimizer steps in a whole epoch of the first loader()."""

@@ -197,7 +197,7 @@ def test_sigusr1_to_one_rank_stops_every_rank_at_one_step_in_an_own_loop(tmp_pat
 OWN_TRAINER = '''
 import sys, torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 import hvdkit
 
 case = sys.argv[1]
@@ -248,7 +248,9 @@ config = hvdkit.TrainConfig(epochs=6, batch_size=16, batches_per_allreduce=2, wa
                             lr_scaling="sqrt", log_dir=sys.argv[2])
 adamw = lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 if case == "dicts":
-    trainer = hvdkit.Trainer(config, Regressor(1), Dicts(), Dicts(), optimizer=adamw, loss_fn=mse)
+    # DataLoaders, as a user's script has them: hvdkit re-shards them, keeping batch size and collate_fn
+    trainer = hvdkit.Trainer(config, Regressor(1), DataLoader(Dicts(), batch_size=16),
+                             DataLoader(Dicts(), batch_size=16), optimizer=adamw, loss_fn=mse)
 elif case == "triples":
     trainer = hvdkit.Trainer(config, Regressor(2), Triples(), Triples(), optimizer=adamw, loss_fn=triples)
 else:  # float labels with the default cross-entropy

@@ -24,6 +24,7 @@ class ConfigError(ValueError):
 LR_SCHEDULES = ("cosine", "step", "none")
 LR_SCALINGS = ("linear", "sqrt", "none")
 OPTIMIZERS = ("sgd", "adamw", "adam")
+NONFINITE_ACTIONS = ("stop", "skip")
 
 
 @dataclass
@@ -78,6 +79,19 @@ class TrainConfig:
     max_requeues: int = field(default=3, metadata={"help": "after a stop signal (SIGUSR1), requeue the Slurm job "
                                                          "at most this many times"})
     resume: bool = field(default=True, metadata={"help": "resume from the newest valid checkpoint in checkpoint_dir"})
+    on_nonfinite: str = field(default="stop", metadata={
+        "help": "a NaN/inf loss or gradient: stop (one line naming the step, last good checkpoint kept) or skip "
+                "the step (as GradScaler does), stopping after 10 in a row"})
+    skip_bad_samples: bool = field(default=False, metadata={
+        "help": "skip samples that cannot be read (counted in the summary) instead of stopping at the first"})
+
+
+# What a resume may change: how long to train, and how the run is logged, checkpointed and
+# watched. Anything else would make the resumed run a different run than the one checkpointed
+# (batch size moves the data position, base_lr is restored from the checkpoint, ...).
+RESUME_MAY_CHANGE = ("epochs", "max_steps", "data_dir", "num_workers", "log_interval", "log_dir", "checkpoint_dir",
+                     "checkpoint_steps", "keep_checkpoints", "stall_timeout", "max_requeues", "resume", "compile",
+                     "on_nonfinite", "skip_bad_samples")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -133,7 +147,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"config: clip_grad_norm must be > 0 (got {cfg.clip_grad_norm})")
     if cfg.lr_schedule not in LR_SCHEDULES:
         raise ConfigError(f"config: lr_schedule must be one of {', '.join(LR_SCHEDULES)} (got {cfg.lr_schedule!r})")
-    for name, choices in (("lr_scaling", LR_SCALINGS), ("optimizer", OPTIMIZERS)):
+    for name, choices in (("lr_scaling", LR_SCALINGS), ("optimizer", OPTIMIZERS), ("on_nonfinite", NONFINITE_ACTIONS)):
         if getattr(cfg, name) not in choices:
             raise ConfigError(f"config: {name} must be one of {', '.join(choices)} (got {getattr(cfg, name)!r})")
     if cfg.use_adasum and cfg.gradient_predivide_factor != 1.0:
@@ -230,6 +244,22 @@ def from_args(args: argparse.Namespace) -> TrainConfig:
 
 def to_dict(cfg: TrainConfig) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def resume_conflict(saved: Mapping[str, Any], cfg: TrainConfig) -> Optional[str]:
+    """Why a run with ``cfg`` cannot resume a checkpoint written with the ``saved`` keys, or None."""
+    for name, value in to_dict(cfg).items():
+        if name in RESUME_MAY_CHANGE or name not in saved or saved[name] == value:
+            continue
+        flag = "--" + name.replace("_", "-")
+        return (f"was written with {flag} {_show(saved[name])} and this run asks for {_show(value)}; a resume continues "
+                f"that run, so only --epochs, --max-steps, --data-dir and logging, checkpoint and watchdog settings may "
+                f"change: drop {flag}, or start afresh in another --checkpoint-dir")
+    return None
+
+
+def _show(value: Any) -> str:
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def parse(argv: Sequence[str]) -> TrainConfig:

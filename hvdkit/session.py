@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader
 
 from hvdkit import checkpoint, data, env, preemption
 from hvdkit.config import ConfigError, TrainConfig, from_environ, from_mapping, to_dict, validate
+from hvdkit.config import resume_conflict as config_resume_conflict
 from hvdkit.metrics import Metrics, finite_or_none
 from hvdkit.preemption import StopSignal
 from hvdkit.watchdog import Watchdog
@@ -243,6 +244,8 @@ class Session:
         self._count = torch.zeros((), device=self.device)
         self._signal = StopSignal()
         self._agreed: Optional[tuple[int, bool]] = None  # (step, stop) from the last agreement
+        self._resumed_batches: Optional[list] = None  # the checkpoint's loader batch sizes
+        self.resumed_config: Optional[dict] = None  # the config keys of the checkpoint resumed from
         self._last_count = 0.0
         self.stopped = False
         self.exit_code = 0
@@ -330,12 +333,12 @@ class Session:
             try:
                 state = self._read_checkpoint()
             except (checkpoint.CheckpointError, ConfigError) as exc:
-                state = {"error": str(exc)}
+                state = {"error": exc}
         state = hvd.broadcast_object(state, root_rank=0, name="hvdkit.resume")
         if state is None:
             return False
         if "error" in state:  # every rank stops with the same line
-            raise checkpoint.CheckpointError(state["error"])
+            raise state["error"]
         try:
             self._module().load_state_dict(state["model"])
         except RuntimeError as exc:
@@ -353,6 +356,8 @@ class Session:
             self.scaler.load_state_dict(state["scaler"])
         set_rng_state(state["rng"][self.rank])
         self.epoch, self.global_step = state["epoch"], state["step"]
+        self._resumed_batches = state.get("loader_batches")
+        self.resumed_config = state["config"]
         self.extra.update(state.get("extra") or {})
         if self.rank == 0:
             print(f"hvdkit: resumed from {state['path']} (epoch {self.epoch + 1}, step {self.global_step})",
@@ -371,9 +376,9 @@ class Session:
             raise ConfigError(f"checkpoint {path} was written by {state['world_size']} ranks, this job has "
                               f"{self.size}; resume with {state['world_size']} ranks (the data order and learning "
                               f"rate depend on it), or start afresh in another --checkpoint-dir")
-        if state["config"]["model"] != self.cfg.model:
-            raise ConfigError(f"checkpoint {path} is of model {state['config']['model']!r}, "
-                              f"not {self.cfg.model!r}")
+        conflict = config_resume_conflict(state["config"], self.cfg)
+        if conflict:
+            raise ConfigError(f"checkpoint {path} {conflict}")
         return {**state, "path": str(path)}
 
     def _module(self) -> nn.Module:
@@ -394,6 +399,7 @@ class Session:
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler else None, "rng": rng, "extra": self.extra,
             "epoch": self.epoch, "step": self.global_step, "world_size": self.size, "config": to_dict(self.cfg),
+            "loader_batches": [loader.batch_size for loader in self._loaders],
         }, keep=self.cfg.keep_checkpoints)
 
     # -- data ------------------------------------------------------------------------------
@@ -451,6 +457,7 @@ class Session:
         order. The loop ends early when ``should_stop()`` agreed to stop, or at ``max_steps``.
         """
         per_epoch = self.steps_per_epoch() if self._loaders else None
+        self._check_data_position(per_epoch)
         if per_epoch:
             self.total_steps = min(count * per_epoch, max_steps or count * per_epoch)
         while self.epoch < count and not self.stopped and self.global_step < (max_steps or math.inf):
@@ -467,6 +474,18 @@ class Session:
             self.save()
             if not finished:  # max_steps ended it part-way
                 return
+
+    def _check_data_position(self, per_epoch: Optional[int]) -> None:
+        """A resumed step counts batches of the checkpointed run's size: with other batch sizes
+        it would point elsewhere in the data, or past the end of the epoch."""
+        now = [loader.batch_size for loader in self._loaders]
+        if self._resumed_batches not in (None, now):
+            raise ConfigError(f"the checkpoint was taken with loader batches of {self._resumed_batches} samples per "
+                              f"step and this run's are {now}; resume with the same batch size (and K), or start "
+                              f"afresh in another checkpoint_dir")
+        if per_epoch and not 0 <= self.global_step - self.epoch * per_epoch <= per_epoch:
+            raise ConfigError(f"the checkpoint's step {self.global_step} is not in its epoch {self.epoch + 1} of "
+                              f"{per_epoch} steps: the training set or batch size changed since it was taken")
 
     def join(self) -> None:
         """Wait for every rank to finish its batches: a rank with fewer waits here instead of

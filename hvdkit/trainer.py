@@ -9,6 +9,7 @@ does lives in ``train_step``, which the elastic loop and the benchmark share.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Callable, Optional
 
 import torch
@@ -166,6 +167,7 @@ class Trainer:
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_factor(cfg, step / per_epoch, total_steps / per_epoch, multiplier))
         model, optimizer = session.setup(model, optimizer, scheduler)
+        self._continue_schedule(scheduler, per_epoch, total_steps, multiplier)
 
         train, test = {"loss": math.nan}, {}
         for epoch in session.epochs(cfg.epochs, max_steps=total_steps):
@@ -184,6 +186,31 @@ class Trainer:
         if not test and not session.stopped:  # resumed at its end; a stopped job has no time to spare
             test = self.evaluate(test_loader)
         return session.finish(self.summary(train, test))
+
+    def _continue_schedule(self, scheduler, per_epoch: int, total_steps: int, multiplier: float) -> None:
+        """After a resume the learning rate at each step is this run's schedule at that step.
+
+        That matters when the run trains longer (or shorter) than the checkpointed one meant to:
+        a cosine decay stretches to the new end from here on, and the line printed says so; step
+        and constant schedules do not depend on the end and are unchanged."""
+        saved, cfg, session = self.session.resumed_config, self.cfg, self.session
+        if saved is None:
+            return
+        for group, base_lr, factor in zip(session.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas,
+                                          strict=True):
+            group["lr"] = base_lr * factor(session.global_step)
+        old_total = min(saved["epochs"] * per_epoch, saved["max_steps"] or math.inf)
+        if old_total == total_steps or session.global_step >= total_steps:
+            return
+        step = session.global_step
+        if cfg.lr_schedule == "cosine":
+            old_lr, new_lr = (lr_factor(cfg, step / per_epoch, end / per_epoch, multiplier) * cfg.base_lr
+                              for end in (old_total, total_steps))
+            change = f"the cosine decay now ends at step {total_steps}: lr at step {step} {old_lr:.4g} -> {new_lr:.4g}"
+        else:
+            change = f"the {cfg.lr_schedule} schedule does not depend on the end and is unchanged"
+        session.print(f"hvdkit: resumed run trains to step {total_steps} instead of {old_total}; {change}",
+                      file=sys.stderr)
 
     def evaluate(self, test_loader) -> dict:
         """The loss and metrics over the whole test set, each sample counted once."""

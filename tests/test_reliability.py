@@ -64,6 +64,50 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path, uninterrupted):
     assert_bitwise_equal(final_weights(ckpt), uninterrupted)
 
 
+def test_training_longer_by_epochs_matches_an_uninterrupted_run(tmp_path, uninterrupted):
+    """A finished 2-epoch run resumed with --epochs 4 is the 4-epoch run (a step schedule)."""
+    first = run(mpirun_train(tmp_path / "ckpt", tmp_path / "logs", "--epochs", "2"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run(mpirun_train(tmp_path / "ckpt", tmp_path / "logs", "--epochs", "4"))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "trains to step 92 instead of 46; the step schedule does not depend on the end" in second.stderr
+    assert_bitwise_equal(final_weights(tmp_path / "ckpt"), uninterrupted)
+
+
+def test_training_longer_stretches_a_cosine_schedule(tmp_path):
+    """After a resume with a larger --max-steps each step's lr is the longer run's."""
+    def lrs(logs):
+        return {r["step"]: r["lr"] for r in _records(logs / "metrics.jsonl") if r["event"] == "train"}
+
+    args = ["--lr-schedule", "cosine", "--warmup-epochs", "0", "--log-interval", "1"]
+    longer = _one_epoch(tmp_path / "longer", *args, "--max-steps", "40")
+    assert longer.returncode == 0, longer.stderr
+    first = _one_epoch(tmp_path, *args, "--max-steps", "20")
+    assert first.returncode == 0, first.stderr
+    second = _one_epoch(tmp_path, *args, "--max-steps", "40", "--log-dir", str(tmp_path / "logs2"))
+    assert second.returncode == 0, second.stderr
+    # The 20-step decay had reached 0; the 40-step one is half way down from 0.025.
+    assert "trains to step 40 instead of 20; the cosine decay now ends at step 40: lr at step 20 0 -> 0.0125" \
+        in second.stderr, second.stderr
+    resumed, expected = lrs(tmp_path / "logs2"), lrs(tmp_path / "longer" / "logs")
+    assert sorted(resumed) == list(range(21, 41))
+    assert resumed == pytest.approx({step: expected[step] for step in resumed}, rel=1e-12)
+
+
+@pytest.mark.parametrize("change", [["--batch-size", "64"], ["--batches-per-allreduce", "2"], ["--base-lr", "0.1"],
+                                   ["--seed", "7"]])
+def test_a_resume_that_would_change_the_run_is_refused(tmp_path, change):
+    """The 3,729-line loop of issue 12: a resume with another batch size pointed past its epoch."""
+    first = _one_epoch(tmp_path, "--max-steps", "30")
+    assert first.returncode == 0, first.stderr
+    before = _snapshot(tmp_path)
+    proc = _one_epoch(tmp_path, *change, "--max-steps", "40")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("hvdkit train: checkpoint "), proc.stderr
+    assert f"was written with {change[0]} " in proc.stderr and f"drop {change[0]}," in proc.stderr
+    assert _snapshot(tmp_path) == before
+
+
 def _one_epoch(tmp_path, *args, env=None):
     return run([*TRAIN, "--model", "mlp", "--epochs", "1", "--checkpoint-steps", "5", "--keep-checkpoints", "3",
                 "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs"), *args], env=env)
@@ -90,7 +134,7 @@ def _snapshot(directory):
 
 @pytest.mark.parametrize("case, args, line, code", [
     ("only-corrupted", [], "is corrupted (checksum mismatch)", 1),
-    ("other-model", ["--model", "cnn"], "is of model 'mlp', not 'cnn'", 1),
+    ("other-model", ["--model", "cnn"], "was written with --model mlp and this run asks for cnn", 2),
     ("no-resume", ["--no-resume"], "holds checkpoints of an earlier run", 2),
 ])
 def test_unusable_checkpoints_stop_in_one_line_and_touch_nothing(tmp_path, case, args, line, code):

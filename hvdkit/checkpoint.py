@@ -45,6 +45,8 @@ def save(directory: str, step: int, state: dict, keep: int) -> Path:
     tmp = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
+        for stale in target.parent.glob(f".{PREFIX}*{SUFFIX}.*.tmp"):  # left by a save that was killed
+            stale.unlink(missing_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
         with os.fdopen(fd, "wb") as f:
             f.write(header)

@@ -53,17 +53,24 @@ def train(args: argparse.Namespace) -> int:
         print("datasets:", " ".join(data.DATASETS))
         return 0
     from hvdkit.checkpoint import CheckpointError  # imports torch, which only training needs
+    from hvdkit.data import UnreadableSample, one_line
+    from hvdkit.session import NonFiniteError
     from hvdkit.trainer import Trainer, failure_hint
 
     try:
         cfg = config.from_args(args)
         trainer = Trainer(cfg)
         summary = trainer.fit_elastic() if cfg.elastic else trainer.fit()
-    except (config.ConfigError, CheckpointError) as exc:
+    except (config.ConfigError, CheckpointError, NonFiniteError) as exc:
         if args.debug:
             raise
         _say_once(f"hvdkit train: {exc}")
         return 2 if isinstance(exc, config.ConfigError) else 1
+    except UnreadableSample as exc:  # on the rank that read it: the others wait for it, or for the launcher
+        if args.debug:
+            raise
+        print(f"hvdkit train: {one_line(exc)}", file=sys.stderr, flush=True)
+        return 1
     except Exception as exc:
         hint = failure_hint(exc)
         if hint is None or args.debug:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import pickle
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -26,6 +27,49 @@ SYNTHETIC_CLASSES = 10
 
 class DataError(ConfigError):
     """A missing or malformed dataset; the message says where and what was expected."""
+
+
+class UnreadableSample(RuntimeError):
+    """A sample whose file cannot be read or decoded; the message names the file and index."""
+
+
+class Readable(Dataset):
+    """An image folder whose unreadable samples are named in one line, or skipped.
+
+    A corrupt file hours into an epoch otherwise ends the run with a DataLoader traceback
+    whose last line alone names it. With ``skip``, the next readable sample takes its place
+    (the batch keeps its size and the ranks their lockstep) and ``skipped`` counts it, in
+    memory shared with the loader's worker processes."""
+
+    def __init__(self, dataset, skip: bool) -> None:
+        self.dataset, self.skip = dataset, skip
+        self.skipped = multiprocessing.Value("i", 0)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        for offset in range(len(self.dataset)):
+            candidate = (index + offset) % len(self.dataset)
+            try:
+                return self.dataset[candidate]
+            except Exception as exc:  # PIL, OSError, a transform: whatever reading the file raised
+                problem = (f"sample {candidate} ({self.dataset.samples[candidate][0]}) cannot be read: "
+                           f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                if not self.skip:
+                    raise UnreadableSample(f"data: {problem}; fix or remove the file, or pass --skip-bad-samples") \
+                        from None
+                with self.skipped.get_lock():
+                    self.skipped.value += 1
+                print(f"hvdkit: warning: data: {problem}; skipped", file=sys.stderr, flush=True)
+        raise UnreadableSample(f"data: no sample of {len(self.dataset)} can be read")
+
+
+def one_line(exc: UnreadableSample) -> str:
+    """The message of an UnreadableSample, also when a DataLoader worker re-raised it with the
+    worker's traceback in front."""
+    text = str(exc)
+    return text.strip().splitlines()[-1].split("UnreadableSample: ", 1)[-1] if "Traceback" in text else text
 
 
 @dataclass
@@ -134,7 +178,8 @@ def imagefolder(cfg: TrainConfig) -> Datasets:
     if splits[0].classes != splits[1].classes:
         raise DataError(f"data: {root}/train and {val_dir} have different classes "
                         f"({len(splits[0].classes)} vs {len(splits[1].classes)})")
-    return Datasets(splits[0], splits[1], in_channels=3, image_size=size, num_classes=len(splits[0].classes))
+    return Datasets(Readable(splits[0], cfg.skip_bad_samples), Readable(splits[1], cfg.skip_bad_samples),
+                    in_channels=3, image_size=size, num_classes=len(splits[0].classes))
 
 
 class SyntheticImages(Dataset):

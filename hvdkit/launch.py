@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from hvdkit import slurm
+from hvdkit import slurm, supervise
 
 LAUNCHERS = ("auto", "horovodrun", "mpirun", "srun")
 FORWARD_PREFIXES = ("NCCL_", "HOROVOD_")
@@ -372,7 +372,7 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
     flavor = mpi_flavor(mpi_version(program))
     if flavor == "unknown":
         raise LaunchError(f"cannot tell which MPI {program} is from `mpirun --version`")
-    spec.forward = forwarded_names(environ, extra)
+    spec.forward = forwarded_names(environ, [*extra, supervise.JOB_DIR])
     notes = [f"added --oversubscribe: {oversubscribed}"] if oversubscribed and flavor == "openmpi" else []
     return Plan(launcher, f"{reason}; {flavor}", MPIRUN_BUILDERS[flavor](spec), {}, notes)
 
@@ -401,6 +401,7 @@ def main(argv: Sequence[str]) -> int:
         if command is None:
             raise LaunchError("put '--' before the command, e.g. hvdkit launch -np 2 -- python train.py")
         result = plan(args, command, os.environ, find_program, mpirun_version, os.geteuid() == 0, local_slots())
+        check_command(command)
     except LaunchError as exc:
         print(f"hvdkit launch: {exc}", file=sys.stderr)
         return 2
@@ -411,9 +412,16 @@ def main(argv: Sequence[str]) -> int:
         print(result.render(), flush=True)
         if args.dry_run:
             return 0
-    env = dict(os.environ, **result.env)
-    os.execvpe(result.command[0], result.command, env)
-    return 127  # not reached: exec replaces this process
+    return supervise.run(result.command, dict(os.environ, **result.env))
+
+
+def check_command(command: Sequence[str]) -> None:
+    """The program to run on every rank exists here, so a typo is one line, not an MPI error box."""
+    program = command[0]
+    found = os.access(program, os.X_OK) and not os.path.isdir(program) if "/" in program else shutil.which(program)
+    if not found:
+        raise LaunchError(f"{program}: no such command on this host (check the path, or activate the environment "
+                          f"it is installed in)")
 
 
 def find_program(name: str) -> Optional[str]:

@@ -1,30 +1,48 @@
-"""Stopping cleanly before Slurm stops the job: a signal, a checkpoint, a requeue.
+"""Stopping cleanly when asked to: a signal, one agreed step, a checkpoint, and an exit code
+that says what happened.
 
-Submit with `--signal=USR1@<seconds> --requeue`: Slurm sends SIGUSR1 to every task that long
-before the time limit, and `scancel --signal=USR1` sends it on demand (preemption). The
-handler only sets a flag; the loop reads it at its next metrics report, where one allreduce
-makes all ranks agree on the step to stop at, rank 0 writes a checkpoint and requeues the
-job, and the restarted job resumes from that checkpoint.
+Three signals stop a run. SIGUSR1 is Slurm's warning before a time limit (`--signal=USR1@120`)
+or a preemption on demand (`scancel --signal=USR1`): the job is requeued and resumes. SIGTERM
+is what Slurm sends at a time limit without --signal, on `scancel` and on preemption, what
+mpirun and srun forward when they are told to stop, and what `kill` sends; SIGINT is Ctrl-C.
+Those two stop without a requeue: rerun (or resubmit) the same command to resume. The
+handler only records the signal; the loop agrees on it at the next step (one tiny allreduce
+per step, in the same Horovod cycle as the gradients), rank 0 writes the checkpoint of that
+step, and the process exits with 128 + the signal's number, as a shell reports a process a
+signal ended. A second Ctrl-C stops at once, saving nothing more.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+import sys
 from typing import Mapping, Optional
 
-SIGNALS = (signal.SIGUSR1,)
+SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+REQUEUE_SIGNAL = signal.SIGUSR1
+
+
+def exit_code_for(signum: int) -> int:
+    """128 + the signal's number: 138 for SIGUSR1, 143 for SIGTERM, 130 for SIGINT."""
+    return 128 + signum
 
 
 class StopSignal:
     """Remembers that a stop was asked for; installed for the loop's lifetime."""
 
-    def __init__(self) -> None:
+    def __init__(self, install: bool = True) -> None:
         self.received: Optional[int] = None
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+        self.step = 0  # the loop's step, for the message of a second Ctrl-C
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS} if install else {}
 
     def _handle(self, signum, frame) -> None:
-        self.received = signum
+        if signum == signal.SIGINT and self.received == signal.SIGINT:
+            print(f"hvdkit: second interrupt: stopping now at step {self.step}; progress since the last "
+                  f"checkpoint is lost", file=sys.stderr, flush=True)
+            os._exit(exit_code_for(signal.SIGINT))
+        self.received = self.received or signum
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -45,7 +63,18 @@ def requeue(environ: Mapping[str, str], max_requeues: int) -> str:
     return f"requeued job {job} (restart {restarts + 1} of at most {max_requeues})"
 
 
-def exit_code(message: str) -> int:
-    """0 when the job goes on after a requeue, else 1 so that the stop is not taken for success."""
-    return 0 if message.startswith("requeued") else 1
+def will_requeue(signum: int, environ: Mapping[str, str], max_requeues: int) -> bool:
+    return (signum == REQUEUE_SIGNAL and "SLURM_JOB_ID" in environ
+            and int(environ.get("SLURM_RESTART_COUNT", "0")) < max_requeues)
 
+
+def after_stop(signum: int, environ: Mapping[str, str], max_requeues: int) -> tuple[str, int]:
+    """(what happens next, exit code) once a run stopped for ``signum`` and saved its checkpoint:
+    SIGUSR1 requeues the Slurm job and exits 0 when that worked, so the job goes on; anything
+    else exits 128 + signum, so that a job script does not take the stop for success."""
+    if signum == REQUEUE_SIGNAL:
+        outcome = requeue(environ, max_requeues)
+        if outcome.startswith("requeued"):
+            return outcome, 0
+        return outcome, exit_code_for(signum)
+    return "rerun the same command (or resubmit the job) to resume", exit_code_for(signum)

@@ -31,6 +31,7 @@ import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -41,12 +42,19 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from hvdkit import checkpoint, data, env, preemption
+from hvdkit import checkpoint, data, env, preemption, supervise
 from hvdkit.config import ConfigError, TrainConfig, from_environ, from_mapping, to_dict, validate
 from hvdkit.config import resume_conflict as config_resume_conflict
+from hvdkit.lock import DirectoryInUse, DirectoryLock
 from hvdkit.metrics import Metrics, finite_or_none
 from hvdkit.preemption import StopSignal
 from hvdkit.watchdog import Watchdog
+
+MAX_SKIPS_IN_A_ROW = 10
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradients of a step are NaN or infinite; the message names the step."""
 
 
 def place_process(local_rank: int, local_size: int) -> torch.device:
@@ -242,14 +250,18 @@ class Session:
         self._micro_count = cfg.batches_per_allreduce
         self._sums: dict[str, torch.Tensor] = {}
         self._count = torch.zeros((), device=self.device)
-        self._signal = StopSignal()
-        self._agreed: Optional[tuple[int, bool]] = None  # (step, stop) from the last agreement
+        self._signal = StopSignal(install=not cfg.elastic)  # elastic runs stop as Horovod's driver says
+        self._stop_handle = None  # this step's allreduce of the ranks' stop signals
+        self._stop_signum = 0  # the signal all ranks agreed to stop for
+        self.skipped_steps, self._skips_in_a_row = 0, 0  # on_nonfinite: skip
         self._resumed_batches: Optional[list] = None  # the checkpoint's loader batch sizes
         self.resumed_config: Optional[dict] = None  # the config keys of the checkpoint resumed from
         self._last_count = 0.0
         self.stopped = False
         self.exit_code = 0
         self.log_dir = cfg.log_dir or self._run_dir()
+        self._locks = self._lock_directories()
+        self.watchdog.share(os.environ.get(supervise.JOB_DIR) or str(Path(self.log_dir) / "ranks"))
         self._metrics: Optional[Metrics] = None
         self.total_steps = 0  # for the progress bar; set it if you know it, epochs() does
         self._samples, self._seconds = 0.0, 0.0
@@ -263,6 +275,29 @@ class Session:
             return str(Path("runs") / f"elastic-{job}")
         return self.hvd.broadcast_object(new_run_dir() if self.rank == 0 else None, root_rank=0,
                                          name="hvdkit.log_dir")
+
+    def _lock_directories(self) -> list[DirectoryLock]:
+        """Rank 0 locks the checkpoint and log directories for this run (see hvdkit.lock);
+        every rank stops with the same line when another run holds one."""
+        if self.cfg.elastic:  # rank 0 may leave and another process take its place
+            return []
+        locks, problem = [], None
+        if self.rank == 0:
+            places = {os.path.realpath(d): what for d, what in ((self.cfg.checkpoint_dir, "checkpoint_dir"),
+                                                                 (self.log_dir, "log_dir")) if d}
+            try:
+                for directory, what in places.items():
+                    locks.append(DirectoryLock(directory, what))
+                    locks[-1].acquire()
+            except DirectoryInUse as exc:
+                locks.pop()
+                for held in locks:
+                    held.release()
+                problem = exc
+        problem = self.hvd.broadcast_object(problem, root_rank=0, name="hvdkit.lock")
+        if problem is not None:
+            raise problem
+        return locks
 
     # -- who and where -------------------------------------------------------------------
     @property
@@ -518,19 +553,23 @@ class Session:
         synchronize. Adasum combines the ranks' updates inside step() instead, so there the
         local gradients are unscaled and clipped. Then the scheduler, and a checkpoint every
         ``checkpoint_steps``."""
-        cfg, optimizer = self.cfg, self.optimizer
+        cfg, optimizer, hvd = self.cfg, self.optimizer, self.hvd
         self.watchdog.beat(f"training step {self.global_step + 1}")
+        self._signal.step = self.global_step
+        self._collect_stop()  # one left by a loop that did not ask should_stop()
+        if not cfg.elastic:  # submitted before the gradients are awaited: it travels in their cycle
+            self._stop_handle = hvd.allreduce_async(torch.tensor([float(self._signal.received or 0)]),
+                                                    op=hvd.Max, name="hvdkit.stop")
         if not cfg.use_adasum:
             optimizer.synchronize()
         if self.scaler:
             self.scaler.unscale_(optimizer)
-        if cfg.clip_grad_norm:
-            nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_grad_norm)
-        with contextlib.nullcontext() if cfg.use_adasum else optimizer.skip_synchronize():
-            if self.scaler:
-                self.scaler.step(optimizer)
-            else:
-                optimizer.step()
+        if self._gradients_finite():
+            with contextlib.nullcontext() if cfg.use_adasum else optimizer.skip_synchronize():
+                if self.scaler:
+                    self.scaler.step(optimizer)
+                else:
+                    optimizer.step()
         if self.scaler:
             self.scaler.update()
         if self.scheduler is not None:
@@ -541,6 +580,54 @@ class Session:
         end_of_epoch = self._loaders and self.global_step % self.steps_per_epoch() == 0
         if periodic and not end_of_epoch and self.global_step < (self.total_steps or math.inf):
             self.save()
+
+    def _gradients_finite(self) -> bool:
+        """Clip the gradients and tell whether they are finite. Averaged gradients are the same
+        on every rank, so every rank decides alike; Adasum's are local, so there the ranks agree
+        in an allreduce. With fp16 loss scaling, GradScaler skips non-finite steps itself.
+
+        on_nonfinite=stop raises NonFiniteError before the step, so the weights and the last
+        checkpoint stay good; skip leaves the weights as they were and goes on, up to
+        MAX_SKIPS_IN_A_ROW steps in a row."""
+        cfg = self.cfg
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if cfg.clip_grad_norm:
+            norm = nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip_grad_norm)
+        elif self.scaler is None and grads:
+            norm = nn.utils.get_total_norm(grads)
+        else:
+            return True
+        if self.scaler is not None:
+            return True
+        finite = torch.isfinite(norm).float().cpu()
+        if cfg.use_adasum:
+            finite = self.hvd.allreduce(finite, op=self.hvd.Min, name="hvdkit.finite")
+        if finite.item():
+            self._skips_in_a_row = 0
+            return True
+        step = self.global_step + 1
+        if cfg.on_nonfinite == "stop":
+            raise NonFiniteError(f"the loss or gradients of step {step} (epoch {self.epoch + 1}) are not finite; "
+                                 f"stopped before applying them, {self._kept()}; lower --base-lr, set "
+                                 f"--clip-grad-norm, or pass --on-nonfinite skip")
+        self.skipped_steps += 1
+        self._skips_in_a_row += 1
+        if self._skips_in_a_row >= MAX_SKIPS_IN_A_ROW:
+            raise NonFiniteError(f"the loss or gradients were not finite for {self._skips_in_a_row} steps in a row "
+                                 f"(the last, step {step}); stopped, {self._kept()}; lower --base-lr or set "
+                                 f"--clip-grad-norm")
+        self.print(f"hvdkit: warning: the loss or gradients of step {step} are not finite; step skipped "
+                   f"({self.skipped_steps} so far)", file=sys.stderr)
+        for grad in grads:
+            grad.zero_()
+        return False
+
+    def _kept(self) -> str:
+        """Which checkpoint a run that stops now leaves behind."""
+        if not self.cfg.checkpoint_dir:
+            return "no checkpoint_dir"
+        newest = checkpoint.existing(self.cfg.checkpoint_dir)
+        return f"last good checkpoint {newest[-1]} kept" if newest else "no checkpoint written yet"
 
     # -- metrics and stopping ------------------------------------------------------------------
     def log(self, samples: int, **means) -> None:
@@ -563,10 +650,8 @@ class Session:
         ranks, in one allreduce that also carries the stop flag; rank 0 shows and writes them
         with ``extra`` (e.g. lr) and the throughput."""
         names = sorted(self._sums)
-        flag = torch.tensor(float(self._signal.received is not None), device=self.device)
-        window = torch.stack([*(self._sums[n] for n in names), self._count.float(), flag])
-        *sums, count, stops = self.hvd.allreduce(window, op=self.hvd.Sum, name=f"hvdkit.{stage}").tolist()
-        self._agreed = (self.global_step, stops > 0)
+        window = torch.stack([*(self._sums[n] for n in names), self._count.float()])
+        *sums, count = self.hvd.allreduce(window, op=self.hvd.Sum, name=f"hvdkit.{stage}").tolist()
         self._last_count = count
         means = {name: total / count if count else float("nan") for name, total in zip(names, sums, strict=True)}
         values = {**extra, **means}
@@ -598,23 +683,27 @@ class Session:
         return {**result, "samples": int(self._last_count)}
 
     def should_stop(self) -> bool:
-        """True on every rank at the same step once any rank got SIGUSR1 (Slurm's warning
-        before a time limit, or preemption); by then the checkpoint of that step is written.
-        ``finish()`` then requeues the Slurm job: a requeue ends the job's processes, so it
-        comes last. Call it every step; it communicates only at report steps, reusing
-        report()'s allreduce when there was one."""
+        """True on every rank at the same step once any rank got SIGTERM, SIGINT or SIGUSR1
+        (see hvdkit.preemption); by then the checkpoint of that step is written. Call it after
+        every step(): the agreement is the result of the small allreduce step() started, so it
+        costs no extra wait. ``finish()`` then says what was saved and, after SIGUSR1, requeues
+        the Slurm job: a requeue ends the job's processes, so it comes last."""
         if self.stopped:
             return True
-        if not self.report_due():
-            return False
-        if self._agreed is None or self._agreed[0] != self.global_step:
-            flag = torch.tensor(float(self._signal.received is not None))
-            self._agreed = (self.global_step, self.hvd.allreduce(flag, op=self.hvd.Sum, name="hvdkit.stop") > 0)
-        if not self._agreed[1]:
+        if self._stop_handle is None:  # no step since the last call: ask now
+            self._stop_handle = self.hvd.allreduce_async(torch.tensor([float(self._signal.received or 0)]),
+                                                         op=self.hvd.Max, name="hvdkit.stop")
+        self._collect_stop()
+        if not self._stop_signum:
             return False
         self.stopped = True
         self.save()
         return True
+
+    def _collect_stop(self) -> None:
+        if self._stop_handle is not None:
+            self._stop_signum = self._stop_signum or int(self.hvd.synchronize(self._stop_handle).item())
+            self._stop_handle = None
 
     @property
     def metrics(self) -> Metrics:
@@ -635,16 +724,23 @@ class Session:
         not take the stop for success."""
         self._signal.restore()
         self.watchdog.stop()
-        if self.stopped and self.rank == 0:
-            saved = (f"checkpoint of step {self.global_step} saved" if self.cfg.checkpoint_dir
-                     else "no checkpoint_dir: progress lost")
-            outcome = preemption.requeue(os.environ, self.cfg.max_requeues)
-            self.exit_code = preemption.exit_code(outcome)
-            print(f"hvdkit: stopped by signal {self._signal.received or 'on another rank'} at step "
-                  f"{self.global_step}; {saved}; {outcome}", file=sys.stderr, flush=True)
+        for held in self._locks:
+            held.release()
+        if self.stopped:
+            name = signal.Signals(self._stop_signum).name
+            saved = (f"checkpoint of step {self.global_step} saved in {self.cfg.checkpoint_dir}"
+                     if self.cfg.checkpoint_dir else "no checkpoint_dir, so progress since the start is lost")
+            if self.rank == 0:
+                outcome, self.exit_code = preemption.after_stop(self._stop_signum, os.environ, self.cfg.max_requeues)
+                line = f"stopped by {name} at step {self.global_step}; {saved}; {outcome}"
+                print(f"hvdkit: {line}", file=sys.stderr, flush=True)
+                if self.exit_code:
+                    supervise.record_exit(self.exit_code, line)
+            elif not preemption.will_requeue(self._stop_signum, os.environ, self.cfg.max_requeues):
+                self.exit_code = preemption.exit_code_for(self._stop_signum)
         summary = {"event": "summary", "epochs": self.epoch, "steps": self.global_step, "world_size": self.size,
                    **(summary or {}), "wall_seconds": time.perf_counter() - self._wall_start,
-                   "stopped": self.stopped, "exit_code": self.exit_code}
+                   "stopped": self.stopped, "exit_code": self.exit_code, "skipped_steps": self.skipped_steps}
         self.metrics.write(summary)
         self.metrics.close()
         if self.rank == 0:

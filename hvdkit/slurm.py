@@ -132,6 +132,14 @@ def check(request: JobRequest) -> None:
         raise SlurmFormatError(f"--time {request.time!r} is not a Slurm time (MM, MM:SS, HH:MM:SS, D-HH[:MM[:SS]])")
     if request.array is not None and not _ARRAY_RE.fullmatch(request.array):
         raise SlurmFormatError(f"--array {request.array!r} is not a Slurm array (e.g. 0-9, 1,3,5 or 0-15%4)")
+    for first, last in re.findall(r"(\d+)-(\d+)", request.array or ""):
+        if int(first) > int(last):
+            raise SlurmFormatError(f"--array {request.array!r}: the range {first}-{last} is empty (write {last}-{first})")
+    for name in ("partition", "account"):
+        value = getattr(request, name)
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9_.,\-]+", value):
+            raise SlurmFormatError(f"--{name} {value!r} is not a Slurm {name} name (letters, digits, _ . - and "
+                                   f"commas between several)")
     if request.launcher not in TEMPLATES:
         raise SlurmFormatError(f"--launcher must be one of {', '.join(TEMPLATES)} (got {request.launcher!r})")
     if request.requeue and request.launcher != "srun":

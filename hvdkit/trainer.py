@@ -225,6 +225,10 @@ class Trainer:
     def summary(self, train: dict, test: dict) -> dict:
         samples_per_sec = self.session.throughput()
         rates = {"samples_per_sec": samples_per_sec}
+        if isinstance(self.train_set, data.Readable):  # every rank's count of unreadable samples skipped
+            counts = torch.tensor([float(self.train_set.skipped.value + self.test_set.skipped.value)])
+            rates["skipped_samples"] = int(self.session.hvd.allreduce(counts, op=self.session.hvd.Sum,
+                                                                      name="hvdkit.skipped").item())
         if self.tokens_per_sample:
             rates["tokens_per_sec"] = samples_per_sec * self.tokens_per_sample
         return {**self.names, **{f"train_{k}": v for k, v in train.items()},

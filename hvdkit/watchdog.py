@@ -10,19 +10,35 @@ end the whole job.
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import sys
 import threading
 import time
+from pathlib import Path
+from typing import Optional
+
+from hvdkit import supervise
 
 EXIT_CODE = 75  # distinct from a Python error (1), for job scripts that want to tell stalls apart
+HEARTBEAT_SECONDS = 1.0
+FROZEN_SECONDS = 5.0  # a rank whose watchdog thread has not written for this long is frozen or gone
 
 
 class Watchdog:
+    """Also names the rank that stopped: each rank's watchdog thread writes a small heartbeat
+    file (its last beat, and that it is alive) to a directory all ranks share, the job
+    directory of `hvdkit launch` or the run's log directory. When it fires, the ranks blocked
+    in a collective are all alive but idle; the culprit is the rank whose thread went silent
+    (SIGSTOP, a dead host) or, if all are alive, the one whose last progress is oldest."""
+
     def __init__(self, timeout: float, rank: int) -> None:
         self.timeout, self.rank = timeout, rank
         self.where = "start-up"
-        self.last = time.monotonic()
+        self.last, self.last_wall = time.monotonic(), time.time()
+        self.shared: Optional[Path] = None
+        self._written = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hvdkit-watchdog", daemon=True)
         if timeout > 0:
@@ -33,16 +49,73 @@ class Watchdog:
         """A watchdog that fires after Horovod's inspector (MPI) had its chance to name the tensor."""
         return cls(stall_timeout * 1.5 + 5 if stall_timeout > 0 else 0, rank)
 
+    def share(self, directory: str) -> None:
+        """Write heartbeats to ``directory`` (every rank must pass the same one)."""
+        self.shared = Path(directory)
+
     def beat(self, where: str) -> None:
-        self.where, self.last = where, time.monotonic()
+        self.where, self.last, self.last_wall = where, time.monotonic(), time.time()
 
     def stop(self) -> None:
         self._stop.set()
+        if self.shared is not None:
+            self._path(self.rank).unlink(missing_ok=True)
+
+    def _path(self, rank: int) -> Path:
+        return self.shared / f"heartbeat-rank-{rank}.json"
 
     def _watch(self) -> None:
-        while not self._stop.wait(min(1.0, self.timeout / 10)):
-            idle = time.monotonic() - self.last
-            if idle > self.timeout:
-                print(f"hvdkit: rank {self.rank} made no progress for {idle:.0f} s in {self.where}; ending the "
-                      f"job (a rank is stalled or gone; --stall-timeout sets the limit)", file=sys.stderr, flush=True)
+        interval = min(HEARTBEAT_SECONDS, self.timeout / 10)
+        woke = time.monotonic()
+        while not self._stop.wait(interval):
+            slept, woke = time.monotonic() - woke, time.monotonic()
+            self._write_heartbeat()
+            idle = woke - self.last
+            if slept > FROZEN_SECONDS:  # this whole process was stopped; the others have seen it
+                line = (f"rank {self.rank} was frozen for {slept:.0f} s (stopped, or its host paused) in "
+                        f"{self.where}; ending")
+                print(f"hvdkit: {line}", file=sys.stderr, flush=True)
                 os._exit(EXIT_CODE)
+            if idle > self.timeout:
+                culprit = self._culprit()
+                line = (f"{culprit}; rank {self.rank} waited {idle:.0f} s in {self.where}; ending the job "
+                        f"(--stall-timeout sets the limit)" if culprit else
+                        f"rank {self.rank} made no progress for {idle:.0f} s in {self.where}; ending the job (a rank "
+                        f"is stalled or gone; --stall-timeout sets the limit)")
+                print(f"hvdkit: {line}", file=sys.stderr, flush=True)
+                supervise.record_exit(EXIT_CODE, line)
+                os._exit(EXIT_CODE)
+
+    def _write_heartbeat(self) -> None:
+        now = time.time()
+        if self.shared is None or now - self._written < HEARTBEAT_SECONDS:
+            return
+        record = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "where": self.where,
+                  "beat": self.last_wall, "alive": now}
+        try:
+            self.shared.mkdir(parents=True, exist_ok=True)
+            tmp = self._path(self.rank).with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, self._path(self.rank))
+            self._written = now
+        except OSError:
+            pass  # heartbeats only improve the message; never fail training for them
+
+    def _culprit(self) -> Optional[str]:
+        """Who stopped the job, from the other ranks' heartbeats: 'rank 1 (host h, pid p) ...'."""
+        records = []
+        for path in self.shared.glob("heartbeat-rank-*.json") if self.shared else []:
+            try:
+                records.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue
+        if len(records) < 2:
+            return None
+        now = time.time()
+        frozen = [r for r in records if now - r["alive"] > FROZEN_SECONDS]
+        if frozen:
+            return "; ".join(f"rank {r['rank']} (host {r['host']}, pid {r['pid']}) stopped responding "
+                             f"{now - r['alive']:.0f} s ago, last seen in {r['where']}" for r in frozen)
+        oldest = min(records, key=lambda r: r["beat"])
+        return (f"rank {oldest['rank']} (host {oldest['host']}, pid {oldest['pid']}) made no progress since "
+                f"{oldest['where']} ({now - oldest['beat']:.0f} s ago)")

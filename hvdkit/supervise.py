@@ -1,0 +1,169 @@
+"""Running a launcher so that a signal reaches every rank and no rank outlives it.
+
+`exec horovodrun` is not enough: in MPI mode horovodrun becomes `/bin/sh -c mpirun ...`, so
+a SIGTERM ends the shell and leaves mpirun and every rank training with no launcher. hvdkit
+therefore starts the launcher as a child in its own session and stays as its parent:
+
+* it is the "child subreaper" of everything the launcher starts on this host (Linux
+  prctl), so a process orphaned by the launcher becomes its child, not init's;
+* SIGTERM, SIGINT and SIGUSR1 go to whatever delivers them to the ranks: mpirun and srun
+  forward signals to their ranks on every host, and Gloo ranks started by horovodrun are
+  signalled directly. srun takes a single Ctrl-C as "show status", so SIGINT reaches srun
+  as SIGTERM, as Open MPI's mpirun passes it to its ranks;
+* when the launcher exits, every process still left below it is ended (SIGTERM, then
+  SIGKILL), by PID, and the launcher's exit code is returned, or the documented code a rank
+  left in the job directory (HVDKIT_JOB_DIR) when a launcher replaced it with its own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+import psutil
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+FORWARDERS = ("mpirun", "mpiexec", "orterun", "prterun", "srun")  # launchers that pass signals on
+RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+JOB_DIR = "HVDKIT_JOB_DIR"
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+GRACE_SECONDS = 10.0
+SAVE_SECONDS = 20.0  # how long a stopped rank may take to finish its step and write its checkpoint
+
+
+def _prctl(option: int, value: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(option, value, 0, 0, 0)
+
+
+def _end_with_parent() -> None:
+    """In the launcher's process: a SIGKILLed hvdkit still takes its launcher with it."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def signal_targets(launcher: psutil.Process) -> list[tuple[psutil.Process, bool]]:
+    """(process, is a forwarder) for each process a stop signal must reach: the launchers
+    below us that forward signals (mpirun, srun) if there are any, else the ranks themselves."""
+    below = [launcher, *launcher.children(recursive=True)]
+    forwarders = [p for p in below if _name(p) in FORWARDERS]
+    if forwarders:
+        return [(p, True) for p in forwarders]
+    return [(p, False) for p in below if _is_rank(p)]
+
+
+def _name(process: psutil.Process) -> str:
+    try:
+        return process.name()
+    except psutil.Error:
+        return ""
+
+
+def _is_rank(process: psutil.Process) -> bool:
+    try:
+        return any(name in process.environ() for name in RANK_VARIABLES)
+    except psutil.Error:
+        return False
+
+
+def translate(signum: int, forwarder: str) -> int:
+    """srun shows its tasks' status on a single SIGINT instead of passing it on."""
+    return signal.SIGTERM if signum == signal.SIGINT and forwarder == "srun" else signum
+
+
+def run(command: Sequence[str], env: Mapping[str, str]) -> int:
+    """Run ``command`` (a launcher) to its end as described above; its exit code."""
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    with tempfile.TemporaryDirectory(prefix="hvdkit-job-") as job_dir:
+        # Open MPI waits 1 s between the SIGTERM it passes on and a SIGKILL: too short to save.
+        env = {"OMPI_MCA_odls_base_sigkill_timeout": str(int(SAVE_SECONDS)), JOB_DIR: job_dir, **env}
+        child = subprocess.Popen(list(command), env=env, start_new_session=True, preexec_fn=_end_with_parent)
+        launcher = psutil.Process(child.pid)
+
+        def forward(signum, frame) -> None:
+            for process, forwarder in signal_targets(launcher):
+                try:
+                    process.send_signal(translate(signum, _name(process)) if forwarder else signum)
+                except psutil.Error:
+                    pass
+
+        previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+        try:
+            code = child.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            end_leftovers()
+        return rank_exit_code(Path(env[JOB_DIR])) or _shell_code(code)
+
+
+def _shell_code(code: int) -> int:
+    """A launcher killed by a signal exits as a shell reports it: 128 + the signal."""
+    return 128 - code if code < 0 else code
+
+
+def end_leftovers(grace: float = GRACE_SECONDS) -> list[int]:
+    """End every process still below this one (orphans re-parented to it included): SIGTERM,
+    then SIGKILL after ``grace`` seconds. Their PIDs, which are also printed."""
+    left = psutil.Process().children(recursive=True)
+    _, left = psutil.wait_procs(left, timeout=3)  # ranks still exiting after their launcher did
+    if not left:
+        _reap()
+        return []
+    pids = [p.pid for p in left]
+    print(f"hvdkit launch: the launcher exited and left {len(left)} processes running; ending them "
+          f"(pids {' '.join(map(str, pids))})", file=sys.stderr, flush=True)
+    for process in left:
+        try:
+            process.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(left, timeout=grace)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=grace)
+    _reap()
+    return pids
+
+
+def _reap() -> None:
+    """Collect the exit status of orphans that died as our children (we are their subreaper)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def record_exit(code: int, message: str) -> None:
+    """Called by a rank that ends the job with a documented code (a stop: 128 + signal, a
+    stall: 75), so that `hvdkit launch` exits with it where the launcher reports its own
+    (mpirun and horovodrun: 1)."""
+    directory = os.environ.get(JOB_DIR)
+    if not directory:
+        return
+    try:
+        Path(directory, f"exit-{os.getpid()}").write_text(f"{code} {message}\n")
+    except OSError:
+        pass
+
+
+def rank_exit_code(directory: Path) -> Optional[int]:
+    """The first documented exit code a rank recorded, after repeating its message."""
+    records = sorted(directory.glob("exit-*"), key=lambda p: p.stat().st_mtime) if directory.is_dir() else []
+    for path in records:
+        code, _, message = path.read_text().strip().partition(" ")
+        print(f"hvdkit launch: {message}", file=sys.stderr, flush=True)
+        return int(code)
+    return None
+

@@ -26,8 +26,6 @@ import tempfile
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-import psutil
-
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 FORWARDERS = ("mpirun", "mpiexec", "orterun", "prterun", "srun")  # launchers that pass signals on
 RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
@@ -47,7 +45,7 @@ def _end_with_parent() -> None:
     _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def signal_targets(launcher: psutil.Process) -> list[tuple[psutil.Process, bool]]:
+def signal_targets(launcher: "psutil.Process") -> list[tuple["psutil.Process", bool]]:
     """(process, is a forwarder) for each process a stop signal must reach: the launchers
     below us that forward signals (mpirun, srun) if there are any, else the ranks themselves."""
     below = [launcher, *launcher.children(recursive=True)]
@@ -57,14 +55,18 @@ def signal_targets(launcher: psutil.Process) -> list[tuple[psutil.Process, bool]
     return [(p, False) for p in below if _is_rank(p)]
 
 
-def _name(process: psutil.Process) -> str:
+def _name(process: "psutil.Process") -> str:
+    import psutil
+
     try:
         return process.name()
     except psutil.Error:
         return ""
 
 
-def _is_rank(process: psutil.Process) -> bool:
+def _is_rank(process: "psutil.Process") -> bool:
+    import psutil
+
     try:
         return any(name in process.environ() for name in RANK_VARIABLES)
     except psutil.Error:
@@ -78,6 +80,8 @@ def translate(signum: int, forwarder: str) -> int:
 
 def run(command: Sequence[str], env: Mapping[str, str]) -> int:
     """Run ``command`` (a launcher) to its end as described above; its exit code."""
+    import psutil  # here: `hvdkit doctor` imports this module where psutil may be missing
+
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     with tempfile.TemporaryDirectory(prefix="hvdkit-job-") as job_dir:
         # Open MPI waits 1 s between the SIGTERM it passes on and a SIGKILL: too short to save.
@@ -110,6 +114,8 @@ def _shell_code(code: int) -> int:
 def end_leftovers(grace: float = GRACE_SECONDS) -> list[int]:
     """End every process still below this one (orphans re-parented to it included): SIGTERM,
     then SIGKILL after ``grace`` seconds. Their PIDs, which are also printed."""
+    import psutil
+
     left = psutil.Process().children(recursive=True)
     _, left = psutil.wait_procs(left, timeout=3)  # ranks still exiting after their launcher did
     if not left:

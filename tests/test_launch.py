@@ -99,8 +99,9 @@ def test_environment_forwarding():
                "LD_LIBRARY_PATH": "/lib"}
     command = _plan(["-np", "2", "-x", "WANDB_MODE", "-x", "SEED=3"], environ).command
     forwarded = [command[i + 1] for i, arg in enumerate(command) if arg == "-x"]
+    # HVDKIT_JOB_DIR: set by hvdkit launch for the ranks' documented exit codes and heartbeats.
     assert forwarded == ["HOROVOD_CYCLE_TIME", "LD_LIBRARY_PATH", "NCCL_SOCKET_IFNAME", "PATH", "WANDB_MODE",
-                         "SEED=3"]
+                         "HVDKIT_JOB_DIR", "SEED=3"]
 
 
 def test_horovodrun_uses_the_allocation_hosts_in_slurm():
@@ -166,13 +167,15 @@ HVDKIT = [sys.executable, "-m", "hvdkit", "launch"]
      {"PATH": "/nonexistent", "SLURM_JOB_ID": "1"}),
     (["-np", "2", "--launcher", "srun"], "hvdkit launch: srun: not inside a Slurm allocation", None),
     (["-np", "2", "NOSEP"], "hvdkit launch: put '--' before the command", None),
+    (["-np", "2", "--", "/no/such/cmd"], "hvdkit launch: /no/such/cmd: no such command on this host", None),
+    (["-np", "2", "--", "nosuchcmd"], "hvdkit launch: nosuchcmd: no such command on this host", None),
 ])
 def test_bad_input_is_one_line_and_nothing_starts(tmp_path, argv, line, env):
     (tmp_path / "EMPTY").write_text("")
     (tmp_path / "BAD").write_text("localhost two\n")
     marker = tmp_path / "started"
     argv = [a.replace("NOSEP", "touch") for a in argv]
-    command = [] if "touch" in argv else ["--", "touch", str(marker)]
+    command = [] if "touch" in argv or "--" in argv else ["--", "touch", str(marker)]
     full_env = None
     if env is not None:
         full_env = {k: v for k, v in os.environ.items() if k != "SLURM_JOB_ID"}

@@ -359,3 +359,11 @@ def test_requeues_are_bounded(tmp_path):
     limited = preemption.requeue({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "3"}, 3)
     assert limited == "not requeued: job 7 was restarted 3 times already (--max-requeues 3)"
     assert preemption.exit_code(limited) == 1 and preemption.exit_code("requeued job 7 (restart 1 of at most 3)") == 0
+
+
+def test_a_killed_save_leaves_no_temporary_file(tmp_path):
+    """A save killed mid-write leaves .ckpt-step….pt.*.tmp; the next save removes it."""
+    stale = tmp_path / f".{checkpoint.path_for(str(tmp_path), 5).name}.abc123.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    checkpoint.save(str(tmp_path), 6, {"step": 6}, keep=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-step000000006.pt"]

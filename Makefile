@@ -54,11 +54,11 @@ doctor: setup
 
 # The main job: 2 ranks on this machine, the embedded digits dataset, the default config.
 train: setup
-	$(VENV)/bin/horovodrun -np 2 -H localhost:2 $(VENV)/bin/hvdkit train $(TRAIN_ARGS)
+	$(VENV)/bin/hvdkit launch --launcher horovodrun -np 2 -- $(VENV)/bin/hvdkit train $(TRAIN_ARGS)
 
 # The language model: 2 ranks, the embedded text corpus, AdamW, warmup + cosine, bf16.
 train-lm: setup
-	$(VENV)/bin/horovodrun -np 2 -H localhost:2 $(VENV)/bin/hvdkit train --model gpt-tiny --dataset text \
+	$(VENV)/bin/hvdkit launch --launcher horovodrun -np 2 -- $(VENV)/bin/hvdkit train --model gpt-tiny --dataset text \
 	    --optimizer adamw --base-lr 2e-3 --lr-scaling none --epochs 2 --warmup-epochs 0.1 --weight-decay 0.1 \
 	    --clip-grad-norm 1.0 --amp $(TRAIN_ARGS)
 

@@ -7,8 +7,8 @@ therefore starts the launcher as a child in its own session and stays as its par
 * it is the "child subreaper" of everything the launcher starts on this host (Linux
   prctl), so a process orphaned by the launcher becomes its child, not init's;
 * SIGTERM, SIGINT and SIGUSR1 go to whatever delivers them to the ranks: mpirun and srun
-  forward signals to their ranks on every host, and Gloo ranks started by horovodrun are
-  signalled directly. srun takes a single Ctrl-C as "show status", so SIGINT reaches srun
+  forward signals to their ranks on other hosts, and the ranks on this host are signalled
+  directly. srun takes a single Ctrl-C as "show status", so SIGINT reaches srun
   as SIGTERM, as Open MPI's mpirun passes it to its ranks;
 * when the launcher exits, every process still left below it is ended (SIGTERM, then
   SIGKILL), by PID, and the launcher's exit code is returned, or the documented code a rank
@@ -32,7 +32,6 @@ RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 JOB_DIR = "HVDKIT_JOB_DIR"
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 GRACE_SECONDS = 10.0
-SAVE_SECONDS = 20.0  # how long a stopped rank may take to finish its step and write its checkpoint
 
 
 def _prctl(option: int, value: int) -> None:
@@ -47,12 +46,11 @@ def _end_with_parent() -> None:
 
 def signal_targets(launcher: "psutil.Process") -> list[tuple["psutil.Process", bool]]:
     """(process, is a forwarder) for each process a stop signal must reach: the launchers
-    below us that forward signals (mpirun, srun) if there are any, else the ranks themselves."""
+    below us that forward signals to other hosts (mpirun, srun), and the ranks on this host
+    directly: Open MPI's mpirun sends SIGCONT, waits odls_base_sigkill_timeout (1 s), sends
+    SIGTERM, waits again and SIGKILLs, so a rank told only by mpirun has about 1 s to save."""
     below = [launcher, *launcher.children(recursive=True)]
-    forwarders = [p for p in below if _name(p) in FORWARDERS]
-    if forwarders:
-        return [(p, True) for p in forwarders]
-    return [(p, False) for p in below if _is_rank(p)]
+    return [(p, True) for p in below if _name(p) in FORWARDERS] + [(p, False) for p in below if _is_rank(p)]
 
 
 def _name(process: "psutil.Process") -> str:
@@ -84,8 +82,7 @@ def run(command: Sequence[str], env: Mapping[str, str]) -> int:
 
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     with tempfile.TemporaryDirectory(prefix="hvdkit-job-") as job_dir:
-        # Open MPI waits 1 s between the SIGTERM it passes on and a SIGKILL: too short to save.
-        env = {"OMPI_MCA_odls_base_sigkill_timeout": str(int(SAVE_SECONDS)), JOB_DIR: job_dir, **env}
+        env = {JOB_DIR: job_dir, **env}
         child = subprocess.Popen(list(command), env=env, start_new_session=True, preexec_fn=_end_with_parent)
         launcher = psutil.Process(child.pid)
 

@@ -1,0 +1,205 @@
+"""Every way a job ends, with real launchers: stop signals, a frozen rank, bad numbers, bad
+files, a directory in use. After each test no process of the job is left (checked by PID)."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from hvdkit import checkpoint, selftest
+from conftest import REPO, assert_bitwise_equal, final_weights, kill_tree, run
+
+pytestmark = pytest.mark.slow
+
+TRAIN = [sys.executable, "-m", "hvdkit", "train"]
+LAUNCH = [sys.executable, "-m", "hvdkit", "launch", "-np", "2"]
+# Long enough to be stopped part-way (about 1,400 steps); the step schedule does not depend on the end.
+LONG = ["--model", "mlp", "--epochs", "60", "--lr-schedule", "step", "--lr-decay-epochs", "40", "--log-interval", "5"]
+LAUNCHERS = {
+    "hvdkit launch mpirun": [*LAUNCH, "--launcher", "mpirun", "--"],
+    "hvdkit launch horovodrun --mpi": [*LAUNCH, "--launcher", "horovodrun", "--mpi", "--"],
+    "hvdkit launch horovodrun --gloo": [*LAUNCH, "--launcher", "horovodrun", "--gloo", "--"],
+    "mpirun": selftest.mpirun_command(2, []),
+}
+
+
+def _train_records(logs):
+    path = logs / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("event") == "train"]
+
+
+def start(launcher, tmp_path, *args):
+    cmd = [*LAUNCHERS[launcher], *TRAIN, *LONG, "--checkpoint-dir", str(tmp_path / "ckpt"),
+           "--log-dir", str(tmp_path / "logs"), *args]
+    env = dict(selftest.mpi_root_env(), PYTHONPATH=str(REPO))
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def wait_for_training(proc, logs, step=50, seconds=120):
+    deadline = time.monotonic() + seconds
+    while not any(r["step"] >= step for r in _train_records(logs)):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            kill_tree(proc)
+            pytest.fail(f"the job did not reach step {step}: {proc.stderr.read()[-3000:] if proc.stderr else ''}")
+        time.sleep(0.05)
+    return psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
+
+
+def finish(proc, tree, seconds=90):
+    """The job's output once it ended by itself; fails (and kills it) if it did not."""
+    try:
+        out, err = proc.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        pytest.fail(f"the job was still running {seconds} s after the signal")
+    _, alive = psutil.wait_procs(tree, timeout=10)
+    for p in alive:
+        p.kill()
+    assert not alive, f"processes of the job outlived it: {[(p.pid, p.name()) for p in alive]}"
+    return out, err
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("long")
+    proc = run(selftest.mpirun_command(2, [*TRAIN, *LONG, "--checkpoint-dir", str(tmp / "ckpt"),
+                                           "--log-dir", str(tmp / "logs")]))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return final_weights(tmp / "ckpt")
+
+
+@pytest.mark.parametrize("launcher, sig, code", [
+    ("hvdkit launch mpirun", signal.SIGTERM, 143),
+    ("hvdkit launch horovodrun --mpi", signal.SIGTERM, 143),  # horovodrun alone used to die, ranks trained on
+    ("hvdkit launch horovodrun --gloo", signal.SIGINT, 130),
+    ("hvdkit launch horovodrun --mpi", signal.SIGUSR1, 138),  # the preemption path, outside Slurm
+    ("mpirun", signal.SIGTERM, 1),  # Open MPI's own code for a job it was told to end
+])
+def test_a_stop_signal_saves_the_step_it_stopped_at(tmp_path, launcher, sig, code):
+    proc = start(launcher, tmp_path)
+    tree = wait_for_training(proc, tmp_path / "logs")
+    proc.send_signal(sig)
+    out, err = finish(proc, tree)
+    assert proc.returncode == code, err[-3000:]
+    stopped = [line for line in err.splitlines() if "hvdkit: stopped by" in line]
+    assert len(stopped) == 1, err[-3000:]
+    step = int(stopped[0].split(" at step ")[1].split(";")[0])
+    name = signal.Signals(sig).name
+    assert f"stopped by {name} at step {step}; checkpoint of step {step} saved in {tmp_path / 'ckpt'}" in stopped[0]
+    assert checkpoint.existing(str(tmp_path / "ckpt"))[-1] == checkpoint.path_for(str(tmp_path / "ckpt"), step)
+    summary = selftest.parse_records(out, "summary")[0]
+    assert summary["stopped"] and summary["steps"] == step and summary["exit_code"] == 128 + sig
+
+
+def test_stopped_by_sigterm_then_resumed_is_bitwise_identical(tmp_path, uninterrupted):
+    proc = start("hvdkit launch mpirun", tmp_path)
+    tree = wait_for_training(proc, tmp_path / "logs", step=300)
+    proc.send_signal(signal.SIGTERM)
+    finish(proc, tree)
+    assert proc.returncode == 143
+    resumed = run(selftest.mpirun_command(2, [*TRAIN, *LONG, "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                              "--log-dir", str(tmp_path / "logs")]))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_bitwise_equal(final_weights(tmp_path / "ckpt"), uninterrupted)
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path):
+    # Slow steps (a CNN on 512-sample batches), so that the second Ctrl-C comes during the first's step.
+    proc = subprocess.Popen([*TRAIN, "--model", "cnn", "--batch-size", "512", "--epochs", "50", "--log-interval", "1",
+                             "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs")],
+                            env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    tree = wait_for_training(proc, tmp_path / "logs", step=2)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _, err = finish(proc, tree)
+    assert proc.returncode == 130
+    assert "hvdkit: second interrupt: stopping now at step" in err and "hvdkit: stopped by" not in err, err[-2000:]
+
+
+@pytest.mark.parametrize("launcher", ["hvdkit launch mpirun", "hvdkit launch horovodrun --gloo"])
+def test_a_frozen_rank_is_named_and_the_exit_code_is_75(tmp_path, launcher):
+    proc = start(launcher, tmp_path, "--stall-timeout", "6")
+    tree = wait_for_training(proc, tmp_path / "logs")
+    ranks = {int(p.environ().get("HOROVOD_RANK", p.environ().get("OMPI_COMM_WORLD_RANK", -1))): p
+             for p in tree if p.cmdline()[1:4] == ["-m", "hvdkit", "train"]}
+    frozen = ranks[1]
+    frozen.suspend()  # SIGSTOP
+    try:
+        _, err = finish(proc, tree, seconds=120)
+    finally:
+        if frozen.is_running():
+            frozen.kill()
+    assert proc.returncode == 75, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"hvdkit launch: rank 1 (host {os.uname().nodename}, pid {frozen.pid}) stopped "
+                           f"responding"), err[-3000:]
+
+
+def test_a_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    proc = run(selftest.mpirun_command(2, [*TRAIN, "--model", "mlp", "--base-lr", "1e6", "--checkpoint-steps", "1",
+                                           "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                           "--log-dir", str(tmp_path / "logs")]))
+    assert proc.returncode == 1
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("hvdkit train:")]
+    assert len(lines) == 1 and "are not finite; stopped before applying them, last good checkpoint" in lines[0], \
+        proc.stderr[-3000:]
+    step = int(lines[0].split("of step ")[1].split(" ")[0])
+    files = checkpoint.existing(str(tmp_path / "ckpt"))
+    assert files and checkpoint.load(files[-1])["step"] == step - 1
+    for path in files:
+        assert all(torch.isfinite(t).all() for t in checkpoint.load(path)["model"].values()), path
+
+
+def test_skipping_non_finite_steps_gives_up_after_ten_in_a_row(tmp_path):
+    proc = run([*TRAIN, "--model", "mlp", "--base-lr", "1e6", "--on-nonfinite", "skip", "--log-dir", str(tmp_path)])
+    assert proc.returncode == 1
+    assert proc.stderr.count("hvdkit: warning: the loss or gradients of step") == 9, proc.stderr[-3000:]
+    assert "hvdkit train: the loss or gradients were not finite for 10 steps in a row" in proc.stderr
+
+
+def test_an_unreadable_sample_is_one_line_or_skipped(tmp_path):
+    from test_data import make_imagefolder
+
+    make_imagefolder(tmp_path / "data", train_per_class=40, val_per_class=(4, 4))
+    bad = tmp_path / "data" / "train" / "dog" / "7.png"
+    bad.write_bytes(os.urandom(2000))
+    args = [*TRAIN, "--dataset", "imagefolder", "--data-dir", str(tmp_path / "data"), "--image-size", "16",
+            "--batch-size", "8", "--epochs", "1", "--model", "mlp", "--log-dir", str(tmp_path / "logs")]
+    failed = run(selftest.mpirun_command(2, args))
+    assert failed.returncode != 0
+    lines = [line for line in failed.stderr.splitlines() if line.startswith("hvdkit train:")]
+    assert len(lines) == 1 and f"({bad}) cannot be read: UnidentifiedImageError" in lines[0], failed.stderr[-3000:]
+    assert "Traceback" not in failed.stderr and "--skip-bad-samples" in lines[0]
+    skipped = run(selftest.mpirun_command(2, [*args, "--skip-bad-samples", "--num-workers", "1"]))
+    assert skipped.returncode == 0, skipped.stderr[-3000:]
+    assert selftest.parse_records(skipped.stdout, "summary")[0]["skipped_samples"] == 1
+
+
+def test_a_directory_in_use_is_refused_and_a_stale_lock_is_not(tmp_path):
+    first = start("hvdkit launch mpirun", tmp_path)
+    tree = wait_for_training(first, tmp_path / "logs")
+    second = run([*TRAIN, *LONG, "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "other")])
+    assert second.returncode == 2
+    assert second.stderr.count("\n") == 1 and second.stderr.startswith(
+        f"hvdkit train: checkpoint_dir {tmp_path / 'ckpt'} is in use by another run (pid "), second.stderr
+    kill_tree(first)  # SIGKILL: the lock file stays, but no process holds it
+    _, alive = psutil.wait_procs(tree, timeout=10)
+    assert not alive
+    assert (tmp_path / "ckpt" / ".hvdkit-run.lock").exists()
+    resumed = run(selftest.mpirun_command(2, [*TRAIN, *LONG, "--max-steps", "400", "--checkpoint-dir",
+                                              str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs")]))
+    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
+    assert not (tmp_path / "ckpt" / ".hvdkit-run.lock").exists()
+    assert math.isfinite(selftest.parse_records(resumed.stdout, "summary")[0]["train_loss"])

@@ -181,14 +181,14 @@ def test_sigusr1_to_one_rank_stops_every_rank_at_one_step_in_an_own_loop(tmp_pat
     finally:
         if proc.poll() is None:
             kill_tree(proc)
-    assert proc.returncode == 1, err[-3000:]  # stopped and not requeued: not a success
-    [line] = [line for line in err.splitlines() if "hvdkit: stopped by signal" in line]
+    assert proc.returncode != 0, err[-3000:]  # stopped and not requeued: not a success (mpirun says 1)
+    [line] = [line for line in err.splitlines() if "hvdkit: stopped by SIGUSR1" in line]
     step = int(line.split(" at step ")[1].split(";")[0])
-    assert step % 10 == 0 and step < 115, line  # the ranks agree at a report step (log_interval 10)
-    assert f"checkpoint of step {step} saved; not a Slurm job" in line
+    assert step < 115, line  # the ranks agree on the step after the signal
+    assert f"checkpoint of step {step} saved in {ckpt}; not a Slurm job" in line
     assert checkpoint.existing(str(ckpt))[-1] == checkpoint.path_for(str(ckpt), step)
     summary = selftest.parse_records(out, "summary")[0]
-    assert summary["stopped"] is True and summary["steps"] == step and summary["exit_code"] == 1
+    assert summary["stopped"] is True and summary["steps"] == step and summary["exit_code"] == 138
     resumed = run(cmd, env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_bitwise_equal(final_weights(ckpt), ported_uninterrupted)

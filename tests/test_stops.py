@@ -52,7 +52,12 @@ def wait_for_training(proc, logs, step=50, seconds=120):
             kill_tree(proc)
             pytest.fail(f"the job did not reach step {step}: {proc.stderr.read()[-3000:] if proc.stderr else ''}")
         time.sleep(0.05)
-    return psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
+    for _ in range(20):  # a process may end while the tree is walked
+        try:
+            return psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
+        except psutil.NoSuchProcess:
+            time.sleep(0.05)
+    pytest.fail("could not list the job's processes")
 
 
 def finish(proc, tree, seconds=90):

@@ -75,7 +75,8 @@ def train(args: argparse.Namespace) -> int:
         hint = failure_hint(exc)
         if hint is None or args.debug:
             raise
-        print(f"hvdkit train: {hint}", file=sys.stderr, flush=True)
+        rank = env.detect().rank
+        print(f"hvdkit train: {'' if rank is None else f'rank {rank} '}{hint}", file=sys.stderr, flush=True)
         return 1
     return summary.get("exit_code", 0)
 

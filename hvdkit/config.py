@@ -252,9 +252,9 @@ def resume_conflict(saved: Mapping[str, Any], cfg: TrainConfig) -> Optional[str]
         if name in RESUME_MAY_CHANGE or name not in saved or saved[name] == value:
             continue
         flag = "--" + name.replace("_", "-")
-        return (f"was written with {flag} {_show(saved[name])} and this run asks for {_show(value)}; a resume continues "
-                f"that run, so only --epochs, --max-steps, --data-dir and logging, checkpoint and watchdog settings may "
-                f"change: drop {flag}, or start afresh in another --checkpoint-dir")
+        return (f"was written with {flag} {_show(saved[name])} and this run asks for {_show(value)}; a resume "
+                f"continues that run, so only --epochs, --max-steps, --data-dir and logging, checkpoint and "
+                f"watchdog settings may change: drop {flag}, or start afresh in another --checkpoint-dir")
     return None
 
 

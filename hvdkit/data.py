@@ -29,6 +29,11 @@ class DataError(ConfigError):
     """A missing or malformed dataset; the message says where and what was expected."""
 
 
+# Loader workers are started by a fork server where there is one: forking a process that
+# holds MPI/InfiniBand state is unsafe.
+WORKER_START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else None
+
+
 class UnreadableSample(RuntimeError):
     """A sample whose file cannot be read or decoded; the message names the file and index."""
 
@@ -43,7 +48,7 @@ class Readable(Dataset):
 
     def __init__(self, dataset, skip: bool) -> None:
         self.dataset, self.skip = dataset, skip
-        self.skipped = multiprocessing.Value("i", 0)
+        self.skipped = multiprocessing.get_context(WORKER_START_METHOD).Value("i", 0)  # the workers' context
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -317,9 +322,7 @@ class ResumableSampler(DistributedSampler):
 
 def loader_options(cfg: TrainConfig, rank: int, pin_memory: bool) -> dict:
     """DataLoader settings every hvdkit loader shares, the elastic one included."""
-    context = None
-    if cfg.num_workers > 0 and "forkserver" in multiprocessing.get_all_start_methods():
-        context = "forkserver"  # forking a process that holds MPI/InfiniBand state is unsafe
+    context = WORKER_START_METHOD if cfg.num_workers > 0 else None
     # A generator of its own: creating an iterator must not draw from the global RNG, which
     # checkpoints restore, or a resumed run would diverge from an uninterrupted one.
     return dict(num_workers=cfg.num_workers, pin_memory=pin_memory, multiprocessing_context=context,

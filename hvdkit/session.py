@@ -391,6 +391,7 @@ class Session:
             self.scaler.load_state_dict(state["scaler"])
         set_rng_state(state["rng"][self.rank])
         self.epoch, self.global_step = state["epoch"], state["step"]
+        self._signal.step = self.global_step
         self._resumed_batches = state.get("loader_batches")
         self.resumed_config = state["config"]
         self.extra.update(state.get("extra") or {})
@@ -555,7 +556,6 @@ class Session:
         ``checkpoint_steps``."""
         cfg, optimizer, hvd = self.cfg, self.optimizer, self.hvd
         self.watchdog.beat(f"training step {self.global_step + 1}")
-        self._signal.step = self.global_step
         self._collect_stop()  # one left by a loop that did not ask should_stop()
         if not cfg.elastic:  # submitted before the gradients are awaited: it travels in their cycle
             self._stop_handle = hvd.allreduce_async(torch.tensor([float(self._signal.received or 0)]),
@@ -575,6 +575,7 @@ class Session:
         if self.scheduler is not None:
             self.scheduler.step()
         self.global_step += 1
+        self._signal.step = self.global_step  # the steps done, for a second Ctrl-C's message
         self._micro_count = cfg.batches_per_allreduce
         periodic = cfg.checkpoint_steps and self.global_step % cfg.checkpoint_steps == 0
         end_of_epoch = self._loaders and self.global_step % self.steps_per_epoch() == 0

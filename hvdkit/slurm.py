@@ -134,7 +134,8 @@ def check(request: JobRequest) -> None:
         raise SlurmFormatError(f"--array {request.array!r} is not a Slurm array (e.g. 0-9, 1,3,5 or 0-15%4)")
     for first, last in re.findall(r"(\d+)-(\d+)", request.array or ""):
         if int(first) > int(last):
-            raise SlurmFormatError(f"--array {request.array!r}: the range {first}-{last} is empty (write {last}-{first})")
+            raise SlurmFormatError(f"--array {request.array!r}: the range {first}-{last} is empty "
+                                   f"(write {last}-{first})")
     for name in ("partition", "account"):
         value = getattr(request, name)
         if value is not None and not re.fullmatch(r"[A-Za-z0-9_.,\-]+", value):

@@ -24,7 +24,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
+
+if TYPE_CHECKING:  # imported where used: `hvdkit doctor` runs without psutil
+    import psutil
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 FORWARDERS = ("mpirun", "mpiexec", "orterun", "prterun", "srun")  # launchers that pass signals on

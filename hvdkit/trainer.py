@@ -93,6 +93,7 @@ OOM_HINT = ("out of memory: lower --batch-size (it is per rank), use --amp, or a
             "see README 'When things go wrong'")
 NCCL_HINT = ("NCCL error: rerun with NCCL_DEBUG=INFO to see which link failed; on hosts with several "
              "network interfaces set NCCL_SOCKET_IFNAME (e.g. ib0 or eth0); see README 'When things go wrong'")
+PEER_HINT = "stopped because another rank ended first; that rank's own line says why"
 
 
 def failure_hint(exc: BaseException) -> Optional[str]:
@@ -102,6 +103,8 @@ def failure_hint(exc: BaseException) -> Optional[str]:
         return f"{OOM_HINT} ({text.splitlines()[0] if text else type(exc).__name__})"
     if "NCCL" in text or "nccl" in text:
         return f"{NCCL_HINT} ({text.splitlines()[0]})"
+    if "Horovod has been shut down" in text:  # a rank failed or exited: the others learn it here
+        return PEER_HINT
     return None
 
 

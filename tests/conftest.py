@@ -38,7 +38,10 @@ def kill_tree(proc):
     """SIGKILL a launcher and every process it started (psutil: by PID, ours only)."""
     import psutil
 
-    tree = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
+    except psutil.NoSuchProcess:  # already ended and reaped: nothing of it to find by PID
+        tree = []
     for p in tree:
         try:
             p.kill()

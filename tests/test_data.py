@@ -47,7 +47,7 @@ def make_imagefolder(root, train_per_class=3, val_per_class=(4, 3)):
             folder = root / split / cls
             folder.mkdir(parents=True)
             for i in range(count):
-                pixels = np.full((20, 24, 3), 40 * i + (0 if cls == "cat" else 120), dtype=np.uint8)
+                pixels = np.full((20, 24, 3), 40 * i % 120 + (0 if cls == "cat" else 120), dtype=np.uint8)
                 Image.fromarray(pixels).save(folder / f"{i}.png")
     return root
 

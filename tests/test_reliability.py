@@ -3,6 +3,7 @@
 import os
 import re
 import subprocess
+import signal
 import sys
 import time
 
@@ -282,6 +283,8 @@ def test_failure_hints_for_oom_and_nccl():
     nccl = failure_hint(RuntimeError("NCCL error in: nccl_operations.cc:112, unhandled system error"))
     assert "NCCL_DEBUG=INFO" in nccl and "NCCL_SOCKET_IFNAME" in nccl
     assert failure_hint(ValueError("something else")) is None
+    peer = failure_hint(RuntimeError("Horovod has been shut down. This was caused by an exception on one of the ranks"))
+    assert peer == "stopped because another rank ended first; that rank's own line says why"
 
 
 def test_dataset_smaller_than_one_global_batch(tmp_path):
@@ -358,7 +361,11 @@ def test_requeues_are_bounded(tmp_path):
     assert preemption.requeue({}, 3) == "not a Slurm job: rerun the same command to resume"
     limited = preemption.requeue({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "3"}, 3)
     assert limited == "not requeued: job 7 was restarted 3 times already (--max-requeues 3)"
-    assert preemption.exit_code(limited) == 1 and preemption.exit_code("requeued job 7 (restart 1 of at most 3)") == 0
+    stopped = {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "3"}
+    assert preemption.after_stop(signal.SIGUSR1, stopped, 3) == (limited, 138)
+    assert not preemption.will_requeue(signal.SIGUSR1, stopped, 3)
+    assert preemption.will_requeue(signal.SIGUSR1, dict(stopped, SLURM_RESTART_COUNT="2"), 3)
+    assert not preemption.will_requeue(signal.SIGTERM, dict(stopped, SLURM_RESTART_COUNT="0"), 3)
 
 
 def test_a_killed_save_leaves_no_temporary_file(tmp_path):

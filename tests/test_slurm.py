@@ -2,13 +2,16 @@
 
 import os
 import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-from hvdkit import selftest
-from conftest import REPO
+from hvdkit import checkpoint, selftest
+from conftest import REPO, assert_bitwise_equal, final_weights, run
 import slurm_cluster
 
 pytestmark = pytest.mark.slow
@@ -46,8 +49,8 @@ def _nodes_resolve_locally():
 def submit(cluster, tmp_path, template, *sbatch_args, args="--epochs 1 --max-steps 8", extra_env=None):
     env = dict(cluster.env, PATH=f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=str(REPO),
                HVDKIT=str(VENV_BIN / "hvdkit"), HVDKIT_COMMAND=f"{VENV_BIN / 'hvdkit'} train",
-               HVDKIT_ARGS=args, HVDKIT_RUN_DIR=str(tmp_path / "run"), **(extra_env or {}))
-    env = selftest.mpi_root_env(env)
+               HVDKIT_ARGS=args, HVDKIT_RUN_DIR=str(tmp_path / "run"))
+    env = selftest.mpi_root_env({**env, **(extra_env or {})})
     job = cluster.sbatch("--chdir", str(tmp_path), "--output", str(tmp_path / "job-%j.out"), *sbatch_args,
                          str(REPO / "slurm" / template), env=env)
     return job
@@ -92,25 +95,56 @@ def test_array_runs_one_training_per_index(cluster, tmp_path):
 PREEMPT_ARGS = "--dataset synthetic --epochs 2 --log-interval 4"
 
 
-def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(cluster, tmp_path):
-    import subprocess
-    import time
-
-    from hvdkit import checkpoint
-    from conftest import run
-
-    reference = tmp_path / "reference"
-    proc = run(selftest.mpirun_command(2, [*str(VENV_BIN / "hvdkit train").split(), *PREEMPT_ARGS.split(),
-                                           "--checkpoint-dir", str(reference), "--log-dir", str(tmp_path / "ref-logs")]),
+def reference_run(tmp_path, command):
+    """The final checkpoint of ``command`` run uninterrupted on 2 ranks by mpirun."""
+    proc = run(selftest.mpirun_command(2, [*command, "--checkpoint-dir", str(tmp_path / "reference"),
+                                           "--log-dir", str(tmp_path / "reference-logs")]),
                env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return final_weights(tmp_path / "reference")
 
-    job = submit(cluster, tmp_path, "preemptible.sbatch", args=PREEMPT_ARGS)
+
+@pytest.fixture(scope="module")
+def preempt_reference(tmp_path_factory):
+    return reference_run(tmp_path_factory.mktemp("preempt"), [str(VENV_BIN / "hvdkit"), "train",
+                                                               *PREEMPT_ARGS.split()])
+
+
+def wait_for_training(cluster, job, tmp_path):
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not (metrics.exists() and '"event": "train"' in metrics.read_text()):
         assert time.monotonic() < deadline, f"job {job} did not start training: {cluster.job(job).get('JobState')}"
-        time.sleep(0.5)
+        time.sleep(0.2)
+
+
+def assert_nothing_left(tmp_path):
+    """No process of the job outlives it: every one of them names the test's directory."""
+    def leftovers():
+        found = []
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            if any(str(tmp_path) in part for part in proc.info["cmdline"] or []):
+                found.append(proc)
+        return found
+
+    deadline = time.monotonic() + 15  # slurmstepd reaps the step's processes after the job's state changed
+    while leftovers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = leftovers()
+    for proc in left:
+        proc.kill()
+    assert not left, f"processes outlived the job: {[(p.pid, p.info['cmdline']) for p in left]}"
+
+
+def stopped_step(log):
+    """The step of the one 'stopped by SIGTERM' line in a rank-0 log."""
+    [line] = [line for line in log.splitlines() if "hvdkit: stopped by SIGTERM at step" in line]
+    return int(line.split(" at step ")[1].split(";")[0])
+
+
+def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(cluster, tmp_path, preempt_reference):
+    job = submit(cluster, tmp_path, "preemptible.sbatch", args=PREEMPT_ARGS)
+    wait_for_training(cluster, job, tmp_path)
     subprocess.run(["scancel", "--signal=USR1", job], env=cluster.env, check=True)
     info = cluster.wait(job, timeout=300)
     log = job_log(tmp_path, job)
@@ -121,24 +155,64 @@ def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(cluster
     summaries = selftest.parse_records(log, "summary")
     assert summaries[-1]["epochs"] == 2 and not summaries[-1].get("stopped"), summaries
     assert any(s.get("stopped") for s in summaries), "the stopped run reported its summary too"
-    final = checkpoint.load(checkpoint.existing(str(tmp_path / "run" / "checkpoints"))[-1])
-    expected = checkpoint.load(checkpoint.existing(str(reference))[-1])
-    assert final["step"] == expected["step"]
-    for name, tensor in expected["model"].items():
-        assert torch_equal(final["model"][name], tensor), name
+    assert_bitwise_equal(final_weights(tmp_path / "run" / "checkpoints"), preempt_reference)
+    assert_nothing_left(tmp_path)
 
 
-def torch_equal(a, b):
-    import torch
+def test_plain_scancel_saves_the_step_it_stopped_at_and_a_resubmitted_job_finishes(cluster, tmp_path,
+                                                                                      preempt_reference):
+    """scancel sends SIGTERM (then SIGKILL after KillWait, 5 s here): no requeue, a checkpoint."""
+    job = submit(cluster, tmp_path, "preemptible.sbatch", args=PREEMPT_ARGS)
+    wait_for_training(cluster, job, tmp_path)
+    subprocess.run(["scancel", job], env=cluster.env, check=True)
+    info = cluster.wait(job)
+    rank0 = (tmp_path / "run" / "rank-0.log").read_text()
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", rank0[-3000:]
+    step = stopped_step(rank0)
+    ckpt = str(tmp_path / "run" / "checkpoints")
+    assert f"checkpoint of step {step} saved in {ckpt}" in rank0
+    assert checkpoint.existing(ckpt)[-1] == checkpoint.path_for(ckpt, step)
+    assert_nothing_left(tmp_path)
 
-    return torch.equal(a, b)
+    again = submit(cluster, tmp_path, "preemptible.sbatch", args=PREEMPT_ARGS)
+    info = cluster.wait(again)
+    assert info["JobState"] == "COMPLETED", job_log(tmp_path, again)[-3000:]
+    assert f"resumed from {checkpoint.path_for(ckpt, step)}" in (tmp_path / "run" / "rank-0.log").read_text()
+    assert_bitwise_equal(final_weights(tmp_path / "run" / "checkpoints"), preempt_reference)
+    assert_nothing_left(tmp_path)
+
+
+SLOW_LOOP = [sys.executable, str(REPO / "tests" / "slow_loop.py")]
+
+
+def test_a_time_limit_saves_the_step_it_stopped_at_and_a_resubmitted_job_finishes(cluster, tmp_path):
+    """At --time=1 Slurm sends SIGTERM (no --signal in single-node.sbatch) between 60 and 90 s
+    in; slow_loop's 0.1 s steps would take 160 s. The resubmitted job runs them at full speed."""
+    reference = reference_run(tmp_path, SLOW_LOOP)
+    ckpt = tmp_path / "run" / "checkpoints"
+    slow = {"HVDKIT_COMMAND": " ".join(SLOW_LOOP)}
+    job = submit(cluster, tmp_path, "single-node.sbatch", "--time=1",
+                 args=f"--checkpoint-dir {ckpt} --step-seconds 0.1", extra_env=slow)
+    info = cluster.wait(job, timeout=240)
+    rank0 = (tmp_path / "run" / "rank-0.log").read_text()
+    assert info["JobState"] == "TIMEOUT", rank0[-3000:]
+    step = stopped_step(rank0)
+    assert 0 < step < 1600 and f"checkpoint of step {step} saved in {ckpt}" in rank0, rank0[-3000:]
+    assert checkpoint.existing(str(ckpt))[-1] == checkpoint.path_for(str(ckpt), step)
+    assert_nothing_left(tmp_path)
+
+    again = submit(cluster, tmp_path, "single-node.sbatch", args=f"--checkpoint-dir {ckpt}", extra_env=slow)
+    info = cluster.wait(again)
+    rank0 = (tmp_path / "run" / "rank-0.log").read_text()
+    assert info["JobState"] == "COMPLETED", rank0[-3000:]
+    assert f"resumed from {checkpoint.path_for(str(ckpt), step)}" in rank0
+    assert_bitwise_equal(final_weights(ckpt), reference)
+    assert_nothing_left(tmp_path)
 
 
 def test_rendered_scripts_pass_sbatch_test_only(cluster, tmp_path):
     """The golden requests, fitted to the test cluster (its one partition, 2 nodes of 2 CPUs, no GPUs)."""
     import dataclasses
-    import subprocess
-
     from hvdkit import slurm
     from test_slurm_render import CASES
 
@@ -169,9 +243,6 @@ def test_hvdkit_slurm_submit_runs_the_job(cluster, tmp_path):
 @pytest.mark.parametrize("how", ["raise", "kill"])
 def test_a_failing_rank_ends_an_srun_job_within_60s(cluster, tmp_path, how):
     """Issue 5's failure semantics under srun, started as users do: hvdkit launch in salloc."""
-    import subprocess
-    import time
-
     from test_reliability import FAILING_RANK
 
     script = tmp_path / "fail.py"

@@ -4,6 +4,7 @@ files, a directory in use. After each test no process of the job is left (checke
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,11 +23,12 @@ TRAIN = [sys.executable, "-m", "hvdkit", "train"]
 LAUNCH = [sys.executable, "-m", "hvdkit", "launch", "-np", "2"]
 # Long enough to be stopped part-way (about 1,400 steps); the step schedule does not depend on the end.
 LONG = ["--model", "mlp", "--epochs", "60", "--lr-schedule", "step", "--lr-decay-epochs", "40", "--log-interval", "5"]
-LAUNCHERS = {
-    "hvdkit launch mpirun": [*LAUNCH, "--launcher", "mpirun", "--"],
-    "hvdkit launch horovodrun --mpi": [*LAUNCH, "--launcher", "horovodrun", "--mpi", "--"],
-    "hvdkit launch horovodrun --gloo": [*LAUNCH, "--launcher", "horovodrun", "--gloo", "--"],
-    "mpirun": selftest.mpirun_command(2, []),
+LAUNCHERS = {  # name: the command that runs `command` on 2 ranks
+    "hvdkit launch mpirun": lambda command: [*LAUNCH, "--launcher", "mpirun", "--", *command],
+    "hvdkit launch horovodrun --mpi": lambda command: [*LAUNCH, "--launcher", "horovodrun", "--mpi", "--", *command],
+    "hvdkit launch horovodrun --gloo": lambda command: [*LAUNCH, "--launcher", "horovodrun", "--gloo", "--",
+                                                        *command],
+    "mpirun": lambda command: selftest.mpirun_command(2, command),
 }
 
 
@@ -38,8 +40,8 @@ def _train_records(logs):
 
 
 def start(launcher, tmp_path, *args):
-    cmd = [*LAUNCHERS[launcher], *TRAIN, *LONG, "--checkpoint-dir", str(tmp_path / "ckpt"),
-           "--log-dir", str(tmp_path / "logs"), *args]
+    cmd = LAUNCHERS[launcher]([*TRAIN, *LONG, "--checkpoint-dir", str(tmp_path / "ckpt"),
+                               "--log-dir", str(tmp_path / "logs"), *args])
     env = dict(selftest.mpi_root_env(), PYTHONPATH=str(REPO))
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -119,18 +121,23 @@ def test_stopped_by_sigterm_then_resumed_is_bitwise_identical(tmp_path, uninterr
 
 
 def test_a_second_ctrl_c_stops_at_once(tmp_path):
-    # Slow steps (a CNN on 512-sample batches), so that the second Ctrl-C comes during the first's step.
-    proc = subprocess.Popen([*TRAIN, "--model", "cnn", "--batch-size", "512", "--epochs", "50", "--log-interval", "1",
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "slow_loop.py"), "--step-seconds", "1",
                              "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs")],
                             env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    tree = wait_for_training(proc, tmp_path / "logs", step=2)
-    proc.send_signal(signal.SIGINT)
-    time.sleep(0.02)
-    proc.send_signal(signal.SIGINT)
-    _, err = finish(proc, tree)
-    assert proc.returncode == 130
-    assert "hvdkit: second interrupt: stopping now at step" in err and "hvdkit: stopped by" not in err, err[-2000:]
+    try:
+        while proc.stdout.readline().strip() != "step 2":
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 130, err[-3000:]
+    second = "hvdkit: second interrupt: stopping now at step 2; progress since the last checkpoint is lost"
+    assert err.strip().splitlines() == [second], err[-3000:]
+    assert not (tmp_path / "ckpt").exists() or not checkpoint.existing(str(tmp_path / "ckpt"))
 
 
 @pytest.mark.parametrize("launcher", ["hvdkit launch mpirun", "hvdkit launch horovodrun --gloo"])
@@ -184,27 +191,35 @@ def test_an_unreadable_sample_is_one_line_or_skipped(tmp_path):
             "--batch-size", "8", "--epochs", "1", "--model", "mlp", "--log-dir", str(tmp_path / "logs")]
     failed = run(selftest.mpirun_command(2, args))
     assert failed.returncode != 0
-    lines = [line for line in failed.stderr.splitlines() if line.startswith("hvdkit train:")]
+    lines = [line for line in failed.stderr.splitlines() if line.startswith("hvdkit train: data:")]
     assert len(lines) == 1 and f"({bad}) cannot be read: UnidentifiedImageError" in lines[0], failed.stderr[-3000:]
     assert "Traceback" not in failed.stderr and "--skip-bad-samples" in lines[0]
+    others = [line for line in failed.stderr.splitlines() if "another rank ended first" in line]
+    assert len(others) <= 1 and all(re.fullmatch(r"hvdkit train: rank [01] stopped because another rank ended "
+                                                 r"first; that rank's own line says why", line) for line in others)
     skipped = run(selftest.mpirun_command(2, [*args, "--skip-bad-samples", "--num-workers", "1"]))
     assert skipped.returncode == 0, skipped.stderr[-3000:]
     assert selftest.parse_records(skipped.stdout, "summary")[0]["skipped_samples"] == 1
 
 
 def test_a_directory_in_use_is_refused_and_a_stale_lock_is_not(tmp_path):
-    first = start("hvdkit launch mpirun", tmp_path)
+    first = start("hvdkit launch mpirun", tmp_path, "--epochs", "1000")  # still running when the second starts
     tree = wait_for_training(first, tmp_path / "logs")
     second = run([*TRAIN, *LONG, "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "other")])
     assert second.returncode == 2
     assert second.stderr.count("\n") == 1 and second.stderr.startswith(
         f"hvdkit train: checkpoint_dir {tmp_path / 'ckpt'} is in use by another run (pid "), second.stderr
-    kill_tree(first)  # SIGKILL: the lock file stays, but no process holds it
+    for rank in [p for p in tree if p.cmdline()[1:4] == ["-m", "hvdkit", "train"]]:
+        rank.kill()  # SIGKILL the holder first, so that nothing can remove the lock file
+    kill_tree(first)  # the lock file stays, but no process holds it
     _, alive = psutil.wait_procs(tree, timeout=10)
     assert not alive
     assert (tmp_path / "ckpt" / ".hvdkit-run.lock").exists()
-    resumed = run(selftest.mpirun_command(2, [*TRAIN, *LONG, "--max-steps", "400", "--checkpoint-dir",
-                                              str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs")]))
+    newest = checkpoint.load(checkpoint.existing(str(tmp_path / "ckpt"))[-1])["step"]
+    resumed = run(selftest.mpirun_command(2, [*TRAIN, *LONG, "--epochs", "1000", "--max-steps", str(newest + 30),
+                                              "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                              "--log-dir", str(tmp_path / "logs")]))
     assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
     assert not (tmp_path / "ckpt" / ".hvdkit-run.lock").exists()
-    assert math.isfinite(selftest.parse_records(resumed.stdout, "summary")[0]["train_loss"])
+    summary = selftest.parse_records(resumed.stdout, "summary")[0]
+    assert summary["steps"] == newest + 30 and math.isfinite(summary["train_loss"]), resumed.stdout[-3000:]

@@ -261,7 +261,6 @@ class Session:
         self.exit_code = 0
         self.log_dir = cfg.log_dir or self._run_dir()
         self._locks = self._lock_directories()
-        self.watchdog.share(os.environ.get(supervise.JOB_DIR) or str(Path(self.log_dir) / "ranks"))
         self._metrics: Optional[Metrics] = None
         self.total_steps = 0  # for the progress bar; set it if you know it, epochs() does
         self._samples, self._seconds = 0.0, 0.0
@@ -350,6 +349,10 @@ class Session:
         # must not wait here in a broadcast the others never enter.
         if not self._resume() and not cfg.elastic:
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        # Heartbeats for naming a stalled rank, once the run is accepted: a refused resume
+        # leaves the log directory as it was.
+        job_dir = os.environ.get(supervise.JOB_DIR)
+        self.watchdog.share(job_dir or str(Path(self.log_dir) / "ranks"), own=not job_dir)
         self._report_start = time.perf_counter()
         return model, self.optimizer
 

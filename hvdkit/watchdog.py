@@ -10,6 +10,7 @@ end the whole job.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -38,6 +39,7 @@ class Watchdog:
         self.where = "start-up"
         self.last, self.last_wall = time.monotonic(), time.time()
         self.shared: Optional[Path] = None
+        self._own = False
         self._written = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hvdkit-watchdog", daemon=True)
@@ -49,9 +51,10 @@ class Watchdog:
         """A watchdog that fires after Horovod's inspector (MPI) had its chance to name the tensor."""
         return cls(stall_timeout * 1.5 + 5 if stall_timeout > 0 else 0, rank)
 
-    def share(self, directory: str) -> None:
-        """Write heartbeats to ``directory`` (every rank must pass the same one)."""
-        self.shared = Path(directory)
+    def share(self, directory: str, own: bool = True) -> None:
+        """Write heartbeats to ``directory`` (every rank must pass the same one); ``own``: the
+        directory is only for them, and the last rank to stop removes it."""
+        self.shared, self._own = Path(directory), own
 
     def beat(self, where: str) -> None:
         self.where, self.last, self.last_wall = where, time.monotonic(), time.time()
@@ -60,6 +63,9 @@ class Watchdog:
         self._stop.set()
         if self.shared is not None:
             self._path(self.rank).unlink(missing_ok=True)
+            if self._own:
+                with contextlib.suppress(OSError):  # other ranks' heartbeats are still there
+                    self.shared.rmdir()
 
     def _path(self, rank: int) -> Path:
         return self.shared / f"heartbeat-rank-{rank}.json"

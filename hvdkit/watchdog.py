@@ -55,6 +55,7 @@ class Watchdog:
         """Write heartbeats to ``directory`` (every rank must pass the same one); ``own``: the
         directory is only for them, and the last rank to stop removes it."""
         self.shared, self._own = Path(directory), own
+        self._write_heartbeat()  # now: a rank that freezes within its first second is named too
 
     def beat(self, where: str) -> None:
         self.where, self.last, self.last_wall = where, time.monotonic(), time.time()

@@ -11,14 +11,16 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import pickle
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch.utils.data import Dataset, DistributedSampler, Sampler, TensorDataset
 
+from hvdkit import preemption
 from hvdkit.config import ConfigError, TrainConfig
 
 DIGITS_TEST_SIZE = 360  # a fixed 20% of the 1,797 digits, the same on every rank and run
@@ -320,10 +322,28 @@ class ResumableSampler(DistributedSampler):
         return self.num_samples - self.start
 
 
-def loader_options(cfg: TrainConfig, rank: int, pin_memory: bool) -> dict:
+class WorkerInit:
+    """A loader worker's start: it ignores the stop signals, then runs your worker_init_fn.
+
+    Ctrl-C reaches the terminal's whole process group, and Slurm's SIGTERM every process of
+    a task, loader workers included. A worker that dies of it makes the rank fail with
+    "DataLoader worker exited unexpectedly" before it can save; the rank stops them itself."""
+
+    def __init__(self, then: Optional[Callable[[int], None]] = None) -> None:
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        for signum in preemption.SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+        if self.then is not None:
+            self.then(worker_id)
+
+
+def loader_options(cfg: TrainConfig, rank: int, pin_memory: bool, worker_init_fn=None) -> dict:
     """DataLoader settings every hvdkit loader shares, the elastic one included."""
     context = WORKER_START_METHOD if cfg.num_workers > 0 else None
     # A generator of its own: creating an iterator must not draw from the global RNG, which
     # checkpoints restore, or a resumed run would diverge from an uninterrupted one.
     return dict(num_workers=cfg.num_workers, pin_memory=pin_memory, multiprocessing_context=context,
-                persistent_workers=cfg.num_workers > 0, generator=torch.Generator().manual_seed(cfg.seed + rank))
+                persistent_workers=cfg.num_workers > 0, generator=torch.Generator().manual_seed(cfg.seed + rank),
+                worker_init_fn=WorkerInit(worker_init_fn))

@@ -478,7 +478,9 @@ class Session:
             batch_size = batch_size or data_or_loader.batch_size
             loader_args = {**{name: getattr(data_or_loader, name) for name in kept}, **loader_args}
             data_or_loader = data_or_loader.dataset
-        options = {**data.loader_options(self.cfg, self.rank, self.device.type == "cuda"), **loader_args}
+        loader_args = dict(loader_args)
+        options = {**data.loader_options(self.cfg, self.rank, self.device.type == "cuda",
+                                         loader_args.pop("worker_init_fn", None)), **loader_args}
         return data_or_loader, batch_size or self.cfg.batch_size, options
 
     def steps_per_epoch(self) -> int:

@@ -122,3 +122,30 @@ def test_shard_sampler_covers_every_sample_once():
     shards = [list(data.ShardSampler(7, rank, 3)) for rank in range(3)]
     assert sorted(i for shard in shards for i in shard) == list(range(7))
     assert [len(s) for s in shards] == [3, 2, 2]
+
+
+def _mark_worker(worker_id):
+    """A user's worker_init_fn: runs in the worker, after hvdkit's."""
+    import signal
+
+    torch.utils.data.get_worker_info().dataset.seen.append(
+        (worker_id, signal.getsignal(signal.SIGTERM) == signal.SIG_IGN))
+
+
+class _Seen(torch.utils.data.Dataset):
+    def __init__(self):
+        self.seen = []
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        return torch.tensor(self.seen[0][1] if self.seen else False)
+
+
+def test_loader_workers_ignore_stop_signals_and_run_your_worker_init_fn():
+    """Workers must outlive a Ctrl-C or Slurm SIGTERM sent to the whole process group (the rank
+    stops them); a worker_init_fn given to the loader still runs, after that."""
+    options = data.loader_options(TrainConfig(num_workers=1), 0, False, worker_init_fn=_mark_worker)
+    loader = torch.utils.data.DataLoader(_Seen(), batch_size=2, **options)
+    assert next(iter(loader)).tolist() == [True, True]

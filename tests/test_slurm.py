@@ -162,7 +162,8 @@ def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(cluster
 def test_plain_scancel_saves_the_step_it_stopped_at_and_a_resubmitted_job_finishes(cluster, tmp_path,
                                                                                       preempt_reference):
     """scancel sends SIGTERM (then SIGKILL after KillWait, 5 s here): no requeue, a checkpoint."""
-    job = submit(cluster, tmp_path, "preemptible.sbatch", args=PREEMPT_ARGS)
+    # Loader workers get Slurm's SIGTERM too; they must not take the rank down before it saves.
+    job = submit(cluster, tmp_path, "preemptible.sbatch", args=f"{PREEMPT_ARGS} --num-workers 1")
     wait_for_training(cluster, job, tmp_path)
     subprocess.run(["scancel", job], env=cluster.env, check=True)
     info = cluster.wait(job)

@@ -120,6 +120,24 @@ def test_stopped_by_sigterm_then_resumed_is_bitwise_identical(tmp_path, uninterr
     assert_bitwise_equal(final_weights(tmp_path / "ckpt"), uninterrupted)
 
 
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_to_the_whole_process_group_spares_the_loader_workers(tmp_path, sig, code):
+    """Ctrl-C in a terminal signals its foreground process group, and Slurm every process of a
+    task: the loader workers get it too, and must not die of it before the rank saves."""
+    proc = subprocess.Popen([*TRAIN, *LONG, "--num-workers", "2", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                             "--log-dir", str(tmp_path / "logs")], env=dict(os.environ, PYTHONPATH=str(REPO)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    tree = wait_for_training(proc, tmp_path / "logs")
+    assert len(tree) >= 3, "the loader workers did not start"
+    os.killpg(proc.pid, sig)
+    out, err = finish(proc, tree)
+    assert proc.returncode == code, err[-3000:]
+    [line] = [line for line in err.splitlines() if line.startswith("hvdkit: stopped by")]
+    step = int(line.split(" at step ")[1].split(";")[0])
+    assert checkpoint.existing(str(tmp_path / "ckpt"))[-1] == checkpoint.path_for(str(tmp_path / "ckpt"), step)
+    assert "Traceback" not in err, err[-3000:]
+
+
 def test_a_second_ctrl_c_stops_at_once(tmp_path):
     proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "slow_loop.py"), "--step-seconds", "1",
                              "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs")],

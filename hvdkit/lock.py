@@ -15,6 +15,7 @@ import fcntl
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import IO
@@ -46,6 +47,11 @@ class DirectoryLock:
                 handle.close()
                 raise DirectoryInUse(f"{self.what} {self.path.parent} is in use by another run ({holder}); wait for "
                                      f"it to end, or use another directory") from None
+            except OSError as exc:  # Lustre mounted without -o flock, some FUSE filesystems
+                handle.close()
+                print(f"hvdkit: warning: cannot lock {self.what} {self.path.parent} ({exc.strerror}): a second run "
+                      f"on it would not be refused", file=sys.stderr, flush=True)
+                return
             # The holder may have removed the file between our open and our lock: lock the new one.
             if self.path.exists() and os.fstat(handle.fileno()).st_ino == os.stat(self.path).st_ino:
                 break

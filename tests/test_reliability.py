@@ -2,8 +2,9 @@
 
 import os
 import re
-import subprocess
+import shutil
 import signal
+import subprocess
 import sys
 import time
 
@@ -95,12 +96,20 @@ def test_training_longer_stretches_a_cosine_schedule(tmp_path):
     assert resumed == pytest.approx({step: expected[step] for step in resumed}, rel=1e-12)
 
 
+@pytest.fixture(scope="module")
+def thirty_steps(tmp_path_factory):
+    """Checkpoints and logs of a 30-step run, copied by each test that resumes it."""
+    tmp = tmp_path_factory.mktemp("thirty")
+    first = _one_epoch(tmp, "--max-steps", "30")
+    assert first.returncode == 0, first.stderr
+    return tmp
+
+
 @pytest.mark.parametrize("change", [["--batch-size", "64"], ["--batches-per-allreduce", "2"], ["--base-lr", "0.1"],
                                    ["--seed", "7"]])
-def test_a_resume_that_would_change_the_run_is_refused(tmp_path, change):
+def test_a_resume_that_would_change_the_run_is_refused(tmp_path, thirty_steps, change):
     """The 3,729-line loop of issue 12: a resume with another batch size pointed past its epoch."""
-    first = _one_epoch(tmp_path, "--max-steps", "30")
-    assert first.returncode == 0, first.stderr
+    shutil.copytree(thirty_steps, tmp_path, dirs_exist_ok=True)
     before = _snapshot(tmp_path)
     proc = _one_epoch(tmp_path, *change, "--max-steps", "40")
     assert proc.returncode == 2, proc.stderr[-2000:]

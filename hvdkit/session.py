@@ -696,6 +696,8 @@ class Session:
         the Slurm job: a requeue ends the job's processes, so it comes last."""
         if self.stopped:
             return True
+        if self.cfg.elastic:  # no handlers there: Horovod's elastic driver ends its workers
+            return False
         if self._stop_handle is None:  # no step since the last call: ask now
             self._stop_handle = self.hvd.allreduce_async(torch.tensor([float(self._signal.received or 0)]),
                                                          op=self.hvd.Max, name="hvdkit.stop")

@@ -559,12 +559,11 @@ class Session:
         synchronize. Adasum combines the ranks' updates inside step() instead, so there the
         local gradients are unscaled and clipped. Then the scheduler, and a checkpoint every
         ``checkpoint_steps``."""
-        cfg, optimizer, hvd = self.cfg, self.optimizer, self.hvd
+        cfg, optimizer = self.cfg, self.optimizer
         self.watchdog.beat(f"training step {self.global_step + 1}")
         self._collect_stop()  # one left by a loop that did not ask should_stop()
         if not cfg.elastic:  # submitted before the gradients are awaited: it travels in their cycle
-            self._stop_handle = hvd.allreduce_async(torch.tensor([float(self._signal.received or 0)]),
-                                                    op=hvd.Max, name="hvdkit.stop")
+            self._ask_stop()
         if not cfg.use_adasum:
             optimizer.synchronize()
         if self.scaler:
@@ -699,14 +698,18 @@ class Session:
         if self.cfg.elastic:  # no handlers there: Horovod's elastic driver ends its workers
             return False
         if self._stop_handle is None:  # no step since the last call: ask now
-            self._stop_handle = self.hvd.allreduce_async(torch.tensor([float(self._signal.received or 0)]),
-                                                         op=self.hvd.Max, name="hvdkit.stop")
+            self._ask_stop()
         self._collect_stop()
         if not self._stop_signum:
             return False
         self.stopped = True
         self.save()
         return True
+
+    def _ask_stop(self) -> None:
+        """Start the allreduce of the ranks' stop signals: the largest signal number wins."""
+        self._stop_handle = self.hvd.allreduce_async(torch.tensor([float(self._signal.received or 0)]),
+                                                     op=self.hvd.Max, name="hvdkit.stop")
 
     def _collect_stop(self) -> None:
         if self._stop_handle is not None:

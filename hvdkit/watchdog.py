@@ -78,7 +78,10 @@ class Watchdog:
             slept, woke = time.monotonic() - woke, time.monotonic()
             self._write_heartbeat()
             idle = woke - self.last
-            if slept > FROZEN_SECONDS:  # this whole process was stopped; the others have seen it
+            # This whole process was stopped for longer than the others wait for it. Not merely
+            # FROZEN_SECONDS: a long call holding the GIL (pickling a large checkpoint) also
+            # delays this thread, and must not end the run.
+            if slept > max(FROZEN_SECONDS, self.timeout):
                 line = (f"rank {self.rank} was frozen for {slept:.0f} s (stopped, or its host paused) in "
                         f"{self.where}; ending")
                 print(f"hvdkit: {line}", file=sys.stderr, flush=True)

@@ -415,6 +415,13 @@ def main(argv: Sequence[str]) -> int:
     return supervise.run(result.command, dict(os.environ, **result.env))
 
 
+def discover_hosts() -> int:
+    """`hvdkit-discover-hosts`, elastic Horovod's host discovery script: the hosts of
+    $HVDKIT_HOSTS_FILE (edit it while the job runs), else of the Slurm allocation."""
+    hostfile = os.environ.get("HVDKIT_HOSTS_FILE")
+    return main(["--list-hosts", *(["--hostfile", hostfile] if hostfile else [])])
+
+
 def check_command(command: Sequence[str]) -> None:
     """The program to run on every rank exists here, so a typo is one line, not an MPI error box."""
     program = command[0]

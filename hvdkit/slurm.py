@@ -98,7 +98,14 @@ def allocation(environ: Mapping[str, str]) -> list[tuple[str, int]]:
 # Rendering sbatch scripts from the templates in slurm/.
 # ---------------------------------------------------------------------------
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "slurm"
+def _template_dir() -> Path:
+    """Installed: inside the package (setup.cfg maps slurm/ to hvdkit/_slurm); from a checkout
+    or an editable install: the repository's slurm/."""
+    here = Path(__file__).resolve().parent
+    return here / "_slurm" if (here / "_slurm").is_dir() else here.parent / "slurm"
+
+
+TEMPLATE_DIR = _template_dir()
 TEMPLATES = {"srun": "multi-node-srun.sbatch", "mpirun": "multi-node-mpirun.sbatch",
              "horovodrun": "multi-node-horovodrun.sbatch"}
 _TIME_RE = re.compile(r"(\d+-)?\d+(:\d{2}){0,2}|\d+-\d+(:\d{2}){0,2}")

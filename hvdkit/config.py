@@ -193,10 +193,16 @@ def from_environ(environ: Mapping[str, str]) -> dict:
 
     values = {}
     for name in FIELDS:
-        text = environ.get(ENV_PREFIX + name.upper())
-        if text is not None:
-            kind, _ = _base_type(name)
-            values[name] = text if kind is str else yaml.safe_load(text)
+        variable = ENV_PREFIX + name.upper()
+        text = environ.get(variable)
+        if text is None:
+            continue
+        kind, _ = _base_type(name)
+        try:
+            values[name] = _coerce(name, text if kind is str else yaml.safe_load(text))
+        except (ConfigError, yaml.YAMLError) as exc:
+            problem = str(exc).removeprefix("config: ") if isinstance(exc, ConfigError) else "not valid YAML"
+            raise ConfigError(f"config: {variable}={text!r}: {problem}") from None
     return values
 
 
@@ -220,25 +226,56 @@ def load_yaml(path: str) -> dict:
     return data
 
 
+# How `hvdkit train --help` groups the flags; every key is in exactly one group.
+GROUPS = {
+    "data": ("dataset", "data_dir", "image_size", "seq_len", "batch_size", "num_workers", "skip_bad_samples", "seed"),
+    "model": ("model", "sync_batch_norm", "compile"),
+    "optimization": ("epochs", "max_steps", "optimizer", "base_lr", "lr_scaling", "momentum", "weight_decay",
+                     "warmup_epochs", "lr_schedule", "lr_decay_epochs", "lr_decay_factor", "clip_grad_norm", "amp",
+                     "on_nonfinite"),
+    "distributed": ("batches_per_allreduce", "fp16_allreduce", "use_adasum", "gradient_predivide_factor",
+                    "stall_timeout", "elastic", "commit_steps"),
+    "checkpoints": ("checkpoint_dir", "checkpoint_steps", "keep_checkpoints", "resume", "max_requeues"),
+    "logging": ("log_dir", "log_interval"),
+}
+ALIASES = {"base_lr": ("--lr",)}  # Horovod's examples say --lr
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return " (default: on)" if value else " (default: off)"
+    return f" (default: {_show(value)})"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per field (``--batch-size``); a flag left out keeps the YAML or default value."""
-    parser.add_argument("--config", help="YAML file of config keys; flags override it")
-    for name, f in FIELDS.items():
-        kind, _ = _base_type(name)
-        flag = "--" + name.replace("_", "-")
-        common = dict(dest=name, default=argparse.SUPPRESS, help=f.metadata.get("help"))
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
-        elif kind is list:
-            parser.add_argument(flag, nargs="+", type=f.metadata["item"], **common)
-        else:
-            parser.add_argument(flag, type=kind, **common)
+    """One flag per field (``--batch-size``), grouped, each help ending with the default; a flag
+    left out keeps the value of the YAML file, of an HVDKIT_<KEY> variable, or the default."""
+    parser.add_argument("--config", help="YAML file of config keys; HVDKIT_<KEY> variables override it, "
+                                         "flags override both")
+    for title, names in GROUPS.items():
+        group = parser.add_argument_group(title)
+        for name in names:
+            f = FIELDS[name]
+            kind, _ = _base_type(name)
+            flags = ["--" + name.replace("_", "-"), *ALIASES.get(name, ())]
+            common = dict(dest=name, default=argparse.SUPPRESS, help=f.metadata["help"] + _default_text(f))
+            if kind is bool:
+                group.add_argument(*flags, action=argparse.BooleanOptionalAction, **common)
+            elif kind is list:
+                group.add_argument(*flags, nargs="+", type=f.metadata["item"], **common)
+            else:
+                group.add_argument(*flags, type=kind, **common)
 
 
-def from_args(args: argparse.Namespace) -> TrainConfig:
-    """YAML file first, then command-line flags, then validation."""
+def from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> TrainConfig:
+    """Defaults, then the YAML file, then HVDKIT_<KEY> variables (how job scripts hand over their
+    directories), then command-line flags; then validation."""
     overrides = {name: getattr(args, name) for name in FIELDS if hasattr(args, name)}
     cfg = from_mapping(load_yaml(args.config)) if getattr(args, "config", None) else TrainConfig()
+    cfg = from_mapping(from_environ(environ), base=cfg)
     return validate(from_mapping(overrides, base=cfg))
 
 

@@ -22,7 +22,7 @@ from typing import Callable, Mapping, Optional, Sequence
 from hvdkit import slurm, supervise
 
 LAUNCHERS = ("auto", "horovodrun", "mpirun", "srun")
-FORWARD_PREFIXES = ("NCCL_", "HOROVOD_")
+FORWARD_PREFIXES = ("NCCL_", "HOROVOD_", "HVDKIT_")  # HVDKIT_: config keys job scripts hand over
 FORWARD_NAMES = ("PYTHONPATH", "PATH", "LD_LIBRARY_PATH")
 HOSTFILE_FORMATS = ("horovodrun", "openmpi", "mpich")
 
@@ -247,7 +247,7 @@ MPIRUN_BUILDERS = {"openmpi": openmpi_command, "mpich": hydra_command, "intel": 
 
 
 def forwarded_names(environ: Mapping[str, str], extra: Sequence[str]) -> list[str]:
-    """NCCL_*, HOROVOD_*, PYTHONPATH, PATH, LD_LIBRARY_PATH where set, then the -x names."""
+    """NCCL_*, HOROVOD_*, HVDKIT_*, PYTHONPATH, PATH, LD_LIBRARY_PATH where set, then the -x names."""
     names = [k for k in sorted(environ) if k.startswith(FORWARD_PREFIXES) or k in FORWARD_NAMES]
     return names + [n for n in extra if n not in names]
 

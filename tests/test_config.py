@@ -76,3 +76,36 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, args, line):
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith(line), proc.stderr
     assert proc.stdout == ""
     assert not (tmp_path / "logs").exists(), "nothing is written for a rejected run"
+
+
+def test_yaml_then_environment_then_flags(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("epochs: 3\nlog_dir: from-yaml\nbatch_size: 8\n")
+    environ = {"HVDKIT_LOG_DIR": str(tmp_path / "from-env"), "HVDKIT_EPOCHS": "4", "HVDKIT_JOB_DIR": "/not/a/key"}
+    parser = __import__("argparse").ArgumentParser()
+    config.add_arguments(parser)
+    cfg = config.from_args(parser.parse_args(["--config", str(path), "--epochs", "5"]), environ)
+    assert (cfg.epochs, cfg.log_dir, cfg.batch_size) == (5, str(tmp_path / "from-env"), 8)
+
+
+def test_a_bad_environment_value_names_the_variable():
+    with pytest.raises(ConfigError, match=r"^config: HVDKIT_EPOCHS='many': epochs must be int"):
+        config.from_environ({"HVDKIT_EPOCHS": "many"})
+    with pytest.raises(ConfigError, match=r"^config: HVDKIT_LR_DECAY_EPOCHS='\[1,': not valid YAML"):
+        config.from_environ({"HVDKIT_LR_DECAY_EPOCHS": "[1,"})
+
+
+def test_lr_is_an_alias_of_base_lr():
+    assert config.parse(["--lr", "0.5"]).base_lr == 0.5
+
+
+def test_help_is_grouped_and_shows_defaults():
+    proc = run([sys.executable, "-m", "hvdkit", "train", "--help"])
+    assert proc.returncode == 0, proc.stderr
+    for title in config.GROUPS:
+        assert f"\n{title}:\n" in proc.stdout
+    flat = " ".join(proc.stdout.split())
+    assert "--batch-size BATCH_SIZE samples per rank per backward pass (default: 32)" in flat
+    assert "--base-lr BASE_LR, --lr BASE_LR" in flat and "(default: 0.025)" in flat
+    assert "(default: 30 60 80)" in flat and "--amp, --no-amp" in flat
+    assert sorted(n for names in config.GROUPS.values() for n in names) == sorted(config.FIELDS)

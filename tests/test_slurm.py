@@ -1,5 +1,6 @@
 """The sbatch templates, submitted to a real Slurm cluster that this module starts."""
 
+import json
 import os
 import socket
 import subprocess
@@ -73,7 +74,7 @@ def test_template_runs_to_completion(cluster, tmp_path, template, nodes, tasks):
     assert info["JobState"] == "COMPLETED", log[-3000:]
     assert info["NumNodes"] == str(nodes) and info["NumTasks"] == str(tasks)
     head = log.splitlines()[:3]
-    assert any(f"{VENV_BIN / 'hvdkit'} train --log-dir" in line for line in head), f"no resolved command in {head}"
+    assert any(f"{VENV_BIN / 'hvdkit'} train --epochs 1" in line for line in head), f"no resolved command in {head}"
     summary = selftest.parse_records(log, "summary")
     assert len(summary) == 1 and summary[0]["world_size"] == tasks and summary[0]["steps"] == 8, log[-3000:]
     assert (tmp_path / "run" / "metrics.jsonl").exists()
@@ -90,6 +91,32 @@ def test_array_runs_one_training_per_index(cluster, tmp_path):
         assert f"--seed {index + 1}" in log
         assert selftest.parse_records(log, "summary")[0]["steps"] == 8
         assert (tmp_path / "run" / str(index) / "checkpoints").is_dir()
+
+
+STRICT_TEMPLATES = [("single-node.sbatch", 2), ("multi-node-srun.sbatch", 2), ("multi-node-mpirun.sbatch", 2),
+                    ("multi-node-horovodrun.sbatch", 2), ("preemptible.sbatch", 2), ("array.sbatch", 1)]
+
+
+@pytest.mark.parametrize("template, tasks", STRICT_TEMPLATES)
+def test_every_template_runs_a_strict_argparse_script_unchanged(cluster, tmp_path, template, tasks):
+    """A plain Horovod script that refuses unknown flags gets exactly its own arguments; the
+    run directory reaches it as HVDKIT_LOG_DIR (and HVDKIT_CHECKPOINT_DIR where checkpointing)."""
+    script = f"{sys.executable} {REPO / 'tests' / 'strict_script.py'}"
+    env = {"HVDKIT_COMMAND": script}
+    array = ("--array=0-1", "--output", str(tmp_path / "job-%A_%a.out")) if template == "array.sbatch" else ()
+    job = submit(cluster, tmp_path, template, *array, args="--lr 0.05 --steps 4", extra_env=env)
+    runs = [(f"{job}_{i}", tmp_path / "run" / str(i), i) for i in (0, 1)] if array else [(job, tmp_path / "run", None)]
+    for job_id, run_dir, index in runs:
+        info = cluster.wait(job_id)
+        log = (tmp_path / f"job-{job_id}.out").read_text()
+        ranks = sorted(run_dir.glob("rank-*.log"))
+        assert info["JobState"] == "COMPLETED", log[-2000:] + "".join(p.read_text()[-1500:] for p in ranks)
+        results = [json.loads((run_dir / f"strict-rank-{r}.json").read_text()) for r in range(tasks)]
+        checkpoints = str(run_dir / "checkpoints") if template in ("preemptible.sbatch", "array.sbatch") else None
+        for rank, result in enumerate(results):
+            assert (result["rank"], result["size"], result["lr"], result["steps"]) == (rank, tasks, 0.05, 4)
+            assert result["ranks_agree"] and result["checkpoint_dir"] == checkpoints
+            assert result["seed"] == (None if index is None else str(index))
 
 
 PREEMPT_ARGS = "--dataset synthetic --epochs 2 --log-interval 4"

@@ -12,7 +12,7 @@ import platform
 import sys
 from typing import Optional
 
-from hvdkit import env, selftest
+from hvdkit import env, launch, selftest
 from hvdkit.launch import describe_mpi, find_program, mpirun_version
 
 SETUP_HINT = "run `make setup` in the hvdkit checkout, or `python -m hvdkit.build`"
@@ -121,7 +121,8 @@ def report_launch(report: Report) -> None:
 
 def run_selftest(report: Report, controllers: list[str]) -> None:
     for controller in controllers:
-        outcome = selftest.run(f"horovodrun --{controller}", selftest.horovodrun_command(controller))
+        how = f"horovodrun --{controller}"
+        outcome = selftest.run(how, launch.local_command(how, selftest.NP, selftest.worker_command()))
         verdict = "PASS" if outcome.ok else "FAIL"
         report.line(f"selftest {controller}", f"{verdict} in {outcome.seconds:.1f} s: {outcome.detail}")
         if not outcome.ok:

@@ -377,6 +377,16 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
     return Plan(launcher, f"{reason}; {flavor}", MPIRUN_BUILDERS[flavor](spec), {}, notes)
 
 
+def local_command(how: str, np: int, command: Sequence[str]) -> list[str]:
+    """The launcher command that `hvdkit launch -np NP --launcher HOW -- COMMAND` runs on this
+    machine (HOW: "mpirun", "horovodrun --gloo", ...), from the same builders: for
+    `doctor --selftest` and the tests, which run it directly (as root, with
+    `selftest.mpi_root_env()`)."""
+    args = parser().parse_args(["-np", str(np), "--launcher", *how.split()])
+    return plan(args, list(command), os.environ, find_program, mpirun_version, os.geteuid() == 0,
+                local_slots()).command
+
+
 def local_slots() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 

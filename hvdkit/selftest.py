@@ -1,8 +1,9 @@
 """A real 2-process check of the installed Horovod: collectives and 5 training steps.
 
-``run(controller)`` launches ``horovodrun -np 2 -H localhost:2 --gloo|--mpi`` on this module's
-worker; each rank prints one JSON line of raw results, and ``check`` compares them with what
-the collectives must give. The test suite runs the same worker under horovodrun and mpirun,
+`hvdkit doctor --selftest` launches ``horovodrun -np 2 -H localhost:2 --gloo|--mpi`` on this
+module's worker, built by ``launch.local_command`` as `hvdkit launch` builds it; each rank
+prints one JSON line of raw results, and ``check`` compares them with what the collectives
+must give. The test suite runs the same worker under horovodrun and mpirun,
 so what `hvdkit doctor --selftest` vouches for is what the tests check.
 """
 
@@ -15,10 +16,9 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 from hvdkit import env
-from hvdkit.launch import find_program
 
 NP = 2
 TRAIN_STEPS = 5
@@ -36,18 +36,6 @@ def mpi_root_env(environ=os.environ) -> dict:
 
 def worker_command() -> list[str]:
     return [sys.executable, "-m", "hvdkit.selftest", "--worker"]
-
-
-def horovodrun_command(controller: str, np: int = NP, command: Optional[Sequence[str]] = None) -> list[str]:
-    """horovodrun on this host's ``np`` slots, running ``command`` (default: the worker)."""
-    return [find_program("horovodrun") or "horovodrun", "-np", str(np), "-H", f"localhost:{np}",
-            f"--{controller}", *(command or worker_command())]
-
-
-def mpirun_command(np: int = NP, command: Optional[Sequence[str]] = None) -> list[str]:
-    """Open MPI's mpirun with the flags Horovod's docs give, running ``command`` (default: the worker)."""
-    return [find_program("mpirun") or "mpirun", "-np", str(np), "-bind-to", "none", "-map-by", "slot",
-            "-mca", "pml", "ob1", "-mca", "btl", "^openib", *(command or worker_command())]
 
 
 def _weights_digest(model) -> str:

@@ -16,7 +16,8 @@ import pytest
 
 from conftest import run
 from hvdkit import bench
-from hvdkit.selftest import horovodrun_command, parse_records
+from hvdkit.launch import local_command
+from hvdkit.selftest import parse_records
 
 HVDKIT = [sys.executable, "-m", "hvdkit.cli", "bench"]
 TINY = ["--model", "resnet18", "--batch-size", "4", "--image-size", "32", "--num-classes", "10",
@@ -128,7 +129,7 @@ def test_drivers_refuse_to_run_under_a_launcher():
 @pytest.mark.slow
 def test_synthetic_under_horovodrun_prints_horovods_output(hvd_built):
     """`horovodrun -np 2 hvdkit bench synthetic`, as users run Horovod's benchmark script."""
-    proc = run(horovodrun_command("gloo", 2, HVDKIT + ["synthetic", *TINY]), timeout=300)
+    proc = run(local_command("horovodrun --gloo", 2, HVDKIT + ["synthetic", *TINY]), timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert re.search(r"Number of CPUs: 2", proc.stdout)
     assert len(re.findall(r"Iter #\d: [\d.]+ img/sec per CPU", proc.stdout)) == 3  # rank 0 only

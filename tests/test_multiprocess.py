@@ -6,23 +6,23 @@ themselves, then that `selftest.check` (what `hvdkit doctor --selftest` relies o
 
 import pytest
 
-from hvdkit import selftest
+from hvdkit import launch, selftest
 from conftest import run
 
 pytestmark = pytest.mark.slow
 
 LAUNCHES = {
-    "horovodrun --gloo": (selftest.horovodrun_command("gloo"), "gloo", "horovodrun"),
-    "horovodrun --mpi": (selftest.horovodrun_command("mpi"), "mpi", "mpirun (Open MPI)"),
-    "mpirun": (selftest.mpirun_command(), "mpi", "mpirun (Open MPI)"),
+    "horovodrun --gloo": ("gloo", "horovodrun"),
+    "horovodrun --mpi": ("mpi", "mpirun (Open MPI)"),
+    "mpirun": ("mpi", "mpirun (Open MPI)"),
 }
 
 
 @pytest.mark.parametrize("name", list(LAUNCHES))
 def test_two_ranks_agree(name, hvd_built):
-    command, controller, launcher = LAUNCHES[name]
+    controller, launcher = LAUNCHES[name]
     assert hvd_built[controller], f"Horovod was built without {controller}"
-    proc = run(command, timeout=240)
+    proc = run(launch.local_command(name, 2, selftest.worker_command()), timeout=240)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
     results = selftest.parse_results(proc.stdout)
     assert [r["rank"] for r in results] == [0, 1], proc.stdout[-2000:]

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from hvdkit import checkpoint, selftest
+from hvdkit import checkpoint, launch, selftest
 from hvdkit.launch import find_program as launch_find
 from conftest import assert_bitwise_equal, final_weights, kill_tree, run
 
@@ -24,7 +24,8 @@ RUN = ["--model", "mlp", "--epochs", "4", "--lr-schedule", "step", "--lr-decay-e
 
 
 def mpirun_train(ckpt, logs, *args):
-    return selftest.mpirun_command(2, [*TRAIN, "--checkpoint-dir", str(ckpt), "--log-dir", str(logs), *RUN, *args])
+    return launch.local_command("mpirun", 2, [*TRAIN, "--checkpoint-dir", str(ckpt), "--log-dir", str(logs), *RUN,
+                                              *args])
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +166,7 @@ def test_resume_with_another_world_size_is_refused(tmp_path):
     first = _one_epoch(tmp_path, "--max-steps", "5")
     assert first.returncode == 0
     before = _snapshot(tmp_path / "ckpt")
-    proc = run(selftest.mpirun_command(2, [*TRAIN, "--model", "mlp", "--epochs", "1",
+    proc = run(launch.local_command("mpirun", 2, [*TRAIN, "--model", "mlp", "--epochs", "1",
                                            "--checkpoint-dir", str(tmp_path / "ckpt"),
                                            "--log-dir", str(tmp_path / "logs2")]))
     assert proc.returncode != 0
@@ -213,9 +214,9 @@ for step in range(1000):
 """
 
 LAUNCHES = {
-    "horovodrun --gloo": lambda cmd: selftest.horovodrun_command("gloo", 2, cmd),
-    "horovodrun --mpi": lambda cmd: selftest.horovodrun_command("mpi", 2, cmd),
-    "mpirun": lambda cmd: selftest.mpirun_command(2, cmd),
+    "horovodrun --gloo": lambda cmd: launch.local_command("horovodrun --gloo", 2, cmd),
+    "horovodrun --mpi": lambda cmd: launch.local_command("horovodrun --mpi", 2, cmd),
+    "mpirun": lambda cmd: launch.local_command("mpirun", 2, cmd),
 }
 
 
@@ -297,7 +298,7 @@ def test_failure_hints_for_oom_and_nccl():
 
 
 def test_dataset_smaller_than_one_global_batch(tmp_path):
-    proc = run(selftest.mpirun_command(2, [*TRAIN, "--batch-size", "1024", "--log-dir", str(tmp_path)]))
+    proc = run(launch.local_command("mpirun", 2, [*TRAIN, "--batch-size", "1024", "--log-dir", str(tmp_path)]))
     assert proc.returncode != 0
     lines = [l for l in proc.stderr.splitlines() if l.startswith("hvdkit train:")]
     assert lines == ["hvdkit train: data: the training set has 1437 samples, fewer than "

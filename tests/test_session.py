@@ -15,7 +15,7 @@ import psutil
 import pytest
 import torch
 
-from hvdkit import checkpoint, config, selftest
+from hvdkit import checkpoint, config, launch, selftest
 from hvdkit.config import ConfigError, TrainConfig
 from hvdkit.metrics import finite_or_none
 from hvdkit.session import batch_len, lr_multiplier, split_batch, sync_batch_norm
@@ -117,7 +117,7 @@ def test_sync_batch_norm_converts_layers_keeping_their_state(monkeypatch):
 # -- real processes ------------------------------------------------------------------------
 
 def _ported(np_, env=None):
-    return selftest.mpirun_command(np_, PORTED), {**os.environ, **(env or {})}
+    return launch.local_command("mpirun", np_, PORTED), {**os.environ, **(env or {})}
 
 
 def _wait_for(path, proc, timeout=120):
@@ -265,7 +265,8 @@ trainer.fit()
 def test_trainer_takes_any_optimizer_loss_and_batch_shape(tmp_path, case):
     script = tmp_path / "own.py"
     script.write_text(OWN_TRAINER)
-    proc = run(selftest.horovodrun_command("gloo", 2, [sys.executable, str(script), case, str(tmp_path / "logs")]))
+    own = [sys.executable, str(script), case, str(tmp_path / "logs")]
+    proc = run(launch.local_command("horovodrun --gloo", 2, own))
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = selftest.parse_records(proc.stdout, "summary")[0]
     # 512 samples, 2 ranks x 16 x K=2: 8 steps an epoch
@@ -298,7 +299,7 @@ LM = ["--model", "gpt-tiny", "--dataset", "text", "--optimizer", "adamw", "--seq
 def _train(tmp_path, name, args, launcher=None):
     ckpt = tmp_path / name
     cmd = [*TRAIN, *LM, "--checkpoint-dir", str(ckpt), "--log-dir", str(tmp_path / f"{name}-logs"), *args]
-    proc = run(selftest.mpirun_command(2, cmd) if launcher == "mpirun" else cmd)
+    proc = run(launch.local_command("mpirun", 2, cmd) if launcher == "mpirun" else cmd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return selftest.parse_records(proc.stdout, "summary")[0], final_weights(ckpt)
 
@@ -331,7 +332,7 @@ def test_language_model_resumes_after_sigkill_bitwise(tmp_path):
             "--amp", "--base-lr", "2e-3"]
     _, uninterrupted = _train(tmp_path, "straight", args, launcher="mpirun")
     ckpt = tmp_path / "killed"
-    cmd = selftest.mpirun_command(2, [*TRAIN, *LM, "--checkpoint-dir", str(ckpt), "--log-dir",
+    cmd = launch.local_command("mpirun", 2, [*TRAIN, *LM, "--checkpoint-dir", str(ckpt), "--log-dir",
                                       str(tmp_path / "killed-logs"), *args])
     proc = subprocess.Popen(cmd, env=selftest.mpi_root_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -350,7 +351,7 @@ def test_torch_compile_trains_like_eager(tmp_path):
     weights = {}
     for name, extra in (("eager", []), ("compiled", ["--compile"])):
         ckpt = tmp_path / name
-        proc = run(selftest.mpirun_command(2, [*TRAIN, *args, *extra, "--checkpoint-dir", str(ckpt),
+        proc = run(launch.local_command("mpirun", 2, [*TRAIN, *args, *extra, "--checkpoint-dir", str(ckpt),
                                                "--log-dir", str(tmp_path / f"{name}-logs")]), timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         weights[name] = final_weights(ckpt)
@@ -385,7 +386,7 @@ def test_readme_own_loop_example_runs_and_resumes(tmp_path):
     section = (REPO / "README.md").read_text().split("## Your own loop", 1)[1]
     script = tmp_path / "own_loop.py"
     script.write_text(section.split("```python\n", 1)[1].split("```", 1)[0])
-    command = selftest.horovodrun_command("gloo", 2, [sys.executable, str(script)])
+    command = launch.local_command("horovodrun --gloo", 2, [sys.executable, str(script)])
     proc = run(command, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = selftest.parse_records(proc.stdout, "summary")[0]

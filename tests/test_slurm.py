@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hvdkit import checkpoint, selftest
+from hvdkit import checkpoint, launch, selftest
 from conftest import REPO, assert_bitwise_equal, final_weights, run
 import slurm_cluster
 
@@ -124,7 +124,7 @@ PREEMPT_ARGS = "--dataset synthetic --epochs 2 --log-interval 4"
 
 def reference_run(tmp_path, command):
     """The final checkpoint of ``command`` run uninterrupted on 2 ranks by mpirun."""
-    proc = run(selftest.mpirun_command(2, [*command, "--checkpoint-dir", str(tmp_path / "reference"),
+    proc = run(launch.local_command("mpirun", 2, [*command, "--checkpoint-dir", str(tmp_path / "reference"),
                                            "--log-dir", str(tmp_path / "reference-logs")]),
                env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from hvdkit import checkpoint, selftest
+from hvdkit import checkpoint, launch, selftest
 from conftest import REPO, assert_bitwise_equal, final_weights, kill_tree, run
 
 pytestmark = pytest.mark.slow
@@ -28,7 +28,7 @@ LAUNCHERS = {  # name: the command that runs `command` on 2 ranks
     "hvdkit launch horovodrun --mpi": lambda command: [*LAUNCH, "--launcher", "horovodrun", "--mpi", "--", *command],
     "hvdkit launch horovodrun --gloo": lambda command: [*LAUNCH, "--launcher", "horovodrun", "--gloo", "--",
                                                         *command],
-    "mpirun": lambda command: selftest.mpirun_command(2, command),
+    "mpirun": lambda command: launch.local_command("mpirun", 2, command),
 }
 
 
@@ -79,7 +79,7 @@ def finish(proc, tree, seconds=90):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("long")
-    proc = run(selftest.mpirun_command(2, [*TRAIN, *LONG, "--checkpoint-dir", str(tmp / "ckpt"),
+    proc = run(launch.local_command("mpirun", 2, [*TRAIN, *LONG, "--checkpoint-dir", str(tmp / "ckpt"),
                                            "--log-dir", str(tmp / "logs")]))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return final_weights(tmp / "ckpt")
@@ -114,7 +114,7 @@ def test_stopped_by_sigterm_then_resumed_is_bitwise_identical(tmp_path, uninterr
     proc.send_signal(signal.SIGTERM)
     finish(proc, tree)
     assert proc.returncode == 143
-    resumed = run(selftest.mpirun_command(2, [*TRAIN, *LONG, "--checkpoint-dir", str(tmp_path / "ckpt"),
+    resumed = run(launch.local_command("mpirun", 2, [*TRAIN, *LONG, "--checkpoint-dir", str(tmp_path / "ckpt"),
                                               "--log-dir", str(tmp_path / "logs")]))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_bitwise_equal(final_weights(tmp_path / "ckpt"), uninterrupted)
@@ -178,9 +178,9 @@ def test_a_frozen_rank_is_named_and_the_exit_code_is_75(tmp_path, launcher):
 
 
 def test_a_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
-    proc = run(selftest.mpirun_command(2, [*TRAIN, "--model", "mlp", "--base-lr", "1e6", "--checkpoint-steps", "1",
-                                           "--checkpoint-dir", str(tmp_path / "ckpt"),
-                                           "--log-dir", str(tmp_path / "logs")]))
+    proc = run(launch.local_command("mpirun", 2, [*TRAIN, "--model", "mlp", "--base-lr", "1e6",
+                                                  "--checkpoint-steps", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                                  "--log-dir", str(tmp_path / "logs")]))
     assert proc.returncode == 1
     lines = [line for line in proc.stderr.splitlines() if line.startswith("hvdkit train:")]
     assert len(lines) == 1 and "are not finite; stopped before applying them, last good checkpoint" in lines[0], \
@@ -207,7 +207,7 @@ def test_an_unreadable_sample_is_one_line_or_skipped(tmp_path):
     bad.write_bytes(os.urandom(2000))
     args = [*TRAIN, "--dataset", "imagefolder", "--data-dir", str(tmp_path / "data"), "--image-size", "16",
             "--batch-size", "8", "--epochs", "1", "--model", "mlp", "--log-dir", str(tmp_path / "logs")]
-    failed = run(selftest.mpirun_command(2, args))
+    failed = run(launch.local_command("mpirun", 2, args))
     assert failed.returncode != 0
     lines = [line for line in failed.stderr.splitlines() if line.startswith("hvdkit train: data:")]
     assert len(lines) == 1 and f"({bad}) cannot be read: UnidentifiedImageError" in lines[0], failed.stderr[-3000:]
@@ -215,7 +215,7 @@ def test_an_unreadable_sample_is_one_line_or_skipped(tmp_path):
     others = [line for line in failed.stderr.splitlines() if "another rank ended first" in line]
     assert len(others) <= 1 and all(re.fullmatch(r"hvdkit train: rank [01] stopped because another rank ended "
                                                  r"first; that rank's own line says why", line) for line in others)
-    skipped = run(selftest.mpirun_command(2, [*args, "--skip-bad-samples", "--num-workers", "1"]))
+    skipped = run(launch.local_command("mpirun", 2, [*args, "--skip-bad-samples", "--num-workers", "1"]))
     assert skipped.returncode == 0, skipped.stderr[-3000:]
     assert selftest.parse_records(skipped.stdout, "summary")[0]["skipped_samples"] == 1
 
@@ -234,7 +234,7 @@ def test_a_directory_in_use_is_refused_and_a_stale_lock_is_not(tmp_path):
     assert not alive
     assert (tmp_path / "ckpt" / ".hvdkit-run.lock").exists()
     newest = checkpoint.load(checkpoint.existing(str(tmp_path / "ckpt"))[-1])["step"]
-    resumed = run(selftest.mpirun_command(2, [*TRAIN, *LONG, "--epochs", "1000", "--max-steps", str(newest + 30),
+    resumed = run(launch.local_command("mpirun", 2, [*TRAIN, *LONG, "--epochs", "1000", "--max-steps", str(newest + 30),
                                               "--checkpoint-dir", str(tmp_path / "ckpt"),
                                               "--log-dir", str(tmp_path / "logs")]))
     assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from hvdkit import selftest
+from hvdkit import launch, selftest
 from conftest import final_weights, run
 from test_data import make_imagefolder
 
@@ -15,8 +15,8 @@ pytestmark = pytest.mark.slow
 
 TRAIN = [sys.executable, "-m", "hvdkit", "train"]
 LAUNCHERS = {
-    "horovodrun --gloo": lambda cmd: selftest.horovodrun_command("gloo", 2, cmd),
-    "mpirun": lambda cmd: selftest.mpirun_command(2, cmd),
+    "horovodrun --gloo": lambda cmd: launch.local_command("horovodrun --gloo", 2, cmd),
+    "mpirun": lambda cmd: launch.local_command("mpirun", 2, cmd),
 }
 # Plain SGD steps on a model without batch norm or dropout: data parallelism must be exact.
 EXACT = ["--model", "mlp", "--warmup-epochs", "0", "--lr-schedule", "none", "--max-steps", "5"]
@@ -96,7 +96,7 @@ def test_readme_library_example_runs_on_two_ranks(tmp_path):
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     script = tmp_path / "train_mine.py"
     script.write_text(code)
-    proc = run(selftest.horovodrun_command("gloo", 2, [sys.executable, str(script)]), cwd=tmp_path)
+    proc = run(launch.local_command("horovodrun --gloo", 2, [sys.executable, str(script)]), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = selftest.parse_records(proc.stdout, "summary")[0]
     assert summary["world_size"] == 2 and summary["test_samples"] == 512

@@ -6,11 +6,12 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from hvdkit import config, env
+from hvdkit import __version__, config, env
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog="hvdkit", description="Horovod/MPI training toolkit for PyTorch.")
+    parser.add_argument("--version", action="version", version=f"hvdkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_OneLineParser)
 
     doctor = sub.add_parser("doctor", help="report Python, torch, MPI, Horovod and the launch environment")

@@ -169,6 +169,7 @@ class LaunchSpec:
     as_root: bool = False
     srun_mpi: str = "pmix"
     program: str = ""  # path of the launcher itself; its name by default
+    launcher_args: list = field(default_factory=list)  # the user's own flags for the launcher, passed as given
 
 
 def horovodrun_command(spec: LaunchSpec) -> list[str]:
@@ -180,7 +181,7 @@ def horovodrun_command(spec: LaunchSpec) -> list[str]:
         cmd += ["-H", host_list(spec.hosts or [Host("localhost", spec.np)])]
     if spec.controller:
         cmd.append(f"--{spec.controller}")
-    return cmd + list(spec.command)
+    return cmd + spec.launcher_args + list(spec.command)
 
 
 def openmpi_command(spec: LaunchSpec) -> list[str]:
@@ -189,7 +190,10 @@ def openmpi_command(spec: LaunchSpec) -> list[str]:
         cmd += ["--hostfile", spec.hostfile]
     elif spec.hosts:
         cmd += ["-H", host_list(spec.hosts)]
-    cmd += ["-bind-to", "none", "-map-by", "slot"]
+    for flag, value in (("bind-to", "none"), ("map-by", "slot")):  # unless the user's flags say otherwise
+        if not {f"-{flag}", f"--{flag}"} & set(spec.launcher_args):
+            cmd += [f"-{flag}", value]
+    cmd.append("--tag-output")
     if spec.oversubscribe:
         cmd.append("--oversubscribe")
     if spec.as_root:
@@ -198,7 +202,11 @@ def openmpi_command(spec: LaunchSpec) -> list[str]:
         cmd += ["-x", name]
     for name, value in spec.set_env.items():
         cmd += ["-x", f"{name}={value}"]
-    return cmd + ["-mca", "pml", "ob1", "-mca", "btl", "^openib", *spec.command]
+    given = {spec.launcher_args[i + 1] for i, arg in enumerate(spec.launcher_args[:-1]) if arg in ("-mca", "--mca")}
+    for name, value in (("pml", "ob1"), ("btl", "^openib")):  # Open MPI refuses a parameter given twice
+        if name not in given:
+            cmd += ["-mca", name, value]
+    return cmd + spec.launcher_args + list(spec.command)
 
 
 def hydra_command(spec: LaunchSpec) -> list[str]:
@@ -208,7 +216,7 @@ def hydra_command(spec: LaunchSpec) -> list[str]:
         cmd += ["-f", spec.hostfile]
     elif spec.hosts:
         cmd += ["-hosts", host_list(spec.hosts)]
-    return cmd + _hydra_env(spec) + list(spec.command)
+    return cmd + _hydra_env(spec) + spec.launcher_args + list(spec.command)
 
 
 def _hydra_env(spec: LaunchSpec) -> list[str]:
@@ -229,7 +237,7 @@ def intel_command(spec: LaunchSpec) -> list[str]:
         if len(slots) != 1:
             raise LaunchError("Intel MPI: hosts with different slot counts need --hostfile (host:N lines)")
         cmd += ["-hosts", ",".join(h.name for h in spec.hosts), "-ppn", str(slots.pop())]
-    return cmd + _hydra_env(spec) + list(spec.command)
+    return cmd + _hydra_env(spec) + spec.launcher_args + list(spec.command)
 
 
 def srun_command(spec: LaunchSpec) -> list[str]:
@@ -237,10 +245,10 @@ def srun_command(spec: LaunchSpec) -> list[str]:
     ends every task when one fails, where srun would otherwise wait for the rest."""
     export = ",".join(["ALL", *(f"{k}={v}" for k, v in spec.set_env.items())])
     cmd = [spec.program or "srun", f"--ntasks={spec.np}", f"--mpi={spec.srun_mpi}", "--kill-on-bad-exit=1",
-           f"--export={export}"]
+           "--label", f"--export={export}"]
     if spec.hosts:
         cmd.append(f"--nodelist={','.join(h.name for h in spec.hosts)}")
-    return cmd + list(spec.command)
+    return cmd + spec.launcher_args + list(spec.command)
 
 
 MPIRUN_BUILDERS = {"openmpi": openmpi_command, "mpich": hydra_command, "intel": intel_command}
@@ -282,8 +290,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="hvdkit launch", usage="hvdkit launch -np N [options] -- COMMAND ...",
-                description="Start COMMAND on N ranks with horovodrun, mpirun or srun.")
+    p = _Parser(prog="hvdkit launch", usage="hvdkit launch -np N [options] [LAUNCHER FLAGS] -- COMMAND ...",
+                description="Start COMMAND on N ranks with horovodrun, mpirun or srun.",
+                epilog="Any other flag before '--' is passed to the launcher as given (after hvdkit's own), e.g. "
+                       "hvdkit launch -np 4 --launcher mpirun --bind-to core -mca btl tcp,self -- python train.py; "
+                       "--dry-run shows where it goes.", allow_abbrev=False)
     p.add_argument("-np", "--num-proc", dest="np", type=int, help="number of ranks")
     hosts = p.add_mutually_exclusive_group()
     hosts.add_argument("-H", "--hosts", help="host1:4,host2:4 (default: this machine, or the Slurm allocation)")
@@ -313,6 +324,7 @@ class Plan:
     command: list
     env: dict  # set in the launcher's own environment
     notes: list = field(default_factory=list)
+    tagged: bool = False  # output tagged per chunk with the rank ([1,0]<stdout>:), joined into lines
 
     def render(self) -> str:
         """Copy-pasteable: `env NAME=VALUE ... launcher args`."""
@@ -322,7 +334,7 @@ class Plan:
 
 def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str],
          which: Callable[[str], Optional[str]], mpi_version: Callable[[str], str],
-         as_root: bool, local_slots: int) -> Plan:
+         as_root: bool, local_slots: int, launcher_args: Sequence[str] = ()) -> Plan:
     """Decide the launcher and build its command; raises LaunchError on bad input."""
     if not command:
         raise LaunchError("no command after '--'")
@@ -359,13 +371,13 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
 
     spec = LaunchSpec(np=args.np, command=list(command), hosts=hosts, hostfile=args.hostfile,
                       controller=args.controller, set_env=set_env, oversubscribe=args.oversubscribe,
-                      as_root=as_root, srun_mpi=args.srun_mpi, program=program)
+                      as_root=as_root, srun_mpi=args.srun_mpi, program=program, launcher_args=list(launcher_args))
     oversubscribed = check_slots(spec, local_slots)
     if launcher == "horovodrun":
         env = dict(set_env)
         if as_root and args.controller != "gloo":  # its mpirun refuses root without these
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-        return Plan(launcher, reason, horovodrun_command(spec), env)
+        return Plan(launcher, reason, horovodrun_command(spec), env, tagged=True)
     if launcher == "srun":
         return Plan(launcher, reason, srun_command(spec), {})
 
@@ -374,7 +386,8 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
         raise LaunchError(f"cannot tell which MPI {program} is from `mpirun --version`")
     spec.forward = forwarded_names(environ, [*extra, supervise.JOB_DIR])
     notes = [f"added --oversubscribe: {oversubscribed}"] if oversubscribed and flavor == "openmpi" else []
-    return Plan(launcher, f"{reason}; {flavor}", MPIRUN_BUILDERS[flavor](spec), {}, notes)
+    return Plan(launcher, f"{reason}; {flavor}", MPIRUN_BUILDERS[flavor](spec), {}, notes,
+                tagged=flavor == "openmpi")
 
 
 def local_command(how: str, np: int, command: Sequence[str]) -> list[str]:
@@ -398,11 +411,12 @@ def main(argv: Sequence[str]) -> int:
         own, command = argv[:split], argv[split + 1:]
     else:
         own, command = argv, None
-    args, unknown = parser().parse_known_args(own)
+    args, launcher_args = parser().parse_known_args(own)
     try:
-        if unknown:
-            raise LaunchError(f"unrecognized arguments: {' '.join(unknown)}" if command is not None else
-                              "put '--' before the command, e.g. hvdkit launch -np 2 -- python train.py")
+        if launcher_args and command is None and not args.list_hosts:
+            raise LaunchError("put '--' before the command, e.g. hvdkit launch -np 2 -- python train.py")
+        if launcher_args and args.list_hosts:
+            raise LaunchError(f"unrecognized arguments: {' '.join(launcher_args)}")
         if args.list_hosts:
             hosts = (read_hostfile(args.hostfile) if args.hostfile else
                      parse_hosts(args.hosts) if args.hosts else slurm_hosts(os.environ))
@@ -410,7 +424,8 @@ def main(argv: Sequence[str]) -> int:
             return 0
         if command is None:
             raise LaunchError("put '--' before the command, e.g. hvdkit launch -np 2 -- python train.py")
-        result = plan(args, command, os.environ, find_program, mpirun_version, os.geteuid() == 0, local_slots())
+        result = plan(args, command, os.environ, find_program, mpirun_version, os.geteuid() == 0, local_slots(),
+                      launcher_args)
         check_command(command)
     except LaunchError as exc:
         print(f"hvdkit launch: {exc}", file=sys.stderr)
@@ -422,7 +437,7 @@ def main(argv: Sequence[str]) -> int:
         print(result.render(), flush=True)
         if args.dry_run:
             return 0
-    return supervise.run(result.command, dict(os.environ, **result.env))
+    return supervise.run(result.command, dict(os.environ, **result.env), join_lines=result.tagged)
 
 
 def discover_hosts() -> int:

@@ -26,6 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
+from hvdkit import lines
+
 if TYPE_CHECKING:  # imported where used: `hvdkit doctor` runs without psutil
     import psutil
 
@@ -79,14 +81,22 @@ def translate(signum: int, forwarder: str) -> int:
     return signal.SIGTERM if signum == signal.SIGINT and forwarder == "srun" else signum
 
 
-def run(command: Sequence[str], env: Mapping[str, str]) -> int:
-    """Run ``command`` (a launcher) to its end as described above; its exit code."""
+def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False) -> int:
+    """Run ``command`` (a launcher) to its end as described above; its exit code. With
+    ``join_lines``, its output (tagged by rank) is passed on as whole lines (hvdkit.lines)."""
     import psutil  # here: `hvdkit doctor` imports this module where psutil may be missing
 
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     with tempfile.TemporaryDirectory(prefix="hvdkit-job-") as job_dir:
         env = {JOB_DIR: job_dir, **env}
-        child = subprocess.Popen(list(command), env=env, start_new_session=True, preexec_fn=_end_with_parent)
+        pipe = subprocess.PIPE if join_lines else None
+        child = subprocess.Popen(list(command), env=env, start_new_session=True, preexec_fn=_end_with_parent,
+                                 stdout=pipe, stderr=pipe)
+        pumps = [lines.pump(os.dup(child.stdout.fileno()), sys.stdout.fileno()),
+                 lines.pump(os.dup(child.stderr.fileno()), sys.stderr.fileno())] if join_lines else []
+        for stream in (child.stdout, child.stderr):
+            if stream:
+                stream.close()  # the pumps hold their own copies
         launcher = psutil.Process(child.pid)
 
         def forward(signum, frame) -> None:
@@ -103,6 +113,8 @@ def run(command: Sequence[str], env: Mapping[str, str]) -> int:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             end_leftovers()
+            for pump in pumps:
+                pump.join(timeout=5)
         return rank_exit_code(Path(env[JOB_DIR])) or _shell_code(code)
 
 

@@ -1,12 +1,13 @@
 """`hvdkit launch`: golden commands per launcher and MPI, bad input, and real launches here."""
 
 import os
+import re
 import shlex
 import sys
 
 import pytest
 
-from hvdkit import launch, selftest
+from hvdkit import launch, lines, selftest
 from hvdkit.launch import Host, LaunchError, LaunchSpec
 from conftest import REPO, run
 
@@ -19,7 +20,8 @@ def test_openmpi_golden():
     spec = LaunchSpec(np=8, command=WORKER, hosts=[Host("h1", 4), Host("h2", 4)], forward=["NCCL_DEBUG", "PATH"],
                       set_env={"OMP_NUM_THREADS": "4"}, as_root=True)
     assert launch.openmpi_command(spec) == [
-        "mpirun", "-np", "8", "-H", "h1:4,h2:4", "-bind-to", "none", "-map-by", "slot", "--allow-run-as-root",
+        "mpirun", "-np", "8", "-H", "h1:4,h2:4", "-bind-to", "none", "-map-by", "slot", "--tag-output",
+        "--allow-run-as-root",
         "-x", "NCCL_DEBUG", "-x", "PATH", "-x", "OMP_NUM_THREADS=4",
         "-mca", "pml", "ob1", "-mca", "btl", "^openib", "python", "train.py"]
 
@@ -27,8 +29,18 @@ def test_openmpi_golden():
 def test_openmpi_golden_hostfile_oversubscribed_not_root():
     spec = LaunchSpec(np=4, command=WORKER, hostfile="hosts.txt", hosts=[Host("h1", 2)], oversubscribe=True)
     assert launch.openmpi_command(spec) == [
-        "mpirun", "-np", "4", "--hostfile", "hosts.txt", "-bind-to", "none", "-map-by", "slot",
+        "mpirun", "-np", "4", "--hostfile", "hosts.txt", "-bind-to", "none", "-map-by", "slot", "--tag-output",
         "--oversubscribe", "-mca", "pml", "ob1", "-mca", "btl", "^openib", "python", "train.py"]
+
+
+def test_launcher_flags_pass_through_after_hvdkit_defaults_they_replace():
+    own = ["--bind-to", "core", "-mca", "btl", "tcp,self", "--report-bindings"]
+    spec = LaunchSpec(np=2, command=WORKER, launcher_args=own)
+    assert launch.openmpi_command(spec) == [
+        "mpirun", "-np", "2", "-map-by", "slot", "--tag-output", "-mca", "pml", "ob1", *own, *WORKER]
+    for builder in (launch.horovodrun_command, launch.hydra_command, launch.intel_command, launch.srun_command):
+        assert builder(LaunchSpec(np=2, command=WORKER, launcher_args=["--x-flag", "v"]))[-4:] == [
+            "--x-flag", "v", *WORKER]
 
 
 def test_mpich_golden():
@@ -53,7 +65,7 @@ def test_horovodrun_and_srun_golden():
     spec = LaunchSpec(np=8, command=WORKER, hosts=[Host("h1", 4), Host("h2", 4)], controller="gloo",
                       set_env={"NCCL_DEBUG": "INFO"})
     assert launch.horovodrun_command(spec) == ["horovodrun", "-np", "8", "-H", "h1:4,h2:4", "--gloo", *WORKER]
-    assert launch.srun_command(spec) == ["srun", "--ntasks=8", "--mpi=pmix", "--kill-on-bad-exit=1",
+    assert launch.srun_command(spec) == ["srun", "--ntasks=8", "--mpi=pmix", "--kill-on-bad-exit=1", "--label",
                                          "--export=ALL,NCCL_DEBUG=INFO",
                                          "--nodelist=h1,h2", *WORKER]
 
@@ -214,12 +226,61 @@ def test_real_launch_reports_consistent_ranks(name):
 @pytest.mark.slow
 def test_dry_run_line_runs_as_printed(tmp_path):
     proc = run([*HVDKIT, "-np", "2", "--dry-run", "--", sys.executable, "-c",
-                "import os; print('rank', os.environ['OMPI_COMM_WORLD_RANK'])"])
+                "import os; print('rank ' + os.environ['OMPI_COMM_WORLD_RANK'], flush=True)"])
     assert proc.returncode == 0, proc.stderr
     printed = proc.stdout.strip().splitlines()[-1]
     again = run(["bash", "-c", printed], cwd=tmp_path)
     assert again.returncode == 0, again.stderr
-    assert sorted(again.stdout.split("\n")[:2]) == ["rank 0", "rank 1"]
+    assert sorted(again.stdout.split("\n")[:2]) == ["[1,0]<stdout>:rank 0", "[1,1]<stdout>:rank 1"]
+
+
+# Each rank writes half a line, waits, then the rest: the launcher sees the other rank's half in between.
+HALVES = ("import os, sys, time\n"
+          "r = next(os.environ[v] for v in ('OMPI_COMM_WORLD_RANK', 'HOROVOD_RANK') if v in os.environ)\n"
+          "for i in range(4):\n"
+          "    print(f'rank {r} first half,', end='', flush=True); time.sleep(0.15 + 0.1 * int(r))\n"
+          "    print(f' second half {i}', flush=True); print(f'rank {r} to stderr {i}', file=sys.stderr)\n")
+LINE = re.compile(r"\[(?:1,)?(\d)\]<(stdout|stderr)>:rank (\d) (?:first half, second half|to stderr) \d")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [["--launcher", "mpirun"], ["--launcher", "horovodrun", "--mpi"],
+                                   ["--launcher", "horovodrun", "--gloo"]], ids=" ".join)
+def test_ranks_lines_are_never_glued_together(flags):
+    proc = run([*HVDKIT, "-np", "2", *flags, "--", sys.executable, "-c", HALVES],
+               env=dict(os.environ, PYTHONUNBUFFERED="1"), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for stream, text in (("stdout", proc.stdout), ("stderr", proc.stderr)):
+        lines = [line for line in text.splitlines() if "rank" in line]
+        assert len(lines) == 8, text
+        for line in lines:
+            match = LINE.fullmatch(line)
+            assert match and match.group(1) == match.group(3) and match.group(2) == stream, line
+
+
+@pytest.mark.parametrize("cut", range(1, 60))
+def test_joiner_rebuilds_each_ranks_lines_wherever_reads_split_them(tmp_path, cut):
+    """Open MPI's --tag-output stream of two ranks writing half lines (as measured), read in two
+    pieces split at every position, including inside a tag."""
+    stream = (b"[1,1]<stdout>:r1-a-[1,0]<stdout>:r0-a-[1,0]<stdout>:b0\n[1,1]<stdout>:b1\n"
+              b"mpirun: a line of its own\n[1,0]<stdout>:last")
+    out = tmp_path / "out"
+    with open(out, "wb") as sink:
+        joiner = lines.Joiner(sink.fileno())
+        joiner.feed(stream[:cut])
+        joiner.feed(stream[cut:])
+        joiner.close()
+    assert sorted(out.read_bytes().splitlines()) == sorted([
+        b"[1,0]<stdout>:r0-a-b0", b"[1,1]<stdout>:r1-a-b1", b"mpirun: a line of its own", b"[1,0]<stdout>:last"])
+
+
+@pytest.mark.slow
+def test_launcher_flags_reach_the_launcher():
+    proc = run([*HVDKIT, "-np", "2", "--launcher", "mpirun", "--display-map", "-mca", "btl", "tcp,self", "--",
+                *selftest.worker_command()], timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "JOB MAP" in proc.stdout + proc.stderr  # what --display-map prints
+    assert selftest.check(selftest.parse_results(proc.stdout)) == []
 
 
 def test_list_hosts_for_elastic_discovery(tmp_path):

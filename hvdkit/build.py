@@ -39,6 +39,8 @@ CXX_STANDARD_FILES = ("CMakeLists.txt", "horovod/torch/CMakeLists.txt")
 _CXX_STANDARD_RE = re.compile(r"set\(CMAKE_CXX_STANDARD \d+\)")
 
 HEARTBEAT_SECONDS = 60
+MPI_CHOICES = ("auto", "openmpi", "mpich")
+MPI_NAMES = {"openmpi": "Open MPI", "mpich": "MPICH", "intel": "Intel MPI"}
 
 
 class BuildError(Exception):
@@ -76,6 +78,41 @@ def nccl_version_from_header(text: str) -> Optional[str]:
             return None
         parts.append(match.group(1))
     return ".".join(parts)
+
+
+def mpi_flavor_of_wrapper(show: str) -> str:
+    """openmpi, mpich or intel, from what the wrapper's ``-show`` prints (what it compiles with)."""
+    lowered = show.lower()
+    if "mpich" in lowered:
+        return "mpich"
+    if "intel" in lowered or "impi" in lowered:
+        return "intel"
+    if "openmpi" in lowered or "-lmpi" in show.split():
+        return "openmpi"
+    return "unknown"
+
+
+def find_mpicxx(requested: str, which: Callable[[str], Optional[str]], show: Callable[[str], str]) -> tuple:
+    """(flavour, wrapper): ``mpicxx`` on PATH for auto, else the first of ``mpicxx`` and Debian's
+    ``mpicxx.<flavour>`` that compiles against the MPI asked for."""
+    names = ["mpicxx"] if requested == "auto" else ["mpicxx", f"mpicxx.{requested}"]
+    for name in names:
+        path = which(name)
+        if path:
+            flavor = mpi_flavor_of_wrapper(show(path))
+            if requested in ("auto", flavor):
+                return flavor, path
+    if requested == "auto":
+        raise BuildError("mpicxx not found on PATH; needed to build Horovod: apt-get install libopenmpi-dev "
+                         "(or libmpich-dev), or 'module load' your cluster's MPI")
+    package = {"openmpi": "libopenmpi-dev", "mpich": "libmpich-dev"}[requested]
+    raise BuildError(f"no {MPI_NAMES[requested]} compiler wrapper (mpicxx or mpicxx.{requested}) found; "
+                     f"apt-get install {package}, or 'module load' it")
+
+
+def _wrapper_show(path: str) -> str:
+    out = subprocess.run([path, "-show"], capture_output=True, text=True)
+    return out.stdout + out.stderr
 
 
 def find_cuda_home(environ: Mapping[str, str], nvcc: Optional[str]) -> Optional[Path]:
@@ -127,6 +164,8 @@ class Toolchain:
     nccl_include: Optional[Path] = None
     nccl_library: Optional[Path] = None
     nccl_version: Optional[str] = None
+    mpi: str = "openmpi"  # the flavour of the MPI compiler wrapper the build uses
+    mpicxx: Optional[str] = None  # that wrapper
 
 
 @dataclass(frozen=True)
@@ -143,6 +182,7 @@ class BuildPlan:
     paths: dict = field(default_factory=dict)  # where CUDA and NCCL are; not part of the key
     cuda_version: Optional[str] = None
     nccl_version: Optional[str] = None
+    mpi: str = "openmpi"
 
     @property
     def digest(self) -> str:
@@ -155,6 +195,8 @@ class BuildPlan:
             "cuda": self.cuda_version,
             "nccl": self.nccl_version,
         }
+        if self.mpi != "openmpi":  # Open MPI builds keep the keys they had before MPICH was an option
+            identity["mpi"] = self.mpi
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
 
     @property
@@ -173,7 +215,7 @@ class BuildPlan:
         lines = [
             f"Horovod {self.horovod_version} for torch {self.torch_version} ({self.python_tag}), "
             f"C++{self.cxx_standard}",
-            "controllers: MPI, Gloo",
+            f"controllers: MPI ({MPI_NAMES.get(self.mpi, self.mpi)}), Gloo",
             f"GPU operations: {gpu} ({self.gpu_reason})",
             "build flags: " + " ".join(f"{k}={v}" for k, v in sorted(self.flags.items())),
         ]
@@ -192,7 +234,7 @@ def plan_build(tc: Toolchain, cpu_only: bool = False) -> BuildPlan:
         "HOROVOD_WITH_MPI": "1",
         "HOROVOD_WITH_GLOO": "1",
     }
-    paths: dict = {}
+    paths: dict = {"MPICXX": tc.mpicxx} if tc.mpicxx else {}
     gpu_operations = None
     if cpu_only:
         reason = "CPU-only build requested"
@@ -211,12 +253,12 @@ def plan_build(tc: Toolchain, cpu_only: bool = False) -> BuildPlan:
         flags["HOROVOD_GPU_OPERATIONS"] = "NCCL"
         # CUDA_HOME too: torch's cpp_extension, which Horovod's CMake asks for torch's CUDA
         # libraries, otherwise guesses a wrong home from nvcc on PATH and cudart is NOTFOUND.
-        paths = {
+        paths.update({
             "CUDA_HOME": str(tc.cuda_home),
             "HOROVOD_CUDA_HOME": str(tc.cuda_home),
             "HOROVOD_NCCL_INCLUDE": str(tc.nccl_include),
             "HOROVOD_NCCL_LIB": str(tc.nccl_library.parent),
-        }
+        })
     return BuildPlan(
         horovod_version=HOROVOD_VERSION,
         torch_version=tc.torch_version,
@@ -228,6 +270,7 @@ def plan_build(tc: Toolchain, cpu_only: bool = False) -> BuildPlan:
         paths=paths,
         cuda_version=tc.cuda_version if gpu_operations else None,
         nccl_version=tc.nccl_version if gpu_operations else None,
+        mpi=tc.mpi,
     )
 
 
@@ -277,7 +320,7 @@ def cache_dir() -> Path:
     return Path(base) / "hvdkit"
 
 
-def detect_toolchain(environ: Mapping[str, str] = os.environ) -> Toolchain:
+def detect_toolchain(environ: Mapping[str, str] = os.environ, mpi: str = "auto") -> Toolchain:
     try:
         import torch
     except ImportError:
@@ -300,6 +343,7 @@ def detect_toolchain(environ: Mapping[str, str] = os.environ) -> Toolchain:
     roots.append(Path("/usr"))
     nccl = find_nccl(roots)
     nccl_version = nccl_version_from_header((nccl[0] / "nccl.h").read_text()) if nccl else None
+    mpi_flavor, mpicxx = find_mpicxx(mpi, shutil.which, _wrapper_show)
     return Toolchain(
         torch_version=torch.__version__,
         torch_cuda=torch.version.cuda,
@@ -309,6 +353,8 @@ def detect_toolchain(environ: Mapping[str, str] = os.environ) -> Toolchain:
         nccl_include=nccl[0] if nccl else None,
         nccl_library=nccl[1] if nccl else None,
         nccl_version=nccl_version,
+        mpi=mpi_flavor,
+        mpicxx=mpicxx,
     )
 
 
@@ -317,8 +363,6 @@ def check_build_tools(which: Callable[[str], Optional[str]] = shutil.which) -> N
     needs = [
         ("cmake", "CMake >= 3.13: apt-get install cmake (or pip install cmake)"),
         ("g++", "a C++20 compiler: apt-get install g++"),
-        ("mpicxx", "an MPI with its compiler wrapper: apt-get install libopenmpi-dev, "
-                   "or 'module load' your cluster's MPI"),
     ]
     for tool, fix in needs:
         if not which(tool):
@@ -339,7 +383,16 @@ def _pip(*args: str, quiet: bool = True) -> None:
     subprocess.run(cmd, check=True)
 
 
-def ensure_build_requires() -> None:
+OFFLINE_HINT = ("on a machine without internet, pass --sdist horovod-{v}.tar.gz or --find-links DIR (a folder "
+                "holding it and the build requirements: `pip download --no-deps --no-binary :all: horovod=={v}` "
+                "and `pip download {reqs}` where there is internet)")
+
+
+def _offline_hint() -> str:
+    return OFFLINE_HINT.format(v=HOROVOD_VERSION, reqs=" ".join(BUILD_REQUIRES))
+
+
+def ensure_build_requires(find_links: Optional[Path] = None) -> None:
     missing = []
     for name in BUILD_REQUIRES:
         try:
@@ -348,19 +401,57 @@ def ensure_build_requires() -> None:
             missing.append(name)
     if missing:
         print(f"hvdkit.build: installing Horovod's build requirements: {' '.join(missing)}", flush=True)
-        _pip("install", *missing)
+        where = ["--no-index", "--find-links", str(find_links)] if find_links else []
+        try:
+            _pip("install", *where, *missing)
+        except subprocess.CalledProcessError:
+            raise BuildError(f"pip could not install {' '.join(missing)}; {_offline_hint()}") from None
 
 
-def fetch_sdist(cache: Path) -> Path:
-    sdist = cache / "sdist" / f"horovod-{HOROVOD_VERSION}.tar.gz"
-    if not sdist.exists():
-        print(f"hvdkit.build: downloading the Horovod {HOROVOD_VERSION} source distribution", flush=True)
-        sdist.parent.mkdir(parents=True, exist_ok=True)
-        _pip("download", "--no-deps", "--no-binary", ":all:", f"horovod=={HOROVOD_VERSION}",
-             "-d", str(sdist.parent))
-        if not sdist.exists():
-            raise BuildError(f"pip did not produce {sdist}")
-    return sdist
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
+
+
+def find_sdist(cache: Path, sdist: Optional[Path] = None, find_links: Optional[Path] = None) -> Path:
+    """The source distribution: --sdist, else the one in --find-links, else the cache, else PyPI."""
+    name = f"horovod-{HOROVOD_VERSION}.tar.gz"
+    if sdist is not None:
+        if not sdist.is_file():
+            raise BuildError(f"--sdist {sdist}: no such file")
+        if sdist.name != name:
+            raise BuildError(f"--sdist {sdist}: hvdkit builds Horovod {HOROVOD_VERSION}; expected a file named {name}")
+        return sdist
+    if find_links is not None and (find_links / name).is_file():
+        return find_links / name
+    cached = cache / "sdist" / name
+    if cached.exists():
+        return cached
+    print(f"hvdkit.build: downloading the Horovod {HOROVOD_VERSION} source distribution", flush=True)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    download = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                               f"horovod=={HOROVOD_VERSION}", "-d", str(cached.parent)],
+                              capture_output=True, text=True, env={"PIP_RETRIES": "1", **os.environ})
+    if download.returncode != 0:
+        raise BuildError(f"cannot download the Horovod {HOROVOD_VERSION} source distribution (pip: "
+                         f"{_last_line(download.stderr)}); {_offline_hint()}")
+    if not cached.exists():
+        raise BuildError(f"pip did not produce {cached}")
+    return cached
+
+
+def _mpi_wrappers(mpicxx: str, into: Path) -> Optional[Path]:
+    """A folder to put first on PATH where ``mpicxx`` (and mpicc, mpiexec of the same MPI) is the
+    wrapper chosen, for CMake's FindMPI, which takes the first mpicxx on PATH; None if it already is."""
+    if Path(mpicxx).name == "mpicxx" and shutil.which("mpicxx") == mpicxx:
+        return None
+    into.mkdir()
+    suffix = Path(mpicxx).name[len("mpicxx"):]  # ".mpich" for Debian's alternatives
+    for tool in ("mpicxx", "mpicc", "mpiexec", "mpirun"):
+        found = Path(mpicxx).with_name(tool + suffix)
+        if found.exists():
+            (into / tool).symlink_to(found)
+    return into
 
 
 def _run_logged(cmd: Sequence[str], env: Mapping[str, str], cwd: Path, log: Path) -> int:
@@ -380,8 +471,7 @@ def _run_logged(cmd: Sequence[str], env: Mapping[str, str], cwd: Path, log: Path
     return proc.returncode
 
 
-def build_wheel(plan: BuildPlan, cache: Path) -> Path:
-    sdist = fetch_sdist(cache)
+def build_wheel(plan: BuildPlan, cache: Path, sdist: Path) -> Path:
     wheel_dir = cache / "wheels" / plan.key
     log = cache / "logs" / f"{plan.key}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -395,6 +485,9 @@ def build_wheel(plan: BuildPlan, cache: Path) -> Path:
         env.update(plan.flags)
         env.update(plan.paths)
         env["HOROVOD_LOCAL_VERSION"] = plan.local_version.split("+", 1)[1]
+        wrappers = _mpi_wrappers(plan.paths["MPICXX"], tmp_path / "mpi-bin") if "MPICXX" in plan.paths else None
+        if wrappers:
+            env["PATH"] = f"{wrappers}{os.pathsep}{env.get('PATH', '')}"
         env.setdefault("MAKEFLAGS", f"-j{os.cpu_count() or 1}")
         if "HOROVOD_NCCL_LIB" in env:
             # CMake's find_library wants libnccl.so; torch's wheel ships only libnccl.so.2.
@@ -423,9 +516,13 @@ def build_wheel(plan: BuildPlan, cache: Path) -> Path:
     return final
 
 
-def cached_wheel(plan: BuildPlan, cache: Path) -> Optional[Path]:
-    wheels = sorted((cache / "wheels" / plan.key).glob("horovod-*.whl"))
-    return wheels[0] if wheels else None
+def prebuilt_wheel(plan: BuildPlan, folders: Sequence[Path]) -> Optional[Path]:
+    """A wheel of exactly this plan (its local version names the build) in the first folder holding one."""
+    for folder in folders:
+        wheels = sorted(folder.glob(f"horovod-{plan.local_version}-*.whl"))
+        if wheels:
+            return wheels[0]
+    return None
 
 
 def verify_install(plan: BuildPlan) -> list[str]:
@@ -445,19 +542,40 @@ def verify_install(plan: BuildPlan) -> list[str]:
     return [name.upper() if name != "gloo" else "Gloo" for name, ok in built.items() if ok]
 
 
-def ensure_horovod(plan: BuildPlan, cache: Path, force: bool = False) -> str:
-    """Install the planned Horovod, from the cache when possible. Returns what happened."""
-    if not force and installed_horovod_version() == plan.local_version:
+@dataclass
+class Sources:
+    """Where the build may take its inputs, and what to do with the wheel."""
+
+    sdist: Optional[Path] = None  # --sdist
+    find_links: Optional[Path] = None  # --find-links: prebuilt wheels, the sdist, build requirements
+    wheel_dir: Optional[Path] = None  # --wheel-dir: also put the wheel here
+    install: bool = True  # --no-install: build or find the wheel, export it, install nothing
+
+
+def ensure_horovod(plan: BuildPlan, cache: Path, force: bool = False, sources: Optional[Sources] = None) -> str:
+    """Install (and export) the planned Horovod, from a wheelhouse or the cache when possible.
+    Returns what happened."""
+    sources = sources or Sources()
+    installed = sources.install and not force and installed_horovod_version() == plan.local_version
+    if installed and sources.wheel_dir is None:
         return "already installed"
-    check_build_tools()
-    ensure_build_requires()
-    wheel = None if force else cached_wheel(plan, cache)
-    how = "installed from the cache"
+    folders = [sources.find_links] if sources.find_links else []
+    wheel = None if force else prebuilt_wheel(plan, [*folders, cache / "wheels" / plan.key])
+    how = f"found {wheel}" if wheel else ""
     if wheel is None:
-        wheel = build_wheel(plan, cache)
-        how = "built and installed"
-    _pip("install", "--no-deps", "--force-reinstall", str(wheel))
-    return f"{how}: {wheel}"
+        check_build_tools()
+        ensure_build_requires(sources.find_links)
+        wheel = build_wheel(plan, cache, find_sdist(cache, sources.sdist, sources.find_links))
+        how = f"built {wheel}"
+    if sources.wheel_dir is not None:
+        sources.wheel_dir.mkdir(parents=True, exist_ok=True)
+        if wheel.parent.resolve() != sources.wheel_dir.resolve():
+            shutil.copy2(wheel, sources.wheel_dir / wheel.name)
+        how += f"; exported to {sources.wheel_dir}"
+    if sources.install and not installed:
+        _pip("install", "--no-deps", "--force-reinstall", str(wheel))
+        how += "; installed"
+    return how
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -469,17 +587,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--cpu-only", action="store_true", help="build without NCCL even if CUDA is found")
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="wheel cache (default: $HVDKIT_CACHE_DIR or ~/.cache/hvdkit)")
+    parser.add_argument("--mpi", choices=MPI_CHOICES, default="auto",
+                        help="the MPI to build against: auto (the mpicxx on PATH), openmpi or mpich (mpicxx or "
+                             "Debian's mpicxx.mpich); each is cached apart (default: auto)")
+    parser.add_argument("--sdist", type=Path, help=f"build from this horovod-{HOROVOD_VERSION}.tar.gz (no download)")
+    parser.add_argument("--find-links", type=Path, metavar="DIR",
+                        help="a local folder to take a prebuilt wheel of this build, the sdist and the build "
+                             "requirements from, instead of PyPI")
+    parser.add_argument("--wheel-dir", type=Path, metavar="DIR",
+                        help="also copy the wheel here (a shared folder: other machines then use --find-links DIR)")
+    parser.add_argument("--no-install", dest="install", action="store_false",
+                        help="build (or find) and export the wheel only; install nothing")
     args = parser.parse_args(argv)
     cache = args.cache_dir or cache_dir()
+    sources = Sources(sdist=args.sdist, find_links=args.find_links, wheel_dir=args.wheel_dir, install=args.install)
     try:
-        plan = plan_build(detect_toolchain(), cpu_only=args.cpu_only)
+        if args.find_links is not None and not args.find_links.is_dir():
+            raise BuildError(f"--find-links {args.find_links}: no such folder")
+        plan = plan_build(detect_toolchain(mpi=args.mpi), cpu_only=args.cpu_only)
         for line in plan.describe():
             print(f"hvdkit.build: {line}", flush=True)
         if args.dry_run:
             return 0
         started = time.monotonic()
-        outcome = ensure_horovod(plan, cache, force=args.force)
-        built = verify_install(plan)
+        outcome = ensure_horovod(plan, cache, force=args.force, sources=sources)
+        built = verify_install(plan) if args.install else ["not installed"]
     except BuildError as exc:
         print(f"hvdkit.build: error: {exc}", file=sys.stderr)
         return 1

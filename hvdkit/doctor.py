@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import platform
+import subprocess
 import sys
+from pathlib import Path
 from typing import Optional
 
 from hvdkit import env, launch, selftest
-from hvdkit.launch import describe_mpi, find_program, mpirun_version
+from hvdkit.launch import describe_mpi, find_program, mpi_flavor, mpirun_version
 
 SETUP_HINT = "run `make setup` in the hvdkit checkout, or `python -m hvdkit.build`"
 
@@ -102,6 +104,8 @@ def report_horovod(report: Report) -> list[str]:
                 f"{_mark(hvd.nccl_built())} NCCL {_mark(hvd.ddl_built())} DDL {_mark(hvd.ccl_built())} CCL "
                 f"{_mark(hvd.mpi_built())} MPI {_mark(hvd.gloo_built())} Gloo")
     report.line("  GPU builds", f"{_mark(hvd.cuda_built())} CUDA {_mark(hvd.rocm_built())} ROCm")
+    if hvd.mpi_built():
+        report_built_mpi(report, Path(hvd.__file__).parent)
     if not controllers:
         report.require("Horovod has no controller (neither MPI nor Gloo)", SETUP_HINT)
     if not find_program("horovodrun"):
@@ -110,6 +114,33 @@ def report_horovod(report: Report) -> list[str]:
         report.require("Horovod was built with MPI but mpirun is not on PATH",
                        "apt-get install openmpi-bin, or `module load` your cluster's MPI")
     return controllers
+
+
+def built_mpi_flavor(ldd_text: str) -> Optional[str]:
+    """openmpi, mpich or intel: the MPI library Horovod's extension is linked to, from `ldd`."""
+    for line in ldd_text.splitlines():
+        name, _, path = line.strip().partition(" => ")
+        if name.startswith("libmpich"):
+            return "mpich"
+        if name.startswith("libmpi.so"):
+            return "intel" if "intel" in path.lower() else "openmpi"
+    return None
+
+
+def report_built_mpi(report: Report, package: Path) -> None:
+    """Which MPI Horovod was built with, and a warning when mpirun on PATH is another: its ranks
+    would each start a job of size 1."""
+    libraries = sorted(package.glob("mpi_lib_v2*.so"))
+    ldd = subprocess.run(["ldd", str(libraries[0])], capture_output=True, text=True).stdout if libraries else ""
+    built = built_mpi_flavor(ldd)
+    names = {"openmpi": "Open MPI", "mpich": "MPICH", "intel": "Intel MPI"}
+    report.line("  built with MPI", names.get(built, "unknown (ldd found no MPI library)"))
+    mpirun = find_program("mpirun")
+    on_path = mpi_flavor(mpirun_version(mpirun)) if mpirun else None
+    if built and on_path and on_path != built:
+        report.line("  warning", f"mpirun on PATH ({mpirun}) is {names.get(on_path, on_path)}, but Horovod was "
+                                 f"built with {names[built]}: put {names[built]}'s mpirun first on PATH, or "
+                                 f"rebuild with python -m hvdkit.build --mpi {on_path} --force")
 
 
 def report_launch(report: Report) -> None:

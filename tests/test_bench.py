@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from conftest import run
-from hvdkit import bench
+from hvdkit.bench import figures
 from hvdkit.launch import local_command
 from hvdkit.selftest import parse_records
 
@@ -29,45 +29,45 @@ TINY = ["--model", "resnet18", "--batch-size", "4", "--image-size", "32", "--num
 # ---------------------------------------------------------------------------
 
 def test_sizes():
-    assert bench.parse_size("4K") == 4096 and bench.parse_size("256M") == 256 << 20
-    assert bench.parse_size("1G") == 1 << 30 and bench.parse_size("4096") == 4096 and bench.parse_size("8KiB") == 8192
-    assert bench.size_range("4K..64K") == [4096, 8192, 16384, 32768, 65536]
-    assert len(bench.size_range("4K..256M")) == 17
-    assert bench.size_range("4K,1M") == [4096, 1 << 20]
-    assert [bench.format_size(s) for s in (4096, 1 << 20, 1 << 30, 100)] == ["4K", "1M", "1G", "100"]
+    assert figures.parse_size("4K") == 4096 and figures.parse_size("256M") == 256 << 20
+    assert figures.parse_size("1G") == 1 << 30 and figures.parse_size("4096") == 4096 and figures.parse_size("8KiB") == 8192
+    assert figures.size_range("4K..64K") == [4096, 8192, 16384, 32768, 65536]
+    assert len(figures.size_range("4K..256M")) == 17
+    assert figures.size_range("4K,1M") == [4096, 1 << 20]
+    assert [figures.format_size(s) for s in (4096, 1 << 20, 1 << 30, 100)] == ["4K", "1M", "1G", "100"]
 
 
 @pytest.mark.parametrize("bad", ["4X", "", "2", "6", "1.5M", "-4K"])
 def test_bad_size(bad):
-    with pytest.raises(bench.BenchError, match="size"):
-        bench.parse_size(bad)
+    with pytest.raises(figures.BenchError, match="size"):
+        figures.parse_size(bad)
 
 
 def test_bad_range():
-    with pytest.raises(bench.BenchError, match="smaller than the first"):
-        bench.size_range("1M..4K")
+    with pytest.raises(figures.BenchError, match="smaller than the first"):
+        figures.size_range("1M..4K")
 
 
 def test_bandwidths():
-    assert bench.algbw(10**9, 1.0) == 1.0
-    assert bench.algbw(64 << 20, 0.01) == pytest.approx((64 << 20) / 0.01 / 1e9)
+    assert figures.algbw(10**9, 1.0) == 1.0
+    assert figures.algbw(64 << 20, 0.01) == pytest.approx((64 << 20) / 0.01 / 1e9)
     # busbw = algbw x 2(n-1)/n: equal at 2 ranks, 1.5x at 4, 1.75x at 8, nothing moves at 1
-    assert bench.busbw(2.0, 2) == 2.0
-    assert bench.busbw(2.0, 4) == 3.0
-    assert bench.busbw(2.0, 8) == 3.5
-    assert bench.busbw(2.0, 1) == 0.0
+    assert figures.busbw(2.0, 2) == 2.0
+    assert figures.busbw(2.0, 4) == 3.0
+    assert figures.busbw(2.0, 8) == 3.5
+    assert figures.busbw(2.0, 1) == 0.0
 
 
 def test_rate_stats_match_horovods():
     rates = [10.0, 12.0, 14.0]
-    mean, conf = bench.rate_stats(rates)
+    mean, conf = figures.rate_stats(rates)
     assert mean == 12.0
     assert conf == pytest.approx(1.96 * math.sqrt(8 / 3))  # numpy's std: population
-    assert bench.rate_stats([5.0]) == (5.0, 0.0)
+    assert figures.rate_stats([5.0]) == (5.0, 0.0)
 
 
 def test_total_is_summed_across_ranks():
-    result = bench.cross_rank_total([[10.0, 1.0], [30.0, 3.0]])
+    result = figures.cross_rank_total([[10.0, 1.0], [30.0, 3.0]])
     assert result["total_img_sec"] == 40.0  # rank 0's 10 x 2 would say 20
     assert result["img_sec_per_device"] == 20.0
     assert result["total_img_sec_conf"] == 4.0
@@ -75,24 +75,24 @@ def test_total_is_summed_across_ranks():
 
 
 def test_scaling_table():
-    rows = bench.scaling_table({2: 150.0, 1: 100.0, 4: 200.0})
+    rows = figures.scaling_table({2: 150.0, 1: 100.0, 4: 200.0})
     assert [r["np"] for r in rows] == [1, 2, 4]
     assert [r["speedup"] for r in rows] == [1.0, 1.5, 2.0]
     assert [r["efficiency"] for r in rows] == [1.0, 0.75, 0.5]
     # without np=1, the smallest size run is the base
-    rows = bench.scaling_table({2: 100.0, 4: 150.0})
+    rows = figures.scaling_table({2: 100.0, 4: 150.0})
     assert rows[1]["efficiency"] == pytest.approx(0.75)
 
 
 def test_ratio_summary():
     def cell(busbw):
         return {"time_us": 1.0, "algbw": busbw, "busbw": busbw}
-    record = {"implementations": list(bench.ALLREDUCE_IMPLS), "rows": [
-        {"bytes": 4096, **{n: cell(b) for n, b in zip(bench.ALLREDUCE_IMPLS, (8.0, 0.5, 1.0, 0.9))}},
-        {"bytes": 16 << 20, **{n: cell(b) for n, b in zip(bench.ALLREDUCE_IMPLS, (2.0, 1.0, 1.8, 0.9))}},
-        {"bytes": 64 << 20, **{n: cell(b) for n, b in zip(bench.ALLREDUCE_IMPLS, (2.0, 1.0, 1.6, 0.9))}},
+    record = {"implementations": list(figures.ALLREDUCE_IMPLS), "rows": [
+        {"bytes": 4096, **{n: cell(b) for n, b in zip(figures.ALLREDUCE_IMPLS, (8.0, 0.5, 1.0, 0.9))}},
+        {"bytes": 16 << 20, **{n: cell(b) for n, b in zip(figures.ALLREDUCE_IMPLS, (2.0, 1.0, 1.8, 0.9))}},
+        {"bytes": 64 << 20, **{n: cell(b) for n, b in zip(figures.ALLREDUCE_IMPLS, (2.0, 1.0, 1.6, 0.9))}},
     ]}
-    summary = bench.ratio_summary(record)
+    summary = figures.ratio_summary(record)
     # the 4K row is below 16 MiB: it counts against torch.distributed only
     assert summary["ratios"] == {"in-place/mpi4py min >=16M": 0.8, "in-place/torch min": 1.6}
 
@@ -184,15 +184,15 @@ def test_allreduce_under_mpirun(tmp_path, hvd_built):
                timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     rows, record = _read_allreduce(out)
-    assert record["implementations"] == list(bench.ALLREDUCE_IMPLS)
+    assert record["implementations"] == list(figures.ALLREDUCE_IMPLS)
     assert record["environment"]["controller"] == "mpi"
     assert len(rows) == 3 * 4
     for row in record["rows"]:
-        for name in bench.ALLREDUCE_IMPLS:
+        for name in figures.ALLREDUCE_IMPLS:
             cell = row[name]
             assert cell["algbw"] == pytest.approx(row["bytes"] / (cell["time_us"] * 1e-6) / 1e9)
             assert cell["busbw"] == pytest.approx(cell["algbw"])  # 2(n-1)/n = 1 at n = 2
-    assert {r["implementation"] for r in rows} == set(bench.ALLREDUCE_IMPLS)
+    assert {r["implementation"] for r in rows} == set(figures.ALLREDUCE_IMPLS)
     assert "horovod in-place / mpi4py" not in proc.stdout  # no size reached 16M
     assert "horovod in-place / torch.distributed busbw, every size: min" in proc.stdout
 
@@ -221,3 +221,12 @@ def test_scaling_table_and_plot(tmp_path, hvd_built):
     assert (out / "scaling.png").read_bytes()[:4] == b"\x89PNG"
     assert two["torch_threads"] == 1  # one per core on this 2-core machine; np=1 gets both
     assert re.search(r"^\s+2\s+1\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+%$", proc.stdout, re.M), proc.stdout[-1500:]
+
+
+@pytest.mark.parametrize("flag", ["-np", "--np"])
+def test_world_size_is_spelled_either_way_everywhere(flag):
+    from hvdkit.bench.cli import parser
+
+    assert parser().parse_args(["synthetic", flag, "2"]).np == 2
+    assert parser().parse_args(["allreduce", flag, "2"]).np == 2
+    assert parser().parse_args(["scaling", flag, "1,2"]).np_list == [1, 2]

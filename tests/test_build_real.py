@@ -63,3 +63,50 @@ def test_failed_build_shows_first_errors_and_log(tmp_path, plan, monkeypatch):
     assert not list((cache / "wheels").glob("**/*.whl"))
     after = run([sys.executable, "-c", "import importlib.metadata as m; print(m.version('horovod'))"])
     assert after.stdout.strip() == plan.local_version
+
+
+# --- machines without internet: `unshare --net` runs the builder with no network at all ------------
+
+def _offline(*args, cwd):
+    return run(["unshare", "--net", sys.executable, "-m", "hvdkit.build", *args], cwd=cwd, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def no_network():
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is missing: cannot take the network away from the build")
+    probe = run(["unshare", "--net", "true"])
+    if probe.returncode != 0:
+        pytest.skip(f"cannot create a network namespace here ({probe.stderr.strip()}); run as root")
+
+
+def test_offline_without_a_source_says_what_it_needs_in_one_line(tmp_path, no_network):
+    proc = _offline("--force", "--no-install", "--cache-dir", str(tmp_path / "cache"), cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("hvdkit.build: error: cannot download the Horovod")
+    assert "--sdist horovod-0.28.1.tar.gz or --find-links DIR" in proc.stderr
+
+
+def test_a_wheelhouse_serves_the_build_offline_without_building(tmp_path, plan, no_network):
+    """One machine exports its wheel (--wheel-dir); another, offline, takes it from --find-links."""
+    house = tmp_path / "house"
+    exported = _offline("--no-install", "--wheel-dir", str(house), cwd=tmp_path)  # from the suite's cache
+    assert exported.returncode == 0, exported.stderr
+    wheels = list(house.glob(f"horovod-{plan.local_version}-*.whl"))
+    assert len(wheels) == 1, list(house.iterdir())
+    proc = _offline("--no-install", "--find-links", str(house), "--wheel-dir", str(tmp_path / "out"),
+                    "--cache-dir", str(tmp_path / "empty-cache"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"found {wheels[0]}" in proc.stdout and "building" not in proc.stdout
+    assert (tmp_path / "out" / wheels[0].name).is_file()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sdist", "nowhere.tar.gz"], "--sdist nowhere.tar.gz: no such file"),
+    (["--find-links", "nowhere"], "--find-links nowhere: no such folder"),
+])
+def test_bad_sources_are_one_line(tmp_path, args, message):
+    proc = run([sys.executable, "-m", "hvdkit.build", "--force", "--no-install", "--cache-dir", str(tmp_path), *args],
+               cwd=tmp_path)
+    assert proc.returncode == 1 and proc.stderr.strip().endswith(message) and proc.stderr.count("\n") == 1, proc.stderr

@@ -1,0 +1,16 @@
+"""`hvdkit bench`: throughput and bandwidth beside the peers, measured in one run.
+
+Each benchmark is a driver that starts its ranks with `hvdkit launch`, the same launcher
+for every implementation it compares, and reads the JSON record rank 0 prints. Run under
+a launcher instead (`horovodrun -np 2 hvdkit bench synthetic`), `synthetic` is Horovod's
+own synthetic benchmark with the same output.
+
+One module a concern: ``cli`` (the command line), ``drivers`` (launching and alternating the
+runs), ``workers`` (what each rank runs), ``figures`` (the arithmetic, which the tests check
+on tiny inputs; no test times anything), ``environment`` (what is printed beside the figures)
+and ``plots`` (CSV and PNG files).
+"""
+
+from hvdkit.bench.cli import main
+
+__all__ = ["main"]

@@ -1,0 +1,5 @@
+import sys
+
+from hvdkit.bench.cli import main
+
+sys.exit(main())

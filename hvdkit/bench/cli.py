@@ -1,0 +1,147 @@
+"""`hvdkit bench synthetic|allreduce|scaling`: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from typing import Optional, Sequence
+
+from hvdkit import env
+from hvdkit.bench.drivers import RunFailed, allreduce, compare_synthetic, scaling
+from hvdkit.bench.figures import BenchError, size_range
+from hvdkit.bench.workers import (
+    IMPL_HELP,
+    SYNTHETIC_IMPLS,
+    allreduce_worker,
+    synthetic_worker,
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _np_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a list like 1,2,4, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"world sizes must be >= 1, got {text!r}")
+    return sorted(set(values))
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
+
+
+def _compare_list(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [n for n in names if n not in SYNTHETIC_IMPLS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown implementation {', '.join(unknown) or text!r}; "
+                                         f"choose from {', '.join(SYNTHETIC_IMPLS)}")
+    return names
+
+
+def _knob(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE like HOROVOD_CYCLE_TIME=1, got {text!r}")
+    return name, value
+
+
+def _launch_arguments(p: argparse.ArgumentParser, files: bool) -> None:
+    p.add_argument("--launcher", choices=("auto", "horovodrun", "mpirun", "srun"), default="auto",
+                   help="how to start the ranks (as hvdkit launch; default: auto)")
+    ctl = p.add_mutually_exclusive_group()
+    ctl.add_argument("--gloo", dest="controller", action="store_const", const="gloo",
+                     help="Horovod's Gloo controller (horovodrun --gloo)")
+    ctl.add_argument("--mpi", dest="controller", action="store_const", const="mpi", help="Horovod's MPI controller")
+    p.add_argument("-H", "--hosts", help="host1:N,host2:N (default: this machine or the Slurm allocation)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds one launch may take (default 1800)")
+    if files:
+        p.add_argument("--out", help="folder for the CSV/JSON/PNG (default runs/bench/<kind>-<time>)")
+
+
+def _synthetic_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="resnet50", help="torchvision model or hvdkit model (default resnet50)")
+    p.add_argument("--batch-size", type=_positive, default=32, help="images per rank per step (default 32)")
+    p.add_argument("--image-size", type=_positive, default=224, help="side of the square images (default 224)")
+    p.add_argument("--num-classes", type=_positive, default=1000, help="default 1000, as ImageNet")
+    p.add_argument("--num-warmup-batches", type=int, default=10, help="default 10")
+    p.add_argument("--num-batches-per-iter", type=_positive, default=10, help="default 10")
+    p.add_argument("--num-iters", type=_positive, default=10, help="default 10")
+    p.add_argument("--fp16-allreduce", action="store_true", help="compress gradients to fp16 for the allreduce")
+    p.add_argument("--amp", action="store_true", help="mixed precision: bf16 on CPUs, fp16 + GradScaler on GPUs")
+    p.add_argument("--lr", type=float, default=0.01, help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=42, help=argparse.SUPPRESS)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="hvdkit bench", description="Benchmarks that print figures, ratios and their environment.")
+    sub = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK", parser_class=_Parser)
+
+    syn = sub.add_parser("synthetic", help="Horovod's synthetic benchmark; --compare runs the peers in the same run")
+    _synthetic_arguments(syn)
+    syn.add_argument("-np", "--np", "--num-proc", dest="np", type=_positive,
+                     help="ranks to launch (default: one per GPU, else per core); under a launcher, its ranks")
+    syn.add_argument("--compare", type=_compare_list, default=[], metavar="IMPL[,IMPL]",
+                     help=f"also run these, launched the same way: {IMPL_HELP}")
+    syn.add_argument("--knob", type=_knob, action="append", default=[], metavar="NAME=VALUE",
+                     help="also run hvdkit with this setting (HOROVOD_*, OMPI_MCA_*, NCCL_*, ...), one run "
+                          "per --knob; repeatable")
+    syn.add_argument("--repeats", type=_positive, default=1, help="rounds over the implementations (default 1)")
+    syn.add_argument("--impl", choices=SYNTHETIC_IMPLS, help=argparse.SUPPRESS)
+    _launch_arguments(syn, files=False)
+
+    scale = sub.add_parser("scaling", help="throughput and efficiency per world size, same per-rank batch")
+    _synthetic_arguments(scale)
+    scale.add_argument("-np", "--np", dest="np_list", type=_np_list, default=[1, 2], metavar="N[,N]",
+                       help="world sizes (default 1,2)")
+    scale.add_argument("--impl", choices=SYNTHETIC_IMPLS, default="hvdkit", help="which loop (default hvdkit)")
+    _launch_arguments(scale, files=True)
+
+    ar = sub.add_parser("allreduce", help="allreduce bandwidth per size: Horovod beside raw MPI and torch.distributed")
+    ar.add_argument("--sizes", default="4K..256M", help="4K..256M (powers of two) or 4K,1M,64M (default 4K..256M)")
+    ar.add_argument("--iters", type=_positive, help="timed allreduces per size (default: 1000 for small sizes "
+                                                    "down to 10 for large)")
+    ar.add_argument("-np", "--np", "--num-proc", dest="np", type=_positive,
+                    help="ranks (default: one per GPU, else per core)")
+    ar.add_argument("--no-tuning", action="store_true",
+                    help="leave Horovod's and MPI's defaults, without the Trainer's settings")
+    ar.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    _launch_arguments(ar, files=True)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    under_launcher = env.detect().rank is not None
+    try:
+        if args.bench == "allreduce":
+            size_range(args.sizes)  # bad sizes fail here, before anything starts
+            if args.worker:
+                allreduce_worker(args)
+                return 0
+            if under_launcher:
+                raise BenchError("allreduce launches its own ranks: run it without a launcher, with -np N")
+            return allreduce(args)
+        if args.bench == "scaling":
+            if under_launcher:
+                raise BenchError("scaling launches its own ranks: run it without a launcher, with --np 1,2")
+            return scaling(args)
+        if args.impl or (under_launcher and not args.compare and not args.knob):
+            args.impl = args.impl or "hvdkit"
+            synthetic_worker(args)
+            return 0
+        if under_launcher:
+            raise BenchError("--compare and --knob launch each run themselves: run it without a launcher, with -np N")
+        return compare_synthetic(args)
+    except (BenchError, RunFailed) as exc:
+        print(f"hvdkit bench: {exc}", file=sys.stderr, flush=True)
+        return 2 if isinstance(exc, BenchError) else 1

@@ -1,0 +1,181 @@
+"""The drivers: launch the workers with `hvdkit launch`, the same way for every implementation,
+alternate them over rounds, and read back rank 0's records."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from hvdkit.bench.environment import print_environment
+from hvdkit.bench.figures import (
+    BenchError,
+    format_size,
+    ratio_rows,
+    ratio_summary,
+    scaling_table,
+)
+from hvdkit.bench.plots import plot_allreduce, plot_scaling, write_allreduce_csv
+from hvdkit.launch import find_program, local_slots
+from hvdkit.selftest import mpi_root_env, parse_records
+
+
+class RunFailed(RuntimeError):
+    """A launch that failed or gave a wrong result; printed as one line, exit code 1."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def launch_command(args: argparse.Namespace, np: int, worker: Sequence[str],
+                   knobs_set: Optional[dict] = None) -> list[str]:
+    """`hvdkit launch` of ``worker`` on ``np`` ranks, with ``knobs_set`` in every rank and a
+    rendezvous for torch.distributed on the first host (this machine unless -H says otherwise)."""
+    master = "127.0.0.1"
+    if args.hosts:
+        master = args.hosts.split(",")[0].split(":")[0]
+    cmd = [find_program("hvdkit") or "hvdkit", "launch", "-np", str(np), "--launcher", args.launcher,
+           "-x", f"MASTER_ADDR={master}", "-x", f"MASTER_PORT={free_port()}"]
+    for name, value in (knobs_set or {}).items():
+        cmd += ["-x", f"{name}={value}"]
+    if args.hosts:
+        cmd += ["-H", args.hosts]
+    if args.controller:
+        cmd.append(f"--{args.controller}")
+    return cmd + ["--", sys.executable, "-m", "hvdkit.bench", *worker]
+
+
+def run_launch(command: Sequence[str], event: str, label: str, timeout: float) -> dict:
+    """Run one launch; echo rank 0's human lines; return its ``event`` record."""
+    try:
+        proc = subprocess.run(command, env=mpi_root_env(), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RunFailed(f"{label}: no result within {timeout:.0f} s") from None
+    records = parse_records(proc.stdout, event)
+    if proc.returncode != 0 or not records:
+        tail = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()][-3:]
+        raise RunFailed(f"{label} failed (exit code {proc.returncode}): {' | '.join(tail)}")
+    for line in proc.stdout.splitlines():
+        if '{"event": "bench.' not in line and line.strip():
+            print(f"  {line}", flush=True)
+    return records[0]
+
+
+def synthetic_worker_args(args: argparse.Namespace, impl: str) -> list[str]:
+    worker = ["synthetic", "--impl", impl, "--model", args.model, "--batch-size", str(args.batch_size),
+              "--image-size", str(args.image_size), "--num-classes", str(args.num_classes),
+              "--num-warmup-batches", str(args.num_warmup_batches),
+              "--num-batches-per-iter", str(args.num_batches_per_iter), "--num-iters", str(args.num_iters),
+              "--lr", str(args.lr), "--seed", str(args.seed)]
+    return worker + ["--fp16-allreduce"] * args.fp16_allreduce + ["--amp"] * args.amp
+
+
+def compare_synthetic(args: argparse.Namespace) -> int:
+    """hvdkit, each --compare implementation and hvdkit under each --knob, alternating order
+    over --repeats rounds so that drift on a shared machine falls on all of them alike."""
+    entries = [("hvdkit", "hvdkit", {})]
+    entries += [(impl, impl, {}) for impl in args.compare if impl != "hvdkit"]
+    entries += [(f"hvdkit {name}={value}", "hvdkit", {name: value}) for name, value in args.knob]
+    np = args.np or default_np()
+    runs: dict[str, list[dict]] = {label: [] for label, _, _ in entries}
+    for round_index in range(args.repeats):
+        for label, impl, knob in (entries if round_index % 2 == 0 else entries[::-1]):
+            print(f"== {label}: np={np}, {args.model}, batch {args.batch_size}, "
+                  f"{args.image_size}x{args.image_size} (round {round_index + 1} of {args.repeats})", flush=True)
+            command = launch_command(args, np, synthetic_worker_args(args, impl), knob)
+            runs[label].append(run_launch(command, "bench.synthetic", label, args.timeout))
+    print_environment(runs["hvdkit"][-1]["environment"])
+    summary = {label: statistics.fmean(r["total_img_sec"] for r in results) for label, results in runs.items()}
+    kind = runs["hvdkit"][-1]["device"]
+    width = max(18, *(len(label) for label in summary))
+    print(f"\n{'implementation':<{width}} {'total img/sec':>14} {'per ' + kind:>10} {'hvdkit / it':>12}")
+    for label, total in summary.items():
+        print(f"{label:<{width}} {total:>14.1f} {total / np:>10.1f} {summary['hvdkit'] / total:>12.3f}")
+    ratios = {f"hvdkit/{label}": summary["hvdkit"] / total for label, total in summary.items() if label != "hvdkit"}
+    print(json.dumps({"event": "bench.compare", "np": np, "model": args.model, "batch_size": args.batch_size,
+                      "image_size": args.image_size, "repeats": args.repeats, "total_img_sec": summary,
+                      "ratios": ratios, "runs": {label: [r["total_img_sec"] for r in rs] for label, rs in runs.items()},
+                      "knobs": {label: rs[-1]["environment"]["knobs"] for label, rs in runs.items()},
+                      "environment": runs["hvdkit"][-1]["environment"]}), flush=True)
+    return 0
+
+
+def scaling(args: argparse.Namespace) -> int:
+    """Throughput of one implementation at each world size, same per-rank batch."""
+    totals, records = {}, {}
+    for np in args.np_list:
+        print(f"== {args.impl}: np={np}", flush=True)
+        command = launch_command(args, np, synthetic_worker_args(args, args.impl))
+        records[np] = run_launch(command, "bench.synthetic", f"{args.impl} at np={np}", args.timeout)
+        totals[np] = records[np]["total_img_sec"]
+    table = scaling_table(totals)
+    print_environment(records[max(totals)]["environment"])
+    for row in table:  # a rank alone on a node gets all its cores: say so beside the figures
+        row["torch_threads"] = records[row["np"]]["environment"]["torch_threads"]
+    print(f"\n{'np':>4} {'threads/rank':>12} {'total img/sec':>14} {'per rank':>10} {'speedup':>8} {'efficiency':>11}")
+    for row in table:
+        print(f"{row['np']:>4} {row['torch_threads']:>12} {row['total_img_sec']:>14.1f} "
+              f"{row['per_rank_img_sec']:>10.1f} {row['speedup']:>8.2f} {row['efficiency']:>10.1%}")
+    out = out_dir(args, "scaling")
+    plot_scaling(table, args, out / "scaling.png")
+    record = {"event": "bench.scaling", "impl": args.impl, "model": args.model, "batch_size": args.batch_size,
+              "rows": table, "environment": records[max(totals)]["environment"]}
+    (out / "scaling.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {out}/scaling.json and scaling.png")
+    print(json.dumps(record), flush=True)
+    return 0
+
+
+def allreduce(args: argparse.Namespace) -> int:
+    np = args.np or default_np()
+    worker = ["allreduce", "--worker", "--sizes", args.sizes] + (["--iters", str(args.iters)] if args.iters else [])
+    worker += ["--no-tuning"] * args.no_tuning
+    print(f"== allreduce: np={np}, sizes {args.sizes}", flush=True)
+    record = run_launch(launch_command(args, np, worker), "bench.allreduce", "allreduce benchmark", args.timeout)
+    print_environment(record["environment"])
+    for name, why in record["skipped"].items():
+        print(f"# skipped {name}: {why}")
+    names = record["implementations"]
+    print("\n" + f"{'size':>6} " + " ".join(f"{n[:22]:>24}" for n in names) + "  busbw ratio: in-place/")
+    print(f"{'':>6} " + " ".join(f"{'time(us)  busbw(GB/s)':>24}" for _ in names)
+          + "  " + " ".join(f"{o:>8}" for o in names if not o.startswith("horovod")))
+    ratios = ratio_rows(record)
+    for row, ratio in zip(record["rows"], ratios, strict=True):
+        cells = " ".join(f"{row[n]['time_us']:>11.1f} {row[n]['busbw']:>12.3f}" for n in names)
+        print(f"{format_size(row['bytes']):>6} {cells}  "
+              + " ".join(f"{ratio[o]:>8.2f}" for o in names if not o.startswith("horovod")))
+    summary = ratio_summary(record)
+    for line in summary["lines"]:
+        print(line)
+    out = out_dir(args, "allreduce")
+    write_allreduce_csv(record, out / "allreduce.csv")
+    (out / "allreduce.json").write_text(json.dumps(record, indent=1) + "\n")
+    plot_allreduce(record, out / "allreduce.png")
+    print(f"wrote {out}/allreduce.csv, allreduce.json and allreduce.png")
+    print(json.dumps({**record, "event": "bench.allreduce", "ratios": summary["ratios"]}), flush=True)
+    return 0
+
+
+def out_dir(args: argparse.Namespace, kind: str) -> Path:
+    out = Path(args.out) if args.out else Path("runs/bench") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BenchError(f"--out {out}: {exc.strerror}") from None
+    return out
+
+
+def default_np() -> int:
+    """One rank per GPU, or per core without GPUs."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else local_slots()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -16,6 +17,8 @@ from typing import Optional
 class Metrics:
     def __init__(self, log_dir: Optional[str], total_steps: int, enabled: bool) -> None:
         self.enabled = enabled
+        self.total_steps = total_steps
+        self.started: Optional[tuple] = None  # (time, step) of the first report: the rate and ETA count from it
         self.bar = None
         self.jsonl = None
         self.tensorboard = None
@@ -41,9 +44,12 @@ class Metrics:
             if position is not None:
                 self.bar.update(position - self.bar.n)
             self.bar.set_postfix({k: _short(v) for k, v in values.items() if k in _SHOWN})
-        else:
+        else:  # under a launcher stderr is a pipe: a line per report, with what the bar would show
             shown = " ".join(f"{k} {_short(v)}" for k, v in values.items() if k in _SHOWN)
-            print(f"[{event}] step {step} {shown}", file=sys.stderr, flush=True)
+            now = time.monotonic()
+            self.started = self.started or (now, step)
+            where = progress_text(step, self.total_steps, now - self.started[0], step - self.started[1])
+            print(f"[{event}] {where} {shown}", file=sys.stderr, flush=True)
         self.write({"event": event, "step": step, **values})
         if self.tensorboard is not None:
             for key, value in values.items():
@@ -76,6 +82,18 @@ def finite_or_none(record):
     if isinstance(record, (list, tuple)):
         return [finite_or_none(value) for value in record]
     return record
+
+
+def progress_text(step: int, total: int, elapsed: float, steps_done: int) -> str:
+    """'step 50/360 (14%), 3.21 steps/s, ETA 1:36': the bar's facts as text; no total, no ETA."""
+    if not total:
+        return f"step {step}"
+    text = f"step {step}/{total} ({100 * step // total}%)"
+    if steps_done > 0 and elapsed > 0:
+        rate = steps_done / elapsed
+        remaining = round(max(0, total - step) / rate)
+        text += f", {rate:.3g} steps/s, ETA {remaining // 3600}:{remaining // 60 % 60:02d}:{remaining % 60:02d}"
+    return text + ","
 
 
 def _short(value):

@@ -445,3 +445,12 @@ def test_sync_batch_norm_flag_is_refused_in_one_line_on_cpus(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == ("hvdkit train: sync_batch_norm: Horovod's SyncBatchNorm runs on "
                                                     "GPUs only and this host has none; drop sync_batch_norm "
                                                     "(--sync-batch-norm) on CPUs")
+
+
+def test_plain_progress_lines_say_step_total_rate_and_eta():
+    from hvdkit.metrics import progress_text
+
+    assert progress_text(50, 360, 10.0, 40) == "step 50/360 (13%), 4 steps/s, ETA 0:01:18,"
+    assert progress_text(10, 360, 0.0, 0) == "step 10/360 (2%),"
+    assert progress_text(7, 0, 3.0, 5) == "step 7"
+    assert progress_text(9000, 10000, 100.0, 9000) == "step 9000/10000 (90%), 90 steps/s, ETA 0:00:11,"

@@ -26,8 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", add_help=False,
                    help="benchmarks: synthetic (--compare ddp), allreduce bandwidth, scaling")
 
-    train = sub.add_parser("train", usage="hvdkit train [--config FILE] [options]", help="data-parallel training; launch one per GPU/slot with horovodrun, "
-                                         "mpirun or srun")
+    train = sub.add_parser("train", usage="hvdkit train [--config FILE] [options]",
+                           help="data-parallel training; launch one per GPU/slot with horovodrun, mpirun or srun")
     train.add_argument("--list", action="store_true", help="list the models and datasets, then exit")
     train.add_argument("--debug", action="store_true", help="show the traceback of any error")
     config.add_arguments(train)

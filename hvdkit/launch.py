@@ -334,8 +334,9 @@ class Plan:
 
 def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str],
          which: Callable[[str], Optional[str]], mpi_version: Callable[[str], str],
-         as_root: bool, local_slots: int, launcher_args: Sequence[str] = ()) -> Plan:
-    """Decide the launcher and build its command; raises LaunchError on bad input."""
+         as_root: bool, local_slots: int, launcher_args: Sequence[str] = (), supervised: bool = True) -> Plan:
+    """Decide the launcher and build its command; raises LaunchError on bad input. ``supervised``:
+    run by `hvdkit launch` (supervise.run), which gives every rank its job directory."""
     if not command:
         raise LaunchError("no command after '--'")
     if args.np is None or args.np < 1:
@@ -384,7 +385,7 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
     flavor = mpi_flavor(mpi_version(program))
     if flavor == "unknown":
         raise LaunchError(f"cannot tell which MPI {program} is from `mpirun --version`")
-    spec.forward = forwarded_names(environ, [*extra, supervise.JOB_DIR])
+    spec.forward = forwarded_names(environ, [*extra, *([supervise.JOB_DIR] if supervised else [])])
     notes = [f"added --oversubscribe: {oversubscribed}"] if oversubscribed and flavor == "openmpi" else []
     return Plan(launcher, f"{reason}; {flavor}", MPIRUN_BUILDERS[flavor](spec), {}, notes,
                 tagged=flavor == "openmpi")
@@ -397,7 +398,7 @@ def local_command(how: str, np: int, command: Sequence[str]) -> list[str]:
     `selftest.mpi_root_env()`)."""
     args = parser().parse_args(["-np", str(np), "--launcher", *how.split()])
     return plan(args, list(command), os.environ, find_program, mpirun_version, os.geteuid() == 0,
-                local_slots()).command
+                local_slots(), supervised=False).command
 
 
 def local_slots() -> int:

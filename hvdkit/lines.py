@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 # [job,rank]<stdout>: from Open MPI's --tag-output (horovodrun --mpi), [rank]<stdout>: from horovodrun --gloo
 TAG = re.compile(rb"\[\d+(?:,\d+)?\]<(?:stdout|stderr|stddiag)>:")
@@ -22,10 +22,10 @@ _PARTIAL_TAG = re.compile(rb"\[[\d,]*(?:\](?:<[a-z]*>?)?)?")  # a tag cut off by
 
 
 class Joiner:
-    """Feed it a launcher's stream in chunks as read; it writes whole lines to ``fd``."""
+    """Feed it a launcher's stream in chunks as read; it passes whole lines to ``write``."""
 
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
+    def __init__(self, write: Callable[[bytes], None]) -> None:
+        self.write = write
         self.buffer = b""
         self.owner: Optional[bytes] = None  # the tag of the text now arriving; None: the launcher's
         self.pending: dict = {}  # tag -> the start of its current line
@@ -48,7 +48,7 @@ class Joiner:
         self.buffer = b""
         for owner, rest in list(self.pending.items()):
             if rest:
-                self._write((owner or b"") + rest + b"\n")
+                self.write((owner or b"") + rest + b"\n")
         self.pending.clear()
 
     def _held_back(self, pos: int) -> int:
@@ -65,20 +65,21 @@ class Joiner:
             if not newline:
                 self.pending[self.owner] = rest
                 return
-            self._write((self.owner or b"") + rest + b"\n")
+            self.write((self.owner or b"") + rest + b"\n")
             self.owner = None  # after a newline, text without a tag is the launcher's
-
-    def _write(self, line: bytes) -> None:
-        try:
-            os.write(self.fd, line)
-        except OSError:  # the reader went away (`| head`): keep draining, so the launcher never blocks
-            pass
 
 
 def pump(source: int, fd: int) -> threading.Thread:
-    """A thread that reads ``source`` to its end through a Joiner writing to ``fd``."""
+    """A thread that reads ``source`` to its end through a Joiner writing to ``fd``, each line
+    with one write."""
+    def write(line: bytes) -> None:
+        try:
+            os.write(fd, line)
+        except OSError:  # the reader went away (`| head`): keep draining, so the launcher never blocks
+            pass
+
     def run() -> None:
-        joiner = Joiner(fd)
+        joiner = Joiner(write)
         while True:
             data = os.read(source, 65536)
             if not data:

@@ -7,16 +7,29 @@ from pathlib import Path
 
 import pytest
 
-from hvdkit import selftest
+from hvdkit import lines, selftest
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run(cmd, timeout=300, env=None, **kwargs):
-    """Run a real command; Open MPI's run-as-root consent is added as mpirun needs it."""
+def run(cmd, timeout=300, env=None, raw=False, **kwargs):
+    """Run a real command; Open MPI's run-as-root consent is added as mpirun needs it. Unless
+    ``raw``, output tagged by rank ([1,0]<stderr>:, as launch.local_command's mpirun and
+    horovodrun print it) is joined into whole lines and untagged, as a user reads one rank."""
     full_env = selftest.mpi_root_env(env if env is not None else os.environ)
     full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, **kwargs)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, **kwargs)
+    if not raw:
+        proc.stdout, proc.stderr = untagged(proc.stdout), untagged(proc.stderr)
+    return proc
+
+
+def untagged(text):
+    joined = []
+    joiner = lines.Joiner(joined.append)
+    joiner.feed(text.encode())
+    joiner.close()
+    return lines.TAG.sub(b"", b"".join(joined)).decode(errors="replace")
 
 
 def final_weights(ckpt_dir):

@@ -48,6 +48,7 @@ def mpich(tmp_path_factory):
     bin_dir.mkdir()
     for name in ("mpirun", "mpiexec"):
         (bin_dir / name).symlink_to(HYDRA)
+    (bin_dir / "hydra_pmi_proxy").symlink_to(Path(HYDRA).with_name("hydra_pmi_proxy"))  # Hydra looks beside itself
     environ = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}"
                                     f"{os.environ['PATH']}", PYTHONPATH=f"{site}{os.pathsep}{REPO}")
     return {"build": built.stdout, "wheel": wheels[0], "site": site, "env": environ, "root": root}

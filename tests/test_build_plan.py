@@ -88,7 +88,7 @@ def test_cache_key_changes_with_what_changes_the_binary():
 
 def test_describe_prints_flags():
     text = "\n".join(plan_build(_gpu_toolchain()).describe())
-    assert "C++20" in text and "HOROVOD_GPU_OPERATIONS=NCCL" in text and "MPI, Gloo" in text
+    assert "C++20" in text and "HOROVOD_GPU_OPERATIONS=NCCL" in text and "controllers: MPI (Open MPI), Gloo" in text
 
 
 def _touch(path: Path, text: str = "") -> Path:

@@ -18,7 +18,7 @@ endif
 # horovodrun and mpirun from the virtual environment come first.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup system-packages horovod train train-lm doctor test clean
+.PHONY: setup system-packages horovod train train-lm doctor test gpu-check clean
 
 setup: system-packages $(STAMPS)/python-packages horovod
 
@@ -64,6 +64,15 @@ train-lm: setup
 
 test: setup
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# On a CUDA machine: Horovod with NCCL, the tests marked gpu, the synthetic benchmark beside
+# Horovod's loop and DDP, one summary (hvdkit/gpucheck.py). On an offline node whose Python
+# already has torch: make gpu-check GPU_PYTHON=/usr/bin/python3 GPU_CHECK_ARGS="--sdist FILE".
+GPU_PYTHON ?=
+GPU_CHECK_ARGS ?=
+gpu-check:
+	@if [ -z "$(GPU_PYTHON)" ]; then $(MAKE) --no-print-directory system-packages $(STAMPS)/python-packages; fi
+	$(or $(GPU_PYTHON),$(PY)) -m hvdkit.gpucheck $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(STAMPS) *.egg-info

@@ -39,7 +39,7 @@ CXX_STANDARD_FILES = ("CMakeLists.txt", "horovod/torch/CMakeLists.txt")
 _CXX_STANDARD_RE = re.compile(r"set\(CMAKE_CXX_STANDARD \d+\)")
 
 HEARTBEAT_SECONDS = 60
-MPI_CHOICES = ("auto", "openmpi", "mpich")
+MPI_CHOICES = ("auto", "openmpi", "mpich", "none")
 MPI_NAMES = {"openmpi": "Open MPI", "mpich": "MPICH", "intel": "Intel MPI"}
 
 
@@ -94,7 +94,9 @@ def mpi_flavor_of_wrapper(show: str) -> str:
 
 def find_mpicxx(requested: str, which: Callable[[str], Optional[str]], show: Callable[[str], str]) -> tuple:
     """(flavour, wrapper): ``mpicxx`` on PATH for auto, else the first of ``mpicxx`` and Debian's
-    ``mpicxx.<flavour>`` that compiles against the MPI asked for."""
+    ``mpicxx.<flavour>`` that compiles against the MPI asked for; none: no MPI (Gloo only)."""
+    if requested == "none":
+        return "none", None
     names = ["mpicxx"] if requested == "auto" else ["mpicxx", f"mpicxx.{requested}"]
     for name in names:
         path = which(name)
@@ -215,6 +217,7 @@ class BuildPlan:
         lines = [
             f"Horovod {self.horovod_version} for torch {self.torch_version} ({self.python_tag}), "
             f"C++{self.cxx_standard}",
+            "controllers: Gloo (no MPI: --mpi none)" if self.mpi == "none" else
             f"controllers: MPI ({MPI_NAMES.get(self.mpi, self.mpi)}), Gloo",
             f"GPU operations: {gpu} ({self.gpu_reason})",
             "build flags: " + " ".join(f"{k}={v}" for k, v in sorted(self.flags.items())),
@@ -231,9 +234,10 @@ def plan_build(tc: Toolchain, cpu_only: bool = False) -> BuildPlan:
         "HOROVOD_WITH_PYTORCH": "1",
         "HOROVOD_WITHOUT_TENSORFLOW": "1",
         "HOROVOD_WITHOUT_MXNET": "1",
-        "HOROVOD_WITH_MPI": "1",
         "HOROVOD_WITH_GLOO": "1",
     }
+    # Without MPI (a GPU node with none installed) Horovod runs under horovodrun --gloo only.
+    flags["HOROVOD_WITHOUT_MPI" if tc.mpi == "none" else "HOROVOD_WITH_MPI"] = "1"
     paths: dict = {"MPICXX": tc.mpicxx} if tc.mpicxx else {}
     gpu_operations = None
     if cpu_only:
@@ -534,7 +538,7 @@ def verify_install(plan: BuildPlan) -> list[str]:
         tail = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise BuildError(f"the installed Horovod does not import: {tail}")
     built = json.loads(result.stdout.strip().splitlines()[-1])
-    missing = [name for name in ("mpi", "gloo") if not built[name]]
+    missing = [name for name in ("mpi", "gloo") if not built[name] and not (name == "mpi" and plan.mpi == "none")]
     if plan.gpu_operations == "NCCL" and not built["nccl"]:
         missing.append("nccl")
     if missing:
@@ -589,7 +593,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="wheel cache (default: $HVDKIT_CACHE_DIR or ~/.cache/hvdkit)")
     parser.add_argument("--mpi", choices=MPI_CHOICES, default="auto",
                         help="the MPI to build against: auto (the mpicxx on PATH), openmpi or mpich (mpicxx or "
-                             "Debian's mpicxx.mpich); each is cached apart (default: auto)")
+                             "Debian's mpicxx.mpich), or none (Gloo only, for horovodrun --gloo); each is "
+                             "cached apart (default: auto)")
     parser.add_argument("--sdist", type=Path, help=f"build from this horovod-{HOROVOD_VERSION}.tar.gz (no download)")
     parser.add_argument("--find-links", type=Path, metavar="DIR",
                         help="a local folder to take a prebuilt wheel of this build, the sdist and the build "

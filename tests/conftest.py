@@ -63,6 +63,19 @@ def kill_tree(proc):
     proc.wait(timeout=30)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` skip, saying why, where torch sees no CUDA device."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="marked gpu and torch.cuda.is_available() is False here: "
+                                   "`make gpu-check` runs it on a CUDA machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def hvd_built():
     """What the installed Horovod was built with; the multi-process tests need it installed."""

@@ -79,6 +79,7 @@ def test_cache_key_changes_with_what_changes_the_binary():
         plan_build(_gpu_toolchain(python_tag="cp312")),
         plan_build(_gpu_toolchain(), cpu_only=True),
         plan_build(_gpu_toolchain(nccl_version="2.31.0")),
+        plan_build(_gpu_toolchain(mpi="none", mpicxx=None)),
     ]
     keys = {p.key for p in others}
     assert base.key not in keys and len(keys) == len(others)
@@ -89,6 +90,14 @@ def test_cache_key_changes_with_what_changes_the_binary():
 def test_describe_prints_flags():
     text = "\n".join(plan_build(_gpu_toolchain()).describe())
     assert "C++20" in text and "HOROVOD_GPU_OPERATIONS=NCCL" in text and "controllers: MPI (Open MPI), Gloo" in text
+
+
+def test_without_mpi_builds_gloo_only_and_says_so():
+    plan = plan_build(_gpu_toolchain(mpi="none", mpicxx=None))
+    assert plan.flags["HOROVOD_WITHOUT_MPI"] == "1" and "HOROVOD_WITH_MPI" not in plan.flags
+    assert "MPICXX" not in plan.paths and plan.gpu_operations == "NCCL"
+    assert "controllers: Gloo (no MPI: --mpi none)" in plan.describe()
+    assert build.find_mpicxx("none", lambda name: "/usr/bin/mpicxx", lambda path: "") == ("none", None)
 
 
 def _touch(path: Path, text: str = "") -> Path:

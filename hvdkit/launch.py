@@ -9,10 +9,12 @@ anything starts: a bad host list fails in one line, not in an MPI stack trace on
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -153,6 +155,78 @@ def choose_launcher(requested: str, controller: Optional[str], environ: Mapping[
 
 
 # ---------------------------------------------------------------------------
+# The network between the hosts.
+# ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Network:
+    interface: str  # its name on this host: eth0
+    cidr: str  # 10.1.0.0/24: what Open MPI takes, whatever the interface is called elsewhere
+    peers: tuple = ()  # the hosts reached through it
+
+
+def source_address(address: str) -> str:
+    """The address this host sends from to ``address``: the kernel's route, no packet sent."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((address, 9))
+        return probe.getsockname()[0]
+
+
+def ipv4_interfaces() -> dict[str, list[tuple[str, str]]]:
+    """{interface: [(address, netmask)]} of this host."""
+    import psutil
+
+    return {name: [(a.address, a.netmask) for a in addrs if a.family == socket.AF_INET and a.netmask]
+            for name, addrs in psutil.net_if_addrs().items()}
+
+
+def routable_network(hosts: Sequence[Host], resolve: Callable[[str], str] = socket.gethostbyname,
+                     source_for: Callable[[str], str] = source_address,
+                     interfaces: Callable[[], dict] = ipv4_interfaces) -> Optional[Network]:
+    """The interface through which this host reaches the job's other hosts; None when every
+    host is this one, or they are reached through different interfaces.
+
+    Cluster nodes have several (docker0 with the same address on every node, ib0, a
+    management NIC); Open MPI tries them all and, measured on namespace hosts with a docker0,
+    hangs at the first message sent to a peer's docker0 address. Pinned to the route's
+    interface, the same job completes. A host that does not resolve, or has no route, is a
+    one-line error before anything starts.
+    """
+    table = interfaces()
+    local = {address for addresses in table.values() for address, _ in addresses}
+    via: dict[str, str] = {}
+    for host in hosts:
+        try:
+            address = resolve(host.name)
+        except OSError:
+            raise LaunchError(f"host {host.name} does not resolve on this host (check /etc/hosts or DNS)") from None
+        if address in local or address.startswith("127."):
+            continue
+        try:
+            via[host.name] = source_for(address)
+        except OSError as exc:
+            raise LaunchError(f"no route from this host to {host.name} ({address}): {exc.strerror or exc}") from None
+    if len(set(via.values())) != 1:
+        return None
+    source = next(iter(via.values()))
+    for name, addresses in table.items():
+        for address, netmask in addresses:
+            if address == source:
+                return Network(name, str(ipaddress.ip_network(f"{address}/{netmask}", strict=False)), tuple(via))
+    return None
+
+
+TCP_INCLUDE = ("btl_tcp_if_include", "oob_tcp_if_include")
+TCP_CHOICE = (*TCP_INCLUDE, "btl_tcp_if_exclude", "oob_tcp_if_exclude")
+
+
+def network_chosen(environ: Mapping[str, str], launcher_args: Sequence[str]) -> bool:
+    """Whether the user already chose Open MPI's interfaces (variables or -mca flags)."""
+    given = {launcher_args[i + 1] for i, arg in enumerate(launcher_args[:-1]) if arg in ("-mca", "--mca")}
+    return bool(given & set(TCP_CHOICE)) or any(f"OMPI_MCA_{name}" in environ for name in TCP_CHOICE)
+
+
+# ---------------------------------------------------------------------------
 # Commands, as argument lists.
 # ---------------------------------------------------------------------------
 
@@ -170,6 +244,7 @@ class LaunchSpec:
     srun_mpi: str = "pmix"
     program: str = ""  # path of the launcher itself; its name by default
     launcher_args: list = field(default_factory=list)  # the user's own flags for the launcher, passed as given
+    network: Optional[Network] = None  # the interface to pin MPI's traffic to, across hosts
 
 
 def horovodrun_command(spec: LaunchSpec) -> list[str]:
@@ -206,6 +281,8 @@ def openmpi_command(spec: LaunchSpec) -> list[str]:
     for name, value in (("pml", "ob1"), ("btl", "^openib")):  # Open MPI refuses a parameter given twice
         if name not in given:
             cmd += ["-mca", name, value]
+    for name in TCP_INCLUDE if spec.network else ():
+        cmd += ["-mca", name, spec.network.cidr]
     return cmd + spec.launcher_args + list(spec.command)
 
 
@@ -216,6 +293,8 @@ def hydra_command(spec: LaunchSpec) -> list[str]:
         cmd += ["-f", spec.hostfile]
     elif spec.hosts:
         cmd += ["-hosts", host_list(spec.hosts)]
+    if spec.network:
+        cmd += ["-iface", spec.network.interface]
     return cmd + _hydra_env(spec) + spec.launcher_args + list(spec.command)
 
 
@@ -334,9 +413,11 @@ class Plan:
 
 def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str],
          which: Callable[[str], Optional[str]], mpi_version: Callable[[str], str],
-         as_root: bool, local_slots: int, launcher_args: Sequence[str] = (), supervised: bool = True) -> Plan:
+         as_root: bool, local_slots: int, launcher_args: Sequence[str] = (), supervised: bool = True,
+         network: Callable[[Sequence[Host]], Optional[Network]] = lambda hosts: None) -> Plan:
     """Decide the launcher and build its command; raises LaunchError on bad input. ``supervised``:
-    run by `hvdkit launch` (supervise.run), which gives every rank its job directory."""
+    run by `hvdkit launch` (supervise.run), which gives every rank its job directory.
+    ``network`` finds the interface to the hosts (routable_network; none in golden tests)."""
     if not command:
         raise LaunchError("no command after '--'")
     if args.np is None or args.np < 1:
@@ -385,20 +466,28 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
     flavor = mpi_flavor(mpi_version(program))
     if flavor == "unknown":
         raise LaunchError(f"cannot tell which MPI {program} is from `mpirun --version`")
-    spec.forward = forwarded_names(environ, [*extra, *([supervise.JOB_DIR] if supervised else [])])
     notes = [f"added --oversubscribe: {oversubscribed}"] if oversubscribed and flavor == "openmpi" else []
+    # horovodrun tests the hosts' interfaces itself; mpirun takes the first that answers.
+    if hosts and flavor in ("openmpi", "mpich") and not network_chosen(environ, launcher_args):
+        spec.network = network(hosts)
+        if spec.network:
+            if "NCCL_SOCKET_IFNAME" not in environ:
+                spec.set_env["NCCL_SOCKET_IFNAME"] = spec.network.interface
+            notes.append(f"network: {spec.network.interface} ({spec.network.cidr}), this host's route to "
+                         f"{', '.join(spec.network.peers)}; MPI and NCCL pinned to it")
+    spec.forward = forwarded_names(environ, [*extra, *([supervise.JOB_DIR] if supervised else [])])
     return Plan(launcher, f"{reason}; {flavor}", MPIRUN_BUILDERS[flavor](spec), {}, notes,
                 tagged=flavor == "openmpi")
 
 
-def local_command(how: str, np: int, command: Sequence[str]) -> list[str]:
-    """The launcher command that `hvdkit launch -np NP --launcher HOW -- COMMAND` runs on this
-    machine (HOW: "mpirun", "horovodrun --gloo", ...), from the same builders: for
+def local_command(how: str, np: int, command: Sequence[str], hosts: Optional[str] = None) -> list[str]:
+    """The launcher command that `hvdkit launch -np NP --launcher HOW [-H HOSTS] -- COMMAND`
+    runs from this host (HOW: "mpirun", "horovodrun --gloo", ...), from the same builders: for
     `doctor --selftest` and the tests, which run it directly (as root, with
     `selftest.mpi_root_env()`)."""
-    args = parser().parse_args(["-np", str(np), "--launcher", *how.split()])
+    args = parser().parse_args(["-np", str(np), "--launcher", *how.split(), *(["-H", hosts] if hosts else [])])
     return plan(args, list(command), os.environ, find_program, mpirun_version, os.geteuid() == 0,
-                local_slots(), supervised=False).command
+                local_slots(), supervised=False, network=routable_network).command
 
 
 def local_slots() -> int:
@@ -426,7 +515,7 @@ def main(argv: Sequence[str]) -> int:
         if command is None:
             raise LaunchError("put '--' before the command, e.g. hvdkit launch -np 2 -- python train.py")
         result = plan(args, command, os.environ, find_program, mpirun_version, os.geteuid() == 0, local_slots(),
-                      launcher_args)
+                      launcher_args, network=routable_network)
         check_command(command)
     except LaunchError as exc:
         print(f"hvdkit launch: {exc}", file=sys.stderr)

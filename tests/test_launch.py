@@ -129,6 +129,60 @@ def test_render_is_copy_pasteable():
                                  *result.command]
 
 
+# --- the network between hosts -----------------------------------------------------------------
+
+INTERFACES = {"lo": [("127.0.0.1", "255.0.0.0")], "eth0": [("10.1.0.11", "255.255.255.0")],
+              "docker0": [("172.17.0.1", "255.255.0.0")]}
+ADDRESSES = {"h1": "10.1.0.11", "h2": "10.1.0.12", "h3": "10.1.0.13", "localhost": "127.0.0.1"}
+
+
+def _resolve(name):
+    if name not in ADDRESSES:
+        raise OSError(-2, "Name or service not known")
+    return ADDRESSES[name]
+
+
+def _network(spec, source=lambda address: "10.1.0.11"):
+    return launch.routable_network(launch.parse_hosts(spec), _resolve, source, lambda: INTERFACES)
+
+
+def test_the_network_is_this_hosts_route_to_the_others():
+    assert _network("h1:1,h2:1,h3:1") == launch.Network("eth0", "10.1.0.0/24", ("h2", "h3"))
+    assert _network("h1:2,localhost:2") is None, "one machine: nothing to pin"
+    with pytest.raises(LaunchError, match=r"^host h9 does not resolve on this host \(check /etc/hosts or DNS\)$"):
+        _network("h1:1,h9:1")
+
+    def unreachable(address):
+        raise OSError(101, "Network is unreachable")
+    with pytest.raises(LaunchError, match=r"^no route from this host to h2 \(10.1.0.12\): Network is unreachable$"):
+        _network("h1:1,h2:1", unreachable)
+
+
+def _pinned_plan(argv, environ=None, mpi=OPENMPI):
+    args = launch.parser().parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    which = lambda name: f"/opt/bin/{name}"  # noqa: E731
+    own = argv[argv.index("--") + 1:] if "--" in argv else []
+    return launch.plan(args, WORKER, environ or {}, which, lambda _: mpi, False, 2, own,
+                       network=lambda hosts: launch.Network("eth0", "10.1.0.0/24", ("h2", "h3")))
+
+
+def test_mpirun_across_hosts_is_pinned_to_that_network_unless_the_user_chose():
+    result = _pinned_plan(["-np", "3", "-H", "h1:1,h2:1,h3:1", "--launcher", "mpirun"])
+    pinned = result.command.index("btl_tcp_if_include") - 1
+    assert result.command[pinned:pinned + 6] == ["-mca", "btl_tcp_if_include", "10.1.0.0/24",
+                                                 "-mca", "oob_tcp_if_include", "10.1.0.0/24"]
+    assert "NCCL_SOCKET_IFNAME=eth0" in result.command
+    assert result.notes == ["network: eth0 (10.1.0.0/24), this host's route to h2, h3; MPI and NCCL pinned to it"]
+    hydra = _pinned_plan(["-np", "3", "-H", "h1:1,h2:1,h3:1", "--launcher", "mpirun"], mpi=MPICH).command
+    assert hydra[hydra.index("-iface") + 1] == "eth0"
+    for chose in (_pinned_plan(["-np", "3", "-H", "h1:1,h2:1,h3:1", "--", "-mca", "btl_tcp_if_exclude", "docker0"]),
+                  _pinned_plan(["-np", "3", "-H", "h1:1,h2:1,h3:1"], {"OMPI_MCA_btl_tcp_if_include": "ib0"})):
+        assert "btl_tcp_if_include" not in chose.command and not chose.notes
+    horovodrun = _pinned_plan(["-np", "3", "-H", "h1:1,h2:1,h3:1", "--launcher", "horovodrun"]).command
+    assert "-mca" not in horovodrun, "horovodrun tests the hosts' interfaces itself"
+    assert "btl_tcp_if_include" not in _pinned_plan(["-np", "2", "--launcher", "mpirun"]).command
+
+
 # --- hostfiles --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt, text", [

@@ -1,0 +1,223 @@
+"""N test hosts on one machine: network namespaces on a private switch, each with its own
+address, host name, sshd and, if asked, a shaped link and a docker0 that routes nowhere.
+
+    python -m tests.hosts up 3 [--docker0] [--rate 1gbit]   # as root; Ctrl-C removes them
+
+    with Hosts(3) as hosts:
+        subprocess.run(hosts.on("h1", ["horovodrun", "-np", "3", "-H", "h1:1,h2:1,h3:1", ...]),
+                       env=hosts.env())
+
+Every name carries this process's PID, so two runs never share anything. The hosts' links meet
+on a bridge inside a switch namespace: the machine's own network and the root namespace see
+none of their traffic. Addresses are 10.231.0.11.. (eth0, routed between hosts) and, with
+docker0, 10.231.1.1 on every host (routed nowhere, as Docker's bridge is), both inside the
+namespaces only. Each host's name resolves from every host (/etc/netns/<ns>/hosts); commands
+run there see that host's name (a UTS namespace of their own). The filesystem is shared, as a
+cluster's home is. Removing the hosts ends every process still in their namespaces first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+SUBNET = "10.231.0"  # the hosts' routed network, /24
+DOCKER0 = "10.231.1.1/24"  # the same address on every host, as Docker's bridge has
+SSHD = "/usr/sbin/sshd"
+
+
+class HostsUnavailable(Exception):
+    """This machine cannot build namespace hosts (not root, no iproute2 or sshd)."""
+
+
+def _ip(*args: str) -> None:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {proc.stderr.strip()}")
+
+
+def unavailable() -> Optional[str]:
+    """Why namespace hosts cannot be made here, or None."""
+    if os.geteuid() != 0:
+        return "namespace hosts need root (ip netns add)"
+    for tool in ("ip", "unshare", "tc", SSHD, "ssh", "ssh-keygen"):
+        if not shutil.which(tool):
+            return f"{tool} not found: apt-get install iproute2 openssh-server openssh-client"
+    return None
+
+
+class Hosts:
+    def __init__(self, count: int, docker0: bool = False, rate: Optional[str] = None) -> None:
+        self.names = [f"h{i}" for i in range(1, count + 1)]
+        self.prefix = f"hvdk{os.getpid()}"
+        self.docker0, self.rate = docker0, rate
+        self.dir: Optional[Path] = None
+        self.sshd: dict[str, subprocess.Popen] = {}
+
+    # -- names -------------------------------------------------------------------------------
+    def ns(self, name: str) -> str:
+        return f"{self.prefix}-{name}"
+
+    @property
+    def switch(self) -> str:
+        return f"{self.prefix}-sw"
+
+    def address(self, name: str) -> str:
+        return f"{SUBNET}.{10 + self.names.index(name) + 1}"
+
+    def on(self, name: str, command: Sequence[str]) -> list[str]:
+        """``command`` as if typed on host ``name``: its network, its /etc/hosts, its host name."""
+        return ["ip", "netns", "exec", self.ns(name), "unshare", "--uts", "sh", "-c",
+                f'hostname {name} && exec "$@"', name, *command]
+
+    def env(self, base: Optional[dict] = None) -> dict:
+        """An environment whose ``ssh`` reaches the hosts with the fixture's key (as a user's
+        ~/.ssh/config would), for horovodrun and mpirun, which call ``ssh`` from PATH."""
+        env = dict(os.environ if base is None else base)
+        env["PATH"] = f"{self.dir / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+        return env
+
+    # -- life --------------------------------------------------------------------------------
+    def __enter__(self) -> "Hosts":
+        problem = unavailable()
+        if problem:
+            raise HostsUnavailable(problem)
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{self.prefix}-"))
+        try:
+            self._network()
+            self._ssh()
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def _network(self) -> None:
+        _ip("netns", "add", self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        table = "127.0.0.1 localhost\n" + "".join(f"{self.address(n)} {n}\n" for n in self.names)
+        for name in self.names:
+            ns = self.ns(name)
+            _ip("netns", "add", ns)
+            Path(f"/etc/netns/{ns}").mkdir(parents=True, exist_ok=True)
+            Path(f"/etc/netns/{ns}/hosts").write_text(table)
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", self.switch, "link", "add", name, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("-n", self.switch, "link", "set", name, "master", "br0", "up")
+            _ip("-n", ns, "addr", "add", f"{self.address(name)}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            if self.docker0:  # up, with carrier (a container's veth attached), routing nowhere
+                _ip("-n", ns, "link", "add", "docker0", "type", "veth", "peer", "name", "vethc0")
+                _ip("-n", ns, "addr", "add", DOCKER0, "dev", "docker0")
+                _ip("-n", ns, "link", "set", "vethc0", "up")
+                _ip("-n", ns, "link", "set", "docker0", "up")
+            if self.rate:
+                self.shape(name, self.rate)
+
+    def shape(self, name: str, rate: str) -> None:
+        """Limit what host ``name`` sends to ``rate`` (tc tbf; this kernel has no netem, so no delay)."""
+        subprocess.run(["ip", "netns", "exec", self.ns(name), "tc", "qdisc", "replace", "dev", "eth0", "root",
+                        "tbf", "rate", rate, "burst", "256kb", "latency", "50ms"], check=True)
+
+    def link(self, name: str, up: bool) -> None:
+        """Take host ``name``'s link down (a pulled cable, a dead switch port) or up again."""
+        _ip("-n", self.ns(name), "link", "set", "eth0", "up" if up else "down")
+
+    def _ssh(self) -> None:
+        d = self.dir
+        for key in ("client", "host"):
+            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key)], check=True)
+        (d / "authorized_keys").write_text((d / "client.pub").read_text())
+        (d / "ssh_config").write_text(
+            f"Host {' '.join(self.names)}\n  User root\n  IdentityFile {d / 'client'}\n  IdentitiesOnly yes\n"
+            "  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n  BatchMode yes\n"
+            "  ConnectTimeout 5\n")
+        (d / "bin").mkdir()
+        wrapper = d / "bin" / "ssh"
+        wrapper.write_text(f'#!/bin/sh\nexec /usr/bin/ssh -F {d / "ssh_config"} "$@"\n')
+        wrapper.chmod(0o755)
+        Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
+        for name in self.names:
+            config = d / f"sshd_{name}"
+            config.write_text(
+                f"ListenAddress {self.address(name)}\nHostKey {d / 'host'}\nAuthorizedKeysFile {d / 'authorized_keys'}\n"
+                "PermitRootLogin prohibit-password\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
+                f"UsePAM no\nStrictModes no\nPidFile {d / f'sshd_{name}.pid'}\nMaxStartups 200\nMaxSessions 200\n")
+            log = open(d / f"sshd_{name}.log", "w")
+            self.sshd[name] = subprocess.Popen(self.on(name, [SSHD, "-D", "-e", "-f", str(config)]),
+                                               stdout=log, stderr=subprocess.STDOUT)
+            log.close()
+        deadline = time.monotonic() + 20
+        for name in self.names:
+            while subprocess.run(self.on(self.names[0], ["ssh", name, "true"]), env=self.env(),
+                                 capture_output=True).returncode != 0:
+                if self.sshd[name].poll() is not None or time.monotonic() > deadline:
+                    log = (d / f"sshd_{name}.log").read_text()[-1000:]
+                    raise RuntimeError(f"sshd on {name} is not reachable: {log}")
+                time.sleep(0.2)
+
+    def pids(self) -> list[int]:
+        """Every process in the hosts' namespaces: ours, since we made the namespaces."""
+        found = []
+        for ns in [self.ns(n) for n in self.names] + [self.switch]:
+            out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+            found += [int(pid) for pid in out.split()]
+        return found
+
+    def remove(self) -> None:
+        """End every process on the hosts, then remove namespaces, their files and keys."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in self.pids():
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + 5
+            while self.pids() and time.monotonic() < deadline:
+                time.sleep(0.1)
+        for proc in self.sshd.values():
+            proc.wait(timeout=10)
+        for ns in [self.ns(n) for n in self.names] + [self.switch]:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.hosts", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="action", required=True)
+    up = sub.add_parser("up", help="make the hosts and keep them until Ctrl-C or SIGTERM")
+    up.add_argument("count", type=int)
+    up.add_argument("--docker0", action="store_true", help="a docker0 with 10.231.1.1 on every host")
+    up.add_argument("--rate", help="shape each host's link, e.g. 1gbit")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        with Hosts(args.count, docker0=args.docker0, rate=args.rate) as hosts:
+            print(f"hosts {', '.join(f'{n}={hosts.address(n)}' for n in hosts.names)}; keys in {hosts.dir}")
+            print(f"a shell on h1:  PATH={hosts.dir}/bin:$PATH ip netns exec {hosts.ns('h1')} "
+                  f"unshare --uts sh -c 'hostname h1 && exec bash'")
+            print("Ctrl-C removes them.", flush=True)
+            signal.pause()
+    except HostsUnavailable as exc:
+        print(f"tests.hosts: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

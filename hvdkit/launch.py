@@ -9,12 +9,10 @@ anything starts: a bad host list fails in one line, not in an MPI stack trace on
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -22,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
 from hvdkit import slurm, supervise
+from hvdkit.network import Network, NetworkError, remote_hosts, routable_network
 
 LAUNCHERS = ("auto", "horovodrun", "mpirun", "srun")
 FORWARD_PREFIXES = ("NCCL_", "HOROVOD_", "HVDKIT_")  # HVDKIT_: config keys job scripts hand over
@@ -152,68 +151,6 @@ def choose_launcher(requested: str, controller: Optional[str], environ: Mapping[
     if which("mpirun"):
         return "mpirun", f"mpirun found at {which('mpirun')}"
     return "horovodrun", "no Slurm allocation and no mpirun on PATH: horovodrun with Gloo"
-
-
-# ---------------------------------------------------------------------------
-# The network between the hosts.
-# ---------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Network:
-    interface: str  # its name on this host: eth0
-    cidr: str  # 10.1.0.0/24: what Open MPI takes, whatever the interface is called elsewhere
-    peers: tuple = ()  # the hosts reached through it
-
-
-def source_address(address: str) -> str:
-    """The address this host sends from to ``address``: the kernel's route, no packet sent."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((address, 9))
-        return probe.getsockname()[0]
-
-
-def ipv4_interfaces() -> dict[str, list[tuple[str, str]]]:
-    """{interface: [(address, netmask)]} of this host."""
-    import psutil
-
-    return {name: [(a.address, a.netmask) for a in addrs if a.family == socket.AF_INET and a.netmask]
-            for name, addrs in psutil.net_if_addrs().items()}
-
-
-def routable_network(hosts: Sequence[Host], resolve: Callable[[str], str] = socket.gethostbyname,
-                     source_for: Callable[[str], str] = source_address,
-                     interfaces: Callable[[], dict] = ipv4_interfaces) -> Optional[Network]:
-    """The interface through which this host reaches the job's other hosts; None when every
-    host is this one, or they are reached through different interfaces.
-
-    Cluster nodes have several (docker0 with the same address on every node, ib0, a
-    management NIC); Open MPI tries them all and, measured on namespace hosts with a docker0,
-    hangs at the first message sent to a peer's docker0 address. Pinned to the route's
-    interface, the same job completes. A host that does not resolve, or has no route, is a
-    one-line error before anything starts.
-    """
-    table = interfaces()
-    local = {address for addresses in table.values() for address, _ in addresses}
-    via: dict[str, str] = {}
-    for host in hosts:
-        try:
-            address = resolve(host.name)
-        except OSError:
-            raise LaunchError(f"host {host.name} does not resolve on this host (check /etc/hosts or DNS)") from None
-        if address in local or address.startswith("127."):
-            continue
-        try:
-            via[host.name] = source_for(address)
-        except OSError as exc:
-            raise LaunchError(f"no route from this host to {host.name} ({address}): {exc.strerror or exc}") from None
-    if len(set(via.values())) != 1:
-        return None
-    source = next(iter(via.values()))
-    for name, addresses in table.items():
-        for address, netmask in addresses:
-            if address == source:
-                return Network(name, str(ipaddress.ip_network(f"{address}/{netmask}", strict=False)), tuple(via))
-    return None
 
 
 TCP_INCLUDE = ("btl_tcp_if_include", "oob_tcp_if_include")
@@ -404,6 +341,7 @@ class Plan:
     env: dict  # set in the launcher's own environment
     notes: list = field(default_factory=list)
     tagged: bool = False  # output tagged per chunk with the rank ([1,0]<stdout>:), joined into lines
+    watch: list = field(default_factory=list)  # hosts (-H, --hostfile) that supervise.run ends the job without
 
     def render(self) -> str:
         """Copy-pasteable: `env NAME=VALUE ... launcher args`."""
@@ -414,7 +352,7 @@ class Plan:
 def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str],
          which: Callable[[str], Optional[str]], mpi_version: Callable[[str], str],
          as_root: bool, local_slots: int, launcher_args: Sequence[str] = (), supervised: bool = True,
-         network: Callable[[Sequence[Host]], Optional[Network]] = lambda hosts: None) -> Plan:
+         network: Callable[[Sequence[str]], Optional[Network]] = lambda names: None) -> Plan:
     """Decide the launcher and build its command; raises LaunchError on bad input. ``supervised``:
     run by `hvdkit launch` (supervise.run), which gives every rank its job directory.
     ``network`` finds the interface to the hosts (routable_network; none in golden tests)."""
@@ -455,11 +393,12 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
                       controller=args.controller, set_env=set_env, oversubscribe=args.oversubscribe,
                       as_root=as_root, srun_mpi=args.srun_mpi, program=program, launcher_args=list(launcher_args))
     oversubscribed = check_slots(spec, local_slots)
+    listed = [h.name for h in hosts] if args.hosts or args.hostfile else []  # srun: Slurm watches its nodes
     if launcher == "horovodrun":
         env = dict(set_env)
         if as_root and args.controller != "gloo":  # its mpirun refuses root without these
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-        return Plan(launcher, reason, horovodrun_command(spec), env, tagged=True)
+        return Plan(launcher, reason, horovodrun_command(spec), env, tagged=True, watch=listed)
     if launcher == "srun":
         return Plan(launcher, reason, srun_command(spec), {})
 
@@ -469,7 +408,10 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
     notes = [f"added --oversubscribe: {oversubscribed}"] if oversubscribed and flavor == "openmpi" else []
     # horovodrun tests the hosts' interfaces itself; mpirun takes the first that answers.
     if hosts and flavor in ("openmpi", "mpich") and not network_chosen(environ, launcher_args):
-        spec.network = network(hosts)
+        try:
+            spec.network = network([h.name for h in hosts])
+        except NetworkError as exc:
+            raise LaunchError(str(exc)) from None
         if spec.network:
             if "NCCL_SOCKET_IFNAME" not in environ:
                 spec.set_env["NCCL_SOCKET_IFNAME"] = spec.network.interface
@@ -477,7 +419,7 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
                          f"{', '.join(spec.network.peers)}; MPI and NCCL pinned to it")
     spec.forward = forwarded_names(environ, [*extra, *([supervise.JOB_DIR] if supervised else [])])
     return Plan(launcher, f"{reason}; {flavor}", MPIRUN_BUILDERS[flavor](spec), {}, notes,
-                tagged=flavor == "openmpi")
+                tagged=flavor == "openmpi", watch=listed)
 
 
 def local_command(how: str, np: int, command: Sequence[str], hosts: Optional[str] = None) -> list[str]:
@@ -517,7 +459,8 @@ def main(argv: Sequence[str]) -> int:
         result = plan(args, command, os.environ, find_program, mpirun_version, os.geteuid() == 0, local_slots(),
                       launcher_args, network=routable_network)
         check_command(command)
-    except LaunchError as exc:
+        watched = remote_hosts(result.watch)
+    except (LaunchError, NetworkError) as exc:
         print(f"hvdkit launch: {exc}", file=sys.stderr)
         return 2
     if args.dry_run or args.verbose:
@@ -527,7 +470,7 @@ def main(argv: Sequence[str]) -> int:
         print(result.render(), flush=True)
         if args.dry_run:
             return 0
-    return supervise.run(result.command, dict(os.environ, **result.env), join_lines=result.tagged)
+    return supervise.run(result.command, dict(os.environ, **result.env), join_lines=result.tagged, watch=watched)
 
 
 def discover_hosts() -> int:

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from hvdkit import checkpoint, data, env, preemption, supervise
+from hvdkit import checkpoint, data, env, network, preemption, supervise
 from hvdkit.config import ConfigError, TrainConfig, from_environ, from_mapping, to_dict, validate
 from hvdkit.config import resume_conflict as config_resume_conflict
 from hvdkit.lock import DirectoryInUse, DirectoryLock
@@ -239,6 +239,7 @@ class Session:
         self.device = place_process(hvd.local_rank(), hvd.local_size())
         seed_everything(cfg.seed + hvd.rank())
         self.watchdog = Watchdog.after_stall_inspector(0 if cfg.elastic else cfg.stall_timeout, hvd.rank())
+        self._lifeline = network.Lifeline.from_environ(os.environ, hvd.rank())  # horovodrun --gloo's ranks
         self.amp_dtype = torch.float16 if self.device.type == "cuda" else torch.bfloat16
         # fp16 needs loss scaling, bf16 does not.
         self.scaler = torch.amp.GradScaler("cuda") if cfg.amp and self.device.type == "cuda" else None
@@ -735,6 +736,8 @@ class Session:
         not take the stop for success."""
         self._signal.restore()
         self.watchdog.stop()
+        if self._lifeline:
+            self._lifeline.stop()
         for held in self._locks:
             held.release()
         if self.stopped:

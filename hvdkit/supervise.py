@@ -12,7 +12,11 @@ therefore starts the launcher as a child in its own session and stays as its par
   as SIGTERM, as Open MPI's mpirun passes it to its ranks;
 * when the launcher exits, every process still left below it is ended (SIGTERM, then
   SIGKILL), by PID, and the launcher's exit code is returned, or the documented code a rank
-  left in the job directory (HVDKIT_JOB_DIR) when a launcher replaced it with its own.
+  left in the job directory (HVDKIT_JOB_DIR) when a launcher replaced it with its own;
+* across hosts, it watches them (hvdkit.network.HostWatch): when one stops answering, the
+  other ranks are blocked in a collective that cannot complete, so the launcher and every
+  process below it are killed at once, with one line naming the host, and it exits with
+  network.LOST_EXIT.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
-from hvdkit import lines
+from hvdkit import lines, network
 
 if TYPE_CHECKING:  # imported where used: `hvdkit doctor` runs without psutil
     import psutil
@@ -81,9 +85,11 @@ def translate(signum: int, forwarder: str) -> int:
     return signal.SIGTERM if signum == signal.SIGINT and forwarder == "srun" else signum
 
 
-def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False) -> int:
+def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False,
+        watch: Optional[Mapping[str, str]] = None) -> int:
     """Run ``command`` (a launcher) to its end as described above; its exit code. With
-    ``join_lines``, its output (tagged by rank) is passed on as whole lines (hvdkit.lines)."""
+    ``join_lines``, its output (tagged by rank) is passed on as whole lines (hvdkit.lines);
+    ``watch``: {host: address} of the other hosts of the job."""
     import psutil  # here: `hvdkit doctor` imports this module where psutil may be missing
 
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
@@ -107,15 +113,36 @@ def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False
                     pass
 
         previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+        hosts = network.HostWatch(dict(watch or {}))
         try:
-            code = child.wait()
+            code = _wait(child, hosts)
         finally:
+            hosts.stop()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            end_leftovers()
+            end_leftovers(grace=0 if hosts.lost else GRACE_SECONDS)
             for pump in pumps:
                 pump.join(timeout=5)
+        if hosts.lost:
+            return network.LOST_EXIT
         return rank_exit_code(Path(env[JOB_DIR])) or _shell_code(code)
+
+
+def _wait(child: subprocess.Popen, hosts: network.HostWatch) -> int:
+    """The launcher's exit code; if a host is lost first, the launcher is killed (its
+    process group) after saying which host."""
+    while True:
+        try:
+            return child.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        if hosts.lost:
+            print(f"hvdkit launch: {hosts.lost}", file=sys.stderr, flush=True)
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            return child.wait()
 
 
 def _shell_code(code: int) -> int:
@@ -147,7 +174,7 @@ def end_leftovers(grace: float = GRACE_SECONDS) -> list[int]:
             process.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(alive, timeout=grace)
+    psutil.wait_procs(alive, timeout=max(grace, 5.0))
     _reap()
     return pids
 

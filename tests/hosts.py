@@ -151,7 +151,8 @@ class Hosts:
         for name in self.names:
             config = d / f"sshd_{name}"
             config.write_text(
-                f"ListenAddress {self.address(name)}\nHostKey {d / 'host'}\nAuthorizedKeysFile {d / 'authorized_keys'}\n"
+                f"ListenAddress {self.address(name)}\nHostKey {d / 'host'}\n"
+                f"AuthorizedKeysFile {d / 'authorized_keys'}\n"
                 "PermitRootLogin prohibit-password\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
                 f"UsePAM no\nStrictModes no\nPidFile {d / f'sshd_{name}.pid'}\nMaxStartups 200\nMaxSessions 200\n")
             log = open(d / f"sshd_{name}.log", "w")
@@ -167,10 +168,31 @@ class Hosts:
                     raise RuntimeError(f"sshd on {name} is not reachable: {log}")
                 time.sleep(0.2)
 
-    def pids(self) -> list[int]:
-        """Every process in the hosts' namespaces: ours, since we made the namespaces."""
+    def end_jobs(self, name: str) -> None:
+        """End every process on host ``name`` but its sshd (what a lost host left behind)."""
+        keep = self.sshd[name].pid
+        for pid in self.pids(name):
+            if pid != keep:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def commands(self, name: str) -> list[str]:
+        """The names of the processes on host ``name``, its sshd and ssh sessions included."""
+        names = []
+        for pid in self.pids(name):
+            try:
+                names.append(Path(f"/proc/{pid}/comm").read_text().strip())
+            except OSError:
+                pass
+        return names
+
+    def pids(self, name: Optional[str] = None) -> list[int]:
+        """Every process in host ``name``'s namespace, or in all of the hosts' namespaces: ours,
+        since we made the namespaces."""
         found = []
-        for ns in [self.ns(n) for n in self.names] + [self.switch]:
+        for ns in [self.ns(name)] if name else [self.ns(n) for n in self.names] + [self.switch]:
             out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
             found += [int(pid) for pid in out.split()]
         return found

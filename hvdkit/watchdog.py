@@ -103,7 +103,8 @@ class Watchdog:
         record = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "where": self.where,
                   "beat": self.last_wall, "alive": now}
         try:
-            self.shared.mkdir(parents=True, exist_ok=True)
+            if self._own:  # a launcher's job directory is the launcher's: gone with it, not made again
+                self.shared.mkdir(parents=True, exist_ok=True)
             tmp = self._path(self.rank).with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(record))
             os.replace(tmp, self._path(self.rank))

@@ -32,13 +32,18 @@ LAUNCHERS = {
 }
 
 
-@pytest.fixture(scope="module")
-def hosts():
+def require_namespaces():
+    """Skip, saying why, where namespace hosts cannot be made; in CI that is a failure."""
     problem = namespace_hosts.unavailable()
     if problem:
         if os.environ.get("CI"):
             pytest.fail(f"CI must run the multi-host tests, but: {problem}")
         pytest.skip(f"cannot make namespace hosts here: {problem}")
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    require_namespaces()
     with namespace_hosts.Hosts(3, docker0=True) as made:
         yield made
 
@@ -114,3 +119,20 @@ def test_a_host_whose_link_goes_down_ends_the_job_naming_it(hosts, launcher, tmp
             proc.wait()
         hosts.link("h3", up=True)
         hosts.end_jobs("h3")  # its ranks could not be reached while its link was down
+
+
+def test_hosts_leave_nothing_behind_even_when_the_test_fails():
+    require_namespaces()
+    made = namespace_hosts.Hosts(2, rate="100mbit")
+    with pytest.raises(RuntimeError, match="the test failed"):
+        with made:
+            started = subprocess.Popen(made.on("h2", ["sleep", "600"]))
+            assert subprocess.run(made.on("h1", ["ssh", "h2", "hostname"]), env=made.env(), capture_output=True,
+                                  text=True).stdout == "h2\n"
+            raise RuntimeError("the test failed")
+    assert started.wait(timeout=10) != 0, "the process started on h2 was ended"
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert made.prefix not in listed
+    netns_files = os.listdir("/etc/netns") if os.path.isdir("/etc/netns") else []
+    assert [name for name in netns_files if name.startswith(made.prefix)] == []
+    assert not made.dir.exists()

@@ -457,9 +457,9 @@ def main(argv: Sequence[str]) -> int:
         if command is None:
             raise LaunchError("put '--' before the command, e.g. hvdkit launch -np 2 -- python train.py")
         result = plan(args, command, os.environ, find_program, mpirun_version, os.geteuid() == 0, local_slots(),
-                      launcher_args, network=routable_network)
+                      launcher_args, network=_previewed if args.dry_run else routable_network)
         check_command(command)
-        watched = remote_hosts(result.watch)
+        watched = {} if args.dry_run else remote_hosts(result.watch)
     except (LaunchError, NetworkError) as exc:
         print(f"hvdkit launch: {exc}", file=sys.stderr)
         return 2
@@ -471,6 +471,14 @@ def main(argv: Sequence[str]) -> int:
         if args.dry_run:
             return 0
     return supervise.run(result.command, dict(os.environ, **result.env), join_lines=result.tagged, watch=watched)
+
+
+def _previewed(names: Sequence[str]) -> Optional[Network]:
+    """--dry-run may preview a job for hosts that do not resolve where it runs (a laptop)."""
+    try:
+        return routable_network(names)
+    except NetworkError:
+        return None
 
 
 def discover_hosts() -> int:

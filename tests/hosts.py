@@ -7,7 +7,8 @@ address, host name, sshd and, if asked, a shaped link and a docker0 that routes 
         subprocess.run(hosts.on("h1", ["horovodrun", "-np", "3", "-H", "h1:1,h2:1,h3:1", ...]),
                        env=hosts.env())
 
-Every name carries this process's PID, so two runs never share anything. The hosts' links meet
+Every name carries this process's PID and a count, so two runs, or two sets of hosts in one
+run, never share anything. The hosts' links meet
 on a bridge inside a switch namespace: the machine's own network and the root namespace see
 none of their traffic. Addresses are 10.231.0.11.. (eth0, routed between hosts) and, with
 docker0, 10.231.1.1 on every host (routed nowhere, as Docker's bridge is), both inside the
@@ -25,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import itertools
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -32,6 +34,7 @@ from typing import Optional, Sequence
 SUBNET = "10.231.0"  # the hosts' routed network, /24
 DOCKER0 = "10.231.1.1/24"  # the same address on every host, as Docker's bridge has
 SSHD = "/usr/sbin/sshd"
+_made = itertools.count()  # sets of hosts this process has made: part of every name
 
 
 class HostsUnavailable(Exception):
@@ -57,7 +60,7 @@ def unavailable() -> Optional[str]:
 class Hosts:
     def __init__(self, count: int, docker0: bool = False, rate: Optional[str] = None) -> None:
         self.names = [f"h{i}" for i in range(1, count + 1)]
-        self.prefix = f"hvdk{os.getpid()}"
+        self.prefix = f"hvdk{os.getpid()}x{next(_made)}"
         self.docker0, self.rate = docker0, rate
         self.dir: Optional[Path] = None
         self.sshd: dict[str, subprocess.Popen] = {}

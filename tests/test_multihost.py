@@ -132,7 +132,7 @@ def test_hosts_leave_nothing_behind_even_when_the_test_fails():
             raise RuntimeError("the test failed")
     assert started.wait(timeout=10) != 0, "the process started on h2 was ended"
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert made.prefix not in listed
+    assert f"{made.prefix}-" not in listed
     netns_files = os.listdir("/etc/netns") if os.path.isdir("/etc/netns") else []
-    assert [name for name in netns_files if name.startswith(made.prefix)] == []
+    assert [name for name in netns_files if name.startswith(f"{made.prefix}-")] == []
     assert not made.dir.exists()

@@ -91,7 +91,7 @@ class TrainConfig:
 # (batch size moves the data position, base_lr is restored from the checkpoint, ...).
 RESUME_MAY_CHANGE = ("epochs", "max_steps", "data_dir", "num_workers", "log_interval", "log_dir", "checkpoint_dir",
                      "checkpoint_steps", "keep_checkpoints", "stall_timeout", "max_requeues", "resume", "compile",
-                     "on_nonfinite", "skip_bad_samples")
+                     "commit_steps", "on_nonfinite", "skip_bad_samples")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -152,9 +152,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(f"config: {name} must be one of {', '.join(choices)} (got {getattr(cfg, name)!r})")
     if cfg.use_adasum and cfg.gradient_predivide_factor != 1.0:
         raise ConfigError("config: gradient_predivide_factor must be 1.0 with use_adasum (Horovod averages only)")
-    if cfg.elastic and cfg.checkpoint_dir:
-        raise ConfigError("config: checkpoint_dir is not supported with elastic yet: elastic state is committed "
-                          "in memory every commit_steps; drop one of the two")
     for name in ("log_dir", "checkpoint_dir"):
         _check_writable(name, getattr(cfg, name))
     return cfg
@@ -285,6 +282,9 @@ def to_dict(cfg: TrainConfig) -> dict:
 
 def resume_conflict(saved: Mapping[str, Any], cfg: TrainConfig) -> Optional[str]:
     """Why a run with ``cfg`` cannot resume a checkpoint written with the ``saved`` keys, or None."""
+    if bool(saved.get("elastic")) != cfg.elastic:  # the data position is kept differently
+        wrote = "an elastic run (--elastic)" if saved.get("elastic") else "a fixed-size run (without --elastic)"
+        return f"was written by {wrote}: resume it the same way, or start afresh in another --checkpoint-dir"
     for name, value in to_dict(cfg).items():
         if name in RESUME_MAY_CHANGE or name not in saved or saved[name] == value:
             continue

@@ -57,7 +57,9 @@ class Metrics:
                     self.tensorboard.add_scalar(f"{event}/{key}", value, step)
 
     def write(self, record: dict) -> None:
+        """One JSONL line, stamped with the wall time (elastic changes are timed from it)."""
         if self.jsonl is not None:
+            record = {**record, "time": round(time.time(), 3)}
             self.jsonl.write(json.dumps(finite_or_none(record), allow_nan=False) + "\n")
             self.jsonl.flush()
 
@@ -100,3 +102,38 @@ def _short(value):
     if isinstance(value, float):
         return f"{value:.4g}"
     return value
+
+
+def world_size_changes(records: list) -> list:
+    """Each change of an elastic job's world size, from its metrics.jsonl records: the sizes,
+    the step training went on from, and the seconds lost. Lost is the wall time between the
+    last train report before the change and the first after it, less the time the steps
+    between them take (at the new size's pace, else the old one's): it counts detecting the
+    change, the new rendezvous, a joining worker's start and the steps redone since the last
+    commit. Resets with no train report between them are one change."""
+    changes, reports, reset = [], [], None
+    for record in records:
+        if record.get("event") == "reset" and reports:
+            reset = reset or record
+        elif record.get("event") == "train" and "time" in record:
+            reports.append(record)
+            if reset is not None:
+                changes.append({"from": reports[-2].get("world_size"), "to": record.get("world_size"),
+                                "step": reset["step"], "_at": len(reports) - 1})
+                reset = None
+    for change in changes:
+        at = change.pop("_at")
+        before, after = reports[at - 1], reports[at]
+        pace = (_seconds_per_step(after, reports[at + 1] if at + 1 < len(reports) else None)
+                or _seconds_per_step(reports[at - 2] if at >= 2 else None, before))
+        lost = after["time"] - before["time"] - pace * max(0, after["step"] - before["step"])
+        change["lost_seconds"] = round(max(0.0, lost), 2)
+    return changes
+
+
+def _seconds_per_step(first: Optional[dict], second: Optional[dict]) -> float:
+    """Seconds per step between two train reports at one world size; 0.0 when unknown."""
+    if first is None or second is None or second["step"] <= first["step"] or \
+            first.get("world_size") != second.get("world_size"):
+        return 0.0
+    return (second["time"] - first["time"]) / (second["step"] - first["step"])

@@ -157,8 +157,8 @@ class Lifeline:
     @classmethod
     def from_environ(cls, environ, rank: int) -> Optional["Lifeline"]:
         address, port = environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR"), environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
-        if not address or not (port or "").isdigit() or environ.get("HOROVOD_ELASTIC") == "1":
-            return None  # not started by horovodrun --gloo; elastic ranks are ended by Horovod's driver
+        if not address or not (port or "").isdigit():
+            return None  # not started by horovodrun --gloo (nor its elastic driver)
         return cls(address, int(port), rank)
 
     def _watch(self) -> None:

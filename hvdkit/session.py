@@ -46,7 +46,7 @@ from hvdkit import checkpoint, data, env, network, preemption, supervise
 from hvdkit.config import ConfigError, TrainConfig, from_environ, from_mapping, to_dict, validate
 from hvdkit.config import resume_conflict as config_resume_conflict
 from hvdkit.lock import DirectoryInUse, DirectoryLock
-from hvdkit.metrics import Metrics, finite_or_none
+from hvdkit.metrics import Metrics, finite_or_none, world_size_changes
 from hvdkit.preemption import StopSignal
 from hvdkit.watchdog import Watchdog
 
@@ -346,9 +346,10 @@ class Session:
         # A scheduler warns that it stepped before the optimizer when the step it wrapped (the
         # one you passed) was not called; Horovod's wrapper is called instead, and first.
         optimizer._opt_called = True
-        # Elastic: hvd.elastic.run syncs the state when it starts, and workers that join later
-        # must not wait here in a broadcast the others never enter.
-        if not self._resume() and not cfg.elastic:
+        # Elastic: hvd.elastic.run syncs the state when it starts (load_elastic reads a
+        # checkpoint), and workers that join later must not wait here in a collective the
+        # others never enter.
+        if not cfg.elastic and not self._resume():
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         # Heartbeats for naming a stalled rank, once the run is accepted: a refused resume
         # leaves the log directory as it was.
@@ -378,6 +379,17 @@ class Session:
             return False
         if "error" in state:  # every rank stops with the same line
             raise state["error"]
+        self._load_training_state(state)
+        set_rng_state(state["rng"][self.rank])
+        self._signal.step = self.global_step
+        self._resumed_batches = state.get("loader_batches")
+        if self.rank == 0:
+            print(f"hvdkit: resumed from {state['path']} (epoch {self.epoch + 1}, step {self.global_step})",
+                  file=sys.stderr, flush=True)
+        return True
+
+    def _load_training_state(self, state: dict) -> None:
+        """Model, optimizer, scheduler, GradScaler, epoch, step and ``extra`` from a checkpoint."""
         try:
             self._module().load_state_dict(state["model"])
         except RuntimeError as exc:
@@ -393,32 +405,26 @@ class Session:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler") is not None:
             self.scaler.load_state_dict(state["scaler"])
-        set_rng_state(state["rng"][self.rank])
         self.epoch, self.global_step = state["epoch"], state["step"]
-        self._signal.step = self.global_step
-        self._resumed_batches = state.get("loader_batches")
         self.resumed_config = state["config"]
         self.extra.update(state.get("extra") or {})
-        if self.rank == 0:
-            print(f"hvdkit: resumed from {state['path']} (epoch {self.epoch + 1}, step {self.global_step})",
-                  file=sys.stderr, flush=True)
-        return True
 
     def _read_checkpoint(self) -> Optional[dict]:
         def warn(message: str) -> None:
-            print(f"hvdkit: warning: {message}", file=sys.stderr, flush=True)
+            if self.rank == 0:  # elastic ranks each read the file
+                print(f"hvdkit: warning: {message}", file=sys.stderr, flush=True)
 
         found = checkpoint.load_latest(self.cfg.checkpoint_dir, warn)
         if found is None:
             return None
         path, state = found
-        if state["world_size"] != self.size:
-            raise ConfigError(f"checkpoint {path} was written by {state['world_size']} ranks, this job has "
-                              f"{self.size}; resume with {state['world_size']} ranks (the data order and learning "
-                              f"rate depend on it), or start afresh in another --checkpoint-dir")
         conflict = config_resume_conflict(state["config"], self.cfg)
         if conflict:
             raise ConfigError(f"checkpoint {path} {conflict}")
+        if state["world_size"] != self.size and not self.cfg.elastic:  # elastic positions fit any size
+            raise ConfigError(f"checkpoint {path} was written by {state['world_size']} ranks, this job has "
+                              f"{self.size}; resume with {state['world_size']} ranks (the data order and learning "
+                              f"rate depend on it), or start afresh in another --checkpoint-dir")
         return {**state, "path": str(path)}
 
     def _module(self) -> nn.Module:
@@ -432,15 +438,46 @@ class Session:
             return
         self.watchdog.beat(f"checkpoint of step {self.global_step}")
         rng = self.hvd.allgather_object(rng_state())
-        if self.rank != 0:
-            return
+        if self.rank == 0:
+            self._write_checkpoint(rng=rng, loader_batches=[loader.batch_size for loader in self._loaders])
+
+    def _write_checkpoint(self, **position) -> None:
+        """This rank's state, and ``position``: how the data position is kept (see save, save_elastic)."""
         checkpoint.save(self.cfg.checkpoint_dir, self.global_step, {
             "model": self._module().state_dict(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "scaler": self.scaler.state_dict() if self.scaler else None, "rng": rng, "extra": self.extra,
+            "scaler": self.scaler.state_dict() if self.scaler else None, "extra": self.extra,
             "epoch": self.epoch, "step": self.global_step, "world_size": self.size, "config": to_dict(self.cfg),
-            "loader_batches": [loader.batch_size for loader in self._loaders],
+            **position,
         }, keep=self.cfg.keep_checkpoints)
+
+    # -- elastic ---------------------------------------------------------------------------
+    def save_elastic(self, sampler) -> None:
+        """Elastic: rank 0 writes the state just committed, so that the job itself can be
+        resumed (a requeue, a restart of the whole job). No collective, as save() has, since
+        workers may be joining; Horovod's ElasticSampler position stands in for the loaders'
+        and each rank's RNG, and it fits any world size."""
+        if self.cfg.checkpoint_dir and self.rank == 0:
+            self.watchdog.beat(f"checkpoint of step {self.global_step}")
+            self._write_checkpoint(sampler=sampler.state_dict())
+
+    def load_elastic(self, sampler) -> bool:
+        """Elastic: this process loads the newest checkpoint by itself (workers may be joining a
+        running job, so no collective); False if there is none. hvd.elastic.run then gives every
+        rank rank 0's state, so a worker joining a running job takes the job's state, not the
+        file's. Every rank checks the file, so a conflict stops each with the same line."""
+        cfg = self.cfg
+        if not (cfg.checkpoint_dir and cfg.resume):
+            return False
+        state = self._read_checkpoint()
+        if state is None:
+            return False
+        self._load_training_state(state)
+        sampler.load_state_dict(state["sampler"])
+        if self.rank == 0:
+            print(f"hvdkit: resumed from {state['path']} (epoch {self.epoch + 1}, step {self.global_step}, "
+                  f"written by {state['world_size']} ranks, now {self.size})", file=sys.stderr, flush=True)
+        return True
 
     # -- data ------------------------------------------------------------------------------
     def loader(self, data_or_loader, batch_size: Optional[int] = None, shuffle: bool = True,
@@ -761,8 +798,22 @@ class Session:
             print(json.dumps(finite_or_none(summary)), flush=True)
         return summary
 
-    def reset_metrics(self) -> None:
-        """After elastic ranks left or joined, rank 0 may be another process: it takes the sink."""
+    def elastic_reset(self, step: int) -> None:
+        """Elastic: call it from a reset callback. Rank 0 may now be another process: it takes
+        the sink and records the reset (the step training goes on from, the new world size)."""
         if self._metrics is not None:
             self._metrics.close()
         self._metrics = None
+        self.metrics.write({"event": "reset", "step": step, "world_size": self.size})
+
+    def world_size_changes(self) -> list:
+        """Elastic: each change of world size this run's metrics.jsonl records, with the seconds
+        it lost (see metrics.world_size_changes); rank 0 prints a line for each."""
+        path = Path(self.log_dir) / "metrics.jsonl"
+        if self.rank != 0 or not path.exists():
+            return []
+        changes = world_size_changes([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+        for change in changes:
+            print(f"hvdkit: elastic: world size {change['from']} -> {change['to']}, going on from step "
+                  f"{change['step']}; about {change['lost_seconds']:.1f} s lost", file=sys.stderr, flush=True)
+        return changes

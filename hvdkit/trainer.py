@@ -251,21 +251,24 @@ class Trainer:
         model, optimizer = session.setup(model, self.make_optimizer(model.parameters()))
         base_lrs = [group["lr"] for group in optimizer.param_groups]
         sampler = hvd.elastic.ElasticSampler(self.train_set, shuffle=True, seed=cfg.seed)
+        session.load_elastic(sampler)  # a restarted job goes on from its checkpoint
         loader = DataLoader(self.train_set, batch_size=cfg.batch_size * cfg.batches_per_allreduce, sampler=sampler,
                             **data.loader_options(cfg, session.rank, session.device.type == "cuda"))
-        state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0)
+        state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=session.epoch,
+                                       step=session.global_step)
 
-        def on_reset() -> None:
-            session.reset_metrics()
-            session.metrics.write({"event": "reset", "step": state.step, "world_size": session.size})
-
-        state.register_reset_callbacks([on_reset])
+        state.register_reset_callbacks([lambda: session.elastic_reset(state.step)])
         final_step = cfg.max_steps or math.inf
         result = {"train": {}, "test": {}}
 
+        def commit(checkpoint_due: bool) -> None:
+            if checkpoint_due:  # first: the commit may hand over to a new set of hosts
+                session.save_elastic(sampler)
+            state.commit()  # also where Horovod applies a change of hosts
+
         @hvd.elastic.run
         def train(state) -> None:
-            session.global_step = state.step
+            session.global_step, session.epoch = state.step, state.epoch
             while state.epoch < cfg.epochs and state.step < final_step:
                 model.train()
                 for batch in loader:
@@ -279,8 +282,9 @@ class Trainer:
                     if state.step % cfg.log_interval == 0:
                         result["train"] = session.report("train", epoch=state.epoch + 1, lr=base_lrs[0] * factor,
                                                          world_size=session.size)
-                    if state.step % cfg.commit_steps == 0:
-                        state.commit()  # also where Horovod applies a change of hosts
+                    checkpoint_due = bool(cfg.checkpoint_steps) and state.step % cfg.checkpoint_steps == 0
+                    if state.step % cfg.commit_steps == 0 or checkpoint_due:
+                        commit(checkpoint_due)
                     if state.step >= final_step:
                         break
                 else:
@@ -288,7 +292,9 @@ class Trainer:
                     sampler.set_epoch(state.epoch)
                 session.epoch = state.epoch
                 result["test"] = self.evaluate(session.eval_loader(self.test_set))
-                state.commit()
+                commit(checkpoint_due=True)  # each epoch's end, as fit() does
 
         train(state)
-        return session.finish({"elastic": True, **self.summary(result["train"], result["test"])})
+        changes = session.world_size_changes()
+        return session.finish({"elastic": True, "world_size_changes": changes,
+                               **self.summary(result["train"], result["test"])})

@@ -147,6 +147,7 @@ def _snapshot(directory):
     ("only-corrupted", [], "is corrupted (checksum mismatch)", 1),
     ("other-model", ["--model", "cnn"], "was written with --model mlp and this run asks for cnn", 2),
     ("no-resume", ["--no-resume"], "holds checkpoints of an earlier run", 2),
+    ("elastic", ["--elastic"], "was written by a fixed-size run (without --elastic): resume it the same way", 2),
 ])
 def test_unusable_checkpoints_stop_in_one_line_and_touch_nothing(tmp_path, case, args, line, code):
     first = _one_epoch(tmp_path, "--max-steps", "5")
@@ -333,18 +334,21 @@ def _wait_for(predicate, proc, what, seconds=120):
         time.sleep(0.2)
 
 
-def test_elastic_training_scales_down_and_back_up(tmp_path):
+def _elastic_on_this_host(hosts, train_args):
+    """horovodrun's elastic driver with two slots of this host, from the hostfile ``hosts``."""
     from conftest import REPO
 
-    hosts, logs = tmp_path / "hosts", tmp_path / "logs"
     hosts.write_text("localhost:2\n")
-    horovodrun = launch_find("horovodrun")
     # One host: Horovod's elastic driver needs the interface named, or it waits for a second host.
-    cmd = [horovodrun, "-np", "2", "--min-np", "1", "--max-np", "2", "--network-interface", "lo",
-           "--host-discovery-script", str(REPO / "launchers" / "discover_hosts.sh"),
-           *TRAIN, "--elastic", "--dataset", "synthetic", "--epochs", "6", "--log-interval", "5",
-           "--commit-steps", "5", "--log-dir", str(logs)]
-    env = dict(selftest.mpi_root_env(), HVDKIT_HOSTS_FILE=str(hosts), PYTHONPATH=str(REPO))
+    cmd = [launch_find("horovodrun"), "-np", "2", "--min-np", "1", "--max-np", "2", "--network-interface", "lo",
+           "--host-discovery-script", str(REPO / "launchers" / "discover_hosts.sh"), *TRAIN, "--elastic", *train_args]
+    return cmd, dict(selftest.mpi_root_env(), HVDKIT_HOSTS_FILE=str(hosts), PYTHONPATH=str(REPO))
+
+
+def test_elastic_training_scales_down_and_back_up(tmp_path):
+    hosts, logs = tmp_path / "hosts", tmp_path / "logs"
+    cmd, env = _elastic_on_this_host(hosts, ["--dataset", "synthetic", "--epochs", "6", "--log-interval", "5",
+                                             "--commit-steps", "5", "--log-dir", str(logs)])
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     jsonl = logs / "metrics.jsonl"
 
@@ -362,6 +366,41 @@ def test_elastic_training_scales_down_and_back_up(tmp_path):
     assert summary["epochs"] == 6 and summary["world_size"] == 2 and summary["test_samples"] == 512
     resets = [r for r in _records(jsonl) if r["event"] == "reset"]
     assert [r["world_size"] for r in resets][:2] == [1, 2], resets
+    assert [(c["from"], c["to"]) for c in summary["world_size_changes"]][:2] == [(2, 1), (1, 2)], summary
+
+
+def test_an_elastic_job_killed_whole_resumes_from_its_checkpoint(tmp_path):
+    """A requeued or restarted elastic job goes on from its last checkpoint on disk and ends
+    with the weights of a job that was never stopped (Horovod's state lives in memory only)."""
+    def job(name):
+        return _elastic_on_this_host(tmp_path / f"{name}-hosts", [
+            "--dataset", "synthetic", "--model", "mlp", "--epochs", "100", "--max-steps", "150",
+            "--checkpoint-steps", "20", "--checkpoint-dir", str(tmp_path / name / "ckpt"),
+            "--log-dir", str(tmp_path / name / "logs")])
+
+    cmd, env = job("whole")
+    whole = run(cmd, env=env, timeout=300)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    cmd, env = job("stopped")
+    ckpt = tmp_path / "stopped" / "ckpt"
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for(lambda: checkpoint.existing(str(ckpt)), proc, "the first checkpoint")
+    kill_tree(proc)  # every process of the job, at once: a node failure, scancel, a requeue
+    newest = checkpoint.existing(str(ckpt))[-1]
+    saved = checkpoint.load(newest)
+    epoch, step = saved["epoch"] + 1, saved["step"]
+    assert 0 < step < 150
+    again = run(cmd, env=env, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"hvdkit: resumed from {newest} (epoch {epoch}, step {step}, written by 2 ranks, now 2)" in again.stderr
+    (summary,) = selftest.parse_records(again.stdout, "summary")
+    assert summary["steps"] == 150 and summary["elastic"]
+    assert_bitwise_equal(final_weights(ckpt), final_weights(tmp_path / "whole" / "ckpt"))
+    refused = run([*TRAIN, "--dataset", "synthetic", "--model", "mlp", "--checkpoint-dir", str(ckpt),
+                   "--log-dir", str(tmp_path / "fixed")])
+    assert refused.returncode == 2
+    assert refused.stderr.strip().endswith("was written by an elastic run (--elastic): resume it the same way, or "
+                                           "start afresh in another --checkpoint-dir"), refused.stderr
 
 
 def test_requeues_are_bounded(tmp_path):

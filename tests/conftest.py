@@ -47,6 +47,29 @@ def assert_bitwise_equal(a, b):
         assert torch.equal(a[name], b[name]), name
 
 
+def metrics_records(path):
+    """The records of a metrics.jsonl written so far (none before it exists)."""
+    import json
+
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_for(predicate, proc, what, seconds=120):
+    """Poll ``predicate`` while the job ``proc`` runs; fail naming ``what`` if it ends or time runs out."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if proc.poll() is not None:
+            pytest.fail(f"the job ended (exit {proc.returncode}) while waiting for {what}")
+        if time.monotonic() > deadline:
+            kill_tree(proc)
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
 def kill_tree(proc):
     """SIGKILL a launcher and every process it started (psutil: by PID, ours only)."""
     import psutil

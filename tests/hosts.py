@@ -133,6 +133,11 @@ class Hosts:
         subprocess.run(["ip", "netns", "exec", self.ns(name), "tc", "qdisc", "replace", "dev", "eth0", "root",
                         "tbf", "rate", rate, "burst", "256kb", "latency", "50ms"], check=True)
 
+    def unshape(self, name: str) -> None:
+        """Host ``name``'s link at full speed again (nothing to do if it is not shaped)."""
+        subprocess.run(["ip", "netns", "exec", self.ns(name), "tc", "qdisc", "del", "dev", "eth0", "root"],
+                       capture_output=True)
+
     def link(self, name: str, up: bool) -> None:
         """Take host ``name``'s link down (a pulled cable, a dead switch port) or up again."""
         _ip("-n", self.ns(name), "link", "set", "eth0", "up" if up else "down")

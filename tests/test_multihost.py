@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import hosts as namespace_hosts
-from conftest import REPO, final_weights, run
-from hvdkit import network, selftest
+from conftest import REPO, final_weights, kill_tree, metrics_records, run, untagged, wait_for
+from hvdkit import launch, network, selftest
 
 pytestmark = pytest.mark.slow
 
@@ -119,6 +119,56 @@ def test_a_host_whose_link_goes_down_ends_the_job_naming_it(hosts, launcher, tmp
             proc.wait()
         hosts.link("h3", up=True)
         hosts.end_jobs("h3")  # its ranks could not be reached while its link was down
+
+
+def test_elastic_training_loses_a_host_goes_on_and_takes_it_back(hosts, tmp_path):
+    """Every worker on h3 killed and h3 gone from discovery: training goes on with h1 and h2 at
+    the learning rate of two ranks; h3 back in discovery: it rejoins; the job finishes. The
+    links are shaped to 30 Mbit/s until h3 is back, so that the job cannot finish first."""
+    hostfile, logs = tmp_path / "hosts", tmp_path / "logs"
+    hostfile.write_text("h1:1\nh2:1\nh3:1\n")
+    horovodrun = [launch.find_program("horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3",
+                  "--blacklist-cooldown-range", "5", "10",  # so that h3 may come back after its workers failed
+                  "--host-discovery-script", str(REPO / "launchers" / "discover_hosts.sh")]
+    train = [*HVDKIT, "train", "--elastic", "--model", "mlp", "--dataset", "synthetic", "--epochs", "100",
+             "--max-steps", "200", "--warmup-epochs", "0", "--lr-schedule", "none", "--log-interval", "5",
+             "--commit-steps", "5", "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(logs)]
+    env = dict(selftest.mpi_root_env(hosts.env()), HVDKIT_HOSTS_FILE=str(hostfile), PYTHONPATH=str(REPO))
+    for name in hosts.names:
+        hosts.shape(name, "30mbit")
+    proc = subprocess.Popen(hosts.on("h1", [*horovodrun, *train]), env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        def sizes():
+            return [r["world_size"] for r in metrics_records(logs / "metrics.jsonl") if r["event"] == "train"]
+
+        wait_for(lambda: sizes().count(3) >= 2, proc, "training on 3 hosts", seconds=180)
+        hostfile.write_text("h1:1\nh2:1\n")
+        hosts.end_jobs("h3")  # every worker on h3, and its ssh sessions
+        wait_for(lambda: sizes()[sizes().index(3):].count(2) >= 2, proc, "training on h1 and h2", seconds=180)
+        hostfile.write_text("h1:1\nh2:1\nh3:1\n")
+        wait_for(lambda: 3 in sizes()[sizes().index(2):], proc, "h3 training again", seconds=180)
+        for name in hosts.names:
+            hosts.unshape(name)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        for name in hosts.names:  # shaped still, if the test failed before h3 came back
+            hosts.unshape(name)
+        if proc.poll() is None:
+            kill_tree(proc)
+    assert proc.returncode == 0, err[-3000:]
+    (summary,) = selftest.parse_records(untagged(out), "summary")
+    assert summary["steps"] == 200 and summary["world_size"] == 3
+    assert [(c["from"], c["to"]) for c in summary["world_size_changes"]] == [(3, 2), (2, 3)], summary
+    reports = [r for r in metrics_records(logs / "metrics.jsonl") if r["event"] == "train"]
+    assert {r["world_size"] for r in reports} == {2, 3}
+    for report in reports:  # linear scaling, no warmup or schedule: base_lr x world size
+        assert report["lr"] == pytest.approx(0.025 * report["world_size"]), report
+    print("".join(line + "\n" for line in untagged(err).splitlines() if line.startswith("hvdkit: elastic:")))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(set(hosts.commands(h)) != {"sshd"} for h in hosts.names):
+        time.sleep(1)
+    assert {h: set(hosts.commands(h)) for h in hosts.names} == {h: {"sshd"} for h in hosts.names}
 
 
 def test_hosts_leave_nothing_behind_even_when_the_test_fails():

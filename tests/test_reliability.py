@@ -13,7 +13,7 @@ import torch
 
 from hvdkit import checkpoint, launch, selftest
 from hvdkit.launch import find_program as launch_find
-from conftest import assert_bitwise_equal, final_weights, kill_tree, run
+from conftest import assert_bitwise_equal, final_weights, kill_tree, metrics_records, run, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -80,7 +80,7 @@ def test_training_longer_by_epochs_matches_an_uninterrupted_run(tmp_path, uninte
 def test_training_longer_stretches_a_cosine_schedule(tmp_path):
     """After a resume with a larger --max-steps each step's lr is the longer run's."""
     def lrs(logs):
-        return {r["step"]: r["lr"] for r in _records(logs / "metrics.jsonl") if r["event"] == "train"}
+        return {r["step"]: r["lr"] for r in metrics_records(logs / "metrics.jsonl") if r["event"] == "train"}
 
     args = ["--lr-schedule", "cosine", "--warmup-epochs", "0", "--log-interval", "1"]
     longer = _one_epoch(tmp_path / "longer", *args, "--max-steps", "40")
@@ -315,25 +315,6 @@ def test_debug_shows_the_traceback(tmp_path):
 
 # --- elastic training: a worker removed from discovery, then added back -----------------------
 
-def _records(path):
-    import json
-
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _wait_for(predicate, proc, what, seconds=120):
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        if proc.poll() is not None:
-            pytest.fail(f"the elastic job ended (exit {proc.returncode}) while waiting for {what}")
-        if time.monotonic() > deadline:
-            kill_tree(proc)
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.2)
-
-
 def _elastic_on_this_host(hosts, train_args):
     """horovodrun's elastic driver with two slots of this host, from the hostfile ``hosts``."""
     from conftest import REPO
@@ -353,18 +334,18 @@ def test_elastic_training_scales_down_and_back_up(tmp_path):
     jsonl = logs / "metrics.jsonl"
 
     def sizes():
-        return [r["world_size"] for r in _records(jsonl) if r["event"] == "train"]
+        return [r["world_size"] for r in metrics_records(jsonl) if r["event"] == "train"]
 
-    _wait_for(lambda: sizes().count(2) >= 2, proc, "training on 2 ranks")
+    wait_for(lambda: sizes().count(2) >= 2, proc, "training on 2 ranks")
     hosts.write_text("localhost:1\n")  # a worker leaves
-    _wait_for(lambda: 1 in sizes(), proc, "training on 1 rank after the worker left")
+    wait_for(lambda: 1 in sizes(), proc, "training on 1 rank after the worker left")
     hosts.write_text("localhost:2\n")  # and comes back
-    _wait_for(lambda: 2 in sizes()[sizes().index(1):], proc, "training on 2 ranks again")
+    wait_for(lambda: 2 in sizes()[sizes().index(1):], proc, "training on 2 ranks again")
     output, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, output[-3000:]
     summary = selftest.parse_records(output, "summary")[0]
     assert summary["epochs"] == 6 and summary["world_size"] == 2 and summary["test_samples"] == 512
-    resets = [r for r in _records(jsonl) if r["event"] == "reset"]
+    resets = [r for r in metrics_records(jsonl) if r["event"] == "reset"]
     assert [r["world_size"] for r in resets][:2] == [1, 2], resets
     assert [(c["from"], c["to"]) for c in summary["world_size_changes"]][:2] == [(2, 1), (1, 2)], summary
 
@@ -384,7 +365,7 @@ def test_an_elastic_job_killed_whole_resumes_from_its_checkpoint(tmp_path):
     cmd, env = job("stopped")
     ckpt = tmp_path / "stopped" / "ckpt"
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait_for(lambda: checkpoint.existing(str(ckpt)), proc, "the first checkpoint")
+    wait_for(lambda: checkpoint.existing(str(ckpt)), proc, "the first checkpoint")
     kill_tree(proc)  # every process of the job, at once: a node failure, scancel, a requeue
     newest = checkpoint.existing(str(ckpt))[-1]
     saved = checkpoint.load(newest)

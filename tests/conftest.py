@@ -47,6 +47,17 @@ def assert_bitwise_equal(a, b):
         assert torch.equal(a[name], b[name]), name
 
 
+def require_namespaces():
+    """Skip, saying why, where namespace hosts (tests/hosts.py) cannot be made; in CI that is a failure."""
+    import hosts
+
+    problem = hosts.unavailable()
+    if problem:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the multi-host tests, but: {problem}")
+        pytest.skip(f"cannot make namespace hosts here: {problem}")
+
+
 def metrics_records(path):
     """The records of a metrics.jsonl written so far (none before it exists)."""
     import json

@@ -14,7 +14,8 @@ none of their traffic. Addresses are 10.231.0.11.. (eth0, routed between hosts) 
 docker0, 10.231.1.1 on every host (routed nowhere, as Docker's bridge is), both inside the
 namespaces only. Each host's name resolves from every host (/etc/netns/<ns>/hosts); commands
 run there see that host's name (a UTS namespace of their own). The filesystem is shared, as a
-cluster's home is. Removing the hosts ends every process still in their namespaces first.
+cluster's home is; with ``own_tmp`` each host has a /tmp of its own, as a node's local disk.
+Removing the hosts ends every process still in their namespaces first.
 """
 
 from __future__ import annotations
@@ -51,17 +52,17 @@ def unavailable() -> Optional[str]:
     """Why namespace hosts cannot be made here, or None."""
     if os.geteuid() != 0:
         return "namespace hosts need root (ip netns add)"
-    for tool in ("ip", "unshare", "tc", SSHD, "ssh", "ssh-keygen"):
+    for tool in ("ip", "nsenter", "unshare", "tc", SSHD, "ssh", "ssh-keygen"):
         if not shutil.which(tool):
             return f"{tool} not found: apt-get install iproute2 openssh-server openssh-client"
     return None
 
 
 class Hosts:
-    def __init__(self, count: int, docker0: bool = False, rate: Optional[str] = None) -> None:
+    def __init__(self, count: int, docker0: bool = False, rate: Optional[str] = None, own_tmp: bool = False) -> None:
         self.names = [f"h{i}" for i in range(1, count + 1)]
         self.prefix = f"hvdk{os.getpid()}x{next(_made)}"
-        self.docker0, self.rate = docker0, rate
+        self.docker0, self.rate, self.own_tmp = docker0, rate, own_tmp
         self.dir: Optional[Path] = None
         self.sshd: dict[str, subprocess.Popen] = {}
 
@@ -77,9 +78,19 @@ class Hosts:
         return f"{SUBNET}.{10 + self.names.index(name) + 1}"
 
     def on(self, name: str, command: Sequence[str]) -> list[str]:
-        """``command`` as if typed on host ``name``: its network, its /etc/hosts, its host name."""
-        return ["ip", "netns", "exec", self.ns(name), "unshare", "--uts", "sh", "-c",
-                f'hostname {name} && exec "$@"', name, *command]
+        """``command`` as if typed on host ``name``: its network, its /etc/hosts, its host name
+        and, with ``own_tmp``, its own /tmp (a node-local disk; everything else is shared).
+        nsenter rather than `ip netns exec`, which mounts a sysfs of its own over /sys and so
+        hides the cgroup tree that slurmd needs; the hosts file is bound here instead."""
+        ns = self.ns(name)
+        mounts = [f"/etc/netns/{ns}/hosts /etc/hosts", *([f"{self.tmp(name)} /tmp"] if self.own_tmp else [])]
+        setup = "".join(f"mount --bind {mount} && " for mount in mounts)
+        return ["nsenter", f"--net=/run/netns/{ns}", "unshare", "--uts", "--mount", "sh", "-c",
+                f'{setup}hostname {name} && exec "$@"', name, *command]
+
+    def tmp(self, name: str) -> Path:
+        """Host ``name``'s /tmp, as this machine sees it (with ``own_tmp``)."""
+        return self.dir / "tmp" / name
 
     def env(self, base: Optional[dict] = None) -> dict:
         """An environment whose ``ssh`` reaches the hosts with the fixture's key (as a user's
@@ -93,7 +104,11 @@ class Hosts:
         problem = unavailable()
         if problem:
             raise HostsUnavailable(problem)
-        self.dir = Path(tempfile.mkdtemp(prefix=f"{self.prefix}-"))
+        # Not in /tmp, which own_tmp hides on the hosts: the ssh wrapper and keys live here.
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{self.prefix}-", dir="/var/tmp"))
+        for name in self.names:
+            self.tmp(name).mkdir(parents=True)
+            self.tmp(name).chmod(0o1777)
         try:
             self._network()
             self._ssh()
@@ -232,10 +247,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     up.add_argument("count", type=int)
     up.add_argument("--docker0", action="store_true", help="a docker0 with 10.231.1.1 on every host")
     up.add_argument("--rate", help="shape each host's link, e.g. 1gbit")
+    up.add_argument("--own-tmp", action="store_true", help="a /tmp of its own on every host (node-local disk)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        with Hosts(args.count, docker0=args.docker0, rate=args.rate) as hosts:
+        with Hosts(args.count, docker0=args.docker0, rate=args.rate, own_tmp=args.own_tmp) as hosts:
             print(f"hosts {', '.join(f'{n}={hosts.address(n)}' for n in hosts.names)}; keys in {hosts.dir}")
             print(f"a shell on h1:  PATH={hosts.dir}/bin:$PATH ip netns exec {hosts.ns('h1')} "
                   f"unshare --uts sh -c 'hostname h1 && exec bash'")

@@ -1,8 +1,9 @@
-"""A real two-node Slurm cluster on this host, for the tests: one slurmctld, two slurmd.
+"""A real two-node Slurm cluster on namespace hosts (tests/hosts.py), for the tests.
 
-Debian's slurm-wlm and munge; both nodes are 127.0.0.1 on their own ports with their own
-spool and TmpFS directories. TmpFS=%n matters: srun --mpi=pmix puts its client directory
-under TmpFS, and two nodes on one host would otherwise collide on it.
+slurmctld and a slurmd on h1, a slurmd on h2; each node is its host's name and address
+(NodeAddr 10.231.0.11, .12) with a /tmp of its own, as real nodes have, so srun --mpi=pmix
+uses the default TmpFS. Commands a user would type (sbatch, scancel, salloc) run on h1, the
+login node. Debian's slurm-wlm and munge; munged's socket is shared by the hosts.
 """
 
 from __future__ import annotations
@@ -10,23 +11,16 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Sequence
 
 BINARIES = ("munged", "munge", "slurmctld", "slurmd", "sbatch", "sinfo", "scontrol")
-NODES = ("node1", "node2")
 
 
 def missing_binaries() -> list[str]:
     return [b for b in BINARIES if not shutil.which(b) and not Path("/usr/sbin", b).exists()]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _sbin(name: str) -> str:
@@ -51,30 +45,41 @@ def ensure_munge() -> None:
 
 
 class SlurmCluster:
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.conf = root / "slurm.conf"
-        self.env = dict(os.environ, SLURM_CONF=str(self.conf))
+    def __init__(self, hosts) -> None:
+        """On ``hosts`` (two or more, made with own_tmp); its files in their shared directory."""
+        self.hosts, self.nodes = hosts, hosts.names[:2]
+        self.root = hosts.dir / "slurm"
+        self.home = hosts.dir / "home"  # the users' shared directory: the nodes' /tmp is their own
+        self.conf = self.root / "slurm.conf"
+        self.env = dict(hosts.env(), SLURM_CONF=str(self.conf))
         self.processes: list[subprocess.Popen] = []
 
+    def on(self, command: Sequence[str]) -> list[str]:
+        """``command`` as typed on the login node."""
+        return self.hosts.on(self.nodes[0], command)
+
+    def run(self, command: Sequence[str], **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run(self.on(command), env=kwargs.pop("env", self.env), capture_output=True, text=True,
+                              **kwargs)
+
     def write_config(self) -> None:
-        for sub in ("state", "log", "run", *(f"spool/{n}" for n in NODES), *(f"tmp/{n}" for n in NODES)):
+        for sub in ("state", "log"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
+        self.home.mkdir(exist_ok=True)
         cpus = os.cpu_count() or 1
-        nodes = "\n".join(f"NodeName={n} NodeAddr=127.0.0.1 NodeHostname=localhost Port={_free_port()} "
-                          f"CPUs={cpus} State=UNKNOWN" for n in NODES)
+        nodes = "\n".join(f"NodeName={n} NodeAddr={self.hosts.address(n)} CPUs={cpus} State=UNKNOWN"
+                          for n in self.nodes)
+        head = self.nodes[0]
         self.conf.write_text(f"""\
 ClusterName=hvdkit-test
-SlurmctldHost=localhost(127.0.0.1)
-SlurmctldPort={_free_port()}
+SlurmctldHost={head}({self.hosts.address(head)})
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 StateSaveLocation={self.root}/state
-SlurmdSpoolDir={self.root}/spool/%n
-TmpFS={self.root}/tmp/%n
-SlurmctldPidFile={self.root}/run/slurmctld.pid
-SlurmdPidFile={self.root}/run/slurmd-%n.pid
+SlurmdSpoolDir=/tmp/slurmd
+SlurmctldPidFile=/tmp/slurmctld.pid
+SlurmdPidFile=/tmp/slurmd.pid
 SlurmctldLogFile={self.root}/log/slurmctld.log
 SlurmdLogFile={self.root}/log/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
@@ -90,30 +95,32 @@ KillWait=5
 MinJobAge=3600
 InactiveLimit=0
 {nodes}
-PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 """)
 
     def start(self, timeout: float = 60) -> None:
         ensure_munge()
         self.write_config()
-        self.processes.append(subprocess.Popen([_sbin("slurmctld"), "-D", "-f", str(self.conf)], env=self.env,
-                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        for node in NODES:
-            self.processes.append(subprocess.Popen([_sbin("slurmd"), "-D", "-N", node, "-f", str(self.conf)],
+        self.processes.append(subprocess.Popen(self.on([_sbin("slurmctld"), "-D", "-f", str(self.conf)]),
+                                               env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        for node in self.nodes:
+            (self.hosts.tmp(node) / "slurmd").mkdir()  # SlurmdSpoolDir, on the node's own disk
+            self.processes.append(subprocess.Popen(self.hosts.on(node, [_sbin("slurmd"), "-D", "-N", node, "-f",
+                                                                        str(self.conf)]),
                                                    env=self.env, stdout=subprocess.DEVNULL,
                                                    stderr=subprocess.DEVNULL))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=self.env, capture_output=True, text=True)
+            out = self.run(["sinfo", "-h", "-N", "-o", "%N %t"])
             states = dict(line.split() for line in out.stdout.splitlines() if line.strip())
-            if all(states.get(n) == "idle" for n in NODES):
+            if all(states.get(n) == "idle" for n in self.nodes):
                 return
             time.sleep(0.5)
         raise RuntimeError(f"Slurm nodes not idle after {timeout:.0f} s: {out.stdout.strip() or out.stderr.strip()}\n"
                            + (self.root / "log" / "slurmctld.log").read_text()[-2000:])
 
     def stop(self) -> None:
-        subprocess.run(["scancel", "--full", "--user", "root"], env=self.env, capture_output=True)
+        self.run(["scancel", "--full", "--user", "root"])
         for proc in reversed(self.processes):
             proc.terminate()
         for proc in self.processes:
@@ -123,13 +130,13 @@ PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=U
                 proc.kill()
 
     def sbatch(self, *args: str, env: dict | None = None) -> str:
-        out = subprocess.run(["sbatch", "--parsable", *args], env=env or self.env, capture_output=True, text=True)
+        out = self.run(["sbatch", "--parsable", *args], env=env or self.env)
         if out.returncode != 0:
             raise RuntimeError(f"sbatch failed: {out.stderr.strip()}")
         return out.stdout.strip().split(";")[0]
 
     def job(self, job_id: str) -> dict:
-        out = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=self.env, capture_output=True, text=True)
+        out = self.run(["scontrol", "-o", "show", "job", job_id])
         return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
 
     def wait(self, job_id: str, timeout: float = 240, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT",
@@ -140,5 +147,5 @@ PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=U
             if info.get("JobState") in states:
                 return info
             time.sleep(0.5)
-        subprocess.run(["scancel", job_id], env=self.env)
+        self.run(["scancel", job_id])
         raise TimeoutError(f"job {job_id} still {self.job(job_id).get('JobState')} after {timeout:.0f} s")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hosts as namespace_hosts
-from conftest import REPO, final_weights, kill_tree, metrics_records, run, untagged, wait_for
+from conftest import REPO, final_weights, kill_tree, metrics_records, require_namespaces, run, untagged, wait_for
 from hvdkit import launch, network, selftest
 
 pytestmark = pytest.mark.slow
@@ -30,15 +30,6 @@ LAUNCHERS = {
     "mpirun": ["--launcher", "mpirun", "-H", HOSTS],
     "hostfile": ["--hostfile", "{hostfile}"],  # launcher auto: mpirun
 }
-
-
-def require_namespaces():
-    """Skip, saying why, where namespace hosts cannot be made; in CI that is a failure."""
-    problem = namespace_hosts.unavailable()
-    if problem:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the multi-host tests, but: {problem}")
-        pytest.skip(f"cannot make namespace hosts here: {problem}")
 
 
 @pytest.fixture(scope="module")

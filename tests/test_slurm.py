@@ -2,8 +2,7 @@
 
 import json
 import os
-import socket
-import subprocess
+import re
 import sys
 import time
 from pathlib import Path
@@ -12,7 +11,8 @@ import psutil
 import pytest
 
 from hvdkit import checkpoint, launch, selftest
-from conftest import REPO, assert_bitwise_equal, final_weights, run
+from conftest import REPO, assert_bitwise_equal, final_weights, require_namespaces, run
+import hosts as namespace_hosts
 import slurm_cluster
 
 pytestmark = pytest.mark.slow
@@ -20,35 +20,32 @@ VENV_BIN = Path(sys.executable).parent
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster():
     missing = slurm_cluster.missing_binaries()
     if missing:
         if os.environ.get("CI"):
             pytest.fail(f"Slurm is required in CI but {', '.join(missing)} is missing (make setup installs it)")
         pytest.skip(f"Slurm is not installed here ({', '.join(missing)} missing): run `make setup`")
-    if os.geteuid() != 0:
-        pytest.skip("the test cluster runs slurmd as root; run the suite as root (CI does)")
-    _nodes_resolve_locally()
-    cluster = slurm_cluster.SlurmCluster(tmp_path_factory.mktemp("slurm"))
-    cluster.start()
-    yield cluster
-    cluster.stop()
+    require_namespaces()
+    with namespace_hosts.Hosts(2, own_tmp=True) as hosts:
+        cluster = slurm_cluster.SlurmCluster(hosts)
+        try:
+            cluster.start()
+            yield cluster
+        finally:
+            cluster.stop()
 
 
-def _nodes_resolve_locally():
-    """horovodrun starts ranks on hosts that resolve to this machine without ssh; the test
-    nodes are both this machine, so their names must resolve to 127.0.0.1."""
-    try:
-        if all(socket.gethostbyname(n) == "127.0.0.1" for n in slurm_cluster.NODES):
-            return
-    except socket.gaierror:
-        pass
-    with open("/etc/hosts", "a") as hosts:
-        hosts.write(f"127.0.0.1 {' '.join(slurm_cluster.NODES)}  # hvdkit test cluster\n")
+@pytest.fixture
+def tmp_path(cluster, request):
+    """A directory in the cluster's shared home (the nodes' /tmp is their own, as on a cluster)."""
+    path = cluster.home / re.sub(r"[^\w.-]", "_", request.node.name)[:80]
+    path.mkdir()
+    return path
 
 
 def submit(cluster, tmp_path, template, *sbatch_args, args="--epochs 1 --max-steps 8", extra_env=None):
-    env = dict(cluster.env, PATH=f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=str(REPO),
+    env = dict(cluster.env, PATH=f"{VENV_BIN}{os.pathsep}{cluster.env['PATH']}", PYTHONPATH=str(REPO),
                HVDKIT=str(VENV_BIN / "hvdkit"), HVDKIT_COMMAND=f"{VENV_BIN / 'hvdkit'} train",
                HVDKIT_ARGS=args, HVDKIT_RUN_DIR=str(tmp_path / "run"))
     env = selftest.mpi_root_env({**env, **(extra_env or {})})
@@ -172,7 +169,7 @@ def stopped_step(log):
 def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(cluster, tmp_path, preempt_reference):
     job = submit(cluster, tmp_path, "preemptible.sbatch", args=PREEMPT_ARGS)
     wait_for_training(cluster, job, tmp_path)
-    subprocess.run(["scancel", "--signal=USR1", job], env=cluster.env, check=True)
+    assert cluster.run(["scancel", "--signal=USR1", job]).returncode == 0
     info = cluster.wait(job, timeout=300)
     log = job_log(tmp_path, job)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-3000:]
@@ -192,7 +189,7 @@ def test_plain_scancel_saves_the_step_it_stopped_at_and_a_resubmitted_job_finish
     # Loader workers get Slurm's SIGTERM too; they must not take the rank down before it saves.
     job = submit(cluster, tmp_path, "preemptible.sbatch", args=f"{PREEMPT_ARGS} --num-workers 1")
     wait_for_training(cluster, job, tmp_path)
-    subprocess.run(["scancel", job], env=cluster.env, check=True)
+    assert cluster.run(["scancel", job]).returncode == 0
     info = cluster.wait(job)
     rank0 = (tmp_path / "run" / "rank-0.log").read_text()
     assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", rank0[-3000:]
@@ -247,18 +244,17 @@ def test_rendered_scripts_pass_sbatch_test_only(cluster, tmp_path):
     for name, request in CASES.items():
         fitted = dataclasses.replace(request, partition="debug", account=None, gpus_per_node=0,
                                      nodes=min(request.nodes, 2), tasks_per_node=1, cpus_per_task=1)
-        result = subprocess.run(["sbatch", "--test-only"], input=slurm.render(fitted), env=cluster.env,
-                                capture_output=True, text=True, cwd=tmp_path)
+        result = cluster.run(["sbatch", "--test-only"], input=slurm.render(fitted), cwd=tmp_path)
         assert result.returncode == 0 and "to start at" in result.stderr, f"{name}: {result.stderr}"
 
 
 def test_hvdkit_slurm_submit_runs_the_job(cluster, tmp_path):
     from conftest import run
 
-    env = selftest.mpi_root_env(dict(cluster.env, PATH=f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}",
+    env = selftest.mpi_root_env(dict(cluster.env, PATH=f"{VENV_BIN}{os.pathsep}{cluster.env['PATH']}",
                                      PYTHONPATH=str(REPO)))
-    proc = run([sys.executable, "-m", "hvdkit", "slurm", "submit", "--nodes", "2", "--time", "10:00", "--",
-                "hvdkit", "train", "--max-steps", "4"], env=env, cwd=tmp_path)
+    proc = run(cluster.on([sys.executable, "-m", "hvdkit", "slurm", "submit", "--nodes", "2", "--time", "10:00",
+                           "--", "hvdkit", "train", "--max-steps", "4"]), env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     job = proc.stdout.strip()
     assert job.isdigit()
@@ -275,11 +271,11 @@ def test_a_failing_rank_ends_an_srun_job_within_60s(cluster, tmp_path, how):
 
     script = tmp_path / "fail.py"
     script.write_text(FAILING_RANK)
-    env = selftest.mpi_root_env(dict(cluster.env, PATH=f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}",
+    env = selftest.mpi_root_env(dict(cluster.env, PATH=f"{VENV_BIN}{os.pathsep}{cluster.env['PATH']}",
                                      PYTHONPATH=str(REPO)))
     start = time.monotonic()
-    proc = subprocess.run(["salloc", "-N", "2", "-n", "2", str(VENV_BIN / "hvdkit"), "launch", "-np", "2",
-                           "--launcher", "srun", "--", sys.executable, str(script), how],
-                          env=env, capture_output=True, text=True, timeout=90, cwd=tmp_path)
+    proc = cluster.run(["salloc", "-N", "2", "-n", "2", str(VENV_BIN / "hvdkit"), "launch", "-np", "2",
+                        "--launcher", "srun", "--", sys.executable, str(script), how],
+                       env=env, timeout=90, cwd=tmp_path)
     assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert time.monotonic() - start < 60, f"took {time.monotonic() - start:.0f} s"

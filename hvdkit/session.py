@@ -256,6 +256,7 @@ class Session:
         self._stop_signum = 0  # the signal all ranks agreed to stop for
         self.skipped_steps, self._skips_in_a_row = 0, 0  # on_nonfinite: skip
         self._resumed_batches: Optional[list] = None  # the checkpoint's loader batch sizes
+        self._elastic_checkpoint: Optional[dict] = None  # read in setup(), applied by load_elastic
         self.resumed_config: Optional[dict] = None  # the config keys of the checkpoint resumed from
         self._last_count = 0.0
         self.stopped = False
@@ -346,10 +347,13 @@ class Session:
         # A scheduler warns that it stepped before the optimizer when the step it wrapped (the
         # one you passed) was not called; Horovod's wrapper is called instead, and first.
         optimizer._opt_called = True
-        # Elastic: hvd.elastic.run syncs the state when it starts (load_elastic reads a
-        # checkpoint), and workers that join later must not wait here in a collective the
-        # others never enter.
-        if not cfg.elastic and not self._resume():
+        # Elastic: hvd.elastic.run syncs the state when it starts, and workers that join later
+        # must not wait here in a collective the others never enter; each process reads the
+        # checkpoint now, so that a conflict stops it before anything is written, and
+        # load_elastic applies it.
+        if cfg.elastic:
+            self._elastic_checkpoint = self._read_checkpoint() if cfg.checkpoint_dir and cfg.resume else None
+        elif not self._resume():
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         # Heartbeats for naming a stalled rank, once the run is accepted: a refused resume
         # leaves the log directory as it was.
@@ -462,14 +466,12 @@ class Session:
             self._write_checkpoint(sampler=sampler.state_dict())
 
     def load_elastic(self, sampler) -> bool:
-        """Elastic: this process loads the newest checkpoint by itself (workers may be joining a
-        running job, so no collective); False if there is none. hvd.elastic.run then gives every
-        rank rank 0's state, so a worker joining a running job takes the job's state, not the
-        file's. Every rank checks the file, so a conflict stops each with the same line."""
-        cfg = self.cfg
-        if not (cfg.checkpoint_dir and cfg.resume):
-            return False
-        state = self._read_checkpoint()
+        """Elastic: this process loads the newest checkpoint, read by itself in setup() (workers
+        may be joining a running job, so no collective); False if there is none. hvd.elastic.run
+        then gives every rank rank 0's state, so a worker joining a running job takes the job's
+        state, not the file's. Every rank checks the file, so a conflict stops each with the
+        same line."""
+        state, self._elastic_checkpoint = self._elastic_checkpoint, None
         if state is None:
             return False
         self._load_training_state(state)

@@ -2,6 +2,7 @@
 address, host name, sshd and, if asked, a shaped link and a docker0 that routes nowhere.
 
     python -m tests.hosts up 3 [--docker0] [--rate 1gbit]   # as root; Ctrl-C removes them
+    python -m tests.hosts run 2 --rate 1gbit --cpus -- hvdkit bench allreduce -np 2 -H h1:1,h2:1
 
     with Hosts(3) as hosts:
         subprocess.run(hosts.on("h1", ["horovodrun", "-np", "3", "-H", "h1:1,h2:1,h3:1", ...]),
@@ -15,6 +16,9 @@ docker0, 10.231.1.1 on every host (routed nowhere, as Docker's bridge is), both 
 namespaces only. Each host's name resolves from every host (/etc/netns/<ns>/hosts); commands
 run there see that host's name (a UTS namespace of their own). The filesystem is shared, as a
 cluster's home is; with ``own_tmp`` each host has a /tmp of its own, as a node's local disk.
+With ``cpus`` each host runs on its own share of this machine's cores (CPU affinity, inherited
+by everything its sshd starts), as a real host computes on its own cores; with more hosts
+than cores, hosts share.
 Removing the hosts ends every process still in their namespaces first.
 """
 
@@ -22,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -36,6 +42,14 @@ SUBNET = "10.231.0"  # the hosts' routed network, /24
 DOCKER0 = "10.231.1.1/24"  # the same address on every host, as Docker's bridge has
 SSHD = "/usr/sbin/sshd"
 _made = itertools.count()  # sets of hosts this process has made: part of every name
+
+
+def bits_per_second(rate: str) -> float:
+    """tc's rate words: '1gbit' -> 1e9, '30mbit' -> 3e7, '500kbit' -> 5e5."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg])bit", rate)
+    if not match:
+        raise ValueError(f"rate {rate!r}: expected a number and gbit, mbit or kbit, like 1gbit")
+    return float(match[1]) * {"k": 1e3, "m": 1e6, "g": 1e9}[match[2]]
 
 
 class HostsUnavailable(Exception):
@@ -59,10 +73,11 @@ def unavailable() -> Optional[str]:
 
 
 class Hosts:
-    def __init__(self, count: int, docker0: bool = False, rate: Optional[str] = None, own_tmp: bool = False) -> None:
+    def __init__(self, count: int, docker0: bool = False, rate: Optional[str] = None, own_tmp: bool = False,
+                 cpus: bool = False) -> None:
         self.names = [f"h{i}" for i in range(1, count + 1)]
         self.prefix = f"hvdk{os.getpid()}x{next(_made)}"
-        self.docker0, self.rate, self.own_tmp = docker0, rate, own_tmp
+        self.docker0, self.rate, self.own_tmp, self.cpus = docker0, rate, own_tmp, cpus
         self.dir: Optional[Path] = None
         self.sshd: dict[str, subprocess.Popen] = {}
 
@@ -85,8 +100,16 @@ class Hosts:
         ns = self.ns(name)
         mounts = [f"/etc/netns/{ns}/hosts /etc/hosts", *([f"{self.tmp(name)} /tmp"] if self.own_tmp else [])]
         setup = "".join(f"mount --bind {mount} && " for mount in mounts)
-        return ["nsenter", f"--net=/run/netns/{ns}", "unshare", "--uts", "--mount", "sh", "-c",
+        pin = ["taskset", "--cpu-list", self.host_cpus(name)] if self.cpus else []
+        return [*pin, "nsenter", f"--net=/run/netns/{ns}", "unshare", "--uts", "--mount", "sh", "-c",
                 f'{setup}hostname {name} && exec "$@"', name, *command]
+
+    def host_cpus(self, name: str) -> str:
+        """Host ``name``'s cores ('0' or '0,2'): this machine's cores dealt out in turn."""
+        cores = sorted(os.sched_getaffinity(0))
+        index, count = self.names.index(name), len(self.names)
+        mine = cores[index::count] if len(cores) >= count else [cores[index % len(cores)]]
+        return ",".join(map(str, mine))
 
     def tmp(self, name: str) -> Path:
         """Host ``name``'s /tmp, as this machine sees it (with ``own_tmp``)."""
@@ -144,9 +167,12 @@ class Hosts:
                 self.shape(name, self.rate)
 
     def shape(self, name: str, rate: str) -> None:
-        """Limit what host ``name`` sends to ``rate`` (tc tbf; this kernel has no netem, so no delay)."""
+        """Limit what host ``name`` sends to ``rate`` (tc tbf; this kernel has no netem, so no delay).
+        The bucket holds 4 ms of the rate (at least 256 KiB): tbf refills once per timer tick, and
+        a smaller bucket caps a 10gbit link well below its rate."""
+        burst = max(256 * 1024, int(bits_per_second(rate) / 8 * 0.004))
         subprocess.run(["ip", "netns", "exec", self.ns(name), "tc", "qdisc", "replace", "dev", "eth0", "root",
-                        "tbf", "rate", rate, "burst", "256kb", "latency", "50ms"], check=True)
+                        "tbf", "rate", rate, "burst", str(burst), "latency", "50ms"], check=True)
 
     def unshape(self, name: str) -> None:
         """Host ``name``'s link at full speed again (nothing to do if it is not shaped)."""
@@ -244,17 +270,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.hosts", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="action", required=True)
     up = sub.add_parser("up", help="make the hosts and keep them until Ctrl-C or SIGTERM")
-    up.add_argument("count", type=int)
-    up.add_argument("--docker0", action="store_true", help="a docker0 with 10.231.1.1 on every host")
-    up.add_argument("--rate", help="shape each host's link, e.g. 1gbit")
-    up.add_argument("--own-tmp", action="store_true", help="a /tmp of its own on every host (node-local disk)")
+    run = sub.add_parser("run", help="make the hosts, run the command after -- on h1 as a user logged in there, "
+                                     "remove them")
+    for action in (up, run):
+        action.add_argument("count", type=int)
+        action.add_argument("--docker0", action="store_true", help="a docker0 with 10.231.1.1 on every host")
+        action.add_argument("--rate", help="shape each host's link, e.g. 1gbit")
+        action.add_argument("--own-tmp", action="store_true", help="a /tmp of its own on every host (node-local disk)")
+        action.add_argument("--cpus", action="store_true", help="each host on its own share of this machine's cores")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    argv, command = argv[:split], argv[split + 1:]
     args = parser.parse_args(argv)
+    if args.action == "run" and not command:
+        parser.error("run: give the command after --")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        with Hosts(args.count, docker0=args.docker0, rate=args.rate, own_tmp=args.own_tmp) as hosts:
+        with Hosts(args.count, docker0=args.docker0, rate=args.rate, own_tmp=args.own_tmp, cpus=args.cpus) as hosts:
+            if args.action == "run":
+                return subprocess.run(hosts.on("h1", command), env=hosts.env()).returncode
             print(f"hosts {', '.join(f'{n}={hosts.address(n)}' for n in hosts.names)}; keys in {hosts.dir}")
-            print(f"a shell on h1:  PATH={hosts.dir}/bin:$PATH ip netns exec {hosts.ns('h1')} "
-                  f"unshare --uts sh -c 'hostname h1 && exec bash'")
+            print(f"a shell on h1:  PATH={hosts.dir}/bin:$PATH {shlex.join(hosts.on('h1', ['bash']))}")
             print("Ctrl-C removes them.", flush=True)
             signal.pause()
     except HostsUnavailable as exc:

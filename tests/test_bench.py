@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from conftest import run
-from hvdkit.bench import figures
+from hvdkit.bench import estimate, figures
 from hvdkit.launch import local_command
 from hvdkit.selftest import parse_records
 
@@ -97,7 +97,35 @@ def test_ratio_summary():
     assert summary["ratios"] == {"in-place/mpi4py min >=16M": 0.8, "in-place/torch min": 1.6}
 
 
+def test_ring_allreduce_cost_model():
+    """By hand: 2 ranks move 2(2-1)/2 x 125 MB = 125 MB = 1e9 bits at 1 Gbit/s in 1 s, plus
+    2(2-1) hops of 25 us; 4 ranks move 1.5 x 125 MB; one rank moves nothing."""
+    assert estimate.ring_allreduce_seconds(125e6, 2, 1.0, 25e-6) == pytest.approx(1.0 + 50e-6)
+    assert estimate.ring_allreduce_seconds(125e6, 4, 1.0, 0.0) == pytest.approx(1.5)
+    assert estimate.ring_allreduce_seconds(125e6, 1, 1.0, 25e-6) == 0.0
+    row = estimate.estimate(compute_ms=500.0, gradient_bytes=125e6, batch_size=10, ranks=2, gbit=1.0, latency_us=0)
+    assert row.allreduce_ms == pytest.approx(1000.0)
+    assert (row.step_ms_no_overlap, row.step_ms_overlap) == pytest.approx((1500.0, 1000.0))
+    assert (row.img_sec_no_overlap, row.img_sec_overlap) == pytest.approx((20 / 1.5, 20.0))
+    assert (row.efficiency_no_overlap, row.efficiency_overlap) == pytest.approx((1 / 3, 0.5))
+
+
+def test_estimate_prints_each_link_and_world_size():
+    proc = run(HVDKIT + ["estimate", "--compute-ms", "500", "--gradient-bytes", "250000000", "--batch-size", "10",
+                         "--fp16-allreduce", "--gbit", "1,10", "-np", "2,4", "--latency-us", "0"], timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "ring allreduce of 119.2 MiB per step" in proc.stdout  # fp16: half of 250 MB
+    [record] = parse_records(proc.stdout, "bench.estimate")
+    assert [(r["gbit"], r["np"]) for r in record["rows"]] == [(1, 2), (1, 4), (10, 2), (10, 4)]
+    assert record["rows"][0]["allreduce_ms"] == pytest.approx(1000.0)
+    assert re.search(r"^\s+2\s+1000\.0\s+1500\.0 \.\. 1000\.0\s+13 \.\. 20\s+33% \.\. 50%", proc.stdout, re.M)
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["estimate", "--compute-ms", "x", "--gradient-bytes", "1", "--batch-size", "1"], "expected a number >= 0"),
+    (["estimate", "--compute-ms", "1", "--gradient-bytes", "1", "--batch-size", "1", "--gbit", "0"],
+     "link speeds must be > 0"),
+    (["estimate", "--compute-ms", "1", "--batch-size", "1"], "--gradient-bytes"),
     (["allreduce", "--sizes", "4X"], "size '4X'"),
     (["allreduce", "--sizes", "1M..4K"], "smaller than the first"),
     (["scaling", "--np", "0"], "world sizes must be >= 1"),
@@ -166,6 +194,10 @@ def test_compare_runs_each_implementation_and_reports_ratios(hvd_built):
     assert record["knobs"]["hvdkit"]["HOROVOD_CYCLE_TIME"] == "0.1"
     assert record["knobs"]["own-loop"]["HOROVOD_CYCLE_TIME"] == "0.1", "the Session applies the same settings"
     assert record["knobs"]["hvdkit HOROVOD_CYCLE_TIME=1"]["HOROVOD_CYCLE_TIME"] == "1"
+    # what the scaling estimate needs: compute alone (timed, so only > 0) and resnet18's gradients with 10 classes
+    assert record["compute_ms"] > 0 and record["gradient_bytes"] == 4 * 11_181_642
+    assert (f"hvdkit bench estimate --compute-ms {record['compute_ms']:.1f} --gradient-bytes 44726568 "
+            "--batch-size 4") in proc.stdout
 
 
 def _read_allreduce(out):

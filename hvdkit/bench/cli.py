@@ -8,7 +8,7 @@ import sys
 from typing import Optional, Sequence
 
 from hvdkit import env
-from hvdkit.bench.drivers import RunFailed, allreduce, compare_synthetic, scaling
+from hvdkit.bench.drivers import RunFailed, allreduce, compare_synthetic, print_estimate, scaling
 from hvdkit.bench.figures import BenchError, size_range
 from hvdkit.bench.workers import (
     IMPL_HELP,
@@ -31,6 +31,26 @@ def _np_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"world sizes must be >= 1, got {text!r}")
     return sorted(set(values))
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a list like 10,25,100, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"link speeds must be > 0, got {text!r}")
+    return values
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -116,6 +136,20 @@ def parser() -> argparse.ArgumentParser:
                     help="leave Horovod's and MPI's defaults, without the Trainer's settings")
     ar.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     _launch_arguments(ar, files=True)
+
+    est = sub.add_parser("estimate", help="step time and efficiency at many ranks, from the ring-allreduce cost "
+                                          "model and what `synthetic` measured (compute per step, gradient bytes)")
+    est.add_argument("--compute-ms", type=_non_negative, required=True,
+                     help="forward+backward+step of one rank, no allreduce (synthetic prints it)")
+    est.add_argument("--gradient-bytes", type=_positive, required=True, help="bytes allreduced per step (fp32)")
+    est.add_argument("--batch-size", type=_positive, required=True, help="samples per rank per step")
+    est.add_argument("--fp16-allreduce", action="store_true", help="gradients travel as fp16 (half the bytes)")
+    est.add_argument("-np", "--np", dest="np_list", type=_np_list, default=[8, 16, 32, 64, 128, 256, 512],
+                     metavar="N[,N]", help="world sizes (default 8,16,...,512)")
+    est.add_argument("--gbit", type=_float_list, default=[10.0, 25.0, 100.0], metavar="G[,G]",
+                     help="link speeds in Gbit/s (default 10,25,100)")
+    est.add_argument("--latency-us", type=_non_negative, default=25.0,
+                     help="per-hop latency in microseconds (default 25, TCP over Ethernet)")
     return p
 
 
@@ -131,6 +165,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if under_launcher:
                 raise BenchError("allreduce launches its own ranks: run it without a launcher, with -np N")
             return allreduce(args)
+        if args.bench == "estimate":
+            return print_estimate(args)
         if args.bench == "scaling":
             if under_launcher:
                 raise BenchError("scaling launches its own ranks: run it without a launcher, with --np 1,2")

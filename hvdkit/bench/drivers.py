@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from hvdkit.bench import estimate
 from hvdkit.bench.environment import print_environment
 from hvdkit.bench.figures import (
     BenchError,
@@ -101,7 +102,14 @@ def compare_synthetic(args: argparse.Namespace) -> int:
     for label, total in summary.items():
         print(f"{label:<{width}} {total:>14.1f} {total / np:>10.1f} {summary['hvdkit'] / total:>12.3f}")
     ratios = {f"hvdkit/{label}": summary["hvdkit"] / total for label, total in summary.items() if label != "hvdkit"}
+    compute_ms = statistics.fmean(r["compute_ms"] for results in runs.values() for r in results)
+    gradient_bytes = runs["hvdkit"][-1]["gradient_bytes"]
+    print(f"\ncompute per step without allreduce: {compute_ms:.1f} ms per rank (all runs' mean); gradients: "
+          f"{gradient_bytes} bytes; for many ranks: hvdkit bench estimate --compute-ms {compute_ms:.1f} "
+          f"--gradient-bytes {gradient_bytes} --batch-size {args.batch_size}" + " --fp16-allreduce" * args.fp16_allreduce)
     print(json.dumps({"event": "bench.compare", "np": np, "model": args.model, "batch_size": args.batch_size,
+                      "compute_ms": compute_ms, "gradient_bytes": gradient_bytes,
+                      "fp16_allreduce": args.fp16_allreduce,
                       "image_size": args.image_size, "repeats": args.repeats, "total_img_sec": summary,
                       "ratios": ratios, "runs": {label: [r["total_img_sec"] for r in rs] for label, rs in runs.items()},
                       "knobs": {label: rs[-1]["environment"]["knobs"] for label, rs in runs.items()},
@@ -162,6 +170,24 @@ def allreduce(args: argparse.Namespace) -> int:
     plot_allreduce(record, out / "allreduce.png")
     print(f"wrote {out}/allreduce.csv, allreduce.json and allreduce.png")
     print(json.dumps({**record, "event": "bench.allreduce", "ratios": summary["ratios"]}), flush=True)
+    return 0
+
+
+def print_estimate(args: argparse.Namespace) -> int:
+    """The ring-allreduce model's step time and efficiency per link speed and world size."""
+    nbytes = args.gradient_bytes / (2 if args.fp16_allreduce else 1)
+    rows = estimate.table(args.compute_ms, nbytes, args.batch_size, args.np_list, args.gbit, args.latency_us)
+    print(f"ring allreduce of {nbytes / 2**20:.1f} MiB per step, {args.compute_ms:.1f} ms compute per rank, "
+          f"{args.latency_us:g} us per hop; no overlap .. full overlap of compute and allreduce")
+    for gbit in args.gbit:
+        print(f"\n{gbit:g} Gbit/s\n{'np':>5} {'allreduce ms':>13} {'step ms':>17} {'total img/sec':>21} "
+              f"{'efficiency':>15}")
+        for r in (r for r in rows if r["gbit"] == gbit):
+            print(f"{r['np']:>5} {r['allreduce_ms']:>13.1f} {r['step_ms_no_overlap']:>8.1f} .. "
+                  f"{r['step_ms_overlap']:<6.1f} {r['img_sec_no_overlap']:>10.0f} .. {r['img_sec_overlap']:<8.0f} "
+                  f"{r['efficiency_no_overlap']:>6.0%} .. {r['efficiency_overlap']:<5.0%}")
+    print(json.dumps({"event": "bench.estimate", "compute_ms": args.compute_ms, "gradient_bytes": nbytes,
+                      "batch_size": args.batch_size, "latency_us": args.latency_us, "rows": rows}), flush=True)
     return 0
 
 

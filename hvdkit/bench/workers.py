@@ -189,14 +189,47 @@ def synthetic_worker(args: argparse.Namespace) -> None:
         rates.append(args.batch_size * args.num_batches_per_iter / timed_batches())
         say(f"Iter #{i}: {rates[-1]:.1f} img/sec per {kind}", flush=True)
     result = cross_rank_total(comm.allgather_rows(list(rate_stats(rates))))
+    comm.allgather_rows([0.0])  # every rank starts the compute-only timing together
+    compute_ms = max(row[0] for row in comm.allgather_rows([_compute_seconds(args, device, images, labels) * 1e3]))
     if comm.rank == 0:
         print(f"Img/sec per {kind}: {result['img_sec_per_device']:.1f} +-{result['img_sec_per_device_conf']:.1f}")
         print(f"Total img/sec on {comm.size} {kind}(s): {result['total_img_sec']:.1f} "
               f"+-{result['total_img_sec_conf']:.1f}")
+        gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         record = {"event": "bench.synthetic", "impl": impl, "model": args.model, "batch_size": args.batch_size,
                   "image_size": args.image_size, "world_size": comm.size, "device": kind, **result,
+                  "compute_ms": compute_ms, "gradient_bytes": gradient_bytes, "fp16_allreduce": args.fp16_allreduce,
                   "environment": environment(controller=comm.controller, impl=impl)}
         print(json.dumps(record), flush=True)
+
+
+def _compute_seconds(args: argparse.Namespace, device, images, labels) -> float:
+    """Seconds per step of forward, backward and SGD alone, on a copy of the model that no
+    allreduce hook is attached to, while every rank computes at once: the compute term of the
+    scaling estimate (hvdkit bench estimate)."""
+    import torch
+    import torch.nn.functional as F
+
+    from hvdkit import models
+
+    plain = models.build(args.model, 3, args.image_size, args.num_classes).to(device)
+    optimizer = torch.optim.SGD(plain.parameters(), lr=args.lr)
+    amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+
+    def step() -> None:
+        optimizer.zero_grad()
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=args.amp):
+            loss = F.cross_entropy(plain(images), labels)
+        loss.backward()
+        optimizer.step()
+
+    step()
+    start = time.perf_counter()
+    for _ in range(args.num_batches_per_iter):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / args.num_batches_per_iter
 
 
 def _time_allreduce(run: Callable[[], None], iterations: int, barrier: Callable[[], None]) -> float:

@@ -15,7 +15,8 @@ none of their traffic. Addresses are 10.231.0.11.. (eth0, routed between hosts) 
 docker0, 10.231.1.1 on every host (routed nowhere, as Docker's bridge is), both inside the
 namespaces only. Each host's name resolves from every host (/etc/netns/<ns>/hosts); commands
 run there see that host's name (a UTS namespace of their own). The filesystem is shared, as a
-cluster's home is; with ``own_tmp`` each host has a /tmp of its own, as a node's local disk.
+cluster's home is; with ``own_tmp`` each host has a /tmp of its own, as a node's local disk
+(the checkout and its Python, should they be under /tmp, stay shared).
 With ``cpus`` each host runs on its own share of this machine's cores (CPU affinity, inherited
 by everything its sshd starts), as a real host computes on its own cores; with more hosts
 than cores, hosts share.
@@ -98,8 +99,11 @@ class Hosts:
         nsenter rather than `ip netns exec`, which mounts a sysfs of its own over /sys and so
         hides the cgroup tree that slurmd needs; the hosts file is bound here instead."""
         ns = self.ns(name)
-        mounts = [f"/etc/netns/{ns}/hosts /etc/hosts", *([f"{self.tmp(name)} /tmp"] if self.own_tmp else [])]
-        setup = "".join(f"mount --bind {mount} && " for mount in mounts)
+        mounts = [f"--bind /etc/netns/{ns}/hosts /etc/hosts"]
+        if self.own_tmp:  # what must stay shared goes into the host's /tmp first, then that over /tmp
+            mounts += [f"--bind /tmp/{kept} {self.tmp(name) / kept}" for kept in self.kept_in_tmp()]
+            mounts.append(f"--rbind {self.tmp(name)} /tmp")
+        setup = "".join(f"mount {mount} && " for mount in mounts)
         pin = ["taskset", "--cpu-list", self.host_cpus(name)] if self.cpus else []
         return [*pin, "nsenter", f"--net=/run/netns/{ns}", "unshare", "--uts", "--mount", "sh", "-c",
                 f'{setup}hostname {name} && exec "$@"', name, *command]
@@ -110,6 +114,14 @@ class Hosts:
         index, count = self.names.index(name), len(self.names)
         mine = cores[index::count] if len(cores) >= count else [cores[index % len(cores)]]
         return ",".join(map(str, mine))
+
+    @staticmethod
+    def kept_in_tmp() -> list[str]:
+        """This checkout and the Python running it, relative to /tmp, where they are under /tmp
+        (a CI clone): own_tmp must not hide them from the hosts."""
+        paths = [Path(__file__).resolve().parent.parent, Path(sys.prefix).resolve()]
+        under = [p.relative_to("/tmp") for p in paths if p.is_relative_to("/tmp") and p != Path("/tmp")]
+        return [str(p) for p in under if not any(p != q and p.is_relative_to(q) for q in under)]
 
     def tmp(self, name: str) -> Path:
         """Host ``name``'s /tmp, as this machine sees it (with ``own_tmp``)."""
@@ -132,6 +144,8 @@ class Hosts:
         for name in self.names:
             self.tmp(name).mkdir(parents=True)
             self.tmp(name).chmod(0o1777)
+            for kept in self.kept_in_tmp() if self.own_tmp else []:
+                (self.tmp(name) / kept).mkdir(parents=True)
         try:
             self._network()
             self._ssh()

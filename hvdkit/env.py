@@ -38,6 +38,11 @@ class LaunchEnv:
     node_rank: Optional[int] = None
     variables: dict = field(default_factory=dict)
 
+    @property
+    def spans_hosts(self) -> bool:
+        """More ranks in the job than on this host: the job runs on several hosts."""
+        return self.size is not None and self.local_size is not None and self.size > self.local_size
+
     def describe(self) -> str:
         if self.rank is None:
             return self.launcher

@@ -41,6 +41,19 @@ def test_srun_local_size_and_node_from_the_task_layout():
     assert horovodrun.node_rank == 1
 
 
+@pytest.mark.parametrize("environ, spans", [
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}, True),
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, False),
+    ({"HOROVOD_RANK": "2", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "0", "HOROVOD_LOCAL_SIZE": "2"}, True),
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}, False),  # no local size: not known to span
+    ({"PATH": "/usr/bin"}, False),
+])
+def test_a_job_spans_hosts_when_it_has_more_ranks_than_this_host(environ, spans):
+    assert env.detect(environ).spans_hosts is spans
+
+
 def test_disagreement_names_the_problem():
     srun = env.detect({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0"})
     assert "srun needs --mpi=pmix" in env.disagreement(srun, 0, 1, 0)

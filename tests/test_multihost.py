@@ -185,6 +185,8 @@ def test_benchmarks_run_across_two_hosts_on_a_shaped_link(tmp_path):
         assert all(total > 0 for total in compare["total_img_sec"].values())
         assert compare["environment"]["host"] == "h1" and compare["environment"]["cpus"] == 1, "a core per host"
         assert compare["knobs"]["hvdkit"]["OMPI_MCA_btl_tcp_if_include"] == "10.231.0.0/24"
+        assert compare["knobs"]["hvdkit"]["OMPI_MCA_coll_tuned_use_dynamic_rules"] == "1", "large allreduces by ring"
+        assert "OMPI_MCA_coll_tuned_use_dynamic_rules" not in compare["knobs"]["horovod-defaults"]
         assert compare["compute_ms"] > 0 and compare["gradient_bytes"] == 44726568
 
         out = tmp_path / "allreduce"

@@ -18,7 +18,7 @@ import torch
 from hvdkit import checkpoint, config, launch, selftest
 from hvdkit.config import ConfigError, TrainConfig
 from hvdkit.metrics import finite_or_none
-from hvdkit.session import batch_len, lr_multiplier, split_batch, sync_batch_norm
+from hvdkit.session import ALLREDUCE_RULES, batch_len, lr_multiplier, performance_settings, split_batch, sync_batch_norm
 from hvdkit.trainer import lr_factor
 from conftest import REPO, assert_bitwise_equal, final_weights, kill_tree, run
 
@@ -478,3 +478,20 @@ def test_world_size_changes_time_what_each_change_lost():
                                            {"from": 2, "to": 3, "step": 70, "lost_seconds": 11.5}]
     assert world_size_changes(records[:9]) == [{"from": 3, "to": 2, "step": 15, "lost_seconds": 4.5}]
     assert world_size_changes([train(5, 2, 1.0), {"event": "reset", "step": 5, "world_size": 1, "time": 2.0}]) == []
+
+
+def test_cpu_jobs_across_hosts_send_large_allreduces_by_the_ring():
+    """The settings a Session exports before hvd.init(); the rules file is read by Open MPI in
+    every rank (the multi-host benchmark test runs with it)."""
+    one_host = performance_settings(on_gpu=False, spans_hosts=False, environ={})
+    assert one_host == {"OMPI_MCA_mpi_yield_when_idle": "1", "HOROVOD_CYCLE_TIME": "0.1"}
+    hosts = performance_settings(on_gpu=False, spans_hosts=True, environ={})
+    assert hosts["OMPI_MCA_coll_tuned_use_dynamic_rules"] == "1"
+    rules = open(hosts["OMPI_MCA_coll_tuned_dynamic_rules_filename"]).read()
+    assert rules == ALLREDUCE_RULES
+    # allreduce (2), every communicator, below 1 MiB Open MPI's own choice (0), from 1 MiB the ring (4)
+    assert rules.split("\n")[:7] == ["1", "2", "1", "1", "2", "0 0 0 0", "1048576 4 0 0"]
+    # your own coll_tuned choice wins; GPUs keep Horovod's defaults
+    mine = performance_settings(on_gpu=False, spans_hosts=True, environ={"OMPI_MCA_coll_tuned_allreduce_algorithm": "3"})
+    assert not any(name.startswith("OMPI_MCA_coll_tuned_") for name in mine)
+    assert performance_settings(on_gpu=True, spans_hosts=True, environ={}) == {}

@@ -88,7 +88,7 @@ def synthetic_worker(args: argparse.Namespace) -> None:
 
     impl = args.impl
     if impl == "horovod":
-        _apply_defaults(performance_settings(torch.cuda.is_available()))
+        _apply_defaults(performance_settings(torch.cuda.is_available(), env.detect().spans_hosts))
     launch = env.detect()
     if impl in ("hvdkit", "own-loop"):  # the Session applies the same settings itself
         session = Session(batch_size=args.batch_size, fp16_allreduce=args.fp16_allreduce, amp=args.amp,
@@ -254,7 +254,7 @@ def allreduce_worker(args: argparse.Namespace) -> None:
     from hvdkit.session import performance_settings, place_process
 
     if not args.no_tuning:
-        _apply_defaults(performance_settings(torch.cuda.is_available()))
+        _apply_defaults(performance_settings(torch.cuda.is_available(), env.detect().spans_hosts))
     launch = env.detect()
     place_process(launch.local_rank or 0, launch.local_size or 1)
     sizes = size_range(args.sizes)

@@ -106,7 +106,8 @@ def compare_synthetic(args: argparse.Namespace) -> int:
     gradient_bytes = runs["hvdkit"][-1]["gradient_bytes"]
     print(f"\ncompute per step without allreduce: {compute_ms:.1f} ms per rank (all runs' mean); gradients: "
           f"{gradient_bytes} bytes; for many ranks: hvdkit bench estimate --compute-ms {compute_ms:.1f} "
-          f"--gradient-bytes {gradient_bytes} --batch-size {args.batch_size}" + " --fp16-allreduce" * args.fp16_allreduce)
+          f"--gradient-bytes {gradient_bytes} --batch-size {args.batch_size}"
+          + " --fp16-allreduce" * args.fp16_allreduce)
     print(json.dumps({"event": "bench.compare", "np": np, "model": args.model, "batch_size": args.batch_size,
                       "compute_ms": compute_ms, "gradient_bytes": gradient_bytes,
                       "fp16_allreduce": args.fp16_allreduce,

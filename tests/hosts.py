@@ -280,6 +280,14 @@ class Hosts:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def _rate(text: str) -> str:
+    try:
+        bits_per_second(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.hosts", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="action", required=True)
@@ -289,7 +297,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for action in (up, run):
         action.add_argument("count", type=int)
         action.add_argument("--docker0", action="store_true", help="a docker0 with 10.231.1.1 on every host")
-        action.add_argument("--rate", help="shape each host's link, e.g. 1gbit")
+        action.add_argument("--rate", type=_rate, help="shape each host's link, e.g. 1gbit")
         action.add_argument("--own-tmp", action="store_true", help="a /tmp of its own on every host (node-local disk)")
         action.add_argument("--cpus", action="store_true", help="each host on its own share of this machine's cores")
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -157,7 +157,8 @@ def run_selftest(report: Report, controllers: list[str]) -> None:
         verdict = "PASS" if outcome.ok else "FAIL"
         report.line(f"selftest {controller}", f"{verdict} in {outcome.seconds:.1f} s: {outcome.detail}")
         if not outcome.ok:
-            report.require(f"the {controller} selftest failed", "see the line above; rerun with HOROVOD_LOG_LEVEL=debug")
+            report.require(f"the {controller} selftest failed",
+                           "see the line above; rerun with HOROVOD_LOG_LEVEL=debug")
 
 
 def main(selftest_wanted: bool = False) -> int:

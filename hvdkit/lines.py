@@ -69,6 +69,15 @@ class Joiner:
             self.owner = None  # after a newline, text without a tag is the launcher's
 
 
+def untagged(text: str) -> str:
+    """A launcher's whole output as a user reads it from one rank: lines joined, tags gone."""
+    joined: list = []
+    joiner = Joiner(joined.append)
+    joiner.feed(text.encode())
+    joiner.close()
+    return TAG.sub(b"", b"".join(joined)).decode(errors="replace")
+
+
 def pump(source: int, fd: int) -> threading.Thread:
     """A thread that reads ``source`` to its end through a Joiner writing to ``fd``, each line
     with one write."""

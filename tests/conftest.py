@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hvdkit import lines, selftest
+from hvdkit import selftest
+from hvdkit.lines import untagged
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -22,14 +23,6 @@ def run(cmd, timeout=300, env=None, raw=False, **kwargs):
     if not raw:
         proc.stdout, proc.stderr = untagged(proc.stdout), untagged(proc.stderr)
     return proc
-
-
-def untagged(text):
-    joined = []
-    joiner = lines.Joiner(joined.append)
-    joiner.feed(text.encode())
-    joiner.close()
-    return lines.TAG.sub(b"", b"".join(joined)).decode(errors="replace")
 
 
 def final_weights(ckpt_dir):

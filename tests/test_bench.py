@@ -17,6 +17,7 @@ import pytest
 from conftest import run
 from hvdkit.bench import estimate, figures
 from hvdkit.launch import local_command
+from hvdkit.lines import TAG
 from hvdkit.selftest import parse_records
 
 HVDKIT = [sys.executable, "-m", "hvdkit.cli", "bench"]
@@ -30,7 +31,8 @@ TINY = ["--model", "resnet18", "--batch-size", "4", "--image-size", "32", "--num
 
 def test_sizes():
     assert figures.parse_size("4K") == 4096 and figures.parse_size("256M") == 256 << 20
-    assert figures.parse_size("1G") == 1 << 30 and figures.parse_size("4096") == 4096 and figures.parse_size("8KiB") == 8192
+    assert figures.parse_size("1G") == 1 << 30 and figures.parse_size("4096") == 4096
+    assert figures.parse_size("8KiB") == 8192
     assert figures.size_range("4K..64K") == [4096, 8192, 16384, 32768, 65536]
     assert len(figures.size_range("4K..256M")) == 17
     assert figures.size_range("4K,1M") == [4096, 1 << 20]
@@ -88,9 +90,9 @@ def test_ratio_summary():
     def cell(busbw):
         return {"time_us": 1.0, "algbw": busbw, "busbw": busbw}
     record = {"implementations": list(figures.ALLREDUCE_IMPLS), "rows": [
-        {"bytes": 4096, **{n: cell(b) for n, b in zip(figures.ALLREDUCE_IMPLS, (8.0, 0.5, 1.0, 0.9))}},
-        {"bytes": 16 << 20, **{n: cell(b) for n, b in zip(figures.ALLREDUCE_IMPLS, (2.0, 1.0, 1.8, 0.9))}},
-        {"bytes": 64 << 20, **{n: cell(b) for n, b in zip(figures.ALLREDUCE_IMPLS, (2.0, 1.0, 1.6, 0.9))}},
+        {"bytes": 4096, **{n: cell(b) for n, b in zip(figures.ALLREDUCE_IMPLS, (8.0, 0.5, 1.0, 0.9), strict=True)}},
+        {"bytes": 16 << 20, **{n: cell(b) for n, b in zip(figures.ALLREDUCE_IMPLS, (2.0, 1.0, 1.8, 0.9), strict=True)}},
+        {"bytes": 64 << 20, **{n: cell(b) for n, b in zip(figures.ALLREDUCE_IMPLS, (2.0, 1.0, 1.6, 0.9), strict=True)}},
     ]}
     summary = figures.ratio_summary(record)
     # the 4K row is below 16 MiB: it counts against torch.distributed only
@@ -177,8 +179,9 @@ def test_synthetic_under_horovodrun_prints_horovods_output(hvd_built):
 @pytest.mark.slow
 def test_compare_runs_each_implementation_and_reports_ratios(hvd_built):
     proc = run(HVDKIT + ["synthetic", "-np", "2", "--compare", "own-loop,horovod,ddp", "--knob", "HOROVOD_CYCLE_TIME=1",
-                         *TINY], timeout=600)
+                         *TINY], timeout=600, raw=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert not TAG.search(proc.stdout.encode()), "rank 0's lines are echoed as one process's, untagged"
     labels = ("hvdkit", "own-loop", "horovod", "ddp", "hvdkit HOROVOD_CYCLE_TIME=1")
     for label in labels:
         assert f"== {label}: np=2" in proc.stdout

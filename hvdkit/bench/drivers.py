@@ -24,6 +24,7 @@ from hvdkit.bench.figures import (
 )
 from hvdkit.bench.plots import plot_allreduce, plot_scaling, write_allreduce_csv
 from hvdkit.launch import find_program, local_slots
+from hvdkit.lines import untagged
 from hvdkit.selftest import mpi_root_env, parse_records
 
 
@@ -65,7 +66,7 @@ def run_launch(command: Sequence[str], event: str, label: str, timeout: float) -
     if proc.returncode != 0 or not records:
         tail = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()][-3:]
         raise RunFailed(f"{label} failed (exit code {proc.returncode}): {' | '.join(tail)}")
-    for line in proc.stdout.splitlines():
+    for line in untagged(proc.stdout).splitlines():  # rank 0's lines, as from one process
         if '{"event": "bench.' not in line and line.strip():
             print(f"  {line}", flush=True)
     return records[0]

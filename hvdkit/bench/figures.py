@@ -103,7 +103,7 @@ def ratio_summary(record: dict, large: int = 16 << 20) -> dict:
     rows, ratios = record["rows"], ratio_rows(record)
     found, lines = {}, []
     if "mpi4py" in record["implementations"]:
-        big = [r["mpi4py"] for row, r in zip(rows, ratios) if row["bytes"] >= large]
+        big = [r["mpi4py"] for row, r in zip(rows, ratios, strict=True) if row["bytes"] >= large]
         if big:
             found["in-place/mpi4py min >=16M"] = min(big)
             lines.append(f"horovod in-place / mpi4py busbw, sizes >= 16M: min {min(big):.2f}")

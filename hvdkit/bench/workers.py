@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import time
+from functools import partial
 from typing import Callable
 
 from hvdkit import env
@@ -279,7 +280,7 @@ def allreduce_worker(args: argparse.Namespace) -> None:
             recv = np.empty_like(send)
             world.Allreduce(send, recv, op=MPI.SUM)
             check("mpi4py", nbytes, float(recv[-1]), expected_sum)
-            times.append(_time_allreduce(lambda: world.Allreduce(send, recv, op=MPI.SUM),
+            times.append(_time_allreduce(partial(world.Allreduce, send, recv, op=MPI.SUM),
                                          args.iters or default_iterations(nbytes), world.Barrier))
         seconds["mpi4py"] = times
 
@@ -289,7 +290,7 @@ def allreduce_worker(args: argparse.Namespace) -> None:
         dist.all_reduce(tensor)
         check("torch.distributed", nbytes, float(tensor[-1]), expected_sum)
         tensor.zero_()  # repeated in-place sums of zeros stay finite
-        times.append(_time_allreduce(lambda: dist.all_reduce(tensor), args.iters or default_iterations(nbytes),
+        times.append(_time_allreduce(partial(dist.all_reduce, tensor), args.iters or default_iterations(nbytes),
                                      dist.barrier))
     seconds["torch.distributed"] = times
 

@@ -478,6 +478,9 @@ class Session:
         """Write a checkpoint of this step to ``checkpoint_dir`` (all ranks call it; rank 0 writes)."""
         if not self.cfg.checkpoint_dir:
             return
+        if self.cfg.elastic:  # its collective could wait on a leaving worker; the file lacks the position
+            raise RuntimeError("hvdkit: an elastic run writes its checkpoints with save_elastic(sampler), "
+                               "after a commit; save() is for runs without --elastic")
         self.watchdog.beat(f"checkpoint of step {self.global_step}")
         rng = self.hvd.allgather_object(rng_state())
         if self.rank == 0:
@@ -659,7 +662,8 @@ class Session:
         self.global_step += 1
         self._signal.step = self.global_step  # the steps done, for a second Ctrl-C's message
         self._micro_count = cfg.batches_per_allreduce
-        periodic = cfg.checkpoint_steps and self.global_step % cfg.checkpoint_steps == 0
+        # Elastic runs write their checkpoints at a commit (save_elastic), with the sampler's position.
+        periodic = cfg.checkpoint_steps and self.global_step % cfg.checkpoint_steps == 0 and not cfg.elastic
         end_of_epoch = self._loaders and self.global_step % self.steps_per_epoch() == 0
         if periodic and not end_of_epoch and self.global_step < (self.total_steps or math.inf):
             self.save()

@@ -171,7 +171,7 @@ def test_resume_with_another_world_size_is_refused(tmp_path):
                                            "--checkpoint-dir", str(tmp_path / "ckpt"),
                                            "--log-dir", str(tmp_path / "logs2")]))
     assert proc.returncode != 0
-    lines = [l for l in proc.stderr.splitlines() if l.startswith("hvdkit train:")]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("hvdkit train:")]
     assert len(lines) == 1 and "was written by 1 ranks, this job has 2" in lines[0], proc.stderr[-2000:]
     assert _snapshot(tmp_path / "ckpt") == before
 
@@ -301,7 +301,7 @@ def test_failure_hints_for_oom_and_nccl():
 def test_dataset_smaller_than_one_global_batch(tmp_path):
     proc = run(launch.local_command("mpirun", 2, [*TRAIN, "--batch-size", "1024", "--log-dir", str(tmp_path)]))
     assert proc.returncode != 0
-    lines = [l for l in proc.stderr.splitlines() if l.startswith("hvdkit train:")]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("hvdkit train:")]
     assert lines == ["hvdkit train: data: the training set has 1437 samples, fewer than "
                      "world size x batch_size = 2 x 1024"], proc.stderr[-2000:]
 
@@ -382,6 +382,43 @@ def test_an_elastic_job_killed_whole_resumes_from_its_checkpoint(tmp_path):
     assert refused.returncode == 2
     assert refused.stderr.strip().endswith("was written by an elastic run (--elastic): resume it the same way, or "
                                            "start afresh in another --checkpoint-dir"), refused.stderr
+
+
+ELASTIC_STEPS = '''
+import sys, torch
+import horovod.torch as hvd
+import hvdkit
+from hvdkit import checkpoint
+
+session = hvdkit.Session(elastic=True, checkpoint_dir=sys.argv[1], checkpoint_steps=1, log_dir=sys.argv[2])
+model = torch.nn.Linear(2, 1)
+model, optimizer = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+for _ in range(2):
+    optimizer.zero_grad()
+    session.backward(model(torch.ones(4, 2)).pow(2).mean())
+    session.step()
+print("after steps", len(checkpoint.existing(sys.argv[1])))
+try:
+    session.save()
+except RuntimeError as exc:
+    print(exc)
+session.save_elastic(hvd.elastic.ElasticSampler(list(range(8))))
+print("saved", sorted(checkpoint.load(checkpoint.existing(sys.argv[1])[-1])))
+'''
+
+
+def test_an_elastic_run_writes_checkpoints_only_with_the_sampler_position(tmp_path):
+    """step() wrote a fixed-size checkpoint (no sampler position) at --checkpoint-steps in
+    elastic runs, just before save_elastic replaced it: a job killed between the two could
+    not be resumed (KeyError: 'sampler', seen in CI). One process, no launcher."""
+    script = tmp_path / "elastic_steps.py"
+    script.write_text(ELASTIC_STEPS)
+    proc = run([sys.executable, str(script), str(tmp_path / "ckpt"), str(tmp_path / "logs")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "after steps 0" in proc.stdout
+    assert "hvdkit: an elastic run writes its checkpoints with save_elastic(sampler)" in proc.stdout
+    saved = proc.stdout.split("saved ", 1)[1]
+    assert "'sampler'" in saved and "'rng'" not in saved, proc.stdout
 
 
 def test_requeues_are_bounded(tmp_path):

@@ -88,9 +88,9 @@ def synthetic_worker(args: argparse.Namespace) -> None:
     from hvdkit.trainer import classification_loss, train_step
 
     impl = args.impl
-    if impl == "horovod":
-        _apply_defaults(performance_settings(torch.cuda.is_available(), env.detect().spans_hosts))
     launch = env.detect()
+    if impl == "horovod":
+        _apply_defaults(performance_settings(torch.cuda.is_available(), launch.spans_hosts))
     if impl in ("hvdkit", "own-loop"):  # the Session applies the same settings itself
         session = Session(batch_size=args.batch_size, fp16_allreduce=args.fp16_allreduce, amp=args.amp,
                           seed=args.seed)
@@ -254,9 +254,9 @@ def allreduce_worker(args: argparse.Namespace) -> None:
 
     from hvdkit.session import performance_settings, place_process
 
-    if not args.no_tuning:
-        _apply_defaults(performance_settings(torch.cuda.is_available(), env.detect().spans_hosts))
     launch = env.detect()
+    if not args.no_tuning:
+        _apply_defaults(performance_settings(torch.cuda.is_available(), launch.spans_hosts))
     place_process(launch.local_rank or 0, launch.local_size or 1)
     sizes = size_range(args.sizes)
     _init_torch_distributed("gloo")

@@ -19,7 +19,7 @@ endif
 # horovodrun and mpirun from the virtual environment come first.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup system-packages horovod train train-lm doctor test gpu-check clean
+.PHONY: setup system-packages horovod train train-lm doctor test lint gpu-check clean
 
 setup: system-packages $(STAMPS)/python-packages horovod
 
@@ -65,6 +65,11 @@ train-lm: setup
 
 test: setup
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# pyflakes, pycodestyle and bugbear checks at 120 columns; ruff comes from setup.cfg's lint extra.
+lint: $(STAMPS)/python-packages
+	@$(PY) -m ruff --version >/dev/null 2>&1 || $(PY) -m pip install -q -c constraints.txt -e '.[lint]'
+	$(PY) -m ruff check --isolated --select E,F,W,B --line-length 120 --output-format concise .
 
 # On a CUDA machine: Horovod with NCCL, the tests marked gpu, the synthetic benchmark beside
 # Horovod's loop and DDP, one summary (hvdkit/gpucheck.py). On an offline node whose Python

@@ -480,7 +480,7 @@ class Session:
             return
         if self.cfg.elastic:  # its collective could wait on a leaving worker; the file lacks the position
             raise RuntimeError("hvdkit: an elastic run writes its checkpoints with save_elastic(sampler), "
-                               "after a commit; save() is for runs without --elastic")
+                               "where it commits its state; save() is for runs without --elastic")
         self.watchdog.beat(f"checkpoint of step {self.global_step}")
         rng = self.hvd.allgather_object(rng_state())
         if self.rank == 0:

@@ -196,6 +196,7 @@ class BuildPlan:
             "flags": self.flags,
             "cuda": self.cuda_version,
             "nccl": self.nccl_version,
+            "source_fixes": source_fixes_digest(),
         }
         if self.mpi != "openmpi":  # Open MPI builds keep the keys they had before MPICH was an option
             identity["mpi"] = self.mpi
@@ -287,6 +288,130 @@ def patch_cxx_standard(src_dir: Path, standard: int) -> None:
         if count == 0:
             raise BuildError(f"{path}: no 'set(CMAKE_CXX_STANDARD ..)' to raise; is this Horovod {HOROVOD_VERSION}?")
         path.write_text(patched)
+
+
+@dataclass(frozen=True)
+class SourceFix:
+    """One exact edit to Horovod's source: ``old`` must occur once in ``path``, or the build stops."""
+
+    path: str
+    old: str
+    new: str
+
+
+# Horovod's CPU paths cost a busy core work that DDP's do not (docs/performance.md, "Where
+# Horovod's CPU time went, and the two fixes"); each fix below was measured across two hosts.
+#
+# 1. synchronize() waited by calling sched_yield in a loop: the training thread spun on its core,
+#    at the expense of the threads that move the data, for as long as an allreduce took. It now
+#    sleeps on a condition variable that MarkDone signals.
+_WAIT_FIXES = (
+    SourceFix("horovod/torch/handle_manager.h", old="""\
+#include <atomic>
+""", new="""\
+#include <atomic>
+#include <condition_variable>
+"""),
+    SourceFix("horovod/torch/handle_manager.h", old="""\
+  bool PollHandle(int handle);
+""", new="""\
+  bool PollHandle(int handle);
+  void WaitHandle(int handle);
+"""),
+    SourceFix("horovod/torch/handle_manager.h", old="""\
+  std::mutex mutex_;
+""", new="""\
+  std::mutex mutex_;
+  std::condition_variable done_;
+"""),
+    SourceFix("horovod/torch/handle_manager.cc", old="""\
+  std::lock_guard<std::mutex> guard(mutex_);
+  results_[handle] = std::make_shared<Status>(status);
+}
+""", new="""\
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    results_[handle] = std::make_shared<Status>(status);
+  }
+  done_.notify_all();
+}
+
+void HandleManager::WaitHandle(int handle) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  done_.wait(lock, [&] {
+    auto it = results_.find(handle);
+    if (it == results_.end()) {
+      throw std::invalid_argument("Handle " + std::to_string(handle) +
+                                  " was not created or has been cleared.");
+    }
+    return it->second != nullptr;
+  });
+}
+"""),
+    SourceFix("horovod/torch/handle_manager.cc", old="""\
+void HandleManager::Reset() {
+  std::lock_guard<std::mutex> guard(mutex_);
+  results_.clear();
+  last_handle_ = 0;
+}
+""", new="""\
+void HandleManager::Reset() {
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    results_.clear();
+    last_handle_ = 0;
+  }
+  done_.notify_all();  // a waiter on a cleared handle raises, as a poll of it does
+}
+"""),
+    SourceFix("horovod/torch/mpi_ops_v2.cc", old="""\
+  while (true) {
+    if (handle_manager.PollHandle(handle)) break;
+    {
+      py::gil_scoped_release release_python_gil;
+      std::this_thread::yield();
+    }
+  }
+""", new="""\
+  {
+    py::gil_scoped_release release_python_gil;
+    handle_manager.WaitHandle(handle);
+  }
+"""),
+)
+
+# 2. Gloo summed float16 one element at a time in software (cpu_half2float) unless built with
+#    USE_AVX, which Horovod never sets: under --gloo with --fp16-allreduce that was ~90 ms of CPU
+#    in a 540 ms step. Turned on only where Horovod itself builds with AVX and F16C.
+_GLOO_FP16_FIX = SourceFix("CMakeLists.txt", old="""\
+    add_subdirectory(third_party/gloo)
+""", new="""\
+    if(HOROVOD_BUILD_ARCH_FLAGS MATCHES "-mavx" AND HOROVOD_BUILD_ARCH_FLAGS MATCHES "-mf16c")
+        set(USE_AVX ON)  # hvdkit: gloo's vectorised float16 reductions
+    endif()
+    add_subdirectory(third_party/gloo)
+""")
+
+SOURCE_FIXES = (*_WAIT_FIXES, _GLOO_FP16_FIX)
+
+
+def apply_source_fixes(src_dir: Path, fixes: Optional[Sequence[SourceFix]] = None) -> None:
+    """Apply each fix (SOURCE_FIXES by default) in order; one that does not match exactly once
+    stops the build."""
+    for fix in SOURCE_FIXES if fixes is None else fixes:
+        path = src_dir / fix.path
+        text = path.read_text()
+        if text.count(fix.old) != 1:
+            first = fix.old.strip().splitlines()[0]
+            raise BuildError(f"{path}: expected one {first!r} to fix, found {text.count(fix.old)}; "
+                             f"is this Horovod {HOROVOD_VERSION}?")
+        path.write_text(text.replace(fix.old, fix.new))
+
+
+def source_fixes_digest() -> str:
+    """Part of the cache key: a wheel built without today's fixes is not reused."""
+    edits = [[fix.path, fix.old, fix.new] for fix in SOURCE_FIXES]
+    return hashlib.sha256(json.dumps(edits).encode()).hexdigest()[:12]
 
 
 _ERROR_RE = re.compile(r"(\berror\b|CMake Error|fatal error|Error \d+|undefined reference|"
@@ -485,6 +610,7 @@ def build_wheel(plan: BuildPlan, cache: Path, sdist: Path) -> Path:
             tar.extractall(tmp_path)
         src = tmp_path / f"horovod-{HOROVOD_VERSION}"
         patch_cxx_standard(src, plan.cxx_standard)
+        apply_source_fixes(src)
         env = dict(os.environ)
         env.update(plan.flags)
         env.update(plan.paths)

@@ -157,6 +157,27 @@ def test_patch_fails_loudly_when_the_pin_is_gone(tmp_path):
         build.patch_cxx_standard(tmp_path, 20)
 
 
+def test_source_fixes_apply_each_edit_once(tmp_path):
+    source = _touch(tmp_path / "a.cc", "one\ntwo\nthree\n")
+    build.apply_source_fixes(tmp_path, [build.SourceFix("a.cc", "two\n", "2\n"),
+                                        build.SourceFix("a.cc", "three\n", "3\n")])
+    assert source.read_text() == "one\n2\n3\n"
+
+
+@pytest.mark.parametrize("text, found", [("one\n", 0), ("two\ntwo\n", 2)])
+def test_a_source_fix_that_does_not_match_once_stops_the_build(tmp_path, text, found):
+    _touch(tmp_path / "a.cc", text)
+    with pytest.raises(BuildError, match=f"a.cc: expected one 'two' to fix, found {found}; is this Horovod 0.28.1"):
+        build.apply_source_fixes(tmp_path, [build.SourceFix("a.cc", "two\n", "2\n")])
+    assert (tmp_path / "a.cc").read_text() == text
+
+
+def test_the_cache_key_follows_the_source_fixes(monkeypatch):
+    before = plan_build(_gpu_toolchain()).key
+    monkeypatch.setattr(build, "SOURCE_FIXES", build.SOURCE_FIXES[:-1])
+    assert plan_build(_gpu_toolchain()).key != before
+
+
 BUILD_LOG = """\
 -- Configuring done
 [ 40%] Building CXX object horovod/torch/CMakeFiles/pytorch.dir/mpi_ops_v2.cc.o

@@ -45,6 +45,9 @@ def test_patch_applies_to_the_real_source(tmp_path, plan):
     for name in build.CXX_STANDARD_FILES:
         standards = re.findall(r"set\(CMAKE_CXX_STANDARD (\d+)\)", (src / name).read_text())
         assert standards and set(standards) == {str(plan.cxx_standard)}, name
+    build.apply_source_fixes(src)  # each fix matches the real files exactly once, or this raises
+    for fix in build.SOURCE_FIXES:
+        assert fix.new in (src / fix.path).read_text(), fix.path
 
 
 def test_failed_build_shows_first_errors_and_log(tmp_path, plan, monkeypatch):

@@ -192,6 +192,10 @@ def test_compare_runs_each_implementation_and_reports_ratios(hvd_built):
     assert set(totals) == set(labels) and all(v > 0 for v in totals.values())
     for label in labels[1:]:
         assert record["ratios"][f"hvdkit/{label}"] == pytest.approx(totals["hvdkit"] / totals[label])
+    # CPU per step and rank, all threads and all but the training thread: each within what a step can use
+    for label in labels:
+        cpu, others = record["cpu_ms_per_step"][label], record["other_threads_cpu_ms_per_step"][label]
+        assert 0 < others < cpu, (label, cpu, others)
     # the Trainer's settings are in force and reported; a --knob overrides one of them in its run only
     assert record["knobs"]["hvdkit"]["OMPI_MCA_mpi_yield_when_idle"] == "1"
     assert record["knobs"]["hvdkit"]["HOROVOD_CYCLE_TIME"] == "0.1"

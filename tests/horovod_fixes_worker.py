@@ -1,5 +1,5 @@
 """One rank of test_horovod_fixes: what hvdkit's fixes to Horovod's source change, checked on
-the installed build. Prints one JSON line per rank."""
+the installed build. Prints one JSON record per rank (selftest.parse_records reads them)."""
 
 import json
 import time
@@ -15,7 +15,8 @@ def main() -> None:
     hvd.init()
     torch.set_num_threads(1)
     rank = hvd.rank()
-    result = {"rank": rank, "size": hvd.size(), "controller": "mpi" if hvd.mpi_enabled() else "gloo"}
+    result = {"event": "horovod_fixes", "rank": rank, "size": hvd.size(),
+              "controller": "mpi" if hvd.mpi_enabled() else "gloo"}
 
     # float16 sums: with two ranks each element is added once, in float32, and rounded once to
     # nearest even, by the vectorised and the one-at-a-time path alike; 1003 elements reach both

@@ -2,12 +2,11 @@
 real launchers: float16 sums stay exact, a rank waiting on a collective sleeps instead of
 spinning, and a failed collective still raises."""
 
-import json
 import sys
 
 import pytest
 
-from hvdkit import launch
+from hvdkit import launch, selftest
 from conftest import REPO, run
 
 pytestmark = pytest.mark.slow
@@ -19,8 +18,7 @@ WORKER = [sys.executable, str(REPO / "tests" / "horovod_fixes_worker.py")]
 def test_fixed_horovod_sums_float16_exactly_and_waits_without_spinning(how, hvd_built):
     proc = run(launch.local_command(how, 2, WORKER), timeout=240)
     assert proc.returncode == 0, f"{how} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
-    results = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"rank"')),
-                     key=lambda r: r["rank"])
+    results = sorted(selftest.parse_records(proc.stdout, "horovod_fixes"), key=lambda r: r["rank"])
     assert [r["rank"] for r in results] == [0, 1], proc.stdout[-2000:]
     for r in results:
         assert r["controller"] == ("gloo" if "gloo" in how else "mpi")

@@ -195,8 +195,8 @@ def synthetic_worker(args: argparse.Namespace) -> None:
         say(f"Iter #{i}: {rates[-1]:.1f} img/sec per {kind}", flush=True)
     steps = args.num_iters * args.num_batches_per_iter
     cpu_ms = [(time.process_time() - cpu) * 1e3 / steps, (time.thread_time() - thread_cpu) * 1e3 / steps]
-    result = cross_rank_total(comm.allgather_rows(list(rate_stats(rates))))
-    cpu_rows = comm.allgather_rows(cpu_ms)
+    rows = comm.allgather_rows([*rate_stats(rates), *cpu_ms])  # per rank: rate mean, conf, CPU, training thread
+    result = cross_rank_total([row[:2] for row in rows])
     comm.allgather_rows([0.0])  # every rank starts the compute-only timing together
     compute_ms = max(row[0] for row in comm.allgather_rows([_compute_seconds(args, device, images, labels) * 1e3]))
     if comm.rank == 0:
@@ -207,8 +207,8 @@ def synthetic_worker(args: argparse.Namespace) -> None:
         record = {"event": "bench.synthetic", "impl": impl, "model": args.model, "batch_size": args.batch_size,
                   "image_size": args.image_size, "world_size": comm.size, "device": kind, **result,
                   "compute_ms": compute_ms, "gradient_bytes": gradient_bytes, "fp16_allreduce": args.fp16_allreduce,
-                  "cpu_ms_per_step": statistics.fmean(row[0] for row in cpu_rows),
-                  "training_thread_cpu_ms_per_step": statistics.fmean(row[1] for row in cpu_rows),
+                  "cpu_ms_per_step": statistics.fmean(row[2] for row in rows),
+                  "training_thread_cpu_ms_per_step": statistics.fmean(row[3] for row in rows),
                   "environment": environment(controller=comm.controller, impl=impl)}
         print(json.dumps(record), flush=True)
 

@@ -140,10 +140,15 @@ def mpirun_version(mpirun: str) -> str:
 
 
 def choose_launcher(requested: str, controller: Optional[str], environ: Mapping[str, str],
-                    which: Callable[[str], Optional[str]]) -> tuple[str, str]:
-    """(launcher, reason). auto: srun in a Slurm allocation, mpirun if on PATH, else horovodrun --gloo."""
+                    which: Callable[[str], Optional[str]], is_elastic: bool = False) -> tuple[str, str]:
+    """(launcher, reason). auto: srun in a Slurm allocation, mpirun if on PATH, else horovodrun --gloo;
+    horovodrun for elastic jobs, which only it runs."""
     if requested != "auto":
+        if is_elastic and requested != "horovodrun":
+            raise LaunchError(f"--host-discovery-script: elastic jobs run under horovodrun, not {requested}")
         return requested, "asked for with --launcher"
+    if is_elastic:
+        return "horovodrun", "--host-discovery-script: elastic jobs run under horovodrun"
     if controller == "gloo":
         return "horovodrun", "--gloo: only horovodrun starts Gloo jobs"
     if "SLURM_JOB_ID" in environ and which("srun"):
@@ -184,12 +189,19 @@ class LaunchSpec:
     network: Optional[Network] = None  # the interface to pin MPI's traffic to, across hosts
 
 
+def elastic(launcher_args: Sequence[str]) -> bool:
+    """horovodrun's elastic mode: its hosts come from a discovery script, and change."""
+    return any(arg == "--host-discovery-script" or arg.startswith("--host-discovery-script=")
+               for arg in launcher_args)
+
+
 def horovodrun_command(spec: LaunchSpec) -> list[str]:
-    """horovodrun forwards the environment itself; set_env is applied to its own environment."""
+    """horovodrun forwards the environment itself; set_env is applied to its own environment.
+    An elastic job's hosts are its discovery script's."""
     cmd = [spec.program or "horovodrun", "-np", str(spec.np)]
     if spec.hostfile:
         cmd += ["--hostfile", spec.hostfile]
-    else:
+    elif not elastic(spec.launcher_args):
         cmd += ["-H", host_list(spec.hosts or [Host("localhost", spec.np)])]
     if spec.controller:
         cmd.append(f"--{spec.controller}")
@@ -371,7 +383,7 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
         else:
             extra.append(name)
 
-    launcher, reason = choose_launcher(args.launcher, args.controller, environ, which)
+    launcher, reason = choose_launcher(args.launcher, args.controller, environ, which, elastic(launcher_args))
     program = which(launcher)
     if program is None:
         raise LaunchError(f"{launcher} not found on PATH; " + {
@@ -382,7 +394,10 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
         raise LaunchError(f"--gloo needs horovodrun; {launcher} starts MPI jobs")
     if launcher == "srun" and "SLURM_JOB_ID" not in environ:
         raise LaunchError("srun: not inside a Slurm allocation (run under salloc or sbatch, or pick another launcher)")
-    if launcher == "horovodrun" and hosts is None:
+    if launcher == "horovodrun" and elastic(launcher_args) and hosts is not None:
+        raise LaunchError("--host-discovery-script gives an elastic job its hosts; drop -H/--hostfile "
+                          "(with both, horovodrun ignores them)")
+    if launcher == "horovodrun" and hosts is None and not elastic(launcher_args):
         if "SLURM_JOB_NODELIST" in environ:
             hosts = slurm_hosts(environ)
             reason += "; hosts from the Slurm allocation"

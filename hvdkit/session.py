@@ -289,12 +289,13 @@ class Session:
         self._micro_count = cfg.batches_per_allreduce
         self._sums: dict[str, torch.Tensor] = {}
         self._count = torch.zeros((), device=self.device)
-        self._signal = StopSignal(install=not cfg.elastic)  # elastic runs stop as Horovod's driver says
+        self._signal = StopSignal()
         self._stop_handle = None  # this step's allreduce of the ranks' stop signals
         self._stop_signum = 0  # the signal all ranks agreed to stop for
         self.skipped_steps, self._skips_in_a_row = 0, 0  # on_nonfinite: skip
         self._resumed_batches: Optional[list] = None  # the checkpoint's loader batch sizes
         self._elastic_checkpoint: Optional[dict] = None  # read in setup(), applied by load_elastic
+        self._elastic_sampler = None  # given to load_elastic: a stop's checkpoint records its position
         self.resumed_config: Optional[dict] = None  # the config keys of the checkpoint resumed from
         self._last_count = 0.0
         self.stopped = False
@@ -511,7 +512,8 @@ class Session:
         may be joining a running job, so no collective); False if there is none. hvd.elastic.run
         then gives every rank rank 0's state, so a worker joining a running job takes the job's
         state, not the file's. Every rank checks the file, so a conflict stops each with the
-        same line."""
+        same line. The sampler is kept: the checkpoint of a stop (should_stop) records its position."""
+        self._elastic_sampler = sampler
         state, self._elastic_checkpoint = self._elastic_checkpoint, None
         if state is None:
             return False
@@ -643,8 +645,7 @@ class Session:
         cfg, optimizer = self.cfg, self.optimizer
         self.watchdog.beat(f"training step {self.global_step + 1}")
         self._collect_stop()  # one left by a loop that did not ask should_stop()
-        if not cfg.elastic:  # submitted before the gradients are awaited: it travels in their cycle
-            self._ask_stop()
+        self._ask_stop()  # submitted before the gradients are awaited: it travels in their cycle
         if not cfg.use_adasum:
             optimizer.synchronize()
         if self.scaler:
@@ -774,18 +775,25 @@ class Session:
         (see hvdkit.preemption); by then the checkpoint of that step is written. Call it after
         every step(): the agreement is the result of the small allreduce step() started, so it
         costs no extra wait. ``finish()`` then says what was saved and, after SIGUSR1, requeues
-        the Slurm job: a requeue ends the job's processes, so it comes last."""
+        the Slurm job: a requeue ends the job's processes, so it comes last. Elastic runs stop
+        the same way (horovodrun passes a SIGTERM or Ctrl-C to its workers on this host, and the
+        allreduce tells the others), with the checkpoint of save_elastic, whose sampler position
+        comes from load_elastic(sampler)."""
         if self.stopped:
             return True
-        if self.cfg.elastic:  # no handlers there: Horovod's elastic driver ends its workers
-            return False
+        if self.cfg.elastic and self._elastic_sampler is None:
+            raise RuntimeError("hvdkit: an elastic loop calls session.load_elastic(sampler) before its first step, "
+                               "so that the checkpoint of a stop records the sampler's position")
         if self._stop_handle is None:  # no step since the last call: ask now
             self._ask_stop()
         self._collect_stop()
         if not self._stop_signum:
             return False
         self.stopped = True
-        self.save()
+        if self.cfg.elastic:
+            self.save_elastic(self._elastic_sampler)
+        else:
+            self.save()
         return True
 
     def _ask_stop(self) -> None:
@@ -844,7 +852,9 @@ class Session:
 
     def elastic_reset(self, step: int) -> None:
         """Elastic: call it from a reset callback. Rank 0 may now be another process: it takes
-        the sink and records the reset (the step training goes on from, the new world size)."""
+        the sink and records the reset (the step training goes on from, the new world size).
+        An allreduce of stop signals started before the reset belongs to the old set of ranks."""
+        self._stop_handle = None
         if self._metrics is not None:
             self._metrics.close()
         self._metrics = None

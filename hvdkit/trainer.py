@@ -243,6 +243,7 @@ class Trainer:
         Horovod restores the last committed state (model, optimizer, sampler position, epoch,
         step) on every rank after a change, and the ElasticSampler shares the rest of the
         epoch among the new set of ranks. The learning rate follows the current world size.
+        A stop signal ends it as it ends fit(): all ranks at one step, with a checkpoint.
         """
         cfg = self.cfg
         session = self.session = Session(cfg)
@@ -282,6 +283,8 @@ class Trainer:
                     if state.step % cfg.log_interval == 0:
                         result["train"] = session.report("train", epoch=state.epoch + 1, lr=base_lrs[0] * factor,
                                                          world_size=session.size)
+                    if session.should_stop():  # every rank at this step; the checkpoint is written
+                        return
                     checkpoint_due = bool(cfg.checkpoint_steps) and state.step % cfg.checkpoint_steps == 0
                     if state.step % cfg.commit_steps == 0 or checkpoint_due:
                         commit(checkpoint_due)

@@ -51,6 +51,20 @@ def require_namespaces():
         pytest.skip(f"cannot make namespace hosts here: {problem}")
 
 
+def elastic_on_this_host(hostfile, command, launcher="horovodrun"):
+    """(argv, env) of an elastic job with two slots of this host, from the hostfile ``hostfile``
+    read by launchers/discover_hosts.sh; ``launcher``: horovodrun itself or `hvdkit launch`."""
+    from hvdkit.launch import find_program
+
+    hostfile.write_text("localhost:2\n")
+    # One host: Horovod's elastic driver needs the interface named, or it waits for a second host.
+    flags = ["-np", "2", "--min-np", "1", "--max-np", "2", "--network-interface", "lo",
+             "--host-discovery-script", str(REPO / "launchers" / "discover_hosts.sh")]
+    start = {"horovodrun": [find_program("horovodrun")], "hvdkit launch": [sys.executable, "-m", "hvdkit", "launch"]}
+    argv = [*start[launcher], *flags, *(["--"] if launcher == "hvdkit launch" else []), *command]
+    return argv, dict(selftest.mpi_root_env(), HVDKIT_HOSTS_FILE=str(hostfile), PYTHONPATH=str(REPO))
+
+
 def metrics_records(path):
     """The records of a metrics.jsonl written so far (none before it exists)."""
     import json

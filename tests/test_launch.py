@@ -124,6 +124,22 @@ def test_horovodrun_uses_the_allocation_hosts_in_slurm():
     assert result.command[:5] == ["/opt/bin/horovodrun", "-np", "4", "-H", "n1:2,n2:2"]
 
 
+def test_an_elastic_job_runs_under_horovodrun_with_its_discovery_script_hosts():
+    discovery = ["--min-np", "2", "--max-np", "4", "--host-discovery-script", "discover.sh"]
+    args = launch.parser().parse_args(["-np", "4"])
+    which = lambda name: f"/opt/bin/{name}"  # noqa: E731
+    result = launch.plan(args, WORKER, {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]"}, which,
+                         lambda _: OPENMPI, False, 2, launcher_args=discovery)
+    assert result.launcher == "horovodrun" and "elastic" in result.reason
+    assert result.command == ["/opt/bin/horovodrun", "-np", "4", *discovery, *WORKER]  # no -H: discovery's hosts
+    assert result.watch == [], "hosts leave and join an elastic job"
+    for argv, message in ((["-np", "4", "-H", "a:2,b:2"], "drop -H/--hostfile"),
+                          (["-np", "4", "--launcher", "mpirun"], "elastic jobs run under horovodrun, not mpirun")):
+        with pytest.raises(LaunchError, match=message):
+            launch.plan(launch.parser().parse_args(argv), WORKER, {}, which, lambda _: OPENMPI, False, 2,
+                        launcher_args=discovery)
+
+
 def test_render_is_copy_pasteable():
     result = _plan(["-np", "2", "--launcher", "horovodrun", "--mpi"], root=True)
     text = result.render()

@@ -6,6 +6,7 @@ over ssh, and `hvdkit launch` with a hostfile, each through `hvdkit launch`'s bu
 """
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -156,6 +157,49 @@ def test_elastic_training_loses_a_host_goes_on_and_takes_it_back(hosts, tmp_path
     for report in reports:  # linear scaling, no warmup or schedule: base_lr x world size
         assert report["lr"] == pytest.approx(0.025 * report["world_size"]), report
     print("".join(line + "\n" for line in untagged(err).splitlines() if line.startswith("hvdkit: elastic:")))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(set(hosts.commands(h)) != {"sshd"} for h in hosts.names):
+        time.sleep(1)
+    assert {h: set(hosts.commands(h)) for h in hosts.names} == {h: {"sshd"} for h in hosts.names}
+
+
+def test_an_elastic_job_on_three_hosts_stopped_by_sigterm_saves_and_leaves_nothing(hosts, tmp_path):
+    """SIGTERM to `hvdkit launch` of an elastic job: it reaches the workers on h1, the stop
+    allreduce tells those on h2 and h3, rank 0 writes that step's checkpoint and every worker
+    exits; the job ends with 143 and the stop's line, and no host keeps a process of it."""
+    from hvdkit import checkpoint
+
+    hostfile, logs, ckpt = tmp_path / "hosts", tmp_path / "logs", tmp_path / "ckpt"
+    hostfile.write_text("h1:1\nh2:1\nh3:1\n")
+    command = [*HVDKIT, "launch", "-np", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script",
+               str(REPO / "launchers" / "discover_hosts.sh"), "--",
+               *HVDKIT, "train", "--elastic", "--model", "mlp", "--dataset", "synthetic", "--epochs", "100",
+               "--log-interval", "5", "--checkpoint-steps", "1000", "--checkpoint-dir", str(ckpt),
+               "--log-dir", str(logs)]
+    env = dict(selftest.mpi_root_env(hosts.env()), HVDKIT_HOSTS_FILE=str(hostfile), PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(hosts.on("h1", command), env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        def trained_on_three():
+            return any(r["event"] == "train" and r.get("world_size") == 3 and r["step"] >= 20
+                       for r in metrics_records(logs / "metrics.jsonl"))
+
+        wait_for(trained_on_three, proc, "training on 3 hosts", seconds=180)
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        ended_after = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    err = untagged(err)
+    assert proc.returncode == 143, err[-3000:]
+    assert ended_after < 60
+    (stopped,) = [line for line in err.splitlines() if line.startswith("hvdkit: stopped by SIGTERM at step ")]
+    step = int(stopped.split(" at step ")[1].split(";")[0])
+    assert f"checkpoint of step {step} saved in {ckpt}" in stopped
+    assert checkpoint.existing(str(ckpt))[-1] == checkpoint.path_for(str(ckpt), step)
+    assert err.rstrip().splitlines()[-1].startswith(f"hvdkit launch: stopped by SIGTERM at step {step};"), err[-3000:]
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and any(set(hosts.commands(h)) != {"sshd"} for h in hosts.names):
         time.sleep(1)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from hvdkit import checkpoint, launch, selftest
-from hvdkit.launch import find_program as launch_find
-from conftest import assert_bitwise_equal, final_weights, kill_tree, metrics_records, run, wait_for
+from conftest import (assert_bitwise_equal, elastic_on_this_host, final_weights, kill_tree, metrics_records,
+                      run, wait_for)
 
 pytestmark = pytest.mark.slow
 
@@ -315,21 +315,10 @@ def test_debug_shows_the_traceback(tmp_path):
 
 # --- elastic training: a worker removed from discovery, then added back -----------------------
 
-def _elastic_on_this_host(hosts, train_args):
-    """horovodrun's elastic driver with two slots of this host, from the hostfile ``hosts``."""
-    from conftest import REPO
-
-    hosts.write_text("localhost:2\n")
-    # One host: Horovod's elastic driver needs the interface named, or it waits for a second host.
-    cmd = [launch_find("horovodrun"), "-np", "2", "--min-np", "1", "--max-np", "2", "--network-interface", "lo",
-           "--host-discovery-script", str(REPO / "launchers" / "discover_hosts.sh"), *TRAIN, "--elastic", *train_args]
-    return cmd, dict(selftest.mpi_root_env(), HVDKIT_HOSTS_FILE=str(hosts), PYTHONPATH=str(REPO))
-
-
 def test_elastic_training_scales_down_and_back_up(tmp_path):
     hosts, logs = tmp_path / "hosts", tmp_path / "logs"
-    cmd, env = _elastic_on_this_host(hosts, ["--dataset", "synthetic", "--epochs", "6", "--log-interval", "5",
-                                             "--commit-steps", "5", "--log-dir", str(logs)])
+    cmd, env = elastic_on_this_host(hosts, [*TRAIN, "--elastic", "--dataset", "synthetic", "--epochs", "6",
+                                            "--log-interval", "5", "--commit-steps", "5", "--log-dir", str(logs)])
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     jsonl = logs / "metrics.jsonl"
 
@@ -354,8 +343,8 @@ def test_an_elastic_job_killed_whole_resumes_from_its_checkpoint(tmp_path):
     """A requeued or restarted elastic job goes on from its last checkpoint on disk and ends
     with the weights of a job that was never stopped (Horovod's state lives in memory only)."""
     def job(name):
-        return _elastic_on_this_host(tmp_path / f"{name}-hosts", [
-            "--dataset", "synthetic", "--model", "mlp", "--epochs", "100", "--max-steps", "150",
+        return elastic_on_this_host(tmp_path / f"{name}-hosts", [
+            *TRAIN, "--elastic", "--dataset", "synthetic", "--model", "mlp", "--epochs", "100", "--max-steps", "150",
             "--checkpoint-steps", "20", "--checkpoint-dir", str(tmp_path / name / "ckpt"),
             "--log-dir", str(tmp_path / name / "logs")])
 
@@ -398,10 +387,11 @@ for _ in range(2):
     session.backward(model(torch.ones(4, 2)).pow(2).mean())
     session.step()
 print("after steps", len(checkpoint.existing(sys.argv[1])))
-try:
-    session.save()
-except RuntimeError as exc:
-    print(exc)
+for call in (session.save, session.should_stop):
+    try:
+        call()
+    except RuntimeError as exc:
+        print(exc)
 session.save_elastic(hvd.elastic.ElasticSampler(list(range(8))))
 print("saved", sorted(checkpoint.load(checkpoint.existing(sys.argv[1])[-1])))
 '''
@@ -410,13 +400,15 @@ print("saved", sorted(checkpoint.load(checkpoint.existing(sys.argv[1])[-1])))
 def test_an_elastic_run_writes_checkpoints_only_with_the_sampler_position(tmp_path):
     """step() wrote a fixed-size checkpoint (no sampler position) at --checkpoint-steps in
     elastic runs, just before save_elastic replaced it: a job killed between the two could
-    not be resumed (KeyError: 'sampler', seen in CI). One process, no launcher."""
+    not be resumed (KeyError: 'sampler', seen in CI). should_stop() before load_elastic(sampler)
+    says what is missing: its checkpoint needs the sampler. One process, no launcher."""
     script = tmp_path / "elastic_steps.py"
     script.write_text(ELASTIC_STEPS)
     proc = run([sys.executable, str(script), str(tmp_path / "ckpt"), str(tmp_path / "logs")])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "after steps 0" in proc.stdout
     assert "hvdkit: an elastic run writes its checkpoints with save_elastic(sampler)" in proc.stdout
+    assert "hvdkit: an elastic loop calls session.load_elastic(sampler) before its first step" in proc.stdout
     saved = proc.stdout.split("saved ", 1)[1]
     assert "'sampler'" in saved and "'rng'" not in saved, proc.stdout
 

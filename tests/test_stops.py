@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hvdkit import checkpoint, launch, selftest
-from conftest import REPO, assert_bitwise_equal, final_weights, kill_tree, run, untagged
+from conftest import REPO, assert_bitwise_equal, elastic_on_this_host, final_weights, kill_tree, run, untagged
 
 pytestmark = pytest.mark.slow
 
@@ -118,6 +118,55 @@ def test_stopped_by_sigterm_then_resumed_is_bitwise_identical(tmp_path, uninterr
                                               "--log-dir", str(tmp_path / "logs")]))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_bitwise_equal(final_weights(tmp_path / "ckpt"), uninterrupted)
+
+
+ELASTIC = [*TRAIN, "--elastic", "--model", "mlp", "--dataset", "synthetic", "--epochs", "100", "--max-steps", "400",
+           "--log-interval", "5", "--commit-steps", "5", "--checkpoint-steps", "100"]
+
+
+@pytest.fixture(scope="module")
+def elastic_uninterrupted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("elastic")
+    cmd, env = elastic_on_this_host(tmp / "hosts", [*ELASTIC, "--checkpoint-dir", str(tmp / "ckpt"),
+                                                    "--log-dir", str(tmp / "logs")])
+    proc = run(cmd, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return final_weights(tmp / "ckpt")
+
+
+@pytest.mark.parametrize("launcher, code", [
+    ("hvdkit launch", 143),
+    ("horovodrun", 1),  # Horovod's elastic driver reports workers that exited non-zero as failed
+])
+def test_an_elastic_job_stopped_by_sigterm_saves_its_step_and_resumes_bitwise(tmp_path, elastic_uninterrupted,
+                                                                             launcher, code):
+    """horovodrun passes a SIGTERM to its workers on this host (SIGKILL 5 s later); they agree on a
+    step with the others, rank 0 writes that step's checkpoint, all exit. Before, elastic workers
+    had no handler: they died at once, and the steps since the last checkpoint were lost."""
+    ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
+    cmd, env = elastic_on_this_host(tmp_path / "hosts", [*ELASTIC, "--checkpoint-dir", str(ckpt),
+                                                         "--log-dir", str(logs)], launcher)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    tree = wait_for_training(proc, logs, step=20)
+    proc.send_signal(signal.SIGTERM)
+    out, err = finish(proc, tree, seconds=60)
+    assert proc.returncode == code, err[-3000:]
+    stopped = [line for line in err.splitlines() if "hvdkit: stopped by" in line]
+    assert len(stopped) == 1, err[-3000:]
+    step = int(stopped[0].split(" at step ")[1].split(";")[0])
+    assert 20 <= step < 400
+    assert f"stopped by SIGTERM at step {step}; checkpoint of step {step} saved in {ckpt}" in stopped[0]
+    newest = checkpoint.path_for(str(ckpt), step)
+    assert checkpoint.existing(str(ckpt))[-1] == newest
+    if launcher == "hvdkit launch":
+        assert err.rstrip().splitlines()[-1].startswith(f"hvdkit launch: stopped by SIGTERM at step {step};"), err
+    again = run(cmd, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"hvdkit: resumed from {newest} " in again.stderr and f"step {step}, written by 2 ranks" in again.stderr
+    (summary,) = selftest.parse_records(again.stdout, "summary")
+    assert summary["steps"] == 400 and summary["elastic"]
+    assert_bitwise_equal(final_weights(ckpt), elastic_uninterrupted)
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])

@@ -289,7 +289,9 @@ class Session:
         self._micro_count = cfg.batches_per_allreduce
         self._sums: dict[str, torch.Tensor] = {}
         self._count = torch.zeros((), device=self.device)
-        self._signal = StopSignal()
+        # Elastic: a stop signal on the driver's host ends the job (with a checkpoint); elsewhere
+        # it ends that worker alone, as Horovod has it (a node drained or preempted), and the job goes on.
+        self._signal = StopSignal(install=not cfg.elastic or supervise.started_by_horovodrun_here())
         self._stop_handle = None  # this step's allreduce of the ranks' stop signals
         self._stop_signum = 0  # the signal all ranks agreed to stop for
         self.skipped_steps, self._skips_in_a_row = 0, 0  # on_nonfinite: skip

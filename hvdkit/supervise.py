@@ -190,6 +190,21 @@ def _reap() -> None:
             return
 
 
+def started_by_horovodrun_here() -> bool:
+    """Whether horovodrun is among this process's ancestors: an elastic worker on the host
+    that runs the job's driver, where a stop signal means the job's end (the driver gets it
+    too). Workers horovodrun started on other hosts (through ssh) are not."""
+    import psutil
+
+    def is_horovodrun(process: "psutil.Process") -> bool:
+        try:
+            return _name(process) == "horovodrun" or any(arg.endswith("horovodrun") for arg in process.cmdline()[:2])
+        except psutil.Error:
+            return False
+
+    return any(is_horovodrun(p) for p in psutil.Process().parents())
+
+
 def record_exit(code: int, message: str) -> None:
     """Called by a rank that ends the job with a documented code (a stop: 128 + signal, a
     stall: 75), so that `hvdkit launch` exits with it where the launcher reports its own

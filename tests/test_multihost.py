@@ -5,6 +5,7 @@ Launched from h1 as a user logged in there would: horovodrun over ssh (Gloo and 
 over ssh, and `hvdkit launch` with a hostfile, each through `hvdkit launch`'s builders.
 """
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import threading
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -114,9 +116,10 @@ def test_a_host_whose_link_goes_down_ends_the_job_naming_it(hosts, launcher, tmp
 
 
 def test_elastic_training_loses_a_host_goes_on_and_takes_it_back(hosts, tmp_path):
-    """Every worker on h3 killed and h3 gone from discovery: training goes on with h1 and h2 at
-    the learning rate of two ranks; h3 back in discovery: it rejoins; the job finishes. The
-    links are shaped to 30 Mbit/s until h3 is back, so that the job cannot finish first."""
+    """Every worker on h3 ended (SIGTERM, as on a drained node) and h3 gone from discovery:
+    training goes on with h1 and h2 at the learning rate of two ranks; h3 back in discovery: it
+    rejoins; the job finishes. The links are shaped to 30 Mbit/s until h3 is back, so that the
+    job cannot finish first."""
     hostfile, logs = tmp_path / "hosts", tmp_path / "logs"
     hostfile.write_text("h1:1\nh2:1\nh3:1\n")
     horovodrun = [launch.find_program("horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3",
@@ -136,7 +139,12 @@ def test_elastic_training_loses_a_host_goes_on_and_takes_it_back(hosts, tmp_path
 
         wait_for(lambda: sizes().count(3) >= 2, proc, "training on 3 hosts", seconds=180)
         hostfile.write_text("h1:1\nh2:1\n")
-        hosts.end_jobs("h3")  # every worker on h3, and its ssh sessions
+        for pid in hosts.pids("h3"):  # h3 drained: SIGTERM to its workers, which leave alone (not the driver's host)
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                if psutil.Process(pid).name() == "python":
+                    os.kill(pid, signal.SIGTERM)
+        wait_for(lambda: "python" not in hosts.commands("h3"), proc, "h3's workers to end on SIGTERM", seconds=30)
+        hosts.end_jobs("h3")  # and its ssh sessions
         wait_for(lambda: sizes()[sizes().index(3):].count(2) >= 2, proc, "training on h1 and h2", seconds=180)
         hostfile.write_text("h1:1\nh2:1\nh3:1\n")
         wait_for(lambda: 3 in sizes()[sizes().index(2):], proc, "h3 training again", seconds=180)

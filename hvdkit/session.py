@@ -778,9 +778,9 @@ class Session:
         every step(): the agreement is the result of the small allreduce step() started, so it
         costs no extra wait. ``finish()`` then says what was saved and, after SIGUSR1, requeues
         the Slurm job: a requeue ends the job's processes, so it comes last. Elastic runs stop
-        the same way (horovodrun passes a SIGTERM or Ctrl-C to its workers on this host, and the
-        allreduce tells the others), with the checkpoint of save_elastic, whose sampler position
-        comes from load_elastic(sampler)."""
+        the same way on a signal to the workers on horovodrun's host (the allreduce tells the
+        others), with the checkpoint of save_elastic, whose sampler position comes from
+        load_elastic(sampler); elsewhere a signal ends that worker alone (see __init__)."""
         if self.stopped:
             return True
         if self.cfg.elastic and self._elastic_sampler is None:

@@ -77,7 +77,7 @@ lint: $(STAMPS)/python-packages
 GPU_PYTHON ?=
 GPU_CHECK_ARGS ?=
 gpu-check:
-	@if [ -z "$(GPU_PYTHON)" ]; then $(MAKE) --no-print-directory system-packages $(STAMPS)/python-packages; fi
+	@if [ -z "$(GPU_PYTHON)" ]; then $(MAKE) --no-print-directory -s system-packages $(STAMPS)/python-packages; fi
 	$(or $(GPU_PYTHON),$(PY)) -m hvdkit.gpucheck $(GPU_CHECK_ARGS)
 
 clean:

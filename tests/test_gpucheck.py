@@ -27,6 +27,7 @@ def test_make_gpu_check_is_the_same_command():
     proc = run(["make", "--no-print-directory", "gpu-check"], cwd=REPO, timeout=600)
     assert proc.returncode != 0
     assert "-m hvdkit.gpucheck" in proc.stdout and "gpu-check: torch " in proc.stderr, proc.stderr[-2000:]
+    assert "is up to date" not in proc.stdout + proc.stderr, "the package check's sub-make runs silent"
 
 
 def test_reads_pytest_report_and_counts_skips_on_a_gpu_machine_as_failures(tmp_path):

@@ -140,9 +140,10 @@ def elastic_uninterrupted(tmp_path_factory):
 ])
 def test_an_elastic_job_stopped_by_sigterm_saves_its_step_and_resumes_bitwise(tmp_path, elastic_uninterrupted,
                                                                              launcher, code):
-    """horovodrun passes a SIGTERM to its workers on this host (SIGKILL 5 s later); they agree on a
-    step with the others, rank 0 writes that step's checkpoint, all exit. Before, elastic workers
-    had no handler: they died at once, and the steps since the last checkpoint were lost."""
+    """The SIGTERM reaches the workers on this host (from hvdkit launch, or from horovodrun, which
+    SIGKILLs them 5 s later); they agree on a step with the others, rank 0 writes that step's
+    checkpoint, all exit. Before, elastic workers had no handler: they died at once, and the
+    steps since the last checkpoint were lost."""
     ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
     cmd, env = elastic_on_this_host(tmp_path / "hosts", [*ELASTIC, "--checkpoint-dir", str(ckpt),
                                                          "--log-dir", str(logs)], launcher)

@@ -383,7 +383,8 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
         else:
             extra.append(name)
 
-    launcher, reason = choose_launcher(args.launcher, args.controller, environ, which, elastic(launcher_args))
+    is_elastic = elastic(launcher_args)
+    launcher, reason = choose_launcher(args.launcher, args.controller, environ, which, is_elastic)
     program = which(launcher)
     if program is None:
         raise LaunchError(f"{launcher} not found on PATH; " + {
@@ -394,10 +395,10 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
         raise LaunchError(f"--gloo needs horovodrun; {launcher} starts MPI jobs")
     if launcher == "srun" and "SLURM_JOB_ID" not in environ:
         raise LaunchError("srun: not inside a Slurm allocation (run under salloc or sbatch, or pick another launcher)")
-    if launcher == "horovodrun" and elastic(launcher_args) and hosts is not None:
+    if is_elastic and hosts is not None:  # choose_launcher made it horovodrun
         raise LaunchError("--host-discovery-script gives an elastic job its hosts; drop -H/--hostfile "
                           "(with both, horovodrun ignores them)")
-    if launcher == "horovodrun" and hosts is None and not elastic(launcher_args):
+    if launcher == "horovodrun" and hosts is None and not is_elastic:
         if "SLURM_JOB_NODELIST" in environ:
             hosts = slurm_hosts(environ)
             reason += "; hosts from the Slurm allocation"

@@ -300,7 +300,8 @@ class SourceFix:
 
 
 # Horovod's CPU paths cost a busy core work that DDP's do not (docs/performance.md, "Where
-# Horovod's CPU time went, and two fixes to its source"); each fix was measured across two hosts.
+# Horovod's CPU time went, and fixes to its source", and the section after it); each fix was
+# measured across two hosts.
 #
 # 1. synchronize() waited by calling sched_yield in a loop: the training thread spun on its core,
 #    at the expense of the threads that move the data, for as long as an allreduce took. It now

@@ -99,7 +99,8 @@ def performance_settings(on_gpu: bool, spans_hosts: bool = False,
     yield its core instead of spinning on it: Horovod's background thread waits in an MPI
     collective each cycle, and Open MPI busy-polls unless told it is oversubscribed. Once
     waiting yields, a 0.1 ms cycle costs training nothing measurable and cuts the latency
-    of every allreduce, which waits for the next cycle, from ~1.2 ms to ~0.3 ms.
+    of every allreduce, which waits for the next cycle, from ~1.2 ms to ~0.3 ms; hvdkit's
+    Horovod build sleeps through the cycles in which nothing is outstanding (hvdkit.build).
 
     Across hosts, Open MPI's fixed choice for large allreduces is not the ring (whose bytes
     per rank do not grow with the ranks): at 3 hosts on 1 Gbit/s links, training ran at

@@ -443,8 +443,8 @@ GlooAlgorithms<T>::GlooAlgorithms(GlooContext* gloo_context)
 
 # 3. The background thread ran a negotiation collective every cycle (0.1 ms under hvdkit's
 #    settings) even with nothing to send: an idle Horovod took half a core, and on a host whose
-#    one core also computes, 48-76 ms of each resnet18 step's compute went to empty cycles under
-#    Gloo (15-22 under Open MPI). With nothing enqueued or in flight, the thread now sleeps until the
+#    one core also computes, 48-83 ms of each resnet18 step's compute went to empty cycles under
+#    Gloo (12-22 under Open MPI). With nothing enqueued or in flight, the thread now sleeps until the
 #    next enqueue (or shutdown, or 100 ms, so stall checks still run); while anything is
 #    outstanding it cycles as before. Only with the global process set alone: another set's
 #    negotiation would wait on a sleeping rank.

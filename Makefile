@@ -66,10 +66,12 @@ train-lm: setup
 test: setup
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
-# pyflakes, pycodestyle and bugbear checks at 120 columns; ruff comes from setup.cfg's lint extra.
+# pyflakes, pycodestyle, bugbear and import-order checks at 120 columns; the tests' helper
+# modules (conftest, hosts, slurm_cluster) are first-party. ruff comes from setup.cfg's lint extra.
 lint: $(STAMPS)/python-packages
 	@$(PY) -m ruff --version >/dev/null 2>&1 || $(PY) -m pip install -q -c constraints.txt -e '.[lint]'
-	$(PY) -m ruff check --isolated --select E,F,W,B --line-length 120 --output-format concise .
+	$(PY) -m ruff check --isolated --config "src = ['.', 'tests']" --select E,F,W,B,I --line-length 120 \
+	    --output-format concise .
 
 # On a CUDA machine: Horovod with NCCL, the tests marked gpu, the synthetic benchmark beside
 # Horovod's loop and DDP, one summary (hvdkit/gpucheck.py). On an offline node whose Python

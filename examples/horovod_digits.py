@@ -5,14 +5,13 @@ scikit-learn ships. examples/hvdkit_digits.py is the same script ported to hvdki
 """
 import argparse
 
+import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
-
-import horovod.torch as hvd
 
 parser = argparse.ArgumentParser(description="UCI digits with Horovod")
 parser.add_argument("--batch-size", type=int, default=32, help="input batch size per rank")

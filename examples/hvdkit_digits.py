@@ -6,6 +6,7 @@ preemption, stall detection and hvdkit's measured Horovod settings.
 """
 import argparse
 
+import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
@@ -13,7 +14,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-import horovod.torch as hvd
 import hvdkit
 
 parser = argparse.ArgumentParser(description="UCI digits with Horovod")

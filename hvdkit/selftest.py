@@ -47,8 +47,8 @@ def _weights_digest(model) -> str:
 
 def worker() -> None:
     """One rank: run the collectives and the training steps, print one JSON line of results."""
-    import torch
     import horovod.torch as hvd
+    import torch
 
     hvd.init()
     torch.set_num_threads(1)

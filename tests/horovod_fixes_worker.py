@@ -6,9 +6,9 @@ import os
 import resource
 import time
 
+import horovod.torch as hvd
 import numpy as np
 import torch
-import horovod.torch as hvd
 
 WAIT_SECONDS = 2.0
 IDLE_SECONDS = 1.5

@@ -26,6 +26,7 @@ Removing the hosts ends every process still in their namespaces first.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import shlex
@@ -34,7 +35,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import itertools
 import time
 from pathlib import Path
 from typing import Optional, Sequence

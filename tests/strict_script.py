@@ -7,8 +7,8 @@ import json
 import os
 from pathlib import Path
 
-import torch
 import horovod.torch as hvd
+import torch
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--lr", type=float, default=0.1)

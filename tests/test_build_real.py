@@ -7,8 +7,8 @@ import tarfile
 
 import pytest
 
-from hvdkit import build, launch
 from conftest import run
+from hvdkit import build, launch
 
 pytestmark = pytest.mark.slow
 

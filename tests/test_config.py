@@ -4,9 +4,9 @@ import sys
 
 import pytest
 
+from conftest import run
 from hvdkit import config
 from hvdkit.config import ConfigError, TrainConfig
-from conftest import run
 
 
 def test_yaml_then_flags(tmp_path):

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from hvdkit import launch
 from conftest import run
+from hvdkit import launch
 
 
 def test_report_names_every_part():

@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from hvdkit import checkpoint, launch, selftest
 from conftest import REPO, run
+from hvdkit import checkpoint, launch, selftest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

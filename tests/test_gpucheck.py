@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from hvdkit import gpucheck
 from conftest import REPO, run
+from hvdkit import gpucheck
 
 
 def test_without_a_gpu_it_says_why_in_one_line_and_fails():

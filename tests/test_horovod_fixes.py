@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from hvdkit import launch, selftest
 from conftest import REPO, run
+from hvdkit import launch, selftest
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from hvdkit import selftest
 from conftest import REPO
+from hvdkit import selftest
 
 pytestmark = pytest.mark.slow
 

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
+from conftest import REPO, run
 from hvdkit import launch, lines, network, selftest
 from hvdkit.launch import Host, LaunchError, LaunchSpec
 from hvdkit.network import NetworkError
-from conftest import REPO, run
 
 WORKER = ["python", "train.py"]
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from hvdkit import build, doctor, selftest
 from conftest import REPO, run
+from hvdkit import build, doctor, selftest
 
 pytestmark = pytest.mark.slow
 HYDRA = "/usr/bin/mpiexec.mpich"

@@ -6,8 +6,8 @@ themselves, then that `selftest.check` (what `hvdkit doctor --selftest` relies o
 
 import pytest
 
-from hvdkit import launch, selftest
 from conftest import run
+from hvdkit import launch, selftest
 
 pytestmark = pytest.mark.slow
 

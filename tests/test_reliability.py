@@ -11,9 +11,16 @@ import time
 import pytest
 import torch
 
+from conftest import (
+    assert_bitwise_equal,
+    elastic_on_this_host,
+    final_weights,
+    kill_tree,
+    metrics_records,
+    run,
+    wait_for,
+)
 from hvdkit import checkpoint, launch, selftest
-from conftest import (assert_bitwise_equal, elastic_on_this_host, final_weights, kill_tree, metrics_records,
-                      run, wait_for)
 
 pytestmark = pytest.mark.slow
 

@@ -15,12 +15,12 @@ import psutil
 import pytest
 import torch
 
+from conftest import REPO, assert_bitwise_equal, final_weights, kill_tree, run
 from hvdkit import checkpoint, config, launch, selftest
 from hvdkit.config import ConfigError, TrainConfig
 from hvdkit.metrics import finite_or_none
 from hvdkit.session import ALLREDUCE_RULES, batch_len, lr_multiplier, performance_settings, split_batch, sync_batch_norm
 from hvdkit.trainer import lr_factor
-from conftest import REPO, assert_bitwise_equal, final_weights, kill_tree, run
 
 PORTED = [sys.executable, str(REPO / "examples" / "hvdkit_digits.py")]
 TRAIN = [sys.executable, "-m", "hvdkit", "train"]

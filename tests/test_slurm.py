@@ -10,10 +10,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hvdkit import checkpoint, launch, selftest
-from conftest import REPO, assert_bitwise_equal, final_weights, require_namespaces, run
 import hosts as namespace_hosts
 import slurm_cluster
+from conftest import REPO, assert_bitwise_equal, final_weights, require_namespaces, run
+from hvdkit import checkpoint, launch, selftest
 
 pytestmark = pytest.mark.slow
 VENV_BIN = Path(sys.executable).parent
@@ -238,6 +238,7 @@ def test_a_time_limit_saves_the_step_it_stopped_at_and_a_resubmitted_job_finishe
 def test_rendered_scripts_pass_sbatch_test_only(cluster, tmp_path):
     """The golden requests, fitted to the test cluster (its one partition, 2 nodes of 2 CPUs, no GPUs)."""
     import dataclasses
+
     from hvdkit import slurm
     from test_slurm_render import CASES
 

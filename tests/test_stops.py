@@ -14,8 +14,8 @@ import psutil
 import pytest
 import torch
 
-from hvdkit import checkpoint, launch, selftest
 from conftest import REPO, assert_bitwise_equal, elastic_on_this_host, final_weights, kill_tree, run, untagged
+from hvdkit import checkpoint, launch, selftest
 
 pytestmark = pytest.mark.slow
 

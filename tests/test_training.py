@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from hvdkit import launch, selftest
 from conftest import final_weights, run
+from hvdkit import launch, selftest
 from test_data import make_imagefolder
 
 pytestmark = pytest.mark.slow

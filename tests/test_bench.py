@@ -192,6 +192,10 @@ def test_compare_runs_each_implementation_and_reports_ratios(hvd_built):
     assert set(totals) == set(labels) and all(v > 0 for v in totals.values())
     for label in labels[1:]:
         assert record["ratios"][f"hvdkit/{label}"] == pytest.approx(totals["hvdkit"] / totals[label])
+        # one round (no --repeats): the round's ratio is the ratio of the means
+        assert record["round_ratios"][f"hvdkit/{label}"] == pytest.approx([totals["hvdkit"] / totals[label]])
+    spread = re.search(r"^ddp +[\d.]+ +[\d.]+ +[\d.]+ +([\d.]+)-\1 ", proc.stdout, re.M)
+    assert spread, "the table gives the per-round spread, here of one round"
     # CPU per step and rank, all threads and all but the training thread: each within what a step can use
     for label in labels:
         cpu, others = record["cpu_ms_per_step"][label], record["other_threads_cpu_ms_per_step"][label]

@@ -34,10 +34,6 @@ HOROVOD_VERSION = "0.28.1"
 # --no-build-isolation they must already be in the environment.
 BUILD_REQUIRES = ("cloudpickle", "psutil", "pyyaml", "packaging", "cffi", "setuptools", "wheel")
 
-# The CMake files whose pinned C++ standard breaks the build on torch >= 2.1.
-CXX_STANDARD_FILES = ("CMakeLists.txt", "horovod/torch/CMakeLists.txt")
-_CXX_STANDARD_RE = re.compile(r"set\(CMAKE_CXX_STANDARD \d+\)")
-
 HEARTBEAT_SECONDS = 60
 MPI_CHOICES = ("auto", "openmpi", "mpich", "none")
 MPI_NAMES = {"openmpi": "Open MPI", "mpich": "MPICH", "intel": "Intel MPI"}
@@ -279,17 +275,6 @@ def plan_build(tc: Toolchain, cpu_only: bool = False) -> BuildPlan:
     )
 
 
-def patch_cxx_standard(src_dir: Path, standard: int) -> None:
-    """Raise the pinned C++ standard in Horovod's CMake files; fail if the pin is not there."""
-    for name in CXX_STANDARD_FILES:
-        path = src_dir / name
-        text = path.read_text()
-        patched, count = _CXX_STANDARD_RE.subn(f"set(CMAKE_CXX_STANDARD {standard})", text)
-        if count == 0:
-            raise BuildError(f"{path}: no 'set(CMAKE_CXX_STANDARD ..)' to raise; is this Horovod {HOROVOD_VERSION}?")
-        path.write_text(patched)
-
-
 @dataclass(frozen=True)
 class SourceFix:
     """One exact edit to Horovod's source: ``old`` must occur once in ``path``, or the build stops."""
@@ -297,6 +282,19 @@ class SourceFix:
     path: str
     old: str
     new: str
+
+
+# Horovod pins C++14 (and C++17 for the Gloo it may build); torch's headers need a newer one.
+_PINNED_STANDARDS = (
+    ("CMakeLists.txt", "set(CMAKE_CXX_STANDARD 14)\n", "14"),
+    ("CMakeLists.txt", 'string(PREPEND GLOO_CMAKE "set(CMAKE_CXX_STANDARD 17)\\n")', "17"),
+    ("horovod/torch/CMakeLists.txt", "set(CMAKE_CXX_STANDARD 14)\n", "14"),
+)
+
+
+def cxx_standard_fixes(standard: int) -> tuple[SourceFix, ...]:
+    """The edits that set every pinned C++ standard to ``standard`` (see cxx_standard_for_torch)."""
+    return tuple(SourceFix(path, old, old.replace(pinned, str(standard))) for path, old, pinned in _PINNED_STANDARDS)
 
 
 # Horovod's CPU paths cost a busy core work that DDP's do not (docs/performance.md, "Where
@@ -781,8 +779,7 @@ def build_wheel(plan: BuildPlan, cache: Path, sdist: Path) -> Path:
         with tarfile.open(sdist) as tar:
             tar.extractall(tmp_path)
         src = tmp_path / f"horovod-{HOROVOD_VERSION}"
-        patch_cxx_standard(src, plan.cxx_standard)
-        apply_source_fixes(src)
+        apply_source_fixes(src, (*cxx_standard_fixes(plan.cxx_standard), *SOURCE_FIXES))
         env = dict(os.environ)
         env.update(plan.flags)
         env.update(plan.paths)

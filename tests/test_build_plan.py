@@ -140,21 +140,24 @@ def test_find_nccl_in_a_wheel_layout(tmp_path):
     assert build.nccl_version_from_header("#define NCCL_MAJOR 2\n") is None
 
 
-def test_patch_raises_the_pinned_standard(tmp_path):
-    top = _touch(tmp_path / "CMakeLists.txt", "project(x)\nset(CMAKE_CXX_STANDARD 14)\n")
+def test_cxx_standard_fixes_raise_every_pinned_standard(tmp_path):
+    top = _touch(tmp_path / "CMakeLists.txt", 'project(x)\nset(CMAKE_CXX_STANDARD 14)\n'
+                 '    string(PREPEND GLOO_CMAKE "set(CMAKE_CXX_STANDARD 17)\\n")\n')
     torch_cmake = _touch(tmp_path / "horovod" / "torch" / "CMakeLists.txt",
                          "if(NOT Pytorch_VERSION VERSION_LESS \"1.5.0\")\n    set(CMAKE_CXX_STANDARD 14)\nendif()\n")
-    build.patch_cxx_standard(tmp_path, 20)
-    assert "set(CMAKE_CXX_STANDARD 20)" in top.read_text()
-    assert "set(CMAKE_CXX_STANDARD 20)" in torch_cmake.read_text()
-    assert "14" not in top.read_text()
+    build.apply_source_fixes(tmp_path, build.cxx_standard_fixes(20))
+    assert top.read_text() == ('project(x)\nset(CMAKE_CXX_STANDARD 20)\n'
+                               '    string(PREPEND GLOO_CMAKE "set(CMAKE_CXX_STANDARD 20)\\n")\n')
+    assert torch_cmake.read_text() == \
+        "if(NOT Pytorch_VERSION VERSION_LESS \"1.5.0\")\n    set(CMAKE_CXX_STANDARD 20)\nendif()\n"
 
 
-def test_patch_fails_loudly_when_the_pin_is_gone(tmp_path):
+def test_a_missing_pin_stops_the_build(tmp_path):
     _touch(tmp_path / "CMakeLists.txt", "project(x)\n")
     _touch(tmp_path / "horovod" / "torch" / "CMakeLists.txt", "set(CMAKE_CXX_STANDARD 14)\n")
-    with pytest.raises(BuildError, match="no 'set\\(CMAKE_CXX_STANDARD"):
-        build.patch_cxx_standard(tmp_path, 20)
+    missing = r"CMakeLists.txt: expected one 'set\(CMAKE_CXX_STANDARD 14\)' to fix, found 0"
+    with pytest.raises(BuildError, match=missing):
+        build.apply_source_fixes(tmp_path, build.cxx_standard_fixes(20))
 
 
 def test_source_fixes_apply_each_edit_once(tmp_path):

@@ -565,10 +565,14 @@ bool TensorQueue::Idle() const {
 SOURCE_FIXES = (*_WAIT_FIXES, *_GLOO_FP16_FIXES, *_IDLE_FIXES)
 
 
-def apply_source_fixes(src_dir: Path, fixes: Optional[Sequence[SourceFix]] = None) -> None:
-    """Apply each fix (SOURCE_FIXES by default) in order; one that does not match exactly once
-    stops the build."""
-    for fix in SOURCE_FIXES if fixes is None else fixes:
+def build_fixes(standard: int) -> tuple[SourceFix, ...]:
+    """Every edit a build makes to Horovod's source, in order, for torch's C++ ``standard``."""
+    return (*cxx_standard_fixes(standard), *SOURCE_FIXES)
+
+
+def apply_source_fixes(src_dir: Path, fixes: Sequence[SourceFix]) -> None:
+    """Apply each fix in order; one that does not match exactly once stops the build."""
+    for fix in fixes:
         path = src_dir / fix.path
         text = path.read_text()
         if text.count(fix.old) != 1:
@@ -779,7 +783,7 @@ def build_wheel(plan: BuildPlan, cache: Path, sdist: Path) -> Path:
         with tarfile.open(sdist) as tar:
             tar.extractall(tmp_path)
         src = tmp_path / f"horovod-{HOROVOD_VERSION}"
-        apply_source_fixes(src, (*cxx_standard_fixes(plan.cxx_standard), *SOURCE_FIXES))
+        apply_source_fixes(src, build_fixes(plan.cxx_standard))
         env = dict(os.environ)
         env.update(plan.flags)
         env.update(plan.paths)

@@ -41,12 +41,12 @@ def test_patch_applies_to_the_real_source(tmp_path, plan):
     with tarfile.open(sdist) as tar:
         tar.extractall(tmp_path)
     src = tmp_path / f"horovod-{build.HOROVOD_VERSION}"
-    # each edit matches the real files exactly once, or this raises
-    build.apply_source_fixes(src, (*build.cxx_standard_fixes(plan.cxx_standard), *build.SOURCE_FIXES))
-    for name in ("CMakeLists.txt", "horovod/torch/CMakeLists.txt"):
+    fixes = build.build_fixes(plan.cxx_standard)
+    build.apply_source_fixes(src, fixes)  # each edit matches the real files exactly once, or this raises
+    for name in {fix.path for fix in build.cxx_standard_fixes(plan.cxx_standard)}:
         standards = re.findall(r"set\(CMAKE_CXX_STANDARD (\d+)\)", (src / name).read_text())
         assert standards and set(standards) == {str(plan.cxx_standard)}, name
-    for fix in build.SOURCE_FIXES:
+    for fix in fixes:
         assert fix.new in (src / fix.path).read_text(), fix.path
 
 

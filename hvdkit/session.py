@@ -822,11 +822,17 @@ class Session:
         return self._samples / self._seconds if self._seconds else 0.0
 
     def finish(self, summary: Optional[dict] = None) -> dict:
-        """End the run: stop the watchdog and signal handlers; after a stop, requeue the Slurm
-        job (rank 0); write and print (rank 0) the summary as one JSON line, and return it.
-        Its exit_code is non-zero after a stop that was not requeued, so that a job script does
-        not take the stop for success."""
-        self._signal.restore()
+        """End the run: stop the watchdog; after a stop, requeue the Slurm job (rank 0); write
+        and print (rank 0) the summary as one JSON line, and return it. Its exit_code is non-zero
+        after a stop that was not requeued, so that a job script does not take the stop for
+        success. The signal handlers go last: a requeue makes Slurm send SIGTERM to every task
+        at once, often before scontrol returns, and that must not cut the report short."""
+        try:
+            return self._report(summary)
+        finally:
+            self._signal.restore()
+
+    def _report(self, summary: Optional[dict]) -> dict:
         self.watchdog.stop()
         if self._lifeline:
             self._lifeline.stop()

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -166,8 +167,20 @@ def stopped_step(log):
     return int(line.split(" at step ")[1].split(";")[0])
 
 
+def slow_scontrol(cluster, tmp_path):
+    """A PATH whose scontrol is the real one answering 2 s late, as a loaded controller can: the
+    requeue has happened, so Slurm's SIGTERM to every task arrives before the answer does."""
+    wrapper = tmp_path / "slow-bin" / "scontrol"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f"#!/bin/bash\ntrap '' TERM\n{shutil.which('scontrol')} \"$@\"\nrc=$?\nsleep 2\nexit $rc\n")
+    wrapper.chmod(0o755)
+    return os.pathsep.join([str(wrapper.parent), str(VENV_BIN), cluster.env["PATH"]])
+
+
 def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(cluster, tmp_path, preempt_reference):
-    job = submit(cluster, tmp_path, "preemptible.sbatch", args=PREEMPT_ARGS)
+    """The requeue's own SIGTERM must not cut rank 0's report short (its line and its summary)."""
+    job = submit(cluster, tmp_path, "preemptible.sbatch", args=PREEMPT_ARGS,
+                 extra_env={"PATH": slow_scontrol(cluster, tmp_path)})
     wait_for_training(cluster, job, tmp_path)
     assert cluster.run(["scancel", "--signal=USR1", job]).returncode == 0
     info = cluster.wait(job, timeout=300)

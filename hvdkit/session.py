@@ -826,7 +826,7 @@ class Session:
         and print (rank 0) the summary as one JSON line, and return it. Its exit_code is non-zero
         after a stop that was not requeued, so that a job script does not take the stop for
         success. The signal handlers go last: a requeue makes Slurm send SIGTERM to every task
-        at once, often before scontrol returns, and that must not cut the report short."""
+        within milliseconds of scontrol's answer, and that must not cut the report short."""
         try:
             return self._report(summary)
         finally:

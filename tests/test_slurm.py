@@ -45,8 +45,10 @@ def tmp_path(cluster, request):
     return path
 
 
-def submit(cluster, tmp_path, template, *sbatch_args, args="--epochs 1 --max-steps 8", extra_env=None):
-    env = dict(cluster.env, PATH=f"{VENV_BIN}{os.pathsep}{cluster.env['PATH']}", PYTHONPATH=str(REPO),
+def submit(cluster, tmp_path, template, *sbatch_args, args="--epochs 1 --max-steps 8", extra_env=None,
+           first_on_path=()):
+    path = os.pathsep.join([*map(str, first_on_path), str(VENV_BIN), cluster.env["PATH"]])
+    env = dict(cluster.env, PATH=path, PYTHONPATH=str(REPO),
                HVDKIT=str(VENV_BIN / "hvdkit"), HVDKIT_COMMAND=f"{VENV_BIN / 'hvdkit'} train",
                HVDKIT_ARGS=args, HVDKIT_RUN_DIR=str(tmp_path / "run"))
     env = selftest.mpi_root_env({**env, **(extra_env or {})})
@@ -167,20 +169,20 @@ def stopped_step(log):
     return int(line.split(" at step ")[1].split(";")[0])
 
 
-def slow_scontrol(cluster, tmp_path):
-    """A PATH whose scontrol is the real one answering 2 s late, as a loaded controller can: the
-    requeue has happened, so Slurm's SIGTERM to every task arrives before the answer does."""
+def slow_scontrol(tmp_path):
+    """A directory whose scontrol is the real one answering 2 s late, as a loaded controller can:
+    the requeue has happened, so Slurm's SIGTERM to every task arrives before the answer does."""
     wrapper = tmp_path / "slow-bin" / "scontrol"
     wrapper.parent.mkdir()
     wrapper.write_text(f"#!/bin/bash\ntrap '' TERM\n{shutil.which('scontrol')} \"$@\"\nrc=$?\nsleep 2\nexit $rc\n")
     wrapper.chmod(0o755)
-    return os.pathsep.join([str(wrapper.parent), str(VENV_BIN), cluster.env["PATH"]])
+    return wrapper.parent
 
 
 def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(cluster, tmp_path, preempt_reference):
     """The requeue's own SIGTERM must not cut rank 0's report short (its line and its summary)."""
     job = submit(cluster, tmp_path, "preemptible.sbatch", args=PREEMPT_ARGS,
-                 extra_env={"PATH": slow_scontrol(cluster, tmp_path)})
+                 first_on_path=[slow_scontrol(tmp_path)])
     wait_for_training(cluster, job, tmp_path)
     assert cluster.run(["scancel", "--signal=USR1", job]).returncode == 0
     info = cluster.wait(job, timeout=300)

@@ -6,7 +6,7 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMPS := .make
-APT_PACKAGES := openmpi-bin libopenmpi-dev mpich libmpich-dev cmake g++ slurm-wlm munge \
+APT_PACKAGES := openmpi-bin libopenmpi-dev mpich libmpich-dev cmake g++ patch slurm-wlm munge \
     openssh-server openssh-client iproute2
 PYTEST_ARGS ?=
 TRAIN_ARGS ?=

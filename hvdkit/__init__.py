@@ -7,7 +7,7 @@
 __version__ = "0.1.0"
 
 _LAZY = {"Trainer": "hvdkit.trainer", "TrainConfig": "hvdkit.config", "Session": "hvdkit.session",
-         "sync_batch_norm": "hvdkit.session"}
+         "sync_batch_norm": "hvdkit.models"}
 
 
 def __getattr__(name):

@@ -55,7 +55,7 @@ def train(args: argparse.Namespace) -> int:
         return 0
     from hvdkit.checkpoint import CheckpointError  # imports torch, which only training needs
     from hvdkit.data import UnreadableSample, one_line
-    from hvdkit.session import NonFiniteError
+    from hvdkit.step import NonFiniteError
     from hvdkit.trainer import Trainer, failure_hint
 
     try:
@@ -102,7 +102,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from hvdkit import doctor
         return doctor.main(selftest_wanted=args.selftest)
     if args.command == "train":
-        return train(args)
+        try:
+            return train(args)
+        finally:
+            if args.debug:  # the traceback, not the Session's one line (hvdkit.stops.exit_on_own_errors)
+                sys.excepthook = sys.__excepthook__
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 from torch.utils.data import Dataset, DistributedSampler, Sampler, TensorDataset
 
-from hvdkit import preemption
+from hvdkit import stops
 from hvdkit.config import ConfigError, TrainConfig
 
 DIGITS_TEST_SIZE = 360  # a fixed 20% of the 1,797 digits, the same on every rank and run
@@ -333,7 +333,7 @@ class WorkerInit:
         self.then = then
 
     def __call__(self, worker_id: int) -> None:
-        for signum in preemption.SIGNALS:
+        for signum in stops.SIGNALS:
             signal.signal(signum, signal.SIG_IGN)
         if self.then is not None:
             self.then(worker_id)

@@ -1,4 +1,5 @@
-"""Models by name: small built-in nets, torchvision's classification models, a tiny GPT."""
+"""Models by name: small built-in nets, torchvision's classification models, a tiny GPT; and
+synchronized batch norm for any model."""
 
 from __future__ import annotations
 
@@ -96,4 +97,25 @@ def build(name: str, in_channels: int, image_size: int, num_classes: int) -> nn.
         model = nn.Sequential(_RepeatChannels(), model)
     elif in_channels != 3:
         raise UnknownModel(f"model {name!r} takes 1 or 3 channels, the data has {in_channels}")
+    return model
+
+
+def sync_batch_norm(model: nn.Module) -> nn.Module:
+    """``model`` with each BatchNorm layer replaced by ``hvd.SyncBatchNorm``, weights and
+    running statistics kept. Call it before creating the optimizer: it makes new parameters.
+    Horovod's SyncBatchNorm runs on GPUs only, so on a CPU-only host this is refused."""
+    import horovod.torch as hvd
+
+    if not torch.cuda.is_available():
+        raise ConfigError("sync_batch_norm: Horovod's SyncBatchNorm runs on GPUs only and this host has none; "
+                          "drop sync_batch_norm (--sync-batch-norm) on CPUs")
+
+    if isinstance(model, nn.modules.batchnorm._BatchNorm) and not isinstance(model, hvd.SyncBatchNorm):
+        synced = hvd.SyncBatchNorm(model.num_features, model.eps, model.momentum, model.affine,
+                                   model.track_running_stats)
+        state = model.state_dict()
+        synced.load_state_dict(state)
+        return synced.to(next(iter(state.values())).device) if state else synced
+    for name, child in model.named_children():
+        setattr(model, name, sync_batch_norm(child))
     return model

@@ -19,7 +19,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from hvdkit import checkpoint, data, models
 from hvdkit.config import ConfigError, TrainConfig, validate
-from hvdkit.session import Session, batch_len, seed_everything, sync_batch_norm
+from hvdkit.models import sync_batch_norm
+from hvdkit.process import seed_everything
+from hvdkit.session import Session
+from hvdkit.step import batch_len
 
 # A loss function takes the model and one micro-batch (already on the device) and returns the
 # loss, or the loss and a dict of named metrics, each a mean over the micro-batch's samples.

@@ -20,7 +20,7 @@ def process_cpu_s() -> float:
 
 
 def main() -> None:
-    os.environ.setdefault("HOROVOD_CYCLE_TIME", "0.1")  # hvdkit's CPU setting (session.performance_settings)
+    os.environ.setdefault("HOROVOD_CYCLE_TIME", "0.1")  # hvdkit's CPU setting (process.performance_settings)
     hvd.init()
     torch.set_num_threads(1)
     rank = hvd.rank()

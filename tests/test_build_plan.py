@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from hvdkit import build
+from hvdkit import build, patches, toolchain
 from hvdkit.build import BuildError, Toolchain, plan_build
 
 
@@ -97,7 +97,7 @@ def test_without_mpi_builds_gloo_only_and_says_so():
     assert plan.flags["HOROVOD_WITHOUT_MPI"] == "1" and "HOROVOD_WITH_MPI" not in plan.flags
     assert "MPICXX" not in plan.paths and plan.gpu_operations == "NCCL"
     assert "controllers: Gloo (no MPI: --mpi none)" in plan.describe()
-    assert build.find_mpicxx("none", lambda name: "/usr/bin/mpicxx", lambda path: "") == ("none", None)
+    assert toolchain.find_mpicxx("none", lambda name: "/usr/bin/mpicxx", lambda path: "") == ("none", None)
 
 
 def _touch(path: Path, text: str = "") -> Path:
@@ -112,8 +112,8 @@ def test_cuda_home_skips_a_directory_with_only_bin(tmp_path):
     full = tmp_path / "cuda-13.0"
     _touch(full / "bin" / "nvcc")
     _touch(full / "include" / "cuda_runtime.h")
-    assert build.find_cuda_home({"CUDA_HOME": str(bare), "CUDA_PATH": str(full)}, None) == full
-    assert build.find_cuda_home({}, str(full / "bin" / "nvcc")) == full
+    assert toolchain.find_cuda_home({"CUDA_HOME": str(bare), "CUDA_PATH": str(full)}, None) == full
+    assert toolchain.find_cuda_home({}, str(full / "bin" / "nvcc")) == full
 
 
 def test_cuda_home_prefers_horovods_variable(tmp_path):
@@ -122,7 +122,7 @@ def test_cuda_home_prefers_horovods_variable(tmp_path):
         _touch(tmp_path / name / "bin" / "nvcc")
         _touch(tmp_path / name / "include" / "cuda_runtime.h")
         homes.append(tmp_path / name)
-    assert build.find_cuda_home({"CUDA_HOME": str(homes[0]), "HOROVOD_CUDA_HOME": str(homes[1])}, None) == homes[1]
+    assert toolchain.find_cuda_home({"CUDA_HOME": str(homes[0]), "HOROVOD_CUDA_HOME": str(homes[1])}, None) == homes[1]
 
 
 NCCL_H = "#define NCCL_MAJOR 2\n#define NCCL_MINOR 30\n#define NCCL_PATCH 7\n"
@@ -134,50 +134,67 @@ def test_find_nccl_in_a_wheel_layout(tmp_path):
     lib = _touch(wheel / "lib" / "libnccl.so.2")
     headers_only = tmp_path / "headers-only"
     _touch(headers_only / "include" / "nccl.h", NCCL_H)
-    assert build.find_nccl([tmp_path / "missing", headers_only, wheel]) == (wheel / "include", lib)
-    assert build.find_nccl([headers_only]) is None
-    assert build.nccl_version_from_header(NCCL_H) == "2.30.7"
-    assert build.nccl_version_from_header("#define NCCL_MAJOR 2\n") is None
+    assert toolchain.find_nccl([tmp_path / "missing", headers_only, wheel]) == (wheel / "include", lib)
+    assert toolchain.find_nccl([headers_only]) is None
+    assert toolchain.nccl_version_from_header(NCCL_H) == "2.30.7"
+    assert toolchain.nccl_version_from_header("#define NCCL_MAJOR 2\n") is None
 
 
-def test_cxx_standard_fixes_raise_every_pinned_standard(tmp_path):
-    top = _touch(tmp_path / "CMakeLists.txt", 'project(x)\nset(CMAKE_CXX_STANDARD 14)\n'
-                 '    string(PREPEND GLOO_CMAKE "set(CMAKE_CXX_STANDARD 17)\\n")\n')
-    torch_cmake = _touch(tmp_path / "horovod" / "torch" / "CMakeLists.txt",
-                         "if(NOT Pytorch_VERSION VERSION_LESS \"1.5.0\")\n    set(CMAKE_CXX_STANDARD 14)\nendif()\n")
-    build.apply_source_fixes(tmp_path, build.cxx_standard_fixes(20))
-    assert top.read_text() == ('project(x)\nset(CMAKE_CXX_STANDARD 20)\n'
-                               '    string(PREPEND GLOO_CMAKE "set(CMAKE_CXX_STANDARD 20)\\n")\n')
-    assert torch_cmake.read_text() == \
-        "if(NOT Pytorch_VERSION VERSION_LESS \"1.5.0\")\n    set(CMAKE_CXX_STANDARD 20)\nendif()\n"
+def test_the_cxx_standard_patch_comes_first_and_the_fixes_in_order():
+    fixes = sorted(patches.FOLDER.glob("0*.patch"))
+    assert [p.name for p in fixes][:3] == ["0001-torch-synchronize-sleeps-until-done.patch",
+                                           "0002-gloo-float16-sum-with-f16c.patch",
+                                           "0003-idle-background-thread-sleeps.patch"]
+    assert patches.for_standard(14) == fixes  # Horovod's own standard
+    for standard in (17, 20):
+        assert patches.for_standard(standard) == [patches.FOLDER / f"cxx-standard-{standard}.patch", *fixes]
 
 
-def test_a_missing_pin_stops_the_build(tmp_path):
-    _touch(tmp_path / "CMakeLists.txt", "project(x)\n")
-    _touch(tmp_path / "horovod" / "torch" / "CMakeLists.txt", "set(CMAKE_CXX_STANDARD 14)\n")
-    missing = r"CMakeLists.txt: expected one 'set\(CMAKE_CXX_STANDARD 14\)' to fix, found 0"
-    with pytest.raises(BuildError, match=missing):
-        build.apply_source_fixes(tmp_path, build.cxx_standard_fixes(20))
+def test_every_patch_says_what_it_fixes_before_its_diff():
+    for patch in patches.FOLDER.glob("*.patch"):
+        header = patch.read_text().split("\n--- a/", 1)[0]
+        assert len(header.splitlines()) >= 4 and "Upstream:" in header, patch.name
 
 
-def test_source_fixes_apply_each_edit_once(tmp_path):
-    source = _touch(tmp_path / "a.cc", "one\ntwo\nthree\n")
-    build.apply_source_fixes(tmp_path, [build.SourceFix("a.cc", "two\n", "2\n"),
-                                        build.SourceFix("a.cc", "three\n", "3\n")])
-    assert source.read_text() == "one\n2\n3\n"
+def _patch_folder(tmp_path, monkeypatch, text):
+    folder = tmp_path / "patches"
+    folder.mkdir()
+    (folder / "0001-two.patch").write_text(text)
+    monkeypatch.setattr(patches, "FOLDER", folder)
+    return folder
 
 
-@pytest.mark.parametrize("text, found", [("one\n", 0), ("two\ntwo\n", 2)])
-def test_a_source_fix_that_does_not_match_once_stops_the_build(tmp_path, text, found):
-    _touch(tmp_path / "a.cc", text)
-    with pytest.raises(BuildError, match=f"a.cc: expected one 'two' to fix, found {found}; is this Horovod 0.28.1"):
-        build.apply_source_fixes(tmp_path, [build.SourceFix("a.cc", "two\n", "2\n")])
-    assert (tmp_path / "a.cc").read_text() == text
+TWO_PATCH = "Why: two is 2.\n\n--- a/a.cc\n+++ b/a.cc\n@@ -1,3 +1,3 @@\n one\n-two\n+2\n three\n"
 
 
-def test_the_cache_key_follows_the_source_fixes(monkeypatch):
+def test_patches_apply_in_order_with_gnu_patch(tmp_path, monkeypatch):
+    _patch_folder(tmp_path, monkeypatch, TWO_PATCH)
+    source = _touch(tmp_path / "src" / "a.cc", "one\ntwo\nthree\n")
+    patches.apply(tmp_path / "src", patches.for_standard(14))
+    assert source.read_text() == "one\n2\nthree\n"
+
+
+@pytest.mark.parametrize("text", ["one\nthree\n", "one\n2\nthree\n", "zero\none\ntwo\nthree!\n"])
+def test_a_patch_that_does_not_apply_exactly_stops_the_build_and_changes_nothing(tmp_path, monkeypatch, text):
+    _patch_folder(tmp_path, monkeypatch, TWO_PATCH)
+    source = _touch(tmp_path / "src" / "a.cc", text)
+    with pytest.raises(BuildError, match=r"0001-two.patch does not apply to .*src \(.+\); is this Horovod 0.28.1\?"):
+        patches.apply(tmp_path / "src", patches.for_standard(14))
+    assert source.read_text() == text and sorted(p.name for p in (tmp_path / "src").iterdir()) == ["a.cc"]
+
+
+def test_the_cache_key_follows_the_patches(tmp_path, monkeypatch):
     before = plan_build(_gpu_toolchain()).key
-    monkeypatch.setattr(build, "SOURCE_FIXES", build.SOURCE_FIXES[:-1])
+    folder = tmp_path / "copy"
+    folder.mkdir()
+    for patch in patches.FOLDER.glob("*.patch"):
+        (folder / patch.name).write_bytes(patch.read_bytes())
+    monkeypatch.setattr(patches, "FOLDER", folder)
+    assert plan_build(_gpu_toolchain()).key == before  # the same patches, elsewhere
+    fix = folder / "0002-gloo-float16-sum-with-f16c.patch"
+    fix.write_text(fix.read_text() + "\n")
+    assert plan_build(_gpu_toolchain()).key != before
+    fix.unlink()
     assert plan_build(_gpu_toolchain()).key != before
 
 

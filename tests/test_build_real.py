@@ -1,5 +1,6 @@
 """The real, cached build: what `make setup` installed is what the builder plans today."""
 
+import hashlib
 import re
 import shutil
 import sys
@@ -7,8 +8,8 @@ import tarfile
 
 import pytest
 
-from conftest import run
-from hvdkit import build, launch
+from conftest import REPO, run
+from hvdkit import build, launch, patches
 
 pytestmark = pytest.mark.slow
 
@@ -35,19 +36,28 @@ def test_check_build_lists_what_was_planned(plan, hvd_built):
     assert hvd_built["nccl"] == (plan.gpu_operations == "NCCL")
 
 
-def test_patch_applies_to_the_real_source(tmp_path, plan):
+@pytest.mark.parametrize("standard", [17, 20])  # torch 2.1-2.13 (the GPU machine's 2.11), and >= 2.14
+def test_patches_apply_to_the_real_source_and_give_the_tree_of_record(tmp_path, standard):
+    """hvdkit/patches/ on Horovod's real sdist, with GNU patch: every file they change, and only
+    those, as tests/golden records it. The golden tree is the one the Python-held edits that the
+    patches replaced produced, checked with diff -r, but for one comment that named them."""
     sdist = build.cache_dir() / "sdist" / f"horovod-{build.HOROVOD_VERSION}.tar.gz"
     assert sdist.exists(), "make setup caches the source distribution"
-    with tarfile.open(sdist) as tar:
-        tar.extractall(tmp_path)
-    src = tmp_path / f"horovod-{build.HOROVOD_VERSION}"
-    fixes = build.build_fixes(plan.cxx_standard)
-    build.apply_source_fixes(src, fixes)  # each edit matches the real files exactly once, or this raises
-    for name in {fix.path for fix in build.cxx_standard_fixes(plan.cxx_standard)}:
-        standards = re.findall(r"set\(CMAKE_CXX_STANDARD (\d+)\)", (src / name).read_text())
-        assert standards and set(standards) == {str(plan.cxx_standard)}, name
-    for fix in fixes:
-        assert fix.new in (src / fix.path).read_text(), fix.path
+    trees = {}
+    for name in ("pristine", "patched"):
+        with tarfile.open(sdist) as tar:
+            tar.extractall(tmp_path / name)
+        trees[name] = tmp_path / name / f"horovod-{build.HOROVOD_VERSION}"
+    patches.apply(trees["patched"], patches.for_standard(standard))
+    diff = run(["diff", "-rq", str(trees["pristine"]), str(trees["patched"])])
+    changed = sorted(line.split()[1][len(str(trees["pristine"])) + 1:] for line in diff.stdout.splitlines())
+    golden = REPO / "tests" / "golden" / f"horovod-{build.HOROVOD_VERSION}-patched-cxx{standard}.sha256"
+    expected = dict(reversed(line.split()) for line in golden.read_text().splitlines())
+    assert changed == sorted(expected), diff.stdout
+    for path, digest in expected.items():
+        assert hashlib.sha256((trees["patched"] / path).read_bytes()).hexdigest() == digest, path
+    standards = re.findall(r"set\(CMAKE_CXX_STANDARD (\d+)\)", (trees["patched"] / "CMakeLists.txt").read_text())
+    assert set(standards) == {str(standard)}
 
 
 def test_failed_build_shows_first_errors_and_log(tmp_path, plan, monkeypatch):

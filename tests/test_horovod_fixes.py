@@ -1,4 +1,4 @@
-"""hvdkit's fixes to Horovod's source (hvdkit.build.SOURCE_FIXES), on the installed build, under
+"""hvdkit's fixes to Horovod's source (hvdkit/patches/), on the installed build, under
 real launchers: float16 sums stay exact, a rank waiting on a collective sleeps instead of
 spinning, an idle rank's background thread sleeps instead of negotiating every cycle, and a
 failed collective still raises."""

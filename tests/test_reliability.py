@@ -248,7 +248,7 @@ def test_a_failing_rank_ends_the_job_within_60s(tmp_path, launcher, how):
 STALLING_RANK = """
 import os, sys, time
 import torch, horovod.torch as hvd
-from hvdkit.session import stall_settings
+from hvdkit.process import stall_settings
 from hvdkit.watchdog import Watchdog
 os.environ.update(stall_settings(float(sys.argv[1])))  # what the Trainer sets up
 hvd.init()
@@ -282,7 +282,7 @@ def test_a_stalled_collective_is_named_and_ends_the_job(tmp_path, launcher):
 
 
 def test_stall_settings():
-    from hvdkit.session import stall_settings
+    from hvdkit.process import stall_settings
 
     assert stall_settings(300) == {"HOROVOD_STALL_CHECK_TIME_SECONDS": "60",
                                    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "300"}
@@ -422,16 +422,16 @@ def test_an_elastic_run_writes_checkpoints_only_with_the_sampler_position(tmp_pa
 
 def test_requeues_are_bounded(tmp_path):
     """Past the bound, no scontrol requeue is run and the exit code says the job stopped."""
-    from hvdkit import preemption
+    from hvdkit import stops
 
-    assert preemption.requeue({}, 3) == "not a Slurm job: rerun the same command to resume"
-    limited = preemption.requeue({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "3"}, 3)
+    assert stops.requeue({}, 3) == "not a Slurm job: rerun the same command to resume"
+    limited = stops.requeue({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "3"}, 3)
     assert limited == "not requeued: job 7 was restarted 3 times already (--max-requeues 3)"
     stopped = {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "3"}
-    assert preemption.after_stop(signal.SIGUSR1, stopped, 3) == (limited, 138)
-    assert not preemption.will_requeue(signal.SIGUSR1, stopped, 3)
-    assert preemption.will_requeue(signal.SIGUSR1, dict(stopped, SLURM_RESTART_COUNT="2"), 3)
-    assert not preemption.will_requeue(signal.SIGTERM, dict(stopped, SLURM_RESTART_COUNT="0"), 3)
+    assert stops.after_stop(signal.SIGUSR1, stopped, 3) == (limited, 138)
+    assert not stops.will_requeue(signal.SIGUSR1, stopped, 3)
+    assert stops.will_requeue(signal.SIGUSR1, dict(stopped, SLURM_RESTART_COUNT="2"), 3)
+    assert not stops.will_requeue(signal.SIGTERM, dict(stopped, SLURM_RESTART_COUNT="0"), 3)
 
 
 def test_a_killed_save_leaves_no_temporary_file(tmp_path):

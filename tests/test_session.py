@@ -19,10 +19,13 @@ from conftest import REPO, assert_bitwise_equal, final_weights, kill_tree, run
 from hvdkit import checkpoint, config, launch, selftest
 from hvdkit.config import ConfigError, TrainConfig
 from hvdkit.metrics import finite_or_none
-from hvdkit.session import ALLREDUCE_RULES, batch_len, lr_multiplier, performance_settings, split_batch, sync_batch_norm
+from hvdkit.models import sync_batch_norm
+from hvdkit.process import ALLREDUCE_RULES, performance_settings
+from hvdkit.step import batch_len, lr_multiplier, split_batch
 from hvdkit.trainer import lr_factor
 
 PORTED = [sys.executable, str(REPO / "examples" / "hvdkit_digits.py")]
+SLOW_LOOP = [sys.executable, str(REPO / "tests" / "slow_loop.py")]
 TRAIN = [sys.executable, "-m", "hvdkit", "train"]
 
 
@@ -287,8 +290,8 @@ def test_float_labels_with_the_default_loss_are_refused_in_one_line(tmp_path):
     script = tmp_path / "own.py"
     script.write_text(OWN_TRAINER)
     proc = run([sys.executable, str(script), "float-labels", str(tmp_path / "logs")])
-    assert proc.returncode != 0
-    assert ("hvdkit.config.ConfigError: loss_fn: the default loss is cross-entropy over integer class labels, "
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert ("hvdkit: error: loss_fn: the default loss is cross-entropy over integer class labels, "
             "and the labels are torch.float32; pass loss_fn=") in proc.stderr
 
 
@@ -496,3 +499,35 @@ def test_cpu_jobs_across_hosts_send_large_allreduces_by_the_ring():
                                 environ={"OMPI_MCA_coll_tuned_allreduce_algorithm": "3"})
     assert not any(name.startswith("OMPI_MCA_coll_tuned_") for name in mine) and "OMPI_MCA_btl_tcp_links" in mine
     assert performance_settings(on_gpu=True, spans_hosts=True, environ={}) == {}
+
+
+@pytest.mark.slow
+def test_own_errors_in_a_session_loop_are_one_line_once_under_plain_horovodrun(tmp_path):
+    """Step 7's loss is NaN under `horovodrun -np 2 python loop.py`, as a user types it: hvdkit's
+    NonFiniteError is printed once, as one line naming the last good checkpoint, with no
+    traceback from any rank, and every rank exits 1 (an error). Then the same loop at one rank
+    cannot resume that 2-rank checkpoint: one line, exit 2 (bad input), nothing written. A loop
+    that catches the error still gets it."""
+    ckpt = tmp_path / "ckpt"
+    loop = [*SLOW_LOOP, "--epochs", "1", "--checkpoint-dir", str(ckpt), "--checkpoint-steps", "5",
+            "--log-dir", str(tmp_path / "logs")]
+    proc = run([launch.find_program("horovodrun"), "-np", "2", "-H", "localhost:2", *loop, "--nan-at-step", "7"],
+               cwd=tmp_path)
+    output = proc.stdout + proc.stderr
+    kept = checkpoint.path_for(str(ckpt), 5)
+    line = (f"hvdkit: error: the loss or gradients of step 7 (epoch 1) are not finite; stopped before applying them, "
+            f"last good checkpoint {kept} kept; lower --base-lr, set --clip-grad-norm, or pass --on-nonfinite skip")
+    assert proc.returncode == 1, output[-3000:]
+    assert output.count("hvdkit: error:") == 1 and line in proc.stderr.splitlines(), output[-3000:]
+    assert "Traceback" not in output and "NonFiniteError" not in output, output[-3000:]
+    assert checkpoint.existing(str(ckpt)) == [kept]
+
+    refused = run([*loop], cwd=tmp_path)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert refused.stderr.splitlines() == [
+        f"hvdkit: error: checkpoint {kept} was written by 2 ranks, this job has 1; resume with 2 ranks (the data "
+        f"order and learning rate depend on it), or start afresh in another --checkpoint-dir"], refused.stderr
+    assert checkpoint.existing(str(ckpt)) == [kept]
+
+    caught = run([*loop, "--checkpoint-dir", str(tmp_path / "other"), "--nan-at-step", "3", "--catch"], cwd=tmp_path)
+    assert caught.returncode == 3 and "caught: the loss or gradients of step 3" in caught.stdout, caught.stderr[-2000:]

@@ -85,7 +85,8 @@ def synthetic_worker(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
 
     from hvdkit import models
-    from hvdkit.session import Session, performance_settings, place_process
+    from hvdkit.process import performance_settings, place_process
+    from hvdkit.session import Session
     from hvdkit.trainer import classification_loss, train_step
 
     impl = args.impl
@@ -261,7 +262,7 @@ def allreduce_worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from hvdkit.session import performance_settings, place_process
+    from hvdkit.process import performance_settings, place_process
 
     launch = env.detect()
     if not args.no_tuning:

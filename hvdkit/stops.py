@@ -1,5 +1,5 @@
-"""Stopping cleanly when asked to: a signal, one agreed step, a checkpoint, and an exit code
-that says what happened.
+"""How a run ends: stopping cleanly when asked to (a signal, one agreed step, a checkpoint, and
+an exit code that says what happened), and hvdkit's own errors as one line.
 
 Three signals stop a run. SIGUSR1 is Slurm's warning before a time limit (`--signal=USR1@120`)
 or a preemption on demand (`scancel --signal=USR1`): the job is requeued and resumes. SIGTERM
@@ -18,7 +18,11 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
+
+import torch
+
+from hvdkit import supervise
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 REQUEUE_SIGNAL = signal.SIGUSR1
@@ -78,3 +82,67 @@ def after_stop(signum: int, environ: Mapping[str, str], max_requeues: int) -> tu
             return outcome, 0
         return outcome, exit_code_for(signum)
     return "rerun the same command (or resubmit the job) to resume", exit_code_for(signum)
+
+
+class StopAgreement:
+    """The ranks' stop signals, agreed in an allreduce that each step submits before it waits
+    for the gradients, so it travels in their Horovod cycle: the largest signal number wins."""
+
+    def __init__(self, hvd, received: StopSignal) -> None:
+        self.hvd, self.received = hvd, received
+        self.handle = None  # this step's allreduce
+        self.signum = 0  # the signal all ranks agreed to stop for
+
+    def ask(self) -> None:
+        self.handle = self.hvd.allreduce_async(torch.tensor([float(self.received.received or 0)]),
+                                               op=self.hvd.Max, name="hvdkit.stop")
+
+    def collect(self) -> int:
+        if self.handle is not None:
+            self.signum = self.signum or int(self.hvd.synchronize(self.handle).item())
+            self.handle = None
+        return self.signum
+
+
+def conclude(signum: int, rank: int, step: int, checkpoint_dir: Optional[str], max_requeues: int,
+             environ: Mapping[str, str] = os.environ) -> int:
+    """After an agreed stop, whose checkpoint is written: rank 0 requeues (SIGUSR1 under Slurm)
+    and says in one line what was saved and what happens next. The rank's exit code."""
+    saved = (f"checkpoint of step {step} saved in {checkpoint_dir}" if checkpoint_dir
+             else "no checkpoint_dir, so progress since the start is lost")
+    if rank != 0:
+        return 0 if will_requeue(signum, environ, max_requeues) else exit_code_for(signum)
+    outcome, code = after_stop(signum, environ, max_requeues)
+    line = f"stopped by {signal.Signals(signum).name} at step {step}; {saved}; {outcome}"
+    print(f"hvdkit: {line}", file=sys.stderr, flush=True)
+    if code:
+        supervise.record_exit(code, line)
+    return code
+
+
+def exit_on_own_errors(rank: int, own: tuple, bad_input: tuple, end: Callable[[], None]) -> Callable[[], None]:
+    """From now on, an exception of the ``own`` types that nothing caught ends this rank with
+    its message once (rank 0's, as one line) instead of a traceback on every rank: ``end()``
+    (Horovod's shutdown), then exit 2 for ``bad_input`` types, else 1. Returns the undo."""
+    previous = sys.excepthook
+
+    def hook(kind, exc, tb) -> None:
+        if not issubclass(kind, own):
+            previous(kind, exc, tb)
+            return
+        code = 2 if issubclass(kind, bad_input) else 1
+        line = str(exc).splitlines()[0] if str(exc) else kind.__name__
+        if rank == 0:
+            print(f"hvdkit: error: {line}", file=sys.stderr, flush=True)
+            supervise.record_exit(code, line)
+        end()
+        sys.stdout.flush()
+        os._exit(code)
+
+    sys.excepthook = hook
+
+    def undo() -> None:
+        if sys.excepthook is hook:
+            sys.excepthook = previous
+
+    return undo

@@ -385,10 +385,9 @@ def test_each_run_gets_its_own_directory_and_strict_json(tmp_path):
 
 @pytest.mark.slow
 def test_readme_own_loop_example_runs_and_resumes(tmp_path):
-    """The "Your own loop" code from README.md, as a user would run it, then run again."""
-    section = (REPO / "README.md").read_text().split("## Your own loop", 1)[1]
+    """The own-loop example of docs/own-loop.md, as a user would run it, then run again."""
     script = tmp_path / "own_loop.py"
-    script.write_text(section.split("```python\n", 1)[1].split("```", 1)[0])
+    script.write_text(_first_python_block(REPO / "docs" / "own-loop.md"))
     command = launch.local_command("horovodrun --gloo", 2, [sys.executable, str(script)])
     proc = run(command, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -400,6 +399,19 @@ def test_readme_own_loop_example_runs_and_resumes(tmp_path):
     assert checkpoint.existing(str(ckpt))[-1] == checkpoint.path_for(str(ckpt), 112)
     again = run(command, cwd=tmp_path)  # finished: resumes at its end and trains nothing more
     assert again.returncode == 0 and "(epoch 5, step 112)" in again.stderr, again.stderr[-2000:]
+
+
+def _first_python_block(path, after=None):
+    text = path.read_text() if after is None else path.read_text().split(after, 1)[1]
+    return text.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_readme_own_loop_excerpt_is_the_tested_example():
+    """README.md shows the heart of docs/own-loop.md's example: every line of it stands there."""
+    excerpt = _first_python_block(REPO / "README.md", "## Your own loop")
+    example = _first_python_block(REPO / "docs" / "own-loop.md").splitlines()
+    assert len(excerpt.splitlines()) > 10
+    assert [line for line in excerpt.splitlines() if line.strip() and line not in example] == []
 
 
 def test_documented_port_diff_is_current():

@@ -88,11 +88,11 @@ def test_uneven_validation_shards_count_each_sample_once(tmp_path):
 
 
 def test_readme_library_example_runs_on_two_ranks(tmp_path):
-    """The "Train your own model" code from README.md, as a user would run it."""
+    """The "Train your own model" code from docs/training.md, as a user would run it."""
     from conftest import REPO
 
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## Train your own model", 1)[1]
+    page = (REPO / "docs" / "training.md").read_text()
+    section = page.split("## Train your own model", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     script = tmp_path / "train_mine.py"
     script.write_text(code)

@@ -19,7 +19,7 @@ endif
 # horovodrun and mpirun from the virtual environment come first.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup system-packages horovod train train-lm doctor test lint gpu-check clean
+.PHONY: setup system-packages horovod train train-lm doctor test test-fast lint gpu-check clean
 
 setup: system-packages $(STAMPS)/python-packages horovod
 
@@ -63,8 +63,14 @@ train-lm: setup
 	    --optimizer adamw --base-lr 2e-3 --lr-scaling none --epochs 2 --warmup-epochs 0.1 --weight-decay 0.1 \
 	    --clip-grad-norm 1.0 --amp $(TRAIN_ARGS)
 
+# The whole suite, what CI runs; it ends with the 15 slowest tests, so that growth is seen.
 test: setup
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests --durations=15 $(PYTEST_ARGS)
+
+# The inner loop: the unit tests and one real 2-rank run of each launcher (horovodrun with
+# Gloo and MPI, mpirun, srun on the test Slurm cluster), in under 4 minutes.
+test-fast: setup
+	$(PY) -m pytest tests -m "not slow or fast" --durations=5 $(PYTEST_ARGS)
 
 # pyflakes, pycodestyle, bugbear and import-order checks at 120 columns; the tests' helper
 # modules (conftest, hosts, slurm_cluster) are first-party. ruff comes from setup.cfg's lint extra.

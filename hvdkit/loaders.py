@@ -9,6 +9,7 @@ the same order. An evaluation loader gives every sample to exactly one rank.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Iterator, Optional
 
 from torch.utils.data import DataLoader
@@ -21,7 +22,7 @@ class Loaders:
     """The loaders of one Session, whose step and epoch they follow."""
 
     def __init__(self, session) -> None:
-        self.session = session
+        self.session = weakref.proxy(session)  # the Session owns this; no cycle keeps either alive
         self.made: list[DataLoader] = []  # training loaders, in the order made
         self.micro_size = session.cfg.batch_size  # samples per micro-batch, from the last loader made
         self.resumed_batches: Optional[list] = None  # the checkpoint's loader batch sizes

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -26,7 +27,7 @@ class Reports:
     """The metrics of one Session."""
 
     def __init__(self, session) -> None:
-        self.session = session
+        self.session = weakref.proxy(session)  # the Session owns this; no cycle keeps either alive
         self.sums: dict[str, torch.Tensor] = {}
         self.count = torch.zeros((), device=session.device)
         self.last_count = 0.0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import sys
+import weakref
 from typing import Optional
 
 from torch import nn
@@ -26,7 +27,7 @@ class Checkpoints:
     """The checkpoints of one Session, which holds the state they save and restore."""
 
     def __init__(self, session) -> None:
-        self.session = session
+        self.session = weakref.proxy(session)  # the Session owns this; no cycle keeps either alive
         self.elastic_state: Optional[dict] = None  # read in setup(), applied by load_elastic
         self.elastic_sampler = None  # given to load_elastic: a stop's checkpoint records its position
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -93,7 +94,7 @@ class TrainingStep:
     """The step of one Session, which holds the model, optimizer, scaler and scheduler it steps."""
 
     def __init__(self, session) -> None:
-        self.session = session
+        self.session = weakref.proxy(session)  # the Session owns this; no cycle keeps either alive
         self.micro_count = session.cfg.batches_per_allreduce  # of the step under way
         self.skipped, self.skips_in_a_row = 0, 0  # on_nonfinite: skip
 

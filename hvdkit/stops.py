@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import weakref
 from typing import Callable, Mapping, Optional
 
 import torch
@@ -123,8 +124,10 @@ def conclude(signum: int, rank: int, step: int, checkpoint_dir: Optional[str], m
 def exit_on_own_errors(rank: int, own: tuple, bad_input: tuple, end: Callable[[], None]) -> Callable[[], None]:
     """From now on, an exception of the ``own`` types that nothing caught ends this rank with
     its message once (rank 0's, as one line) instead of a traceback on every rank: ``end()``
-    (Horovod's shutdown), then exit 2 for ``bad_input`` types, else 1. Returns the undo."""
+    (a bound method: Horovod's shutdown), then exit 2 for ``bad_input`` types, else 1. Returns
+    the undo."""
     previous = sys.excepthook
+    end = weakref.WeakMethod(end)  # the hook must not keep a Session (its loaders' workers) alive
 
     def hook(kind, exc, tb) -> None:
         if not issubclass(kind, own):
@@ -135,7 +138,8 @@ def exit_on_own_errors(rank: int, own: tuple, bad_input: tuple, end: Callable[[]
         if rank == 0:
             print(f"hvdkit: error: {line}", file=sys.stderr, flush=True)
             supervise.record_exit(code, line)
-        end()
+        if end() is not None:
+            end()()
         sys.stdout.flush()
         os._exit(code)
 

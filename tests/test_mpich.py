@@ -1,6 +1,7 @@
 """MPICH for real: Horovod built against Debian's MPICH from a local source distribution with
-the network unreachable (`unshare --net`), then the 2-rank launch, the self-test worker and a
-short training under MPICH's Hydra mpiexec, through `hvdkit launch`.
+the network unreachable (`unshare --net`; built once, then taken from the cache by its own key,
+as the Open MPI build is), then the 2-rank launch, the self-test worker and a short training
+under MPICH's Hydra mpiexec, through `hvdkit launch`.
 
 The MPICH build is installed beside the suite's Open MPI one, not over it: into a folder put
 first on PYTHONPATH, with Hydra's mpirun first on PATH, as a second MPI on a cluster would be.
@@ -34,9 +35,10 @@ def mpich(tmp_path_factory):
     sdist = root / "offline" / cached.name  # what a user brings to a machine without internet
     sdist.parent.mkdir()
     shutil.copy(cached, sdist)
+    # The suite's cache, where the MPICH build has a key of its own: built once, as `make setup`
+    # builds the Open MPI one, then exported from the cache by the same offline command.
     built = run(["unshare", "--net", sys.executable, "-m", "hvdkit.build", "--mpi", "mpich", "--sdist", str(sdist),
-                 "--no-install", "--wheel-dir", str(root / "wheels"), "--cache-dir", str(root / "cache")],
-                cwd=root, timeout=1800)
+                 "--no-install", "--wheel-dir", str(root / "wheels")], cwd=root, timeout=1800)
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
     wheels = list((root / "wheels").glob("horovod-*.whl"))
     assert len(wheels) == 1, built.stdout

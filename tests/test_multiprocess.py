@@ -18,6 +18,7 @@ LAUNCHES = {
 }
 
 
+@pytest.mark.fast  # make test-fast's horovodrun (Gloo and MPI) and mpirun runs
 @pytest.mark.parametrize("name", list(LAUNCHES))
 def test_two_ranks_agree(name, hvd_built):
     controller, launcher = LAUNCHES[name]

@@ -543,3 +543,37 @@ def test_own_errors_in_a_session_loop_are_one_line_once_under_plain_horovodrun(t
 
     caught = run([*loop, "--checkpoint-dir", str(tmp_path / "other"), "--nan-at-step", "3", "--catch"], cwd=tmp_path)
     assert caught.returncode == 3 and "caught: the loss or gradients of step 3" in caught.stdout, caught.stderr[-2000:]
+
+
+DROPPED_SESSION = """
+import gc, sys, weakref, torch
+from torch.utils.data import TensorDataset
+import hvdkit
+
+
+def main():
+    gc.disable()  # only reference counting may free it, as when a script's function returns
+    session = hvdkit.Session(batch_size=4, num_workers=1, log_dir=sys.argv[1])
+    loader = session.loader(TensorDataset(torch.randn(64, 3), torch.zeros(64)))
+    linear = torch.nn.Linear(3, 1)
+    model, optimizer = session.setup(linear, torch.optim.SGD(linear.parameters(), lr=0.1))
+    next(iter(loader))
+    dropped = weakref.ref(session)
+    del session, loader, model, optimizer
+    print("freed", dropped() is None, flush=True)
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_a_dropped_session_frees_its_loader_workers_and_the_process_exits(tmp_path):
+    """The Session's parts point back at it weakly: a cycle kept the Session, and with it the
+    loader's persistent workers, alive until exit, where multiprocessing waits for workers that
+    ignore SIGTERM (hvdkit.data), and a finished `hvdkit train --num-workers 1` hung (seen in
+    tests/test_stops.py). One process, no launcher."""
+    script = tmp_path / "dropped.py"
+    script.write_text(DROPPED_SESSION)
+    proc = run([sys.executable, str(script), str(tmp_path / "logs")], timeout=60)
+    assert proc.returncode == 0 and "freed True" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]

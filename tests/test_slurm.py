@@ -62,7 +62,7 @@ def job_log(tmp_path, job):
 
 
 @pytest.mark.parametrize("template, nodes, tasks", [
-    ("single-node.sbatch", 1, 2),
+    pytest.param("single-node.sbatch", 1, 2, marks=pytest.mark.fast),  # make test-fast's srun run
     ("multi-node-srun.sbatch", 2, 2),
     ("multi-node-mpirun.sbatch", 2, 2),
     ("multi-node-horovodrun.sbatch", 2, 2),

@@ -1,9 +1,8 @@
 """`hvdkit launch`: one command line over horovodrun, mpirun (Open MPI, MPICH, Intel MPI) and srun.
 
-Each launcher's command is built as an argument list by a small pure function of a
-``LaunchSpec``, so the flags for every MPI implementation are golden-tested without that
-MPI installed, and `--dry-run` prints exactly what would run. All input is checked before
-anything starts: a bad host list fails in one line, not in an MPI stack trace on node 37.
+Which launcher and which MPI, the command for it (hvdkit.commands) over the hosts given
+(hvdkit.hostfile), and running it (hvdkit.supervise). All input is checked before anything
+starts: a bad host list fails in one line, not in an MPI stack trace on node 37.
 """
 
 from __future__ import annotations
@@ -19,90 +18,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from hvdkit import slurm, supervise
+from hvdkit import supervise
+from hvdkit.commands import (
+    MPIRUN_BUILDERS,
+    LaunchSpec,
+    elastic,
+    forwarded_names,
+    horovodrun_command,
+    network_chosen,
+    srun_command,
+)
+from hvdkit.hostfile import (
+    HOSTFILE_FORMATS,
+    Host,
+    LaunchError,
+    format_hostfile,
+    host_list,
+    parse_hosts,
+    read_hostfile,
+    slurm_hosts,
+)
 from hvdkit.network import Network, NetworkError, remote_hosts, routable_network
 
 LAUNCHERS = ("auto", "horovodrun", "mpirun", "srun")
-FORWARD_PREFIXES = ("NCCL_", "HOROVOD_", "HVDKIT_")  # HVDKIT_: config keys job scripts hand over
-FORWARD_NAMES = ("PYTHONPATH", "PATH", "LD_LIBRARY_PATH")
-HOSTFILE_FORMATS = ("horovodrun", "openmpi", "mpich")
-
-
-class LaunchError(ValueError):
-    """Bad launch input; printed as one line before anything starts."""
-
-
-@dataclass(frozen=True)
-class Host:
-    name: str
-    slots: int
-
-
-# ---------------------------------------------------------------------------
-# Hosts: -H lists, hostfiles in three formats, Slurm allocations.
-# ---------------------------------------------------------------------------
-
-def _host(text: str, where: str) -> Host:
-    match = re.fullmatch(r"([A-Za-z0-9_.\-]+)(?::(\S*))?", text.strip())
-    if not match:
-        raise LaunchError(f"{where}: cannot read host {text.strip()!r} (expected host:slots)")
-    name, slots = match.group(1), match.group(2)
-    if slots is None or slots == "":
-        raise LaunchError(f"{where}: host {name!r} has no slot count (write {name}:N)")
-    if not slots.isdigit() or int(slots) < 1:
-        raise LaunchError(f"{where}: host {name!r} has slot count {slots!r}, expected a number >= 1")
-    return Host(name, int(slots))
-
-
-def parse_hosts(spec: str) -> list[Host]:
-    """``host1:4,host2:4`` (horovodrun's -H)."""
-    if not spec.strip():
-        raise LaunchError("-H: no hosts given")
-    return [_host(part, "-H") for part in spec.split(",")]
-
-
-def read_hostfile(path: str) -> list[Host]:
-    """A hostfile in any of the three formats: ``host:N``, ``host slots=N`` (Open MPI)."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise LaunchError(f"hostfile {path}: {exc.strerror}") from None
-    hosts = []
-    for number, raw in enumerate(text.splitlines(), 1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        where = f"hostfile {path} line {number}"
-        openmpi = re.fullmatch(r"(\S+)\s+slots\s*=\s*(\S+)(?:\s+max[-_]slots\s*=\s*\d+)?", line)
-        if openmpi:
-            hosts.append(_host(f"{openmpi.group(1)}:{openmpi.group(2)}", where))
-        elif " " in line or "\t" in line:
-            raise LaunchError(f"{where}: cannot read {line!r} (expected 'host slots=N' or 'host:N')")
-        else:
-            hosts.append(_host(line, where))
-    if not hosts:
-        raise LaunchError(f"hostfile {path} lists no hosts")
-    return hosts
-
-
-def format_hostfile(hosts: Sequence[Host], fmt: str) -> str:
-    """The hosts as a hostfile for horovodrun (host:slots), Open MPI (host slots=N) or MPICH (host:N)."""
-    if fmt == "openmpi":
-        return "".join(f"{h.name} slots={h.slots}\n" for h in hosts)
-    if fmt in ("horovodrun", "mpich"):
-        return "".join(f"{h.name}:{h.slots}\n" for h in hosts)
-    raise LaunchError(f"unknown hostfile format {fmt!r}; choose one of: {', '.join(HOSTFILE_FORMATS)}")
-
-
-def slurm_hosts(environ: Mapping[str, str]) -> list[Host]:
-    try:
-        return [Host(name, tasks) for name, tasks in slurm.allocation(environ)]
-    except slurm.SlurmFormatError as exc:
-        raise LaunchError(f"Slurm: {exc}") from None
-
-
-def host_list(hosts: Sequence[Host]) -> str:
-    return ",".join(f"{h.name}:{h.slots}" for h in hosts)
 
 
 # ---------------------------------------------------------------------------
@@ -156,136 +94,6 @@ def choose_launcher(requested: str, controller: Optional[str], environ: Mapping[
     if which("mpirun"):
         return "mpirun", f"mpirun found at {which('mpirun')}"
     return "horovodrun", "no Slurm allocation and no mpirun on PATH: horovodrun with Gloo"
-
-
-TCP_INCLUDE = ("btl_tcp_if_include", "oob_tcp_if_include")
-TCP_CHOICE = (*TCP_INCLUDE, "btl_tcp_if_exclude", "oob_tcp_if_exclude")
-
-
-def network_chosen(environ: Mapping[str, str], launcher_args: Sequence[str]) -> bool:
-    """Whether the user already chose Open MPI's interfaces (variables or -mca flags)."""
-    given = {launcher_args[i + 1] for i, arg in enumerate(launcher_args[:-1]) if arg in ("-mca", "--mca")}
-    return bool(given & set(TCP_CHOICE)) or any(f"OMPI_MCA_{name}" in environ for name in TCP_CHOICE)
-
-
-# ---------------------------------------------------------------------------
-# Commands, as argument lists.
-# ---------------------------------------------------------------------------
-
-@dataclass
-class LaunchSpec:
-    np: int
-    command: list
-    hosts: Optional[list] = None  # None: this machine only (or srun's allocation)
-    hostfile: Optional[str] = None  # passed to the launcher as a file; hosts holds what it lists
-    controller: Optional[str] = None  # gloo, mpi or None (the launcher's default)
-    forward: list = field(default_factory=list)  # names whose values pass through
-    set_env: dict = field(default_factory=dict)  # NAME=VALUE to set in every rank
-    oversubscribe: bool = False
-    as_root: bool = False
-    srun_mpi: str = "pmix"
-    program: str = ""  # path of the launcher itself; its name by default
-    launcher_args: list = field(default_factory=list)  # the user's own flags for the launcher, passed as given
-    network: Optional[Network] = None  # the interface to pin MPI's traffic to, across hosts
-
-
-def elastic(launcher_args: Sequence[str]) -> bool:
-    """horovodrun's elastic mode: its hosts come from a discovery script, and change."""
-    return any(arg == "--host-discovery-script" or arg.startswith("--host-discovery-script=")
-               for arg in launcher_args)
-
-
-def horovodrun_command(spec: LaunchSpec) -> list[str]:
-    """horovodrun forwards the environment itself; set_env is applied to its own environment.
-    An elastic job's hosts are its discovery script's."""
-    cmd = [spec.program or "horovodrun", "-np", str(spec.np)]
-    if spec.hostfile:
-        cmd += ["--hostfile", spec.hostfile]
-    elif not elastic(spec.launcher_args):
-        cmd += ["-H", host_list(spec.hosts or [Host("localhost", spec.np)])]
-    if spec.controller:
-        cmd.append(f"--{spec.controller}")
-    return cmd + spec.launcher_args + list(spec.command)
-
-
-def openmpi_command(spec: LaunchSpec) -> list[str]:
-    cmd = [spec.program or "mpirun", "-np", str(spec.np)]
-    if spec.hostfile:
-        cmd += ["--hostfile", spec.hostfile]
-    elif spec.hosts:
-        cmd += ["-H", host_list(spec.hosts)]
-    for flag, value in (("bind-to", "none"), ("map-by", "slot")):  # unless the user's flags say otherwise
-        if not {f"-{flag}", f"--{flag}"} & set(spec.launcher_args):
-            cmd += [f"-{flag}", value]
-    cmd.append("--tag-output")
-    if spec.oversubscribe:
-        cmd.append("--oversubscribe")
-    if spec.as_root:
-        cmd.append("--allow-run-as-root")
-    for name in spec.forward:
-        cmd += ["-x", name]
-    for name, value in spec.set_env.items():
-        cmd += ["-x", f"{name}={value}"]
-    given = {spec.launcher_args[i + 1] for i, arg in enumerate(spec.launcher_args[:-1]) if arg in ("-mca", "--mca")}
-    for name, value in (("pml", "ob1"), ("btl", "^openib")):  # Open MPI refuses a parameter given twice
-        if name not in given:
-            cmd += ["-mca", name, value]
-    for name in TCP_INCLUDE if spec.network else ():
-        cmd += ["-mca", name, spec.network.cidr]
-    return cmd + spec.launcher_args + list(spec.command)
-
-
-def hydra_command(spec: LaunchSpec) -> list[str]:
-    """MPICH's Hydra: -hosts host:N and -genv/-genvlist."""
-    cmd = [spec.program or "mpirun", "-np", str(spec.np)]
-    if spec.hostfile:
-        cmd += ["-f", spec.hostfile]
-    elif spec.hosts:
-        cmd += ["-hosts", host_list(spec.hosts)]
-    if spec.network:
-        cmd += ["-iface", spec.network.interface]
-    return cmd + _hydra_env(spec) + spec.launcher_args + list(spec.command)
-
-
-def _hydra_env(spec: LaunchSpec) -> list[str]:
-    """Hydra (MPICH, Intel MPI) forwards names with -genvlist and sets values with -genv."""
-    args = ["-genvlist", ",".join(spec.forward)] if spec.forward else []
-    for name, value in spec.set_env.items():
-        args += ["-genv", name, value]
-    return args
-
-
-def intel_command(spec: LaunchSpec) -> list[str]:
-    """Intel MPI (also Hydra), which takes plain host names and -ppn for ranks per host."""
-    cmd = [spec.program or "mpirun", "-n", str(spec.np)]
-    if spec.hostfile:
-        cmd += ["-machinefile", spec.hostfile]
-    elif spec.hosts:
-        slots = {h.slots for h in spec.hosts}
-        if len(slots) != 1:
-            raise LaunchError("Intel MPI: hosts with different slot counts need --hostfile (host:N lines)")
-        cmd += ["-hosts", ",".join(h.name for h in spec.hosts), "-ppn", str(slots.pop())]
-    return cmd + _hydra_env(spec) + spec.launcher_args + list(spec.command)
-
-
-def srun_command(spec: LaunchSpec) -> list[str]:
-    """srun exports the whole environment; set_env is added to --export. --kill-on-bad-exit
-    ends every task when one fails, where srun would otherwise wait for the rest."""
-    export = ",".join(["ALL", *(f"{k}={v}" for k, v in spec.set_env.items())])
-    cmd = [spec.program or "srun", f"--ntasks={spec.np}", f"--mpi={spec.srun_mpi}", "--kill-on-bad-exit=1",
-           "--label", f"--export={export}"]
-    if spec.hosts:
-        cmd.append(f"--nodelist={','.join(h.name for h in spec.hosts)}")
-    return cmd + spec.launcher_args + list(spec.command)
-
-
-MPIRUN_BUILDERS = {"openmpi": openmpi_command, "mpich": hydra_command, "intel": intel_command}
-
-
-def forwarded_names(environ: Mapping[str, str], extra: Sequence[str]) -> list[str]:
-    """NCCL_*, HOROVOD_*, HVDKIT_*, PYTHONPATH, PATH, LD_LIBRARY_PATH where set, then the -x names."""
-    names = [k for k in sorted(environ) if k.startswith(FORWARD_PREFIXES) or k in FORWARD_NAMES]
-    return names + [n for n in extra if n not in names]
 
 
 def check_slots(spec: LaunchSpec, local_slots: int) -> Optional[str]:

@@ -9,8 +9,9 @@ import time
 import pytest
 
 from conftest import REPO, run
-from hvdkit import launch, lines, network, selftest
-from hvdkit.launch import Host, LaunchError, LaunchSpec
+from hvdkit import commands, hostfile, launch, lines, network, selftest
+from hvdkit.commands import LaunchSpec
+from hvdkit.hostfile import Host, LaunchError
 from hvdkit.network import NetworkError
 
 WORKER = ["python", "train.py"]
@@ -21,7 +22,7 @@ WORKER = ["python", "train.py"]
 def test_openmpi_golden():
     spec = LaunchSpec(np=8, command=WORKER, hosts=[Host("h1", 4), Host("h2", 4)], forward=["NCCL_DEBUG", "PATH"],
                       set_env={"OMP_NUM_THREADS": "4"}, as_root=True)
-    assert launch.openmpi_command(spec) == [
+    assert commands.openmpi_command(spec) == [
         "mpirun", "-np", "8", "-H", "h1:4,h2:4", "-bind-to", "none", "-map-by", "slot", "--tag-output",
         "--allow-run-as-root",
         "-x", "NCCL_DEBUG", "-x", "PATH", "-x", "OMP_NUM_THREADS=4",
@@ -30,7 +31,7 @@ def test_openmpi_golden():
 
 def test_openmpi_golden_hostfile_oversubscribed_not_root():
     spec = LaunchSpec(np=4, command=WORKER, hostfile="hosts.txt", hosts=[Host("h1", 2)], oversubscribe=True)
-    assert launch.openmpi_command(spec) == [
+    assert commands.openmpi_command(spec) == [
         "mpirun", "-np", "4", "--hostfile", "hosts.txt", "-bind-to", "none", "-map-by", "slot", "--tag-output",
         "--oversubscribe", "-mca", "pml", "ob1", "-mca", "btl", "^openib", "python", "train.py"]
 
@@ -38,9 +39,9 @@ def test_openmpi_golden_hostfile_oversubscribed_not_root():
 def test_launcher_flags_pass_through_after_hvdkit_defaults_they_replace():
     own = ["--bind-to", "core", "-mca", "btl", "tcp,self", "--report-bindings"]
     spec = LaunchSpec(np=2, command=WORKER, launcher_args=own)
-    assert launch.openmpi_command(spec) == [
+    assert commands.openmpi_command(spec) == [
         "mpirun", "-np", "2", "-map-by", "slot", "--tag-output", "-mca", "pml", "ob1", *own, *WORKER]
-    for builder in (launch.horovodrun_command, launch.hydra_command, launch.intel_command, launch.srun_command):
+    for builder in (commands.horovodrun_command, commands.hydra_command, commands.intel_command, commands.srun_command):
         assert builder(LaunchSpec(np=2, command=WORKER, launcher_args=["--x-flag", "v"]))[-4:] == [
             "--x-flag", "v", *WORKER]
 
@@ -48,7 +49,7 @@ def test_launcher_flags_pass_through_after_hvdkit_defaults_they_replace():
 def test_mpich_golden():
     spec = LaunchSpec(np=8, command=WORKER, hosts=[Host("h1", 4), Host("h2", 4)], forward=["NCCL_DEBUG", "PATH"],
                       set_env={"OMP_NUM_THREADS": "4"}, as_root=True)
-    assert launch.hydra_command(spec) == [
+    assert commands.hydra_command(spec) == [
         "mpirun", "-np", "8", "-hosts", "h1:4,h2:4", "-genvlist", "NCCL_DEBUG,PATH",
         "-genv", "OMP_NUM_THREADS", "4", "python", "train.py"]
 
@@ -56,18 +57,18 @@ def test_mpich_golden():
 def test_intel_golden():
     spec = LaunchSpec(np=8, command=WORKER, hosts=[Host("h1", 4), Host("h2", 4)], forward=["PATH"],
                       set_env={"I_MPI_DEBUG": "5"})
-    assert launch.intel_command(spec) == [
+    assert commands.intel_command(spec) == [
         "mpirun", "-n", "8", "-hosts", "h1,h2", "-ppn", "4", "-genvlist", "PATH",
         "-genv", "I_MPI_DEBUG", "5", "python", "train.py"]
     with pytest.raises(LaunchError, match="different slot counts need --hostfile"):
-        launch.intel_command(LaunchSpec(np=3, command=WORKER, hosts=[Host("h1", 2), Host("h2", 1)]))
+        commands.intel_command(LaunchSpec(np=3, command=WORKER, hosts=[Host("h1", 2), Host("h2", 1)]))
 
 
 def test_horovodrun_and_srun_golden():
     spec = LaunchSpec(np=8, command=WORKER, hosts=[Host("h1", 4), Host("h2", 4)], controller="gloo",
                       set_env={"NCCL_DEBUG": "INFO"})
-    assert launch.horovodrun_command(spec) == ["horovodrun", "-np", "8", "-H", "h1:4,h2:4", "--gloo", *WORKER]
-    assert launch.srun_command(spec) == ["srun", "--ntasks=8", "--mpi=pmix", "--kill-on-bad-exit=1", "--label",
+    assert commands.horovodrun_command(spec) == ["horovodrun", "-np", "8", "-H", "h1:4,h2:4", "--gloo", *WORKER]
+    assert commands.srun_command(spec) == ["srun", "--ntasks=8", "--mpi=pmix", "--kill-on-bad-exit=1", "--label",
                                          "--export=ALL,NCCL_DEBUG=INFO",
                                          "--nodelist=h1,h2", *WORKER]
 
@@ -238,10 +239,10 @@ def test_host_watch_names_a_host_that_stopped_answering():
 ])
 def test_hostfile_formats_round_trip(tmp_path, fmt, text):
     hosts = [Host("h1", 4), Host("h2", 2)]
-    assert launch.format_hostfile(hosts, fmt) == text
+    assert hostfile.format_hostfile(hosts, fmt) == text
     path = tmp_path / "hosts"
     path.write_text("# a comment\n\n" + text)
-    assert launch.read_hostfile(str(path)) == hosts
+    assert hostfile.read_hostfile(str(path)) == hosts
 
 
 @pytest.mark.parametrize("text, message", [
@@ -256,13 +257,13 @@ def test_malformed_hostfiles(tmp_path, text, message):
     path = tmp_path / "hosts"
     path.write_text(text)
     with pytest.raises(LaunchError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        launch.read_hostfile(str(path))
+        hostfile.read_hostfile(str(path))
 
 
 def test_host_lists():
-    assert launch.parse_hosts("a:2,b:1") == [Host("a", 2), Host("b", 1)]
+    assert hostfile.parse_hosts("a:2,b:1") == [Host("a", 2), Host("b", 1)]
     with pytest.raises(LaunchError, match="host 'b' has no slot count"):
-        launch.parse_hosts("a:2,b")
+        hostfile.parse_hosts("a:2,b")
 
 
 # --- the command line: bad input stops before anything starts ---------------------------------

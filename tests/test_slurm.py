@@ -185,6 +185,7 @@ def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(cluster
                  first_on_path=[slow_scontrol(tmp_path)])
     wait_for_training(cluster, job, tmp_path)
     assert cluster.run(["scancel", "--signal=USR1", job]).returncode == 0
+    cluster.release_requeued(job)
     info = cluster.wait(job, timeout=300)
     log = job_log(tmp_path, job)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-3000:]

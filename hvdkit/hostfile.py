@@ -1,0 +1,94 @@
+"""Hosts for a launch: horovodrun's -H lists, hostfiles in three formats, Slurm allocations.
+
+A host is a name and its slots; every way of giving them is read into the same list, checked
+(each host has a name and a slot count >= 1) before anything starts, and written back in the
+format a launcher reads (``format_hostfile``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from hvdkit import slurm
+
+HOSTFILE_FORMATS = ("horovodrun", "openmpi", "mpich")
+
+
+class LaunchError(ValueError):
+    """Bad launch input; printed as one line before anything starts."""
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    slots: int
+
+
+def _host(text: str, where: str) -> Host:
+    match = re.fullmatch(r"([A-Za-z0-9_.\-]+)(?::(\S*))?", text.strip())
+    if not match:
+        raise LaunchError(f"{where}: cannot read host {text.strip()!r} (expected host:slots)")
+    name, slots = match.group(1), match.group(2)
+    if slots is None or slots == "":
+        raise LaunchError(f"{where}: host {name!r} has no slot count (write {name}:N)")
+    if not slots.isdigit() or int(slots) < 1:
+        raise LaunchError(f"{where}: host {name!r} has slot count {slots!r}, expected a number >= 1")
+    return Host(name, int(slots))
+
+
+def parse_hosts(spec: str) -> list[Host]:
+    """``host1:4,host2:4`` (horovodrun's -H)."""
+    if not spec.strip():
+        raise LaunchError("-H: no hosts given")
+    return [_host(part, "-H") for part in spec.split(",")]
+
+
+def read_hostfile(path: str) -> list[Host]:
+    """A hostfile in any of the three formats: ``host:N``, ``host slots=N`` (Open MPI)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise LaunchError(f"hostfile {path}: {exc.strerror}") from None
+    hosts = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"hostfile {path} line {number}"
+        openmpi = re.fullmatch(r"(\S+)\s+slots\s*=\s*(\S+)(?:\s+max[-_]slots\s*=\s*\d+)?", line)
+        if openmpi:
+            hosts.append(_host(f"{openmpi.group(1)}:{openmpi.group(2)}", where))
+        elif " " in line or "\t" in line:
+            raise LaunchError(f"{where}: cannot read {line!r} (expected 'host slots=N' or 'host:N')")
+        else:
+            hosts.append(_host(line, where))
+    if not hosts:
+        raise LaunchError(f"hostfile {path} lists no hosts")
+    return hosts
+
+
+def format_hostfile(hosts: Sequence[Host], fmt: str) -> str:
+    """The hosts as a hostfile for horovodrun (host:slots), Open MPI (host slots=N) or MPICH (host:N)."""
+    if fmt == "openmpi":
+        return "".join(f"{h.name} slots={h.slots}\n" for h in hosts)
+    if fmt in ("horovodrun", "mpich"):
+        return "".join(f"{h.name}:{h.slots}\n" for h in hosts)
+    raise LaunchError(f"unknown hostfile format {fmt!r}; choose one of: {', '.join(HOSTFILE_FORMATS)}")
+
+
+def slurm_hosts(environ: Mapping[str, str]) -> list[Host]:
+    try:
+        return [Host(name, tasks) for name, tasks in slurm.allocation(environ)]
+    except slurm.SlurmFormatError as exc:
+        raise LaunchError(f"Slurm: {exc}") from None
+
+
+def host_list(hosts: Sequence[Host]) -> str:
+    return ",".join(f"{h.name}:{h.slots}" for h in hosts)
+
+
+# ---------------------------------------------------------------------------
+# Which launcher and which MPI.

@@ -8,6 +8,7 @@ on a fresh machine.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import multiprocessing
 import pickle
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, DistributedSampler, Sampler, TensorDataset
 
@@ -89,12 +91,25 @@ class Datasets:
     tokens_per_sample: int = 0  # text only: a sample predicts this many next tokens
 
 
-def digits(cfg: TrainConfig) -> Datasets:
+def digits_table():
+    """The digits as scikit-learn ships them: a row per image, 64 pixels (0-16) then the label.
+    Read from its data file, as load_digits() reads it, without importing sklearn.datasets,
+    which costs every rank about a second of CPU at start (scipy and more); through
+    load_digits() where the file is not where scikit-learn keeps it."""
+    spec = importlib.util.find_spec("sklearn")
+    path = Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz" if spec else None
+    if path and path.is_file():
+        return np.loadtxt(path, delimiter=",")
     from sklearn.datasets import load_digits
 
     raw = load_digits()
-    images = torch.tensor(raw.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    labels = torch.tensor(raw.target, dtype=torch.long)
+    return np.column_stack([raw.data, raw.target])
+
+
+def digits(cfg: TrainConfig) -> Datasets:
+    table = torch.from_numpy(digits_table())
+    images = table[:, :64].float().reshape(-1, 1, 8, 8) / 16.0
+    labels = table[:, 64].long()
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
     test, train = order[:DIGITS_TEST_SIZE], order[DIGITS_TEST_SIZE:]
     mean, std = images[train].mean(), images[train].std()

@@ -70,6 +70,10 @@ class Loaders:
         return math.ceil(loader.sampler.num_samples / loader.batch_size) if not loader.drop_last \
             else loader.sampler.num_samples // loader.batch_size
 
+    def epoch_ended(self) -> bool:
+        """This step ends an epoch of the training loaders (False before any is made)."""
+        return bool(self.made) and self.session.global_step % self.steps_per_epoch() == 0
+
     def epochs(self, count: int, max_steps: Optional[int]) -> Iterator[int]:
         session = self.session
         per_epoch = self.steps_per_epoch() if self.made else None

@@ -11,6 +11,7 @@ checkpoint directory against a second run (``lock_directories``).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import random
 import sys
@@ -142,13 +143,17 @@ def set_rng_state(state: dict) -> None:
 
 
 def new_run_dir(root: str = "runs") -> str:
-    """runs/<date>-<time>[-N]: a directory no earlier run used, so runs never share metrics."""
+    """runs/<date>-<time>[-N], made here: a directory no other run uses, so runs never share
+    metrics, also two started in the same second from one directory (a Slurm job array)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    candidate, n = Path(root) / stamp, 1
-    while candidate.exists():
-        n += 1
-        candidate = Path(root) / f"{stamp}-{n}"
-    return str(candidate)
+    Path(root).mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        candidate = Path(root) / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        return str(candidate)
 
 
 def run_dir(cfg: TrainConfig, hvd) -> str:

@@ -46,8 +46,7 @@ class Reports:
         """Every ``log_interval`` steps, at the end of each epoch and at the last step."""
         session = self.session
         step = session.global_step
-        end_of_epoch = session._loaders.made and step % session.steps_per_epoch() == 0
-        return step % session.cfg.log_interval == 0 or bool(end_of_epoch) or step == session.total_steps
+        return step % session.cfg.log_interval == 0 or session._loaders.epoch_ended() or step == session.total_steps
 
     def report(self, stage: str, extra: dict) -> dict:
         session = self.session

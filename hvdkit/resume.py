@@ -110,8 +110,7 @@ class Checkpoints:
         cfg, step = session.cfg, session.global_step
         if not cfg.checkpoint_steps or step % cfg.checkpoint_steps or cfg.elastic:
             return False
-        end_of_epoch = session._loaders.made and step % session.steps_per_epoch() == 0
-        return not end_of_epoch and step < (session.total_steps or math.inf)
+        return not session._loaders.epoch_ended() and step < (session.total_steps or math.inf)
 
     def save(self) -> None:
         """Write a checkpoint of this step (all ranks call it; rank 0 writes)."""

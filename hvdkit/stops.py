@@ -138,8 +138,9 @@ def exit_on_own_errors(rank: int, own: tuple, bad_input: tuple, end: Callable[[]
         if rank == 0:
             print(f"hvdkit: error: {line}", file=sys.stderr, flush=True)
             supervise.record_exit(code, line)
-        if end() is not None:
-            end()()
+        shutdown = end()
+        if shutdown is not None:
+            shutdown()
         sys.stdout.flush()
         os._exit(code)
 

@@ -104,10 +104,17 @@ def kill_tree(proc):
     proc.wait(timeout=30)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` skip, saying why, where torch sees no CUDA device."""
+    """Tests marked ``gpu`` skip, saying why, where torch sees no CUDA device. Under
+    pytest-xdist (`make test` runs two workers), the tests of a module that use a fixture it
+    makes once for all of them (a Slurm cluster, namespace hosts, a reference run) are one
+    group, run by one worker, so that the fixture is made once; the rest go where a worker is free."""
     import torch
 
+    for item in items:
+        if any(_made_once_for_the_module(item, name) for name in item.fixturenames):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="marked gpu and torch.cuda.is_available() is False here: "
@@ -115,6 +122,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _made_once_for_the_module(item, fixture):
+    """``fixture`` is one of the module-scoped fixtures that ``item``'s own module defines."""
+    return any(d.scope == "module" and d.func.__module__ == item.module.__name__
+               for d in item._fixtureinfo.name2fixturedefs.get(fixture, ()))
 
 
 @pytest.fixture(scope="session")

@@ -83,6 +83,15 @@ def test_digits_are_embedded_and_fixed():
     assert a.train.tensors[0].shape[1:] == (1, 8, 8)
 
 
+def test_digits_read_from_the_file_are_scikit_learns_load_digits():
+    """Ranks read scikit-learn's data file straight, to skip importing sklearn.datasets."""
+    from sklearn.datasets import load_digits
+
+    raw, table = load_digits(), data.digits_table()
+    assert table.shape == (1797, 65)
+    assert np.array_equal(table[:, :64], raw.data) and np.array_equal(table[:, 64], raw.target)
+
+
 @pytest.mark.parametrize("dataset, breakage, message", [
     ("mnist", "missing", "data: MNIST not found under"),
     ("mnist", "truncated", "data: MNIST under"),

@@ -363,11 +363,21 @@ def test_torch_compile_trains_like_eager(tmp_path):
         torch.testing.assert_close(weights["compiled"][name], weights["eager"][name], atol=1e-5, rtol=1e-4)
 
 
+def test_runs_started_at_once_get_directories_of_their_own(tmp_path):
+    """The name is the start second; runs started in one second (a job array) must not share."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hvdkit.process import new_run_dir
+
+    with ThreadPoolExecutor(8) as pool:
+        made = list(pool.map(lambda _: new_run_dir(str(tmp_path / "runs")), range(8)))
+    assert len(set(made)) == 8 and all(os.path.isdir(d) for d in made), made
+
+
 @pytest.mark.slow
 def test_each_run_gets_its_own_directory_and_strict_json(tmp_path):
     first = run([*TRAIN, "--model", "mlp", "--max-steps", "3", "--checkpoint-dir", "ckpt"], cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
-    time.sleep(1.1)  # a new second: the directory name is the start time
     again = run([*TRAIN, "--model", "mlp", "--max-steps", "3", "--checkpoint-dir", "ckpt"], cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     runs = sorted((tmp_path / "runs").iterdir())

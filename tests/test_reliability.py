@@ -146,6 +146,15 @@ def test_corrupted_newest_checkpoint_falls_back_with_a_warning(tmp_path):
     assert "resumed from" in second.stderr and "(epoch 1, step 15)" in second.stderr
 
 
+@pytest.fixture(scope="module")
+def five_steps(tmp_path_factory):
+    """Checkpoints and logs of a 5-step run on one rank, copied by each test that resumes it."""
+    tmp = tmp_path_factory.mktemp("five")
+    first = _one_epoch(tmp, "--max-steps", "5")
+    assert first.returncode == 0, first.stderr
+    return tmp
+
+
 def _snapshot(directory):
     return {p.name: p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
@@ -156,9 +165,8 @@ def _snapshot(directory):
     ("no-resume", ["--no-resume"], "holds checkpoints of an earlier run", 2),
     ("elastic", ["--elastic"], "was written by a fixed-size run (without --elastic): resume it the same way", 2),
 ])
-def test_unusable_checkpoints_stop_in_one_line_and_touch_nothing(tmp_path, case, args, line, code):
-    first = _one_epoch(tmp_path, "--max-steps", "5")
-    assert first.returncode == 0, first.stderr
+def test_unusable_checkpoints_stop_in_one_line_and_touch_nothing(tmp_path, five_steps, case, args, line, code):
+    shutil.copytree(five_steps, tmp_path, dirs_exist_ok=True)
     if case == "only-corrupted":
         path = checkpoint.existing(str(tmp_path / "ckpt"))[0]
         path.write_bytes(path.read_bytes()[:-10])
@@ -170,9 +178,8 @@ def test_unusable_checkpoints_stop_in_one_line_and_touch_nothing(tmp_path, case,
     assert _snapshot(tmp_path) == before, "existing checkpoints and logs untouched"
 
 
-def test_resume_with_another_world_size_is_refused(tmp_path):
-    first = _one_epoch(tmp_path, "--max-steps", "5")
-    assert first.returncode == 0
+def test_resume_with_another_world_size_is_refused(tmp_path, five_steps):
+    shutil.copytree(five_steps, tmp_path, dirs_exist_ok=True)
     before = _snapshot(tmp_path / "ckpt")
     proc = run(launch.local_command("mpirun", 2, [*TRAIN, "--model", "mlp", "--epochs", "1",
                                            "--checkpoint-dir", str(tmp_path / "ckpt"),

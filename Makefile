@@ -43,11 +43,15 @@ system-packages:
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# --no-compile: Python compiles a module when it is first imported, so only what is used is
+# compiled, not all of torch's files (measured: torch's install took 77 s instead of 119 s).
+PIP_INSTALL := $(PY) -m pip install -q --no-compile
+
 # Re-run pip only when what it installs changes.
 $(STAMPS)/python-packages: setup.cfg pyproject.toml constraints.txt | $(PY)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt torch torchvision
-	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	$(PIP_INSTALL) --upgrade pip
+	$(PIP_INSTALL) -c constraints.txt torch torchvision
+	$(PIP_INSTALL) -c constraints.txt -e '.[test]'
 	@mkdir -p $(STAMPS) && touch $@
 
 # Builds Horovod against the installed torch, or installs the cached wheel, or does nothing.
@@ -79,7 +83,7 @@ test-fast: setup
 # pyflakes, pycodestyle, bugbear and import-order checks at 120 columns; the tests' helper
 # modules (conftest, hosts, slurm_cluster) are first-party. ruff comes from setup.cfg's lint extra.
 lint: $(STAMPS)/python-packages
-	@$(PY) -m ruff --version >/dev/null 2>&1 || $(PY) -m pip install -q -c constraints.txt -e '.[lint]'
+	@$(PY) -m ruff --version >/dev/null 2>&1 || $(PIP_INSTALL) -c constraints.txt -e '.[lint]'
 	$(PY) -m ruff check --isolated --config "src = ['.', 'tests']" --select E,F,W,B,I --line-length 120 \
 	    --output-format concise .
 

@@ -10,6 +10,8 @@ checkpoint directory against a second run (``lock_directories``).
 
 from __future__ import annotations
 
+import atexit
+import gc
 import hashlib
 import itertools
 import os
@@ -43,7 +45,20 @@ def start(cfg: TrainConfig):
         print(f"hvdkit: warning: {problem}", file=sys.stderr, flush=True)
     device = place_process(hvd.local_rank(), hvd.local_size())
     seed_everything(cfg.seed + hvd.rank())
+    atexit.register(exit_quickly)
     return hvd, device
+
+
+def exit_quickly() -> None:
+    """Registered by ``start`` to run at exit, before Python's own teardown: ``gc.freeze``.
+
+    Python's last garbage collections at exit walk every object the process holds, and torch
+    with torch._dynamo (which torch.optim imports) holds millions: about 0.8 s of CPU per rank
+    at every exit, measured with ``/usr/bin/time hvdkit train --max-steps 2``. Frozen objects
+    are not walked. Their memory goes back with the process; Python promises no ``__del__`` for
+    what is still alive at exit, and hvdkit closes its files and checkpoints before.
+    """
+    gc.freeze()
 
 
 def place_process(local_rank: int, local_size: int) -> torch.device:

@@ -104,6 +104,22 @@ def kill_tree(proc):
     proc.wait(timeout=30)
 
 
+def pytest_configure(config):
+    """munged runs from the start of the session, as systemd runs it where the munge package is
+    installed. Installed for the test Slurm cluster but stopped (a container has no systemd), it
+    costs every Open MPI start: PMIx's munge module retries its socket for 2.3 s in mpirun and
+    again in each rank (`mpirun -np 2` of an mpi4py barrier: 4.95 s, 0.40 s with munged running).
+    The Slurm cluster leaves it running; started here, the tests before the cluster do not wait.
+    Once, by the controller, before pytest-xdist starts its workers."""
+    import shutil
+
+    if hasattr(config, "workerinput") or not (shutil.which("munged") or Path("/usr/sbin/munged").exists()):
+        return
+    import slurm_cluster
+
+    slurm_cluster.ensure_munge()
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` skip, saying why, where torch sees no CUDA device. Under

@@ -556,9 +556,12 @@ def test_own_errors_in_a_session_loop_are_one_line_once_under_plain_horovodrun(t
 
 
 DROPPED_SESSION = """
-import gc, sys, weakref, torch
+import atexit, gc, sys, weakref, torch
 from torch.utils.data import TensorDataset
 import hvdkit
+
+# Registered before the Session, so it runs after hvdkit.process.exit_quickly (atexit is last-in, first-out).
+atexit.register(lambda: print("frozen at exit", gc.get_freeze_count() > 0, flush=True))
 
 
 def main():
@@ -582,8 +585,10 @@ def test_a_dropped_session_frees_its_loader_workers_and_the_process_exits(tmp_pa
     """The Session's parts point back at it weakly: a cycle kept the Session, and with it the
     loader's persistent workers, alive until exit, where multiprocessing waits for workers that
     ignore SIGTERM (hvdkit.data), and a finished `hvdkit train --num-workers 1` hung (seen in
-    tests/test_stops.py). One process, no launcher."""
+    tests/test_stops.py). At exit, what is left is frozen before Python's last collections walk
+    it (hvdkit.process.exit_quickly). One process, no launcher."""
     script = tmp_path / "dropped.py"
     script.write_text(DROPPED_SESSION)
     proc = run([sys.executable, str(script), str(tmp_path / "logs")], timeout=60)
     assert proc.returncode == 0 and "freed True" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "frozen at exit True" in proc.stdout, proc.stdout[-2000:]

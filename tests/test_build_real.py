@@ -39,8 +39,9 @@ def test_check_build_lists_what_was_planned(plan, hvd_built):
 @pytest.mark.parametrize("standard", [17, 20])  # torch 2.1-2.13 (the GPU machine's 2.11), and >= 2.14
 def test_patches_apply_to_the_real_source_and_give_the_tree_of_record(tmp_path, standard):
     """hvdkit/patches/ on Horovod's real sdist, with GNU patch: every file they change, and only
-    those, as tests/golden records it. The golden tree is the one the Python-held edits that the
-    patches replaced produced, checked with diff -r, but for one comment that named them."""
+    those, as tests/golden records it. For 0001-0003 that tree is the one the Python-held edits
+    they replaced produced, checked with diff -r, but for one comment that named them; 0004 and
+    later were written as patches."""
     sdist = build.cache_dir() / "sdist" / f"horovod-{build.HOROVOD_VERSION}.tar.gz"
     assert sdist.exists(), "make setup caches the source distribution"
     trees = {}

@@ -1,9 +1,12 @@
 """hvdkit's fixes to Horovod's source (hvdkit/patches/), on the installed build, under
 real launchers: float16 sums stay exact, a rank waiting on a collective sleeps instead of
-spinning, an idle rank's background thread sleeps instead of negotiating every cycle, and a
-failed collective still raises."""
+spinning, an idle rank's background thread sleeps instead of negotiating every cycle, a
+failed collective still raises, and horovodrun knows what was built without importing torch."""
 
+import json
+import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -32,3 +35,20 @@ def test_fixed_horovod_sums_float16_exactly_and_waits_and_idles_without_spinning
     for r in results:
         # Cycling with nothing to do: 0.5-0.65 s of CPU a second under Gloo (0.1 ms cycle), before.
         assert r["idle_cpu_s"] < 0.15 * r["idle_wall_s"], r
+
+
+@pytest.mark.parametrize("mode", [[], ["--gloo"]], ids=["horovodrun", "horovodrun --gloo"])
+def test_horovodrun_knows_what_was_built_without_importing_torch(tmp_path, mode, hvd_built):
+    """0004: horovodrun reads the controllers the build recorded in Horovod's metadata.json.
+    With a torch that cannot be imported first on the path, Horovod's own check (horovod.torch
+    imported in a child) finds neither MPI nor Gloo and refuses to launch; the record launches."""
+    import horovod
+
+    recorded = json.loads((Path(horovod.__file__).parent / "metadata.json").read_text())
+    assert (recorded["mpi_built"], recorded["gloo_built"]) == (hvd_built["mpi"], hvd_built["gloo"])
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('torch is not importable in this test')\n")
+    proc = run([launch.find_program("horovodrun"), "-np", "2", *mode, "echo", "launched"],
+               env=dict(os.environ, PYTHONPATH=str(tmp_path)), timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.count("launched") == 2, proc.stdout

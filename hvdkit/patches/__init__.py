@@ -1,4 +1,5 @@
-"""hvdkit's fixes to Horovod's C++, as patch files in this folder, and how a build applies them.
+"""hvdkit's fixes to Horovod (its C++ and its launcher), as patch files in this folder, and how a
+build applies them.
 
 Each ``NNNN-*.patch`` is one fix, with a header saying what it fixes and why (measured where it
 changes speed), and the upstream issue or pull request where there is one; the builder applies

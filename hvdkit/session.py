@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from hvdkit import network, process, stops, supervise
+from hvdkit import network, orphan, process, stops, supervise
 from hvdkit.checkpoint import CheckpointError
 from hvdkit.config import ConfigError, TrainConfig, from_environ, from_mapping, validate
 from hvdkit.loaders import Loaders
@@ -86,10 +86,16 @@ class Session:
         self._loaders, self._step = Loaders(self), TrainingStep(self)
         self._checkpoints, self._reports = Checkpoints(self), Reports(self)
         self._locks: list = []
+        self._orphan: Optional[orphan.LauncherWatch] = None
         self._undo_hook = stops.exit_on_own_errors(self.rank, (ConfigError, CheckpointError, NonFiniteError),
                                                    (ConfigError,), self._end_after_error)
         self.log_dir = cfg.log_dir or process.run_dir(cfg, self.hvd)
         self._locks = process.lock_directories(cfg, self.hvd, self.log_dir)
+        if self._signal.installed:  # a rank whose launcher is gone stops as on SIGTERM
+            self._orphan = orphan.LauncherWatch.of_this_process(self._signal.launcher_gone)
+            if self._orphan.chain:
+                self._signal.output_file = Path(self.log_dir) / "ranks" / f"rank-{self.rank}-after-launcher.log"
+                orphan.keep_streams(self._signal.output_file)
 
     # -- who and where -------------------------------------------------------------------
     rank = property(lambda self: self.hvd.rank())
@@ -246,7 +252,7 @@ class Session:
         return self._reports.throughput()
 
     def should_stop(self) -> bool:
-        """True on every rank at the same step once any rank got SIGTERM, SIGINT or SIGUSR1
+        """True on every rank at the same step once any rank got SIGTERM, SIGHUP, SIGINT or SIGUSR1
         (see hvdkit.stops), with that step's checkpoint written. Call it after every step(): it
         reads the small allreduce step() started, so it costs no extra wait. Elastic runs stop
         alike on a signal to the workers on horovodrun's host (see __init__)."""
@@ -276,7 +282,9 @@ class Session:
             self._release()
             if self.stopped:
                 self.exit_code = stops.conclude(self._stops.signum, self.rank, self.global_step,
-                                                self.cfg.checkpoint_dir, self.cfg.max_requeues)
+                                                self.cfg.checkpoint_dir, self.cfg.max_requeues,
+                                                reason=self._signal.reason_for(self._stops.signum)
+                                                or (self._orphan and self._orphan.gone()))
             return self._reports.summary(summary)
         finally:
             self._signal.restore()
@@ -285,8 +293,9 @@ class Session:
     def _release(self) -> None:
         """Let go of what this run holds."""
         self.watchdog.stop()
-        if self._lifeline:
-            self._lifeline.stop()
+        for watch in (self._lifeline, self._orphan):
+            if watch:
+                watch.stop()
         for held in self._locks:
             held.release()
 

@@ -1,11 +1,12 @@
 """How a run ends: stopping cleanly when asked to (a signal, one agreed step, a checkpoint, and
 an exit code that says what happened), and hvdkit's own errors as one line.
 
-Three signals stop a run. SIGUSR1 is Slurm's warning before a time limit (`--signal=USR1@120`)
+Four signals stop a run. SIGUSR1 is Slurm's warning before a time limit (`--signal=USR1@120`)
 or a preemption on demand (`scancel --signal=USR1`): the job is requeued and resumes. SIGTERM
 is what Slurm sends at a time limit without --signal, on `scancel` and on preemption, what
-mpirun and srun forward when they are told to stop, and what `kill` sends; SIGINT is Ctrl-C.
-Those two stop without a requeue: rerun (or resubmit) the same command to resume. The
+mpirun and srun forward when they are told to stop, and what `kill` sends; SIGINT is Ctrl-C;
+SIGHUP is a closed terminal or a dropped ssh connection (torchrun stops on it as on SIGTERM).
+Those three stop without a requeue: rerun (or resubmit) the same command to resume. The
 handler only records the signal; the loop agrees on it at the next step (one tiny allreduce
 per step, in the same Horovod cycle as the gradients), rank 0 writes the checkpoint of that
 step, and the process exits with 128 + the signal's number, as a shell reports a process a
@@ -19,18 +20,19 @@ import signal
 import subprocess
 import sys
 import weakref
+from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 import torch
 
-from hvdkit import supervise
+from hvdkit import orphan, supervise
 
-SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 REQUEUE_SIGNAL = signal.SIGUSR1
 
 
 def exit_code_for(signum: int) -> int:
-    """128 + the signal's number: 138 for SIGUSR1, 143 for SIGTERM, 130 for SIGINT."""
+    """128 + the signal's number: 138 for SIGUSR1, 143 for SIGTERM, 130 for SIGINT, 129 for SIGHUP."""
     return 128 + signum
 
 
@@ -39,8 +41,11 @@ class StopSignal:
 
     def __init__(self, install: bool = True) -> None:
         self.received: Optional[int] = None
+        self.reason: Optional[str] = None  # why, when it was not a signal (hvdkit.orphan)
+        self.output_file: Optional[Path] = None  # for output nothing reads any more (hvdkit.orphan.keep_output)
         self.step = 0  # the loop's step, for the message of a second Ctrl-C
         self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS} if install else {}
+        self.installed = install
 
     def _handle(self, signum, frame) -> None:
         if signum == signal.SIGINT and self.received == signal.SIGINT:
@@ -48,6 +53,19 @@ class StopSignal:
                   f"checkpoint is lost", file=sys.stderr, flush=True)
             os._exit(exit_code_for(signal.SIGINT))
         self.received = self.received or signum
+        if self.output_file:  # a launcher that relayed our output may be gone (horovodrun --gloo's, killed)
+            orphan.keep_output(self.output_file)
+
+    def launcher_gone(self, reason: str) -> None:
+        """The rank's launcher ended (hvdkit.orphan): stop as on SIGTERM, saying why."""
+        if self.output_file:
+            orphan.keep_output(self.output_file)
+        if self.received is None:
+            self.reason, self.received = reason, signal.SIGTERM
+
+    def reason_for(self, agreed: int) -> Optional[str]:
+        """Why this rank stopped, where the ranks agreed on its own stop and no signal asked for it."""
+        return self.reason if self.received == agreed else None
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -106,15 +124,17 @@ class StopAgreement:
 
 
 def conclude(signum: int, rank: int, step: int, checkpoint_dir: Optional[str], max_requeues: int,
-             environ: Mapping[str, str] = os.environ) -> int:
+             environ: Mapping[str, str] = os.environ, reason: Optional[str] = None) -> int:
     """After an agreed stop, whose checkpoint is written: rank 0 requeues (SIGUSR1 under Slurm)
-    and says in one line what was saved and what happens next. The rank's exit code."""
+    and says in one line what was saved and what happens next. The rank's exit code. ``reason``:
+    rank 0's own, where no signal stopped it (its launcher is gone)."""
     saved = (f"checkpoint of step {step} saved in {checkpoint_dir}" if checkpoint_dir
              else "no checkpoint_dir, so progress since the start is lost")
     if rank != 0:
         return 0 if will_requeue(signum, environ, max_requeues) else exit_code_for(signum)
     outcome, code = after_stop(signum, environ, max_requeues)
-    line = f"stopped by {signal.Signals(signum).name} at step {step}; {saved}; {outcome}"
+    why = f"at step {step} because {reason}" if reason else f"by {signal.Signals(signum).name} at step {step}"
+    line = f"stopped {why}; {saved}; {outcome}"
     print(f"hvdkit: {line}", file=sys.stderr, flush=True)
     if code:
         supervise.record_exit(code, line)

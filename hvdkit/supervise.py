@@ -6,7 +6,7 @@ therefore starts the launcher as a child in its own session and stays as its par
 
 * it is the "child subreaper" of everything the launcher starts on this host (Linux
   prctl), so a process orphaned by the launcher becomes its child, not init's;
-* SIGTERM, SIGINT and SIGUSR1 go to whatever delivers them to the ranks: mpirun and srun
+* SIGTERM, SIGINT, SIGUSR1 and SIGHUP go to whatever delivers them to the ranks: mpirun and srun
   forward signals to their ranks on other hosts, and the ranks on this host are signalled
   directly. srun takes a single Ctrl-C as "show status", so SIGINT reaches srun
   as SIGTERM, as Open MPI's mpirun passes it to its ranks;
@@ -35,7 +35,7 @@ from hvdkit import lines, network
 if TYPE_CHECKING:  # imported where used: `hvdkit doctor` runs without psutil
     import psutil
 
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 FORWARDERS = ("mpirun", "mpiexec", "orterun", "prterun", "srun")  # launchers that pass signals on
 RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 JOB_DIR = "HVDKIT_JOB_DIR"

@@ -90,6 +90,8 @@ def uninterrupted(tmp_path_factory):
     ("hvdkit launch horovodrun --mpi", signal.SIGTERM, 143),  # horovodrun alone used to die, ranks trained on
     ("hvdkit launch horovodrun --gloo", signal.SIGINT, 130),
     ("hvdkit launch horovodrun --mpi", signal.SIGUSR1, 138),  # the preemption path, outside Slurm
+    ("hvdkit launch horovodrun --mpi", signal.SIGHUP, 129),  # a closed terminal, a dropped ssh connection
+    ("hvdkit launch mpirun", signal.SIGHUP, 129),
     ("mpirun", signal.SIGTERM, 1),  # Open MPI's own code for a job it was told to end
 ])
 def test_a_stop_signal_saves_the_step_it_stopped_at(tmp_path, launcher, sig, code):

@@ -118,6 +118,16 @@ class LauncherWatch:
         self._stop.set()
 
 
+def watch(stop, output_file: Path) -> None:
+    """Start watching this rank's launcher chain, if it has one: ``stop`` (a hvdkit.stops.StopSignal)
+    is asked to stop once any of it is gone, and keeps the watch; output that loses its reader
+    goes to ``output_file``."""
+    launcher = LauncherWatch.of_this_process(stop.launcher_gone)
+    if launcher.chain:
+        stop.launcher, stop.output_file = launcher, output_file
+        keep_streams(output_file)
+
+
 def keep_output(path: Path) -> None:
     """Standard output and error that nothing reads any more (a pipe whose reader is gone, a
     hung-up terminal) are appended to ``path`` from now on, so the rank can still say how it ended."""

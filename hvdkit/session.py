@@ -86,16 +86,12 @@ class Session:
         self._loaders, self._step = Loaders(self), TrainingStep(self)
         self._checkpoints, self._reports = Checkpoints(self), Reports(self)
         self._locks: list = []
-        self._orphan: Optional[orphan.LauncherWatch] = None
         self._undo_hook = stops.exit_on_own_errors(self.rank, (ConfigError, CheckpointError, NonFiniteError),
                                                    (ConfigError,), self._end_after_error)
         self.log_dir = cfg.log_dir or process.run_dir(cfg, self.hvd)
         self._locks = process.lock_directories(cfg, self.hvd, self.log_dir)
         if self._signal.installed:  # a rank whose launcher is gone stops as on SIGTERM
-            self._orphan = orphan.LauncherWatch.of_this_process(self._signal.launcher_gone)
-            if self._orphan.chain:
-                self._signal.output_file = Path(self.log_dir) / "ranks" / f"rank-{self.rank}-after-launcher.log"
-                orphan.keep_streams(self._signal.output_file)
+            orphan.watch(self._signal, Path(self.log_dir) / "ranks" / f"rank-{self.rank}-after-launcher.log")
 
     # -- who and where -------------------------------------------------------------------
     rank = property(lambda self: self.hvd.rank())
@@ -283,8 +279,7 @@ class Session:
             if self.stopped:
                 self.exit_code = stops.conclude(self._stops.signum, self.rank, self.global_step,
                                                 self.cfg.checkpoint_dir, self.cfg.max_requeues,
-                                                reason=self._signal.reason_for(self._stops.signum)
-                                                or (self._orphan and self._orphan.gone()))
+                                                reason=self._signal.reason_for(self._stops.signum))
             return self._reports.summary(summary)
         finally:
             self._signal.restore()
@@ -293,7 +288,7 @@ class Session:
     def _release(self) -> None:
         """Let go of what this run holds."""
         self.watchdog.stop()
-        for watch in (self._lifeline, self._orphan):
+        for watch in (self._lifeline, self._signal.launcher):
             if watch:
                 watch.stop()
         for held in self._locks:

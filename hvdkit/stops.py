@@ -43,6 +43,7 @@ class StopSignal:
         self.received: Optional[int] = None
         self.reason: Optional[str] = None  # why, when it was not a signal (hvdkit.orphan)
         self.output_file: Optional[Path] = None  # for output nothing reads any more (hvdkit.orphan.keep_output)
+        self.launcher: Optional[orphan.LauncherWatch] = None  # set by hvdkit.orphan.watch
         self.step = 0  # the loop's step, for the message of a second Ctrl-C
         self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS} if install else {}
         self.installed = install
@@ -64,8 +65,11 @@ class StopSignal:
             self.reason, self.received = reason, signal.SIGTERM
 
     def reason_for(self, agreed: int) -> Optional[str]:
-        """Why this rank stopped, where the ranks agreed on its own stop and no signal asked for it."""
-        return self.reason if self.received == agreed else None
+        """Why the ranks stopped where no signal asked for it: this rank's launcher is gone (it
+        may have noticed after another rank did, or after mpirun passed that rank's exit on)."""
+        if self.reason and self.received == agreed:
+            return self.reason
+        return self.launcher.gone() if self.launcher else None
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():

@@ -45,7 +45,8 @@ class StopSignal:
         self.output_file: Optional[Path] = None  # for output nothing reads any more (hvdkit.orphan.keep_output)
         self.launcher: Optional[orphan.LauncherWatch] = None  # set by hvdkit.orphan.watch
         self.step = 0  # the loop's step, for the message of a second Ctrl-C
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS} if install else {}
+        handled = supervise.unless_nohup(SIGNALS) if install else []  # nohup's SIGHUP stays ignored
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in handled}
         self.installed = install
 
     def _handle(self, signum, frame) -> None:

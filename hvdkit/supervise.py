@@ -80,6 +80,12 @@ def _is_rank(process: "psutil.Process") -> bool:
         return False
 
 
+def unless_nohup(signals: Sequence[int]) -> list[int]:
+    """``signals`` less SIGHUP where it is ignored: `nohup` ignores it so that a job outlives its
+    terminal, and hvdkit keeps it so."""
+    return [sig for sig in signals if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN]
+
+
 def translate(signum: int, forwarder: str) -> int:
     """srun shows its tasks' status on a single SIGINT instead of passing it on."""
     return signal.SIGTERM if signum == signal.SIGINT and forwarder == "srun" else signum
@@ -112,7 +118,7 @@ def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False
                 except psutil.Error:
                     pass
 
-        previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+        previous = {sig: signal.signal(sig, forward) for sig in unless_nohup(FORWARDED)}
         hosts = network.HostWatch(dict(watch or {}))
         try:
             code = _wait(child, hosts)

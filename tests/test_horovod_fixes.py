@@ -1,16 +1,21 @@
 """hvdkit's fixes to Horovod's source (hvdkit/patches/), on the installed build, under
 real launchers: float16 sums stay exact, a rank waiting on a collective sleeps instead of
 spinning, an idle rank's background thread sleeps instead of negotiating every cycle, a
-failed collective still raises, and horovodrun knows what was built without importing torch."""
+failed collective still raises, horovodrun knows what was built without importing torch, and
+horovodrun forwards stop signals to its ranks and ends what it started."""
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-from conftest import REPO, run
+from conftest import REPO, kill_tree, run
 from hvdkit import launch, selftest
 
 pytestmark = pytest.mark.slow
@@ -52,3 +57,64 @@ def test_horovodrun_knows_what_was_built_without_importing_torch(tmp_path, mode,
                env=dict(os.environ, PYTHONPATH=str(tmp_path)), timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stdout.count("launched") == 2, proc.stdout
+
+
+SIGNALLED_RANK = """
+import os, signal, sys, time
+from pathlib import Path
+
+rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("HOROVOD_RANK"))
+log = Path(sys.argv[1]) / f"rank-{rank}"
+
+
+def record(signum, frame):
+    with log.open("a") as f:
+        f.write(signal.Signals(signum).name + "\\n")
+    if signum != signal.SIGCONT:
+        sys.exit(0)
+
+
+for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCONT):
+    signal.signal(signum, record)
+log.write_text("")
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("mode, sig, code, ranks_got", [
+    ("--mpi", signal.SIGTERM, 143, "SIGTERM"),  # to the ranks directly: mpirun would send SIGCONT first
+    ("--mpi", signal.SIGINT, 130, "SIGINT"),
+    ("--mpi", signal.SIGHUP, 129, "SIGHUP"),
+    ("--mpi", "nohup", 143, "SIGTERM"),  # SIGHUP ignored at start stays ignored; then SIGTERM
+    ("--mpi", signal.SIGKILL, -9, None),  # mpirun gets SIGTERM from the kernel and ends the job
+    ("--gloo", signal.SIGHUP, 129, "SIGTERM"),  # Horovod's middlemen end Gloo ranks with SIGTERM
+    ("--gloo", signal.SIGTERM, 143, "SIGTERM"),
+], ids=["mpi-TERM", "mpi-INT", "mpi-HUP", "mpi-nohup", "mpi-KILL", "gloo-HUP", "gloo-TERM"])
+def test_horovodrun_forwards_stop_signals_and_ends_what_it_started(tmp_path, mode, sig, code, ranks_got):
+    """0005, on a plain script without hvdkit: horovodrun stays mpirun's parent, passes SIGTERM,
+    SIGINT and SIGHUP to the ranks once, waits for them, and exits with 128 + the signal; killed,
+    it takes mpirun and the ranks with it. Nothing of the job is left within 15 s."""
+    script = tmp_path / "rank.py"
+    script.write_text(SIGNALLED_RANK)
+    nohup = sig == "nohup"
+    proc = subprocess.Popen([launch.find_program("horovodrun"), "-np", "2", mode, sys.executable, str(script),
+                             str(tmp_path)], env=selftest.mpi_root_env(), start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"rank-{r}").exists() for r in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.05)
+        below = psutil.Process(proc.pid).children(recursive=True)
+        if nohup:
+            proc.send_signal(signal.SIGHUP)  # discarded by the kernel: ignored, as nohup asks
+        proc.send_signal(signal.SIGTERM if nohup else sig)
+        assert proc.wait(timeout=15) == code, proc.stderr.read()[-3000:]
+        _, alive = psutil.wait_procs(below, timeout=15)
+        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], [(p.pid, p.name()) for p in alive]
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    if ranks_got:
+        assert [(tmp_path / f"rank-{r}").read_text() for r in (0, 1)] == [f"{ranks_got}\n"] * 2

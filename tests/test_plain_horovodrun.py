@@ -1,9 +1,9 @@
 """Plain `horovodrun -np 2 ...`, as most users start a job, stopped (SIGTERM), hung up (SIGHUP)
 or killed (SIGKILL): every rank saves and ends, nothing of the job keeps running, and the same
-command resumes. In MPI mode horovodrun becomes `sh -c mpirun ...`, which any of the three ends
-alone; the ranks notice that their launcher is gone (hvdkit.orphan) and stop as on SIGTERM.
-Under --gloo, horovodrun ends its ranks with SIGTERM on its own SIGTERM, and its middlemen do
-when it dies. One test per mode and program runs the three signals in turn, each launch
+command resumes. hvdkit's horovodrun passes SIGTERM and SIGHUP to the ranks and waits for them
+(hvdkit/patches/0005); killed, it leaves mpirun a SIGTERM (MPI mode) or its middlemen a closed
+pipe (--gloo), and the ranks notice that their launcher is gone (hvdkit.orphan) and stop as on
+SIGTERM, keeping their output in the run directory where nothing relays it. One test per mode and program runs the three signals in turn, each launch
 resuming from the checkpoint the one before left (a resume after SIGTERM is the same as after
 SIGHUP for the ranks, and test_stops resumes one bitwise)."""
 

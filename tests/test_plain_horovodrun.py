@@ -3,9 +3,10 @@ or killed (SIGKILL): every rank saves and ends, nothing of the job keeps running
 command resumes. hvdkit's horovodrun passes SIGTERM and SIGHUP to the ranks and waits for them
 (hvdkit/patches/0005); killed, it leaves mpirun a SIGTERM (MPI mode) or its middlemen a closed
 pipe (--gloo), and the ranks notice that their launcher is gone (hvdkit.orphan) and stop as on
-SIGTERM, keeping their output in the run directory where nothing relays it. One test per mode and program runs the three signals in turn, each launch
-resuming from the checkpoint the one before left (a resume after SIGTERM is the same as after
-SIGHUP for the ranks, and test_stops resumes one bitwise)."""
+SIGTERM, keeping their output in the run directory where nothing relays it. One test per mode
+and program runs the three signals in turn, each launch resuming from the checkpoint the one
+before left (a resume after SIGTERM is the same as after SIGHUP for the ranks, and test_stops
+resumes one bitwise)."""
 
 import re
 import signal

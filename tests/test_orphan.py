@@ -16,10 +16,9 @@ import sys, time
 from pathlib import Path
 from hvdkit import orphan
 
-chain = orphan.launcher_chain()
-print("chain", " | ".join(orphan.describe(p) for p in chain), flush=True)
 lines = []
-orphan.LauncherWatch(chain, lines.append, every=0.1)
+watch = orphan.LauncherWatch(orphan.launcher_chain(), lines.append, every=0.1)
+print("chain", " | ".join(watch.names), flush=True)  # named at start, while they run
 deadline = time.monotonic() + 20
 while not lines and time.monotonic() < deadline:
     time.sleep(0.05)
@@ -43,7 +42,7 @@ def _wait_for_line(proc, prefix):
     return line
 
 
-def test_a_rank_notices_within_a_second_that_horovodruns_shell_is_gone(tmp_path):
+def test_a_rank_notices_within_seconds_that_horovodruns_shell_is_gone(tmp_path):
     """What plain horovodrun becomes in MPI mode: `sh -c mpirun ...`; killing it leaves mpirun
     (here, a script named mpirun) and the rank running; the rank notices and names the shell."""
     launcher = _fake_launcher(tmp_path, "mpirun")
@@ -62,7 +61,7 @@ def test_a_rank_notices_within_a_second_that_horovodruns_shell_is_gone(tmp_path)
             time.sleep(0.05)
         noticed = time.monotonic() - killed
         assert (tmp_path / "noticed").read_text() == f"its launcher sh -c {launcher} (pid {shell.pid}) is gone"
-        assert noticed < 2, noticed
+        assert noticed < 5, noticed  # "within a few seconds" (issue 27); it checks every 0.1 s here
     finally:
         os.killpg(shell.pid, signal.SIGKILL)
 

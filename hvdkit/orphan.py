@@ -34,16 +34,26 @@ SHELLS = ("sh", "bash", "dash")
 CHECK_SECONDS = 0.5
 
 
+def _argv(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
+
+
+def _shell_runs(argv: list[str]) -> Optional[str]:
+    """The first word of `sh -c 'WORD ...'` (what upstream horovodrun becomes); None for anything else."""
+    if argv and Path(argv[0]).name in SHELLS and len(argv) > 2 and argv[1] == "-c" and argv[2].split():
+        return argv[2].split()[0]
+    return None
+
+
 def is_launcher(process: psutil.Process) -> bool:
     """horovodrun (a Python script: its path is the interpreter's first argument), an MPI
     launcher or daemon, or a shell running one (`sh -c mpirun ...`, what horovodrun becomes)."""
-    try:
-        argv = process.cmdline()
-    except psutil.Error:
-        return False
-    words = argv[:2]
-    if argv and Path(argv[0]).name in SHELLS and len(argv) > 2 and argv[1] == "-c":
-        words = argv[2].split()[:1]
+    argv = _argv(process)
+    shell_runs = _shell_runs(argv)
+    words = [shell_runs] if shell_runs else argv[:2]
     return any(Path(word).name in LAUNCHERS for word in words)
 
 
@@ -60,12 +70,10 @@ def launcher_chain(process: Optional[psutil.Process] = None) -> list[psutil.Proc
 
 def describe(process: psutil.Process) -> str:
     """`horovodrun (pid 123)`, `sh -c mpirun (pid 123)`: what `ps` shows of it, for the stop line."""
-    try:
-        argv = process.cmdline()
-    except psutil.Error:
-        argv = []
-    if argv and Path(argv[0]).name in SHELLS and len(argv) > 2 and argv[1] == "-c":
-        name = f"{Path(argv[0]).name} -c {' '.join(argv[2].split()[:1])}"
+    argv = _argv(process)
+    shell_runs = _shell_runs(argv)
+    if shell_runs:
+        name = f"{Path(argv[0]).name} -c {shell_runs}"
     else:
         named = [Path(word).name for word in argv[:2] if Path(word).name in LAUNCHERS]
         name = named[0] if named else Path(argv[0]).name if argv else "?"

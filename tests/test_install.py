@@ -6,6 +6,7 @@ links that leaves hvdkit itself out, so the installed copy is the only hvdkit it
 """
 
 import os
+import shutil
 import site
 import subprocess
 import sys
@@ -18,6 +19,10 @@ from conftest import REPO
 from hvdkit import selftest
 
 pytestmark = pytest.mark.slow
+
+# What a checkout holds besides its sources: outputs of earlier builds, runs and tools.
+NOT_SOURCE = (".git", ".venv", ".make", ".pytest_cache", ".ruff_cache", "__pycache__", "build", "dist",
+              "*.egg-info", "runs", "logs")
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +41,11 @@ def installed(tmp_path_factory):
     (Path(purelib) / "suite-dependencies.pth").write_text(f"{base}\n")
     environ = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     environ["PIP_NO_INDEX"] = "1"  # everything it needs is here: nothing may be downloaded
-    pip = subprocess.run([str(python), "-m", "pip", "install", "--no-build-isolation", str(REPO)],
+    # pip builds in the source tree: build from a copy of the sources, so a build/ left in the
+    # checkout (another build, another filesystem) can neither break this one nor be written to.
+    source = root / "source"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(*NOT_SOURCE))
+    pip = subprocess.run([str(python), "-m", "pip", "install", "--no-build-isolation", str(source)],
                          capture_output=True, text=True, env=environ, timeout=600)
     assert pip.returncode == 0, pip.stdout[-2000:] + pip.stderr[-2000:]
     work = root / "elsewhere"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable, Optional
@@ -20,6 +21,7 @@ import torch
 PREFIX = "ckpt-step"
 SUFFIX = ".pt"
 MAGIC = b"HVDKIT-CHECKPOINT 1 sha256="
+SHARDS = ".shards"
 
 
 class CheckpointError(Exception):
@@ -36,20 +38,39 @@ def existing(directory: str) -> list[Path]:
 
 
 def save(directory: str, step: int, state: dict, keep: int) -> Path:
-    """Write ``state`` as the checkpoint of ``step`` atomically, then keep only the newest ``keep``."""
+    """Write ``state`` as the checkpoint of ``step`` atomically, then keep only the newest ``keep``
+    (and the shard folders of those; a sharded save killed part-way left one of no checkpoint)."""
     target = path_for(directory, step)
+    write(target, state)
+    for old in existing(directory)[:-keep]:
+        old.unlink(missing_ok=True)
+        shutil.rmtree(shard_folder(old), ignore_errors=True)
+    for folder in Path(directory).glob(f"{PREFIX}*{SUFFIX}{SHARDS}"):
+        if not Path(str(folder).removesuffix(SHARDS)).exists():
+            shutil.rmtree(folder, ignore_errors=True)
+    return target
+
+
+def shard_folder(path: Path) -> Path:
+    """Where the ranks of a sharded run write their parts of checkpoint ``path`` (hvdkit.shards)."""
+    return Path(f"{path}{SHARDS}")
+
+
+def write(target: Path, state: dict) -> str:
+    """``state`` in ``target``, atomically, with its checksum; returns the checksum."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
     payload = buffer.getbuffer()
-    header = MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n"
+    digest = hashlib.sha256(payload).hexdigest()
     tmp = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        for stale in target.parent.glob(f".{PREFIX}*{SUFFIX}.*.tmp"):  # left by a save that was killed
+        pattern = f".{PREFIX}*{SUFFIX}.*.tmp" if target.name.startswith(PREFIX) else f".{target.name}.*.tmp"
+        for stale in target.parent.glob(pattern):  # left by a save that was killed
             stale.unlink(missing_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
         with os.fdopen(fd, "wb") as f:
-            f.write(header)
+            f.write(MAGIC + digest.encode() + b"\n")
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
@@ -66,9 +87,7 @@ def save(directory: str, step: int, state: dict, keep: int) -> Path:
     finally:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
-    for old in existing(directory)[:-keep]:
-        old.unlink(missing_ok=True)
-    return target
+    return digest
 
 
 def load(path: Path) -> dict:
@@ -85,6 +104,27 @@ def load(path: Path) -> dict:
     return torch.load(io.BytesIO(payload), weights_only=False)
 
 
+def check_shards(path: Path, state: dict) -> None:
+    """CheckpointError unless every shard a sharded checkpoint names is there and intact
+    (read in chunks: no rank holds them all)."""
+    manifest = state.get("optimizer")
+    if not (isinstance(manifest, dict) and "shards" in manifest):
+        return
+    for entry in manifest["shards"]:
+        shard = shard_folder(path) / entry["file"]
+        digest = hashlib.sha256()
+        try:
+            with open(shard, "rb") as f:
+                f.readline()
+                while chunk := f.read(1 << 24):
+                    digest.update(chunk)
+        except OSError as exc:
+            raise CheckpointError(f"{path} is incomplete: its shard {shard.name} cannot be read "
+                                  f"({exc.strerror})") from None
+        if digest.hexdigest() != entry["sha256"]:
+            raise CheckpointError(f"{path} is corrupted: its shard {shard.name} fails its checksum")
+
+
 def load_latest(directory: str, warn: Callable[[str], None]) -> Optional[tuple[Path, dict]]:
     """The newest checkpoint that verifies, warning about each newer one that does not.
 
@@ -95,6 +135,7 @@ def load_latest(directory: str, warn: Callable[[str], None]) -> Optional[tuple[P
     for path in reversed(files):
         try:
             state = load(path)
+            check_shards(path, state)
         except CheckpointError as exc:
             problems.append(str(exc))
             continue

@@ -26,6 +26,13 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", add_help=False,
                    help="benchmarks: synthetic (--compare ddp), allreduce bandwidth, scaling")
 
+    ckpt = sub.add_parser("checkpoint", help="work with checkpoints: export one as plain torch files")
+    actions = ckpt.add_subparsers(dest="action", required=True, metavar="ACTION", parser_class=_OneLineParser)
+    export = actions.add_parser("export", help="write a checkpoint's model and optimizer (sharded or not) as the "
+                                               "plain state_dicts that torch loads on one process")
+    export.add_argument("source", help="a checkpoint file, or a checkpoint_dir (its newest valid checkpoint)")
+    export.add_argument("output", help="a new directory for model.pt, optimizer.pt, scheduler.pt, export.json")
+
     train = sub.add_parser("train", usage="hvdkit train [--config FILE] [options]",
                            help="data-parallel training; launch one per GPU/slot with horovodrun, mpirun or srun")
     train.add_argument("--list", action="store_true", help="list the models and datasets, then exit")
@@ -82,6 +89,20 @@ def train(args: argparse.Namespace) -> int:
     return summary.get("exit_code", 0)
 
 
+def export_checkpoint(args: argparse.Namespace) -> int:
+    from hvdkit import shards
+    from hvdkit.checkpoint import CheckpointError
+
+    try:
+        out = shards.export(args.source, args.output)
+    except CheckpointError as exc:
+        print(f"hvdkit checkpoint: {exc}", file=sys.stderr)
+        return 1
+    print(f"hvdkit checkpoint: exported {args.source} to {out}: torch.load() each file; "
+          f"optimizer.pt loads into the same torch optimizer on one process")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
@@ -101,6 +122,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "doctor":
         from hvdkit import doctor
         return doctor.main(selftest_wanted=args.selftest)
+    if args.command == "checkpoint":
+        return export_checkpoint(args)
     if args.command == "train":
         try:
             return train(args)

@@ -57,6 +57,8 @@ class TrainConfig:
     fp16_allreduce: bool = field(default=False, metadata={"help": "compress gradients to fp16 for the allreduce"})
     use_adasum: bool = field(default=False, metadata={"help": "Adasum instead of averaging"})
     gradient_predivide_factor: float = field(default=1.0, metadata={"help": "divide gradients before the sum"})
+    zero: int = field(default=0, metadata={
+        "help": "shard across ranks: 1 the optimizer state, 2 also the gradients (ZeRO); 0 off"})
     amp: bool = field(default=False, metadata={"help": "mixed precision: bf16 on CPU, fp16 + GradScaler on GPU"})
     clip_grad_norm: Optional[float] = field(default=None, metadata={"help": "clip gradients to this total norm"})
     sync_batch_norm: bool = field(default=False, metadata={
@@ -150,6 +152,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for name, choices in (("lr_scaling", LR_SCALINGS), ("optimizer", OPTIMIZERS), ("on_nonfinite", NONFINITE_ACTIONS)):
         if getattr(cfg, name) not in choices:
             raise ConfigError(f"config: {name} must be one of {', '.join(choices)} (got {getattr(cfg, name)!r})")
+    if cfg.zero not in (0, 1, 2):
+        raise ConfigError(f"config: zero must be 0, 1 or 2 (got {cfg.zero})")
+    if cfg.zero and cfg.use_adasum:
+        raise ConfigError("config: zero cannot be used with use_adasum: Adasum combines each rank's update of whole "
+                          "parameters, and a sharded optimizer updates slices; use one or the other")
+    if cfg.zero and cfg.elastic:
+        raise ConfigError("config: zero cannot be used with elastic: the optimizer state is split across the ranks, "
+                          "and an elastic job loses ranks without a save; use one or the other")
     if cfg.use_adasum and cfg.gradient_predivide_factor != 1.0:
         raise ConfigError("config: gradient_predivide_factor must be 1.0 with use_adasum (Horovod averages only)")
     for name in ("log_dir", "checkpoint_dir"):
@@ -230,7 +240,7 @@ GROUPS = {
     "optimization": ("epochs", "max_steps", "optimizer", "base_lr", "lr_scaling", "momentum", "weight_decay",
                      "warmup_epochs", "lr_schedule", "lr_decay_epochs", "lr_decay_factor", "clip_grad_norm", "amp",
                      "on_nonfinite"),
-    "distributed": ("batches_per_allreduce", "fp16_allreduce", "use_adasum", "gradient_predivide_factor",
+    "distributed": ("batches_per_allreduce", "zero", "fp16_allreduce", "use_adasum", "gradient_predivide_factor",
                     "stall_timeout", "elastic", "commit_steps"),
     "checkpoints": ("checkpoint_dir", "checkpoint_steps", "keep_checkpoints", "resume", "max_requeues"),
     "logging": ("log_dir", "log_interval"),
@@ -280,13 +290,14 @@ def to_dict(cfg: TrainConfig) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def resume_conflict(saved: Mapping[str, Any], cfg: TrainConfig) -> Optional[str]:
-    """Why a run with ``cfg`` cannot resume a checkpoint written with the ``saved`` keys, or None."""
+def resume_conflict(saved: Mapping[str, Any], cfg: TrainConfig, adapted: Sequence[str] = ()) -> Optional[str]:
+    """Why a run with ``cfg`` cannot resume a checkpoint written with the ``saved`` keys, or None;
+    the ``adapted`` keys are the resume's to set (a sharded run at another world size)."""
     if bool(saved.get("elastic")) != cfg.elastic:  # the data position is kept differently
         wrote = "an elastic run (--elastic)" if saved.get("elastic") else "a fixed-size run (without --elastic)"
         return f"was written by {wrote}: resume it the same way, or start afresh in another --checkpoint-dir"
     for name, value in to_dict(cfg).items():
-        if name in RESUME_MAY_CHANGE or name not in saved or saved[name] == value:
+        if name in RESUME_MAY_CHANGE or name in adapted or name not in saved or saved[name] == value:
             continue
         flag = "--" + name.replace("_", "-")
         return (f"was written with {flag} {_show(saved[name])} and this run asks for {_show(value)}; a resume "

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.data import DataLoader
 
+from hvdkit import zero
 from hvdkit.config import to_dict
 from hvdkit.metrics import Metrics, finite_or_none, world_size_changes
 from hvdkit.step import to_device
@@ -98,8 +99,10 @@ class Reports:
     def summary(self, extra: Optional[dict]) -> dict:
         """The run's summary record: written, printed by rank 0 as one JSON line, returned."""
         session = self.session
+        memory = None if session.optimizer is None else session.hvd.allgather_object(
+            zero.memory_of(session.optimizer), name="hvdkit.memory")  # bytes per rank, in rank order
         summary = {"event": "summary", "epochs": session.epoch, "steps": session.global_step,
-                   "world_size": session.size, **(extra or {}),
+                   "world_size": session.size, **(extra or {}), "memory": memory,
                    "wall_seconds": time.perf_counter() - self.wall_start, "stopped": session.stopped,
                    "exit_code": session.exit_code, "skipped_steps": session.skipped_steps}
         self.metrics().write(summary)

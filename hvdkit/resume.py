@@ -6,6 +6,10 @@ batch sizes, or (elastic) the ElasticSampler's position. Rank 0 reads the newest
 (hvdkit.checkpoint verifies it) and sends it to every rank; a checkpoint this run cannot
 continue (another config, another world size) is refused on every rank with the same line,
 before anything is written.
+
+A sharded run (``zero``) saves its optimizer state as shards (hvdkit.shards) and may resume at
+another world size: the accumulation steps K adapt so that the global batch, and with it the
+data position and the learning rate schedule, stay as they were; where K cannot, it is refused.
 """
 
 from __future__ import annotations
@@ -13,11 +17,12 @@ from __future__ import annotations
 import math
 import sys
 import weakref
+from pathlib import Path
 from typing import Optional
 
 from torch import nn
 
-from hvdkit import checkpoint
+from hvdkit import checkpoint, shards
 from hvdkit.config import ConfigError, to_dict
 from hvdkit.config import resume_conflict as config_resume_conflict
 from hvdkit.process import rng_state, set_rng_state
@@ -30,6 +35,25 @@ class Checkpoints:
         self.session = weakref.proxy(session)  # the Session owns this; no cycle keeps either alive
         self.elastic_state: Optional[dict] = None  # read in setup(), applied by load_elastic
         self.elastic_sampler = None  # given to load_elastic: a stop's checkpoint records its position
+        self.ahead = None  # rank 0: what read_ahead() read, for restore()
+
+    def read_ahead(self) -> None:
+        """A sharded run resumed at another world size changes K before its loaders and step are
+        made: rank 0 reads the checkpoint now, for restore(), and every rank takes its K."""
+        session = self.session
+        cfg = session.cfg
+        if not (cfg.zero and cfg.checkpoint_dir and cfg.resume):
+            return
+        passes = None
+        if session.rank == 0:
+            try:
+                self.ahead = self.read() or {}
+            except (checkpoint.CheckpointError, ConfigError) as exc:
+                self.ahead = {"error": exc}  # restore() stops every rank with it
+            passes = self.ahead.get("batches_per_allreduce")
+        passes = session.hvd.broadcast_object(passes, root_rank=0, name="hvdkit.resume.k")
+        if passes is not None:
+            cfg.batches_per_allreduce = passes
 
     def restore(self) -> Optional[dict]:
         """Load the newest valid checkpoint on every rank (read by rank 0); None if there is none."""
@@ -40,16 +64,20 @@ class Checkpoints:
         state = None
         if session.rank == 0:
             try:
-                state = self.read()
+                state = self.read() if self.ahead is None else (self.ahead or None)
             except (checkpoint.CheckpointError, ConfigError) as exc:
                 state = {"error": exc}
+            self.ahead = None
         state = hvd.broadcast_object(state, root_rank=0, name="hvdkit.resume")
         if state is None:
             return None
         if "error" in state:  # every rank stops with the same line
             raise state["error"]
         self.load_state(state)
-        set_rng_state(state["rng"][session.rank])
+        if state["world_size"] == session.size:
+            set_rng_state(state["rng"][session.rank])
+        else:  # another world size: each rank keeps the seed it started with
+            state["loader_batches"] = [b * state["world_size"] // session.size for b in state["loader_batches"]]
         session.print(f"hvdkit: resumed from {state['path']} (epoch {session.epoch + 1}, step {session.global_step})",
                       file=sys.stderr)
         return state
@@ -62,12 +90,15 @@ class Checkpoints:
         except RuntimeError as exc:
             raise ConfigError(f"checkpoint {state['path']} does not fit this model: "
                               f"{str(exc).splitlines()[0]}") from None
-        session.optimizer.load_state_dict(state["optimizer"])
-        # That made new param-group dicts; a scheduler sets the rates in the dicts of the
-        # optimizer you passed, so those must stay the ones Horovod's wrapper steps with.
-        for mine, loaded in zip(session._inner.param_groups, session.optimizer.param_groups, strict=True):
-            mine.update(loaded)
-        session.optimizer.param_groups = session._inner.param_groups
+        if shards.is_manifest(state["optimizer"]):
+            shards.load(session.optimizer, Path(state["path"]), state["optimizer"])
+        else:
+            session.optimizer.load_state_dict(state["optimizer"])
+            # That made new param-group dicts; a scheduler sets the rates in the dicts of the
+            # optimizer you passed, so those must stay the ones Horovod's wrapper steps with.
+            for mine, loaded in zip(session._inner.param_groups, session.optimizer.param_groups, strict=True):
+                mine.update(loaded)
+            session.optimizer.param_groups = session._inner.param_groups
         if session.scheduler is not None and state.get("scheduler") is not None:
             session.scheduler.load_state_dict(state["scheduler"])
         if session.scaler is not None and state.get("scaler") is not None:
@@ -88,14 +119,36 @@ class Checkpoints:
         if found is None:
             return None
         path, state = found
-        conflict = config_resume_conflict(state["config"], session.cfg)
+        other_size = state["world_size"] != session.size
+        sharded = bool(session.cfg.zero and state["config"].get("zero"))  # stage 1 and 2 shards are alike
+        adapted = ("zero",) * sharded + ("batches_per_allreduce",) * (sharded and other_size)
+        conflict = config_resume_conflict(state["config"], session.cfg, adapted)
         if conflict:
             raise ConfigError(f"checkpoint {path} {conflict}")
-        if state["world_size"] != session.size and not session.cfg.elastic:  # elastic positions fit any size
-            raise ConfigError(f"checkpoint {path} was written by {state['world_size']} ranks, this job has "
-                              f"{session.size}; resume with {state['world_size']} ranks (the data order and learning "
+        saved = state["world_size"]
+        if other_size and session.cfg.zero:
+            return {**state, "path": str(path), "batches_per_allreduce": self._adapted_k(path, state)}
+        if saved != session.size and not session.cfg.elastic:  # elastic positions fit any size
+            raise ConfigError(f"checkpoint {path} was written by {saved} ranks, this job has "
+                              f"{session.size}; resume with {saved} ranks (the data order and learning "
                               f"rate depend on it), or start afresh in another --checkpoint-dir")
         return {**state, "path": str(path)}
+
+    def _adapted_k(self, path, state: dict) -> int:
+        """K for this world size that keeps the checkpoint's global batch (size x batch x K);
+        ConfigError if none does. Said in one line."""
+        session = self.session
+        saved, size, k = state["world_size"], session.size, state["config"]["batches_per_allreduce"]
+        if (saved * k) % size:
+            raise ConfigError(f"checkpoint {path} was written by {saved} ranks with batches_per_allreduce {k}; "
+                              f"{size} ranks cannot keep its global batch of {saved} x {k} batches (the data "
+                              f"position and learning rate depend on it): resume with a world size that divides "
+                              f"{saved * k}, or start afresh in another --checkpoint-dir")
+        adapted = saved * k // size
+        print(f"hvdkit: checkpoint {path} was written by {saved} ranks, this job has {size}: batches_per_allreduce "
+              f"{k} -> {adapted} keeps the global batch of {saved * k * session.cfg.batch_size} samples and the "
+              f"learning rate schedule", file=sys.stderr, flush=True)
+        return adapted
 
     def module(self) -> nn.Module:
         """The model without torch.compile's wrapper, so that a checkpoint's keys are the
@@ -122,14 +175,19 @@ class Checkpoints:
                                "where it commits its state; save() is for runs without --elastic")
         session.watchdog.beat(f"checkpoint of step {session.global_step}")
         rng = session.hvd.allgather_object(rng_state())
+        manifest = None
+        if session.cfg.zero:  # every rank writes its shard first; the main file commits them
+            manifest = shards.save(session.optimizer, session.cfg.checkpoint_dir, session.global_step, session.hvd)
         if session.rank == 0:
-            self.write(rng=rng, loader_batches=session._loaders.batch_sizes())
+            self.write(manifest, rng=rng, loader_batches=session._loaders.batch_sizes())
 
-    def write(self, **position) -> None:
-        """This rank's state, and ``position``: how the data position is kept (see save, save_elastic)."""
+    def write(self, optimizer_state: Optional[dict] = None, **position) -> None:
+        """This rank's state (the optimizer's, or a sharded one's manifest), and ``position``: how
+        the data position is kept (see save, save_elastic)."""
         session = self.session
         checkpoint.save(session.cfg.checkpoint_dir, session.global_step, {
-            "model": self.module().state_dict(), "optimizer": session.optimizer.state_dict(),
+            "model": self.module().state_dict(),
+            "optimizer": session.optimizer.state_dict() if optimizer_state is None else optimizer_state,
             "scheduler": session.scheduler.state_dict() if session.scheduler is not None else None,
             "scaler": session.scaler.state_dict() if session.scaler else None, "extra": session.extra,
             "epoch": session.epoch, "step": session.global_step, "world_size": session.size,

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from hvdkit import network, orphan, process, stops, supervise
+from hvdkit import network, orphan, process, stops, supervise, zero
 from hvdkit.checkpoint import CheckpointError
 from hvdkit.config import ConfigError, TrainConfig, from_environ, from_mapping, validate
 from hvdkit.loaders import Loaders
@@ -83,13 +83,14 @@ class Session:
         # it ends that worker alone, as Horovod has it (a node drained or preempted), and the job goes on.
         self._signal = stops.StopSignal(install=not cfg.elastic or supervise.started_by_horovodrun_here())
         self._stops = stops.StopAgreement(self.hvd, self._signal)
-        self._loaders, self._step = Loaders(self), TrainingStep(self)
         self._checkpoints, self._reports = Checkpoints(self), Reports(self)
         self._locks: list = []
         self._undo_hook = stops.exit_on_own_errors(self.rank, (ConfigError, CheckpointError, NonFiniteError),
                                                    (ConfigError,), self._end_after_error)
         self.log_dir = cfg.log_dir or process.run_dir(cfg, self.hvd)
         self._locks = process.lock_directories(cfg, self.hvd, self.log_dir)
+        self._checkpoints.read_ahead()  # a sharded run resumed at another size adapts K before its loaders
+        self._loaders, self._step = Loaders(self), TrainingStep(self)
         if self._signal.installed:  # a rank whose launcher is gone stops as on SIGTERM
             orphan.watch(self._signal, Path(self.log_dir) / "ranks" / f"rank-{self.rank}-after-launcher.log")
 
@@ -108,7 +109,8 @@ class Session:
     # -- model, optimizer, resume (hvdkit.resume) ------------------------------------------
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler=None):
         """(model, optimizer): the model on this rank's device, the optimizer wrapped in
-        Horovod's DistributedOptimizer, and every rank holding the same state.
+        Horovod's DistributedOptimizer (or, with ``zero``, hvdkit.zero's ShardedOptimizer), and
+        every rank holding the same state.
 
         That state is the newest valid checkpoint in ``checkpoint_dir`` (see hvdkit.resume),
         else rank 0's initial weights. A fresh optimizer's state is empty, so only parameters
@@ -119,15 +121,22 @@ class Session:
         cfg, hvd = self.cfg, self.hvd
         model = model.to(self.device)
         self.model, self.scheduler, self._inner = model, scheduler, optimizer
-        self.optimizer = hvd.DistributedOptimizer(
-            optimizer, named_parameters=model.named_parameters(),
-            compression=hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none,
-            backward_passes_per_step=cfg.batches_per_allreduce,
-            op=hvd.Adasum if cfg.use_adasum else hvd.Average,
-            gradient_predivide_factor=cfg.gradient_predivide_factor)
-        # A scheduler warns that it stepped before the optimizer when the step it wrapped (the
-        # one you passed) was not called; Horovod's wrapper is called instead, and first.
-        optimizer._opt_called = True
+        compression = hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none
+        if cfg.zero:
+            zero.check(optimizer, model, cfg.zero)
+            self.optimizer = zero.ShardedOptimizer(optimizer, hvd, cfg.zero, compression, cfg.batches_per_allreduce,
+                                                   cfg.gradient_predivide_factor)
+        else:
+            self.optimizer = hvd.DistributedOptimizer(
+                optimizer, named_parameters=model.named_parameters(), compression=compression,
+                backward_passes_per_step=cfg.batches_per_allreduce,
+                op=hvd.Adasum if cfg.use_adasum else hvd.Average,
+                gradient_predivide_factor=cfg.gradient_predivide_factor)
+            # Horovod's wrapper is a new optimizer over the same param groups: it keeps the
+            # state you may have loaded into yours. A scheduler warns that it stepped before
+            # the optimizer when the step it wrapped (yours) was not called; Horovod's is instead.
+            self.optimizer.state = optimizer.state
+            optimizer._opt_called = True
         if cfg.elastic:
             self._checkpoints.read_elastic()
         else:

@@ -120,6 +120,8 @@ class TrainingStep:
             optimizer.synchronize()
         if scaler:
             scaler.unscale_(optimizer)
+            if cfg.zero:  # each rank checked only its own slices for an overflow
+                optimizer.agree_on_overflow(scaler)
         if self._gradients_finite():
             with contextlib.nullcontext() if cfg.use_adasum else optimizer.skip_synchronize():
                 if scaler:
@@ -141,9 +143,16 @@ class TrainingStep:
         checkpoint stay good; skip leaves the weights as they were and goes on, up to
         MAX_SKIPS_IN_A_ROW steps in a row."""
         session = self.session
-        cfg, parameters = session.cfg, list(session.model.parameters())
+        cfg, parameters, optimizer = session.cfg, list(session.model.parameters()), session.optimizer
         grads = [p.grad for p in parameters if p.grad is not None]
-        if cfg.clip_grad_norm:
+        if cfg.zero:  # the norm of the whole gradient, from every rank's slices
+            if cfg.clip_grad_norm:
+                norm = optimizer.clip_grad_norm_(cfg.clip_grad_norm)
+            elif session.scaler is None:
+                norm = optimizer.grad_norm()
+            else:
+                return True
+        elif cfg.clip_grad_norm:
             norm = nn.utils.clip_grad_norm_(parameters, cfg.clip_grad_norm)
         elif session.scaler is None and grads:
             norm = nn.utils.get_total_norm(grads)
@@ -170,6 +179,9 @@ class TrainingStep:
                                  f"--clip-grad-norm")
         session.print(f"hvdkit: warning: the loss or gradients of step {step} are not finite; step skipped "
                       f"({self.skipped} so far)", file=sys.stderr)
-        for grad in grads:
-            grad.zero_()
+        if cfg.zero:
+            optimizer.zero_grad()  # the slices' gradients too
+        else:
+            for grad in grads:
+                grad.zero_()
         return False

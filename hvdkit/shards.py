@@ -21,7 +21,6 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -53,7 +52,7 @@ def is_manifest(entry) -> bool:
 
 def _where(buckets: list[Bucket]) -> dict[int, tuple[int, int]]:
     """Parameter index -> (bucket number, offset in the bucket)."""
-    return {i: (n, offset) for n, b in enumerate(buckets) for i, offset in zip(b.params, b.offsets)}
+    return {i: (n, offset) for n, b in enumerate(buckets) for i, offset in zip(b.params, b.offsets, strict=True)}
 
 
 def _copy_plan(old: list[Bucket], old_size: int, wanted: list[tuple]) -> dict[int, list[tuple]]:
@@ -97,7 +96,7 @@ def load(optimizer: ShardedOptimizer, main: Path, manifest: dict) -> None:
     for n, bucket in enumerate(optimizer.buckets):
         width = bucket.slice_length(optimizer.size)
         lo, hi = rank * width, (rank + 1) * width
-        for i, offset, shape in zip(bucket.params, bucket.offsets, bucket.shapes):
+        for i, offset, shape in zip(bucket.params, bucket.offsets, bucket.shapes, strict=True):
             a, b = max(lo, offset), min(hi, offset + math.prod(shape))
             if a < b:
                 wanted.append((n, i, a - offset, b - a, a - lo))
@@ -113,7 +112,7 @@ def plain_optimizer_state(main: Path, manifest: dict) -> dict:
     old = [Bucket.from_description(d) for d in manifest["buckets"]]
     wanted, targets = [], {}
     for bucket in old:
-        for i, shape in zip(bucket.params, bucket.shapes):
+        for i, shape in zip(bucket.params, bucket.shapes, strict=True):
             wanted.append((i, i, 0, math.prod(shape), 0))
             targets[i] = ({}, tuple(shape))
     _apply(_copy_plan(old, manifest["world_size"], wanted), checkpoint.shard_folder(main), manifest["world_size"],

@@ -128,7 +128,7 @@ class ShardedOptimizer:
         self.buckets = layout(optimizer.param_groups, bucket_bytes)
         self.slices = [self._new_slice(b) for b in self.buckets]
         for g, group in enumerate(optimizer.param_groups):
-            group["params"] = [s for s, b in zip(self.slices, self.buckets) if b.group == g]
+            group["params"] = [s for s, b in zip(self.slices, self.buckets, strict=True) if b.group == g]
         self._shard_state(dict(optimizer.state))  # state you loaded before setup(): this rank keeps its slices'
         self.reduced: list[Optional[torch.Tensor]] = [None] * len(self.buckets)  # stage 2: summed slices
         self._bucket_of = {i: (n, k) for n, b in enumerate(self.buckets) for k, i in enumerate(b.params)}
@@ -146,7 +146,7 @@ class ShardedOptimizer:
         """(parameter index, range in this rank's slice, range in the flat parameter) of each
         parameter that this rank's slice of ``bucket`` (``length`` long) covers."""
         start = self.rank * length
-        for i, offset, shape in zip(bucket.params, bucket.offsets, bucket.shapes):
+        for i, offset, shape in zip(bucket.params, bucket.offsets, bucket.shapes, strict=True):
             lo, hi = max(start, offset), min(start + length, offset + math.prod(shape))
             if lo < hi:
                 yield i, slice(lo - start, hi - start), slice(lo - offset, hi - offset)
@@ -155,7 +155,7 @@ class ShardedOptimizer:
         """Per-parameter state the wrapped optimizer held (loaded by you before setup()) as the
         state of this rank's slices; the rest is let go."""
         self.inner.state.clear()
-        for piece, bucket in zip(self.slices, self.buckets):
+        for piece, bucket in zip(self.slices, self.buckets, strict=True):
             states = [whole.get(self.params[i]) for i in bucket.params]
             if not any(states):
                 continue
@@ -190,7 +190,7 @@ class ShardedOptimizer:
         bucket = self.buckets[n]
         flat = torch.zeros(bucket.slice_length(self.size) * self.size, dtype=self.slices[n].dtype,
                            device=self.slices[n].device)
-        for i, offset in zip(bucket.params, bucket.offsets):
+        for i, offset in zip(bucket.params, bucket.offsets, strict=True):
             grad = self.params[i].grad
             if grad is not None:  # a parameter without one (unused this step) sends zeros, as Horovod does
                 flat[offset:offset + grad.numel()].copy_(grad.reshape(-1))
@@ -229,7 +229,7 @@ class ShardedOptimizer:
                 self._send(n)
         for n in sorted(self._handles):
             self._receive(n)
-        for piece, grad in zip(self.slices, self.reduced):
+        for piece, grad in zip(self.slices, self.reduced, strict=True):
             piece.grad = grad
         self._counts = [0] * len(self.params)
         self._synchronized = True
@@ -268,7 +268,7 @@ class ShardedOptimizer:
             raise ConfigError("zero: a sharded optimizer steps without a closure")
         if not self._synchronized:
             self.synchronize()
-        for piece, bucket in zip(self.slices, self.buckets):
+        for piece, bucket in zip(self.slices, self.buckets, strict=True):
             self._read_slice(piece, bucket)  # the weights are the truth: loaded, broadcast or stepped
         self.inner.step()
         self._gather()
@@ -284,8 +284,8 @@ class ShardedOptimizer:
             return
         whole = self.hvd.grouped_allgather([s.detach() for s in self.slices], name="hvdkit.zero.weights")
         with torch.no_grad():
-            for flat, bucket in zip(whole, self.buckets):
-                for i, offset, shape in zip(bucket.params, bucket.offsets, bucket.shapes):
+            for flat, bucket in zip(whole, self.buckets, strict=True):
+                for i, offset, shape in zip(bucket.params, bucket.offsets, bucket.shapes, strict=True):
                     self.params[i].copy_(flat[offset:offset + math.prod(shape)].view(shape))
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -1,13 +1,15 @@
 """Trains one small model many ways on every rank, for tests/test_zero.py: each optimizer (SGD
 with momentum, Adam, AdamW; two param groups and a frozen layer), with and without gradient
-accumulation and clipping, under Horovod's DistributedOptimizer and hvdkit's stage 1 and 2.
+accumulation and clipping, under Horovod's DistributedOptimizer and hvdkit's stage 1 and 2, and
+as one process (plain torch, no Horovod) with the whole global batch.
 
 The global batch of every step is the same at any world size: rank r of N takes its rows of the
-step's rows, so np=1, 2 and 3 should reach the same weights. Rank 0 saves, to argv[1], each
-run's final weights, and every rank's optimizer-state and gradient bytes measured from the
-tensors after the last step of the Adam runs.
+step's rows, so every way should reach the same weights. Rank 0 saves, to argv[1], each run's
+final weights, and every rank's optimizer-state and gradient bytes measured from the tensors
+after the last step of the Adam runs.
 """
 
+import contextlib
 import sys
 
 import horovod.torch as hvd
@@ -37,6 +39,8 @@ def optimizer(name: str, net: nn.Module) -> torch.optim.Optimizer:
 
 
 def wrap(impl: str, opt, net: nn.Module, passes: int):
+    if impl == "one process":
+        return opt
     if impl == "horovod":
         return hvd.DistributedOptimizer(opt, named_parameters=net.named_parameters(), backward_passes_per_step=passes)
     return zero.ShardedOptimizer(opt, hvd, int(impl[-1]), backward_passes_per_step=passes, bucket_bytes=BUCKET_BYTES)
@@ -45,22 +49,26 @@ def wrap(impl: str, opt, net: nn.Module, passes: int):
 def train(name: str, impl: str, passes: int, clip: float):
     net = model()
     opt = wrap(impl, optimizer(name, net), net, passes)
-    hvd.broadcast_parameters(net.state_dict(), root_rank=0)
-    share = ROWS // hvd.size()
+    alone = impl == "one process"
+    if not alone:
+        hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+    size, rank = (1, 0) if alone else (hvd.size(), hvd.rank())
+    share = ROWS // size
     for step in range(STEPS):
         opt.zero_grad()
         for micro in range(passes):
             generator = torch.Generator().manual_seed(1000 * step + micro)
             x, y = torch.randn(ROWS, 10, generator=generator), torch.randint(0, 4, (ROWS,), generator=generator)
-            mine = slice(hvd.rank() * share, (hvd.rank() + 1) * share)
+            mine = slice(rank * share, (rank + 1) * share)
             (F.cross_entropy(net(x[mine]), y[mine]) / passes).backward()
-        opt.synchronize()
+        if not alone:
+            opt.synchronize()
         if clip:
-            if impl == "horovod":
-                nn.utils.clip_grad_norm_(net.parameters(), clip)
-            else:
+            if isinstance(opt, zero.ShardedOptimizer):
                 opt.clip_grad_norm_(clip)
-        with opt.skip_synchronize():
+            else:
+                nn.utils.clip_grad_norm_(net.parameters(), clip)
+        with contextlib.nullcontext() if alone else opt.skip_synchronize():
             opt.step()
     return [p.detach().clone() for p in net.parameters()], zero.memory_of(opt)
 
@@ -71,9 +79,9 @@ def main() -> None:
     weights, memory = {}, {}
     for name in ("sgd", "adam", "adamw"):
         for passes, clip in ((1, 0.0), (2, 0.5)):
-            for impl in ("horovod", "zero1", "zero2"):
+            for impl in ("one process", "horovod", "zero1", "zero2"):
                 weights[name, passes, clip, impl], held = train(name, impl, passes, clip)
-                if name == "adam" and passes == 1:
+                if name == "adam" and passes == 1 and impl != "one process":
                     memory[impl] = hvd.allgather_object(held)
     if hvd.rank() == 0:
         torch.save({"size": hvd.size(), "weights": weights, "memory": memory}, sys.argv[1])

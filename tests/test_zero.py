@@ -1,0 +1,206 @@
+"""The sharded optimizer (hvdkit.zero, hvdkit.shards) in real horovodrun jobs of 2 and 3 ranks.
+
+tests/zero_worker.py trains one model many ways and reports the weights and the bytes each rank
+holds; tests/zero_script.py is a user's own loop with a Session, for checkpoints and export.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import REPO, run
+from hvdkit import checkpoint, launch, zero
+from hvdkit.config import ConfigError
+
+pytestmark = pytest.mark.slow
+
+WORKER, SCRIPT = str(REPO / "tests" / "zero_worker.py"), str(REPO / "tests" / "zero_script.py")
+# Open MPI spins while it waits; three ranks on two cores then take turns slowly (66 s against 14 s).
+QUIET = {"OMPI_MCA_mpi_yield_when_idle": "1"}
+
+
+def _env(**keys) -> dict:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("HVDKIT_")}
+    return {**environ, **QUIET, **{f"HVDKIT_{k.upper()}": str(v) for k, v in keys.items()}}
+
+
+def _run(cmd, env=None, np=1, how="horovodrun --gloo", timeout=300):
+    proc = run(launch.local_command(how, np, cmd) if np > 1 else cmd, env=env or _env(), timeout=timeout)
+    return proc
+
+
+def _ok(proc):
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _close(a, b, what):
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=0, msg=what)
+
+
+@pytest.mark.parametrize("how, np", [("horovodrun --gloo", 2), ("horovodrun --mpi", 2),
+                                     ("horovodrun --gloo", 3), ("horovodrun --mpi", 3)])
+def test_stages_train_as_distributed_optimizer_and_one_process(tmp_path, how, np):
+    out = tmp_path / "out.pt"
+    _ok(_run([sys.executable, WORKER, str(out)], np=np, how=how))
+    result = torch.load(out, weights_only=False)
+    assert result["size"] == np
+    weights = result["weights"]
+    assert len(weights) == 24  # 3 optimizers x (plain, accumulation + clipping) x 4 ways
+    initial = zero_worker_initial()
+    for (name, passes, clip, impl), got in weights.items():
+        what = f"{name}, K={passes}, clip={clip}, {impl} at np={np}"
+        _close(got, weights[name, passes, clip, "horovod"], f"{what} vs DistributedOptimizer")
+        _close(got, weights[name, passes, clip, "one process"], f"{what} vs one process")
+        assert not torch.equal(got[2], initial[2]), f"{what}: did not train"
+    # Bytes each rank holds after the last Adam step, counted from its tensors.
+    whole = result["memory"]["horovod"]
+    for impl in ("zero1", "zero2"):
+        for rank, held in enumerate(result["memory"][impl]):
+            assert held["optimizer_state"] == pytest.approx(whole[rank]["optimizer_state"] / np, rel=0.05), impl
+    for rank, held in enumerate(result["memory"]["zero2"]):
+        assert held["grads"] == pytest.approx(whole[rank]["grads"] / np, rel=0.05)
+
+
+def zero_worker_initial():
+    sys.path.insert(0, str(REPO / "tests"))
+    import zero_worker
+
+    return [p.detach() for p in zero_worker.model().parameters()]
+
+
+def test_sharded_checkpoint_resumes_at_other_world_sizes_as_its_export(tmp_path):
+    """Saved at np=2 (K=3), resumed at np=1 (K becomes 6) and np=3 (K 2), stage 2 then 1; each
+    equals plain torch continuing from `hvdkit checkpoint export` at that size."""
+    saved = tmp_path / "saved"
+    keys = dict(batch_size=2, batches_per_allreduce=3, checkpoint_steps=5)
+    _ok(_run([sys.executable, SCRIPT, "10", str(tmp_path / "np2.pt")], np=2, how="horovodrun --mpi",
+             env=_env(zero=2, checkpoint_dir=saved, log_dir=tmp_path / "log2", **keys)))
+    newest = checkpoint.existing(str(saved))[-1]
+    assert newest.name == "ckpt-step000000010.pt"
+    main = checkpoint.load(newest)
+    manifest = main["optimizer"]
+    assert manifest["world_size"] == 2 and [s["file"] for s in manifest["shards"]] == [
+        "rank-00000-of-00002.pt", "rank-00001-of-00002.pt"]
+    assert not any(torch.is_tensor(v) for v in _leaves(manifest)), "the main file holds no optimizer state"
+    # Each rank wrote only its slices: half of the state, as its file holds it.
+    held = [_tensor_bytes(checkpoint.load(checkpoint.shard_folder(newest) / s["file"])["state"])
+            for s in manifest["shards"]]
+    exported = tmp_path / "export"
+    proc = _ok(run([sys.executable, "-m", "hvdkit", "checkpoint", "export", str(saved), str(exported)]))
+    assert "exported" in proc.stdout
+    plain = torch.load(exported / "optimizer.pt")
+    whole = _tensor_bytes(plain["state"])
+    assert all(abs(h - whole / 2) <= 0.05 * whole / 2 for h in held), (held, whole)
+    # The export is plain torch: AdamW and the model load it as it is.
+    sys.path.insert(0, str(REPO / "tests"))
+    import zero_script
+
+    model = zero_script.model()
+    model.load_state_dict(torch.load(exported / "model.pt"))
+    adamw = torch.optim.AdamW([{"params": [*model[0].parameters(), *model[2].parameters()]},
+                               {"params": list(model[4].parameters())}])
+    adamw.load_state_dict(plain)
+    assert sorted(adamw.state_dict()["state"]) == [2, 3, 4, 5], "the frozen layer has no state"
+
+    for np, how, stage, k in ((1, None, 2, 6), (3, "horovodrun --mpi", 1, 2)):
+        resumed = tmp_path / f"resumed{np}"
+        os.system(f"cp -r {saved} {resumed}")
+        proc = _ok(_run([sys.executable, SCRIPT, "16", str(tmp_path / f"r{np}.pt")], np=np, how=how,
+                        env=_env(zero=stage, checkpoint_dir=resumed, log_dir=tmp_path / f"logr{np}", **keys)))
+        assert f"batches_per_allreduce 3 -> {k} keeps the global batch of 12 samples" in proc.stderr
+        assert "resumed from" in proc.stderr and "step 10" in proc.stderr
+        _ok(_run([sys.executable, SCRIPT, "16", str(tmp_path / f"p{np}.pt"), "--export", str(exported)], np=np,
+                 how=how, env=_env(log_dir=tmp_path / f"logp{np}", batch_size=2, batches_per_allreduce=k)))
+        sharded, unsharded = torch.load(tmp_path / f"r{np}.pt"), torch.load(tmp_path / f"p{np}.pt")
+        _close(sharded.values(), unsharded.values(), f"resumed at np={np}")
+        assert not torch.equal(sharded["4.weight"], main["model"]["4.weight"])
+
+
+def _leaves(value):
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _leaves(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _leaves(v)
+    else:
+        yield value
+
+
+def _tensor_bytes(state: dict) -> int:
+    return sum(v.numel() * v.element_size() for v in _leaves(state) if torch.is_tensor(v) and v.dim())
+
+
+def test_sigkill_during_a_sharded_save_leaves_the_previous_checkpoint_in_use(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    env = _env(zero=2, checkpoint_dir=ckpt, log_dir=tmp_path / "log", batch_size=2, batches_per_allreduce=3,
+               checkpoint_steps=5)
+    proc = _run([sys.executable, SCRIPT, "16", str(tmp_path / "w.pt"), "--kill-at", "10"], np=2,
+                how="horovodrun --mpi", env=env)
+    assert proc.returncode != 0
+    # Every shard of step 10 was written; its main file, which commits them, was not.
+    assert [p.name for p in checkpoint.existing(str(ckpt))] == ["ckpt-step000000005.pt"]
+    assert len(list((ckpt / "ckpt-step000000010.pt.shards").glob("rank-*.pt"))) == 2
+    env["HVDKIT_LOG_DIR"] = str(tmp_path / "log2")
+    proc = _ok(_run([sys.executable, SCRIPT, "16", str(tmp_path / "w.pt")], np=2, how="horovodrun --mpi", env=env))
+    assert "resumed from" in proc.stderr and "ckpt-step000000005.pt (epoch 1, step 5)" in proc.stderr
+    assert [p.name for p in checkpoint.existing(str(ckpt))] == [
+        "ckpt-step000000005.pt", "ckpt-step000000010.pt", "ckpt-step000000015.pt"]
+
+
+class _Elementwise(torch.optim.Optimizer):
+    """Not a torch optimizer that hvdkit knows to be elementwise."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda p: torch.optim.LBFGS(p), "LBFGS: it needs a closure"),
+    (lambda p: torch.optim.SparseAdam(p), "SparseAdam: it takes sparse gradients"),
+    (lambda p: torch.optim.Adafactor(p), "Adafactor: it does not update each element on its own"),
+    (lambda p: _Elementwise(p), "_Elementwise: it does not update each element on its own"),
+])
+def test_optimizers_that_cannot_be_sharded_are_refused_in_one_line(make, words):
+    model = nn.Linear(4, 2)
+    with pytest.raises(ConfigError, match=words) as caught:
+        zero.check(make(model.parameters()), model, 1)
+    assert "\n" not in str(caught.value)
+
+
+def test_sparse_gradients_are_refused_in_one_line():
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    with pytest.raises(ConfigError, match=r"sparse gradients of 0 \(Embedding with sparse=True\)"):
+        zero.check(torch.optim.SGD(model.parameters(), lr=0.1), model, 2)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--zero", "1", "--use-adasum"], "zero cannot be used with use_adasum"),
+    (["--zero", "2", "--elastic"], "zero cannot be used with elastic"),
+    (["--zero", "3"], "zero must be 0, 1 or 2"),
+])
+def test_impossible_combinations_stop_before_training_and_write_nothing(tmp_path, flags, words):
+    proc = run([sys.executable, "-m", "hvdkit", "train", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                "--log-dir", str(tmp_path / "logs"), *flags])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and words in proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_refused_optimizer_in_a_session_loop_ends_every_rank_with_its_line(tmp_path):
+    script = tmp_path / "lbfgs.py"
+    script.write_text("import torch, hvdkit\n"
+                      "session = hvdkit.Session(zero=1)\n"
+                      "model = torch.nn.Linear(4, 2)\n"
+                      "session.setup(model, torch.optim.LBFGS(model.parameters()))\n"
+                      "print('trained')\n")
+    proc = _run([sys.executable, str(script)], np=2, env=_env(checkpoint_dir=tmp_path / "ckpt",
+                                                              log_dir=tmp_path / "logs"))
+    assert proc.returncode != 0 and "trained" not in proc.stdout
+    assert "zero: stage 1 cannot shard LBFGS: it needs a closure" in proc.stderr
+    assert not checkpoint.existing(str(tmp_path / "ckpt"))

@@ -55,6 +55,20 @@ def test_two_ranks_equal_one_rank_with_twice_the_batch(tmp_path, launcher, singl
         torch.testing.assert_close(two_ranks[name], accumulated[name], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("args", [["--zero", "2"], ["--zero", "1", "--compile"]])
+def test_sharded_two_ranks_equal_one_rank_with_twice_the_batch(tmp_path, single_process_references, args):
+    """`hvdkit train --zero 1|2`, compiled or not: each rank keeps half the optimizer state."""
+    summary, ckpt, _ = train(tmp_path, "zero", *EXACT, "--batch-size", "16", "--base-lr", "0.05", *args,
+                             launcher="mpirun")
+    two_ranks = final_weights(ckpt)
+    big_batch, _ = single_process_references
+    for name in two_ranks:
+        torch.testing.assert_close(two_ranks[name], big_batch[name], atol=1e-5, rtol=0)
+    assert len(summary["memory"]) == 2 and all(m["optimizer_state"] > 0 and m["peak_rss"] > 0
+                                               for m in summary["memory"])
+    assert len(list(ckpt.glob("ckpt-step*.pt.shards/rank-*-of-00002.pt"))) == 2
+
+
 def test_two_ranks_reach_the_accuracy_of_one(tmp_path):
     one, _, _ = train(tmp_path, "np1")
     two, _, logs = train(tmp_path, "np2", launcher="horovodrun --gloo")
@@ -70,6 +84,8 @@ def test_two_ranks_reach_the_accuracy_of_one(tmp_path):
     ("amp-clip-fp16", ["--amp", "--clip-grad-norm", "1.0", "--fp16-allreduce"], 46),
     ("adasum", ["--use-adasum"], 46),
     ("accumulation", ["--batches-per-allreduce", "2"], 24),
+    ("zero-1-amp-clip-fp16-accumulation", ["--zero", "1", "--amp", "--clip-grad-norm", "1.0", "--fp16-allreduce",
+                                           "--batches-per-allreduce", "2", "--optimizer", "adamw"], 24),
 ])
 def test_options_run_to_completion_on_two_ranks(tmp_path, name, args, steps):
     # 1,437 training digits: not a multiple of 2 ranks x 32, so the last batch is short.

@@ -7,17 +7,19 @@ equal slices. The buckets do not depend on N, only the padding and slices do, so
 checkpoint re-partitions to any world size (hvdkit.shards).
 
 A step, on every rank:
-1. When a bucket's last gradient is ready, its gradients are copied into one flat buffer and
-   reduce-scattered (averaged) asynchronously, overlapping the rest of the backward pass; each
-   rank receives the averaged gradient of its slice. Stage 1 keeps every parameter's ``.grad``
-   and reduces once after the K-th micro-batch; stage 2 frees them once their bucket is sent,
-   so a rank holds only its gradient slices, and with K micro-batches reduces each one and sums
-   the slices (more traffic, less memory, as DeepSpeed's stage 2).
+1. When a bucket's last gradient is ready, its flat gradient is reduce-scattered (averaged)
+   asynchronously, overlapping the rest of the backward pass; each rank receives the averaged
+   gradient of its slice. Stage 1 keeps whole gradients: each ``.grad`` is a view into its
+   bucket's flat vector, reduced once after the K-th micro-batch. Stage 2 copies a bucket's
+   gradients into a flat vector and frees them, so a rank holds only its gradient slices, and
+   with K micro-batches reduces each one and sums the slices (more traffic, less memory, as
+   DeepSpeed's stage 2).
 2. The wrapped optimizer steps on this rank's slices: its param groups keep their options (an
    LR scheduler built on it works as before) and hold one flat slice per bucket instead of the
    parameters. That is the same update as on the whole parameters for optimizers that work
    element by element, the only ones accepted (``check``).
-3. The updated slices are allgathered in one grouped (fused) operation into every rank's weights.
+3. The updated slices are allgathered, bucket by bucket with the next one under way, into
+   every rank's weights.
 
 The padding of each bucket is zeros in the gradient, so it leaves norms and updates alone.
 """
@@ -36,6 +38,7 @@ from torch import nn
 from hvdkit.config import ConfigError
 
 BUCKET_BYTES = 32 * 1024 * 1024
+GATHER_AHEAD = 1  # buckets whose allgather is under way while one is copied into the weights
 
 # Optimizers whose update of an element depends on that element's gradient and state alone, so
 # that stepping a slice is stepping the parameter. Adafactor (factored rows and columns), Muon
@@ -133,14 +136,35 @@ class ShardedOptimizer:
         self.reduced: list[Optional[torch.Tensor]] = [None] * len(self.buckets)  # stage 2: summed slices
         self._bucket_of = {i: (n, k) for n, b in enumerate(self.buckets) for k, i in enumerate(b.params)}
         self._handles: dict[int, tuple] = {}
+        self._sent: set[int] = set()  # buckets sent this step: every rank sends each as often
         self._ready: list[set] = [set() for _ in self.buckets]
         self._counts = [0] * len(self.params)
         self._synchronized = False
+        # Stage 1 keeps whole gradients anyway: each .grad is a view into its bucket's flat
+        # gradient, which is reduce-scattered as it is (no copy), as DDP's gradient_as_bucket_view.
+        self._flat = [self._new_flat(b) for b in self.buckets] if stage == 1 else None
+        self._attach_gradients()
         self._hooks = [self.params[i].register_post_accumulate_grad_hook(self._hook(i)) for i in self._bucket_of]
 
-    def _new_slice(self, bucket: Bucket) -> torch.Tensor:
+    def _new_slice(self, bucket: Bucket, ranks: int = 1) -> torch.Tensor:
         first = self.params[bucket.params[0]]
-        return torch.zeros(bucket.slice_length(self.size), dtype=first.dtype, device=first.device)
+        return torch.zeros(bucket.slice_length(self.size) * ranks, dtype=first.dtype, device=first.device)
+
+    def _new_flat(self, bucket: Bucket) -> torch.Tensor:
+        return self._new_slice(bucket, self.size)
+
+    def _views(self, n: int):
+        """(parameter, its part of flat vector ``n``) for each parameter of bucket ``n``."""
+        bucket = self.buckets[n]
+        for i, offset, shape in zip(bucket.params, bucket.offsets, bucket.shapes, strict=True):
+            yield self.params[i], offset, offset + math.prod(shape), shape
+
+    def _attach_gradients(self) -> None:
+        """Stage 1: every .grad a zeroed view into its bucket's flat gradient."""
+        for n, flat in enumerate(self._flat or ()):
+            flat.zero_()
+            for param, lo, hi, shape in self._views(n):
+                param.grad = flat[lo:hi].view(shape)
 
     def _overlaps(self, bucket: Bucket, length: int):
         """(parameter index, range in this rank's slice, range in the flat parameter) of each
@@ -187,13 +211,17 @@ class ShardedOptimizer:
         return ready
 
     def _flat_gradient(self, n: int) -> torch.Tensor:
-        bucket = self.buckets[n]
-        flat = torch.zeros(bucket.slice_length(self.size) * self.size, dtype=self.slices[n].dtype,
-                           device=self.slices[n].device)
-        for i, offset in zip(bucket.params, bucket.offsets, strict=True):
-            grad = self.params[i].grad
-            if grad is not None:  # a parameter without one (unused this step) sends zeros, as Horovod does
-                flat[offset:offset + grad.numel()].copy_(grad.reshape(-1))
+        """Bucket ``n``'s gradients as one flat vector: stage 1's own, stage 2 a copy."""
+        piece = self.slices[n]
+        flat = self._flat[n] if self.stage == 1 else piece.new_empty(len(piece) * self.size)
+        if self.stage == 2:
+            flat[self.buckets[n].length:].zero_()
+        for param, lo, hi, shape in self._views(n):
+            grad = param.grad
+            if grad is None:  # unused this step: it sends zeros, as Horovod does
+                flat[lo:hi].zero_()
+            elif grad.data_ptr() != flat[lo:].data_ptr():  # stage 2, or a .grad replaced since zero_grad()
+                flat[lo:hi].copy_(grad.reshape(-1))
         return flat
 
     def _send(self, n: int) -> None:
@@ -208,10 +236,13 @@ class ShardedOptimizer:
                                                   prescale_factor=1.0 / self.predivide,
                                                   postscale_factor=self.predivide / self.size)
         self._handles[n] = (handle, context)
+        self._sent.add(n)
         self._ready[n].clear()
         if self.stage == 2:
             for i in self.buckets[n].params:
                 self.params[i].grad = None
+        for done in [m for m, (h, _) in self._handles.items() if m != n and self.hvd.poll(h)]:
+            self._receive(done)  # as soon as it is done, so that its buffers go
 
     def _receive(self, n: int) -> None:
         handle, context = self._handles.pop(n)
@@ -225,13 +256,14 @@ class ShardedOptimizer:
         """Send the buckets still waiting (fewer micro-batches than K, unused parameters) and wait
         for all; each slice then holds its averaged gradient in ``.grad``."""
         for n in range(len(self.buckets)):
-            if n not in self._handles and (self.stage == 1 or self._ready[n] or self.reduced[n] is None):
+            if self._ready[n] or n not in self._sent:  # part of a bucket, or one not sent this step
                 self._send(n)
         for n in sorted(self._handles):
             self._receive(n)
         for piece, grad in zip(self.slices, self.reduced, strict=True):
             piece.grad = grad
         self._counts = [0] * len(self.params)
+        self._sent.clear()
         self._synchronized = True
 
     @contextlib.contextmanager
@@ -279,25 +311,34 @@ class ShardedOptimizer:
             piece[mine].copy_(self.params[i].detach().reshape(-1)[theirs])
 
     def _gather(self) -> None:
-        """Every rank's updated slices into every rank's weights, in one grouped allgather."""
-        if not self.slices:
-            return
-        whole = self.hvd.grouped_allgather([s.detach() for s in self.slices], name="hvdkit.zero.weights")
+        """Every rank's updated slices into every rank's weights, a bucket at a time with the next
+        ones on their way: at most GATHER_AHEAD + 1 buckets' whole weights are held at once."""
+        pending = []
+        for n, piece in enumerate(self.slices):
+            pending.append((n, self.hvd.allgather_async(piece.detach(), name=f"hvdkit.zero.weights.{n}")))
+            if len(pending) > GATHER_AHEAD:
+                self._unpack(*pending.pop(0))
+        for n, handle in pending:
+            self._unpack(n, handle)
+
+    def _unpack(self, n: int, handle) -> None:
+        whole = self.hvd.synchronize(handle)
         with torch.no_grad():
-            for flat, bucket in zip(whole, self.buckets, strict=True):
-                for i, offset, shape in zip(bucket.params, bucket.offsets, bucket.shapes, strict=True):
-                    self.params[i].copy_(flat[offset:offset + math.prod(shape)].view(shape))
+            for param, lo, hi, shape in self._views(n):
+                param.copy_(whole[lo:hi].view(shape))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for n in sorted(self._handles):  # a step abandoned mid-way: let its collectives finish
             self._receive(n)
         for p in self.params:
             p.grad = None
+        self._attach_gradients()
         for piece in self.slices:
             piece.grad = None
         self.reduced = [None] * len(self.buckets)
         self._ready = [set() for _ in self.buckets]
         self._counts = [0] * len(self.params)
+        self._sent.clear()
         self._synchronized = False
 
     # -- state (hvdkit.shards writes and reads it) -----------------------------------------------

@@ -266,6 +266,26 @@ def test_scaling_table_and_plot(tmp_path, hvd_built):
     assert re.search(r"^\s+2\s+1\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+%$", proc.stdout, re.M), proc.stdout[-1500:]
 
 
+@pytest.mark.slow
+def test_zero_runs_each_loop_and_reports_the_bytes_each_rank_holds(tmp_path, hvd_built):
+    out = tmp_path / "zero"
+    proc = run(HVDKIT + ["zero", "--width", "64", "--layers", "2", "--steps", "2", "--warmup", "1", "--repeats", "1",
+                         "--out", str(out)], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    record = json.loads((out / "zero.json").read_text())
+    table = record["table"]
+    assert list(table) == ["zero1", "zero2", "horovod", "torch-zero"]
+    whole = table["horovod"]
+    for sharded in ("zero1", "zero2", "torch-zero"):  # each rank holds half the Adam state
+        assert table[sharded]["optimizer_state"] == pytest.approx(whole["optimizer_state"] / 2, rel=0.05)
+    assert table["zero2"]["grads"] == pytest.approx(whole["grads"] / 2, rel=0.05)
+    assert all(row["peak_rss"] > row["params"] > 0 and row["samples_per_sec"] > 0 for row in table.values())
+    for name, ratio in record["ratios"].items():
+        a, b = name.split("/")
+        assert ratio == pytest.approx(record["runs"][a][0] / record["runs"][b][0])
+    assert (out / "zero.png").read_bytes()[:4] == b"\x89PNG"
+
+
 @pytest.mark.parametrize("flag", ["-np", "--np"])
 def test_world_size_is_spelled_either_way_everywhere(flag):
     from hvdkit.bench.cli import parser

@@ -8,6 +8,7 @@ import sys
 from typing import Optional, Sequence
 
 from hvdkit import env
+from hvdkit.bench import sharded
 from hvdkit.bench.drivers import RunFailed, allreduce, compare_synthetic, print_estimate, scaling
 from hvdkit.bench.figures import BenchError, size_range
 from hvdkit.bench.workers import (
@@ -137,6 +138,11 @@ def parser() -> argparse.ArgumentParser:
     ar.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     _launch_arguments(ar, files=True)
 
+    shard = sub.add_parser("zero", help="the sharded optimizer (stage 1, 2) beside Horovod's DistributedOptimizer "
+                                        "and torch's ZeroRedundancyOptimizer: throughput and bytes per rank")
+    sharded.add_arguments(shard)
+    _launch_arguments(shard, files=True)
+
     est = sub.add_parser("estimate", help="step time and efficiency at many ranks, from the ring-allreduce cost "
                                           "model and what `synthetic` measured (compute per step, gradient bytes)")
     est.add_argument("--compute-ms", type=_non_negative, required=True,
@@ -167,6 +173,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return allreduce(args)
         if args.bench == "estimate":
             return print_estimate(args)
+        if args.bench == "zero":
+            if args.impl:
+                sharded.worker(args)
+                return 0
+            return sharded.compare(args)
         if args.bench == "scaling":
             if under_launcher:
                 raise BenchError("scaling launches its own ranks: run it without a launcher, with --np 1,2")

@@ -216,7 +216,7 @@ class ShardedOptimizer:
         flat = self._flat[n] if self.stage == 1 else piece.new_empty(len(piece) * self.size)
         if self.stage == 2:
             flat[self.buckets[n].length:].zero_()
-        for param, lo, hi, shape in self._views(n):
+        for param, lo, hi, _ in self._views(n):
             grad = param.grad
             if grad is None:  # unused this step: it sends zeros, as Horovod does
                 flat[lo:hi].zero_()

@@ -39,6 +39,7 @@ from hvdkit.config import ConfigError
 
 BUCKET_BYTES = 32 * 1024 * 1024
 GATHER_AHEAD = 1  # buckets whose allgather is under way while one is copied into the weights
+MAX_IN_FLIGHT = 2  # buckets being reduce-scattered at once
 
 # Optimizers whose update of an element depends on that element's gradient and state alone, so
 # that stepping a slice is stepping the parameter. Adafactor (factored rows and columns), Muon
@@ -243,6 +244,8 @@ class ShardedOptimizer:
                 self.params[i].grad = None
         for done in [m for m, (h, _) in self._handles.items() if m != n and self.hvd.poll(h)]:
             self._receive(done)  # as soon as it is done, so that its buffers go
+        if len(self._handles) > MAX_IN_FLIGHT:  # Horovod copies each one: bound what is held at once
+            self._receive(next(iter(self._handles)))
 
     def _receive(self, n: int) -> None:
         handle, context = self._handles.pop(n)
@@ -312,7 +315,7 @@ class ShardedOptimizer:
 
     def _gather(self) -> None:
         """Every rank's updated slices into every rank's weights, a bucket at a time with the next
-        ones on their way: at most GATHER_AHEAD + 1 buckets' whole weights are held at once."""
+        ones on their way."""
         pending = []
         for n, piece in enumerate(self.slices):
             pending.append((n, self.hvd.allgather_async(piece.detach(), name=f"hvdkit.zero.weights.{n}")))
@@ -322,10 +325,10 @@ class ShardedOptimizer:
             self._unpack(n, handle)
 
     def _unpack(self, n: int, handle) -> None:
+        """The gathered bucket becomes its parameters' storage: no copy of the whole weights."""
         whole = self.hvd.synchronize(handle)
-        with torch.no_grad():
-            for param, lo, hi, shape in self._views(n):
-                param.copy_(whole[lo:hi].view(shape))
+        for param, lo, hi, shape in self._views(n):
+            param.data = whole[lo:hi].view(shape)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for n in sorted(self._handles):  # a step abandoned mid-way: let its collectives finish

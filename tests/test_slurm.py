@@ -61,14 +61,14 @@ def job_log(tmp_path, job):
     return (tmp_path / f"job-{job}.out").read_text()
 
 
-@pytest.mark.parametrize("template, nodes, tasks", [
-    pytest.param("single-node.sbatch", 1, 2, marks=pytest.mark.fast),  # make test-fast's srun run
-    ("multi-node-srun.sbatch", 2, 2),
-    ("multi-node-mpirun.sbatch", 2, 2),
-    ("multi-node-horovodrun.sbatch", 2, 2),
+@pytest.mark.parametrize("template, nodes, tasks, flags", [
+    pytest.param("single-node.sbatch", 1, 2, "", marks=pytest.mark.fast),  # make test-fast's srun run
+    ("multi-node-srun.sbatch", 2, 2, "--zero 2 --checkpoint-dir ckpt"),  # each node writes its shard
+    ("multi-node-mpirun.sbatch", 2, 2, ""),
+    ("multi-node-horovodrun.sbatch", 2, 2, ""),
 ])
-def test_template_runs_to_completion(cluster, tmp_path, template, nodes, tasks):
-    job = submit(cluster, tmp_path, template)
+def test_template_runs_to_completion(cluster, tmp_path, template, nodes, tasks, flags):
+    job = submit(cluster, tmp_path, template, args=f"--epochs 1 --max-steps 8 {flags}")
     info = cluster.wait(job)
     log = job_log(tmp_path, job)
     assert info["JobState"] == "COMPLETED", log[-3000:]
@@ -79,6 +79,9 @@ def test_template_runs_to_completion(cluster, tmp_path, template, nodes, tasks):
     assert len(summary) == 1 and summary[0]["world_size"] == tasks and summary[0]["steps"] == 8, log[-3000:]
     assert (tmp_path / "run" / "metrics.jsonl").exists()
     assert sorted(p.name for p in (tmp_path / "run").glob("rank-*.log")) == [f"rank-{r}.log" for r in range(tasks)]
+    if "--zero" in flags:
+        shards = tmp_path / "ckpt" / "ckpt-step000000008.pt.shards"
+        assert sorted(p.name for p in shards.iterdir()) == ["rank-00000-of-00002.pt", "rank-00001-of-00002.pt"]
 
 
 def test_array_runs_one_training_per_index(cluster, tmp_path):

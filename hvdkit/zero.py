@@ -39,7 +39,7 @@ from hvdkit.config import ConfigError
 
 BUCKET_BYTES = 32 * 1024 * 1024
 GATHER_AHEAD = 1  # buckets whose allgather is under way while one is copied into the weights
-MAX_IN_FLIGHT = 2  # buckets being reduce-scattered at once
+MAX_IN_FLIGHT = 2  # stage 2: buckets being reduce-scattered at once
 
 # Optimizers whose update of an element depends on that element's gradient and state alone, so
 # that stepping a slice is stepping the parameter. Adafactor (factored rows and columns), Muon
@@ -141,6 +141,7 @@ class ShardedOptimizer:
         self._ready: list[set] = [set() for _ in self.buckets]
         self._counts = [0] * len(self.params)
         self._synchronized = False
+        self._whole: list[Optional[torch.Tensor]] = [None] * len(self.buckets)  # the last gather's
         # Stage 1 keeps whole gradients anyway: each .grad is a view into its bucket's flat
         # gradient, which is reduce-scattered as it is (no copy), as DDP's gradient_as_bucket_view.
         self._flat = [self._new_flat(b) for b in self.buckets] if stage == 1 else None
@@ -244,7 +245,7 @@ class ShardedOptimizer:
                 self.params[i].grad = None
         for done in [m for m, (h, _) in self._handles.items() if m != n and self.hvd.poll(h)]:
             self._receive(done)  # as soon as it is done, so that its buffers go
-        if len(self._handles) > MAX_IN_FLIGHT:  # Horovod copies each one: bound what is held at once
+        if self.stage == 2 and len(self._handles) > MAX_IN_FLIGHT:  # each holds a copy: bound them
             self._receive(next(iter(self._handles)))
 
     def _receive(self, n: int) -> None:
@@ -303,11 +304,19 @@ class ShardedOptimizer:
             raise ConfigError("zero: a sharded optimizer steps without a closure")
         if not self._synchronized:
             self.synchronize()
-        for piece, bucket in zip(self.slices, self.buckets, strict=True):
-            self._read_slice(piece, bucket)  # the weights are the truth: loaded, broadcast or stepped
+        for n, piece in enumerate(self.slices):
+            if not self._aliased(n):  # the weights are the truth: loaded, broadcast or stepped
+                self._read_slice(piece, self.buckets[n])
         self.inner.step()
         self._gather()
         self._synchronized = False
+
+    def _aliased(self, n: int) -> bool:
+        """Since the last gather, this rank's slice of bucket ``n`` is its part of the parameters'
+        own storage, and no parameter has been given another."""
+        whole = self._whole[n]
+        return whole is not None and all(param.data_ptr() == whole[lo:].data_ptr()
+                                         for param, lo, _, _ in self._views(n))
 
     def _read_slice(self, piece: torch.Tensor, bucket: Bucket) -> None:
         for i, mine, theirs in self._overlaps(bucket, len(piece)):
@@ -325,10 +334,13 @@ class ShardedOptimizer:
             self._unpack(n, handle)
 
     def _unpack(self, n: int, handle) -> None:
-        """The gathered bucket becomes its parameters' storage: no copy of the whole weights."""
-        whole = self.hvd.synchronize(handle)
+        """The gathered bucket becomes its parameters' storage, and this rank's slice of it the
+        one the optimizer steps in place: the weights are not copied, nor held twice."""
+        whole = self._whole[n] = self.hvd.synchronize(handle)
         for param, lo, hi, shape in self._views(n):
             param.data = whole[lo:hi].view(shape)
+        width = len(self.slices[n])
+        self.slices[n].data = whole[self.rank * width:(self.rank + 1) * width]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for n in sorted(self._handles):  # a step abandoned mid-way: let its collectives finish

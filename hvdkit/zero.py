@@ -134,7 +134,7 @@ class ShardedOptimizer:
         for g, group in enumerate(optimizer.param_groups):
             group["params"] = [s for s, b in zip(self.slices, self.buckets, strict=True) if b.group == g]
         self._shard_state(dict(optimizer.state))  # state you loaded before setup(): this rank keeps its slices'
-        self.reduced: list[Optional[torch.Tensor]] = [None] * len(self.buckets)  # stage 2: summed slices
+        self.reduced: list[Optional[torch.Tensor]] = [None] * len(self.buckets)  # this step's gradient slices
         self._bucket_of = {i: (n, k) for n, b in enumerate(self.buckets) for k, i in enumerate(b.params)}
         self._handles: dict[int, tuple] = {}
         self._sent: set[int] = set()  # buckets sent this step: every rank sends each as often
@@ -156,7 +156,7 @@ class ShardedOptimizer:
         return self._new_slice(bucket, self.size)
 
     def _views(self, n: int):
-        """(parameter, its part of flat vector ``n``) for each parameter of bucket ``n``."""
+        """(parameter, start, end, shape): where each parameter of bucket ``n`` lies in its flat vector."""
         bucket = self.buckets[n]
         for i, offset, shape in zip(bucket.params, bucket.offsets, bucket.shapes, strict=True):
             yield self.params[i], offset, offset + math.prod(shape), shape
@@ -361,6 +361,15 @@ class ShardedOptimizer:
         """This rank's share of the optimizer state: per bucket, the state of its slice."""
         return {"rank": self.rank, "world_size": self.size,
                 "state": {n: dict(self.inner.state[s]) for n, s in enumerate(self.slices) if s in self.inner.state}}
+
+    def state_dict(self):
+        """Refused in one line: no rank holds the whole state (see hvdkit.shards)."""
+        raise ConfigError("zero: the optimizer state is split across the ranks; session.save() writes it (each rank "
+                          "its shard), session.setup() reads it back, and `hvdkit checkpoint export` makes one plain "
+                          "state_dict of it")
+
+    def load_state_dict(self, state_dict) -> None:
+        self.state_dict()
 
     def group_options(self) -> list[dict]:
         """Each param group's options (lr, weight decay, a scheduler's initial_lr, ...)."""

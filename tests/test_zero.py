@@ -66,6 +66,20 @@ def test_stages_train_as_distributed_optimizer_and_one_process(tmp_path, how, np
         assert held["grads"] == pytest.approx(whole[rank]["grads"] / np, rel=0.05)
 
 
+def test_an_overflow_in_one_ranks_slice_skips_the_step_on_every_rank(tmp_path):
+    """fp16 loss scaling (torch's GradScaler on the CPU, as the Session's on a GPU): rank 1's inf
+    ends up in one rank's slice; every rank skips that step and halves the scale, as Horovod's."""
+    out = tmp_path / "scaled.pt"
+    # Without the agreement one rank would step (and allgather) while the other skips: a hang.
+    _ok(_run([sys.executable, WORKER, str(out), "--scaler"], np=2, how="horovodrun --gloo", timeout=120))
+    result = torch.load(out, weights_only=False)
+    weights, scale = result["horovod"]
+    assert scale == 2.0 ** 9, "DistributedOptimizer skipped the step and halved the scale"
+    for impl in ("zero1", "zero2"):
+        _close(result[impl][0], weights, impl)
+        assert result[impl][1] == scale, impl
+
+
 def zero_worker_initial():
     sys.path.insert(0, str(REPO / "tests"))
     import zero_worker

@@ -6,7 +6,8 @@ as one process (plain torch, no Horovod) with the whole global batch.
 The global batch of every step is the same at any world size: rank r of N takes its rows of the
 step's rows, so every way should reach the same weights. Rank 0 saves, to argv[1], each run's
 final weights, and every rank's optimizer-state and gradient bytes measured from the tensors
-after the last step of the Adam runs.
+after the last step of the Adam runs. With --scaler, it trains with fp16 loss scaling instead
+(train_scaled).
 """
 
 import contextlib
@@ -73,9 +74,49 @@ def train(name: str, impl: str, passes: int, clip: float):
     return [p.detach().clone() for p in net.parameters()], zero.memory_of(opt)
 
 
+def train_scaled(impl: str, overflow_at: int):
+    """fp16 autocast with a GradScaler (torch's, on the CPU), an inf planted in rank 1's gradient
+    at one step: the averaged gradient holds it in one rank's slice only."""
+    net = model()
+    opt = wrap(impl, optimizer("adamw", net), net, 1)
+    hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    share = ROWS // hvd.size()
+    planted = {"now": False}
+
+    def plant(grad: torch.Tensor) -> torch.Tensor:  # before any hook of the optimizer's sees it
+        if planted["now"]:
+            grad = grad.clone()
+            grad[3, 5] = float("inf")
+        return grad
+    net[2].weight.register_hook(plant)
+    for step in range(10):
+        planted["now"] = step == overflow_at and hvd.rank() == 1
+        opt.zero_grad()
+        generator = torch.Generator().manual_seed(step)
+        x, y = torch.randn(ROWS, 10, generator=generator), torch.randint(0, 4, (ROWS,), generator=generator)
+        mine = slice(hvd.rank() * share, (hvd.rank() + 1) * share)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(net(x[mine]), y[mine])
+        scaler.scale(loss).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        if isinstance(opt, zero.ShardedOptimizer):
+            opt.agree_on_overflow(scaler)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+    return [p.detach().clone() for p in net.parameters()], scaler.get_scale()
+
+
 def main() -> None:
     torch.set_num_threads(1)  # three ranks on two cores: torch's own threads would fight over them
     hvd.init()
+    if sys.argv[2:] == ["--scaler"]:
+        scaled = {impl: train_scaled(impl, overflow_at=3) for impl in ("horovod", "zero1", "zero2")}
+        if hvd.rank() == 0:
+            torch.save(scaled, sys.argv[1])
+        return
     weights, memory = {}, {}
     for name in ("sgd", "adam", "adamw"):
         for passes, clip in ((1, 0.0), (2, 0.5)):

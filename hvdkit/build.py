@@ -215,10 +215,12 @@ def installed_horovod_version() -> Optional[str]:
 
 
 def _pip(*args: str, quiet: bool = True) -> None:
+    """pip, its output kept: a failure is told in one line by the caller, from ``stderr`` of the
+    CalledProcessError (offline, pip warns once per retry of each package)."""
     cmd = [sys.executable, "-m", "pip", *args]
     if quiet:
         cmd.insert(4, "-q")
-    subprocess.run(cmd, check=True)
+    subprocess.run(cmd, check=True, capture_output=True, text=True, env={"PIP_RETRIES": "1", **os.environ})
 
 
 OFFLINE_HINT = ("on a machine without internet, pass --sdist horovod-{v}.tar.gz or --find-links DIR (a folder "
@@ -242,8 +244,9 @@ def ensure_build_requires(find_links: Optional[Path] = None) -> None:
         where = ["--no-index", "--find-links", str(find_links)] if find_links else []
         try:
             _pip("install", *where, *missing)
-        except subprocess.CalledProcessError:
-            raise BuildError(f"pip could not install {' '.join(missing)}; {_offline_hint()}") from None
+        except subprocess.CalledProcessError as exc:
+            raise BuildError(f"pip could not install {' '.join(missing)} (pip: {last_line(exc.stderr)}); "
+                             f"{_offline_hint()}") from None
 
 
 def find_sdist(cache: Path, sdist: Optional[Path] = None, find_links: Optional[Path] = None) -> Path:
@@ -450,7 +453,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"hvdkit.build: error: {exc}", file=sys.stderr)
         return 1
     except subprocess.CalledProcessError as exc:
-        print(f"hvdkit.build: error: command failed ({exc.returncode}): {' '.join(map(str, exc.cmd))}",
+        said = f" ({last_line(exc.stderr)})" if exc.stderr else ""
+        print(f"hvdkit.build: error: command failed ({exc.returncode}): {' '.join(map(str, exc.cmd))}{said}",
               file=sys.stderr)
         return 1
     print(f"hvdkit.build: Horovod {plan.local_version} {outcome} "

@@ -94,8 +94,6 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0:
         print(json.dumps({"event": "bench.zero", "impl": args.impl, "world_size": size,
                           "samples_per_sec": sum(r["samples_per_sec"] for r in rows), "ranks": rows}), flush=True)
-    if args.impl == "torch-zero":  # its Gloo threads abort the process if left running at exit
-        torch.distributed.destroy_process_group()
 
 
 def _held(model, optimizer, zero) -> dict:

@@ -4,6 +4,7 @@ DDP) and the allreduce timings (mpi4py, torch.distributed, Horovod), each printi
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import statistics
@@ -71,6 +72,9 @@ def _init_torch_distributed(backend: str) -> None:
         raise BenchError("torch.distributed needs a launcher's ranks and MASTER_ADDR/MASTER_PORT; "
                          "run the benchmark without a launcher and give -np, it launches the ranks itself")
     dist.init_process_group(backend, rank=launch.rank, world_size=launch.size)
+    # Gloo's threads, still running when the interpreter ends, abort the process now and then
+    # (signal 6 after the results were printed): end the group first.
+    atexit.register(dist.destroy_process_group)
 
 
 def _apply_defaults(settings: dict) -> None:

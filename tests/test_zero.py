@@ -220,3 +220,23 @@ def test_a_refused_optimizer_in_a_session_loop_ends_every_rank_with_its_line(tmp
     assert proc.returncode != 0 and "trained" not in proc.stdout
     assert "zero: stage 1 cannot shard LBFGS: it needs a closure" in proc.stderr
     assert not checkpoint.existing(str(tmp_path / "ckpt"))
+
+
+def test_a_checkpoint_whose_shard_is_missing_or_corrupted_is_skipped_for_the_one_before(tmp_path):
+    def save(step):
+        main = checkpoint.path_for(str(tmp_path), step)
+        digest = checkpoint.write(checkpoint.shard_folder(main) / "rank-00000-of-00001.pt", {"state": {}})
+        checkpoint.save(str(tmp_path), step, {"step": step, "optimizer": {
+            "shards": [{"file": "rank-00000-of-00001.pt", "sha256": digest}]}}, keep=3)
+        return checkpoint.shard_folder(main) / "rank-00000-of-00001.pt"
+
+    save(5)
+    shard = save(10)
+    warnings = []
+    assert checkpoint.load_latest(str(tmp_path), warnings.append)[1]["step"] == 10
+    shard.write_bytes(shard.read_bytes()[:-3] + b"xyz")
+    assert checkpoint.load_latest(str(tmp_path), warnings.append)[1]["step"] == 5
+    assert "its shard rank-00000-of-00001.pt fails its checksum; using ckpt-step000000005.pt" in warnings[-1]
+    shard.unlink()
+    assert checkpoint.load_latest(str(tmp_path), warnings.append)[1]["step"] == 5
+    assert "is incomplete: its shard rank-00000-of-00001.pt cannot be read" in warnings[-1]

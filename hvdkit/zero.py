@@ -408,4 +408,9 @@ def memory_of(optimizer) -> dict:
     else:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         held = held_bytes(params, params, optimizer.state.values())
-    return {**held, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return {**held, "peak_rss": peak_rss()}
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory, in bytes."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -19,8 +19,6 @@ from hvdkit.bench.drivers import launch_command, out_dir, run_launch
 from hvdkit.bench.figures import BenchError
 
 IMPLS = ("zero1", "zero2", "horovod", "torch-zero")
-IMPL_HELP = ("zero1, zero2: hvdkit's sharded optimizer; horovod: Horovod's DistributedOptimizer; torch-zero: "
-             "torch's ZeroRedundancyOptimizer under DistributedDataParallel")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -102,8 +100,7 @@ def _held(model, optimizer, zero) -> dict:
         return zero.memory_of(optimizer)
     local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer steps its shard with this
     params = list(model.parameters())
-    return {**zero.held_bytes(params, params, local.state.values()),
-            "peak_rss": zero.memory_of(local)["peak_rss"]}
+    return {**zero.held_bytes(params, params, local.state.values()), "peak_rss": zero.peak_rss()}
 
 
 def _torch_gather(value):

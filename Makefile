@@ -81,7 +81,7 @@ test-fast: setup
 	$(PY) -m pytest tests -m "not slow or fast" $(XDIST) --durations=5 $(PYTEST_ARGS)
 
 # pyflakes, pycodestyle, bugbear and import-order checks at 120 columns; the tests' helper
-# modules (conftest, hosts, slurm_cluster) are first-party. ruff comes from setup.cfg's lint extra.
+# modules (conftest and the workers beside it) are first-party. ruff comes from setup.cfg's lint extra.
 lint: $(STAMPS)/python-packages
 	@$(PY) -m ruff --version >/dev/null 2>&1 || $(PIP_INSTALL) -c constraints.txt -e '.[lint]'
 	$(PY) -m ruff check --isolated --config "src = ['.', 'tests']" --select E,F,W,B,I --line-length 120 \

@@ -1,13 +1,14 @@
 """hvdkit: a Horovod/MPI training toolkit for PyTorch.
 
-``hvdkit.Session`` (the own-loop API), ``hvdkit.Trainer`` and ``hvdkit.TrainConfig`` are imported on first use, so that
+``hvdkit.Session`` (the own-loop API), ``hvdkit.Trainer``, ``hvdkit.TrainConfig`` and ``hvdkit.run`` (a function on
+every rank, from Python or a notebook) are imported on first use, so that
 ``python -m hvdkit.build`` runs before torch's and Horovod's heavier imports are needed.
 """
 
 __version__ = "0.1.0"
 
 _LAZY = {"Trainer": "hvdkit.trainer", "TrainConfig": "hvdkit.config", "Session": "hvdkit.session",
-         "sync_batch_norm": "hvdkit.models"}
+         "sync_batch_norm": "hvdkit.models", "run": "hvdkit.spawn", "RunError": "hvdkit.spawn"}
 
 
 def __getattr__(name):

@@ -23,6 +23,8 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("launch", add_help=False, help="start a command on N ranks with horovodrun, mpirun or srun")
     sub.add_parser("slurm", add_help=False, help="render or submit an sbatch script from the templates in slurm/")
+    sub.add_parser("rehearse", add_help=False,
+                   help="run a multi-node job (launch line or sbatch) on hosts made on this machine, then remove them")
     sub.add_parser("bench", add_help=False,
                    help="benchmarks: synthetic (--compare ddp), allreduce bandwidth, scaling")
 
@@ -115,6 +117,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv[:1] == ["slurm"]:
         from hvdkit import slurm
         return slurm.main(argv[1:])
+    if argv[:1] == ["rehearse"]:
+        from hvdkit import rehearse
+        return rehearse.main(argv[1:])
     if argv[:1] == ["bench"]:
         from hvdkit import bench
         return bench.main(argv[1:])

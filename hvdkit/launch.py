@@ -41,6 +41,7 @@ from hvdkit.hostfile import (
 from hvdkit.network import Network, NetworkError, remote_hosts, routable_network
 
 LAUNCHERS = ("auto", "horovodrun", "mpirun", "srun")
+REHEARSAL_HOSTS = "HVDKIT_HOSTS"  # host:slots,... that `hvdkit rehearse` sets; read where -H/--hostfile are not given
 
 
 # ---------------------------------------------------------------------------
@@ -133,7 +134,8 @@ def parser() -> argparse.ArgumentParser:
                        "--dry-run shows where it goes.", allow_abbrev=False)
     p.add_argument("-np", "--num-proc", dest="np", type=int, help="number of ranks")
     hosts = p.add_mutually_exclusive_group()
-    hosts.add_argument("-H", "--hosts", help="host1:4,host2:4 (default: this machine, or the Slurm allocation)")
+    hosts.add_argument("-H", "--hosts", help="host1:4,host2:4 (default: this machine, the Slurm allocation, or "
+                                              "$HVDKIT_HOSTS inside `hvdkit rehearse`)")
     hosts.add_argument("--hostfile", help="hostfile: 'host:N' or 'host slots=N' lines")
     p.add_argument("--launcher", choices=LAUNCHERS, default="auto", help="default: auto")
     ctl = p.add_mutually_exclusive_group()
@@ -193,6 +195,10 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
 
     is_elastic = elastic(launcher_args)
     launcher, reason = choose_launcher(args.launcher, args.controller, environ, which, is_elastic)
+    rehearsed = hosts is None and not is_elastic and REHEARSAL_HOSTS in environ and "SLURM_JOB_NODELIST" not in environ
+    if rehearsed:  # `hvdkit rehearse` lists its hosts here, as Slurm lists an allocation's nodes
+        hosts = parse_hosts(environ[REHEARSAL_HOSTS])
+        reason += f"; hosts from ${REHEARSAL_HOSTS} (hvdkit rehearse)"
     program = which(launcher)
     if program is None:
         raise LaunchError(f"{launcher} not found on PATH; " + {
@@ -217,7 +223,7 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
                       controller=args.controller, set_env=set_env, oversubscribe=args.oversubscribe,
                       as_root=as_root, srun_mpi=args.srun_mpi, program=program, launcher_args=list(launcher_args))
     oversubscribed = check_slots(spec, local_slots)
-    listed = [h.name for h in hosts] if args.hosts or args.hostfile else []  # srun: Slurm watches its nodes
+    listed = [h.name for h in hosts] if args.hosts or args.hostfile or rehearsed else []  # srun: Slurm watches
     if launcher == "horovodrun":
         env = dict(set_env)
         if as_root and args.controller != "gloo":  # its mpirun refuses root without these

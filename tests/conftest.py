@@ -41,8 +41,8 @@ def assert_bitwise_equal(a, b):
 
 
 def require_namespaces():
-    """Skip, saying why, where namespace hosts (tests/hosts.py) cannot be made; in CI that is a failure."""
-    import hosts
+    """Skip, saying why, where namespace hosts (hvdkit.hosts) cannot be made; in CI that is a failure."""
+    from hvdkit import hosts
 
     problem = hosts.unavailable()
     if problem:
@@ -115,7 +115,7 @@ def pytest_configure(config):
 
     if hasattr(config, "workerinput") or not (shutil.which("munged") or Path("/usr/sbin/munged").exists()):
         return
-    import slurm_cluster
+    from hvdkit import slurm_cluster
 
     slurm_cluster.ensure_munge()
 

@@ -84,6 +84,19 @@ def _plan(argv, environ=None, mpi=OPENMPI, on_path=("mpirun", "horovodrun", "sru
     return launch.plan(args, WORKER, environ or {}, which, lambda _: mpi, root, cores)
 
 
+def test_the_hosts_of_a_rehearsal_are_found_as_a_slurm_allocations_are():
+    """Inside `hvdkit rehearse`, HVDKIT_HOSTS lists the hosts; -H wins, and so does a Slurm allocation."""
+    rehearsal = {"HVDKIT_HOSTS": "node0:1,node1:1"}
+    for launcher in ("horovodrun", "mpirun"):
+        plan = _plan(["-np", "2", "--launcher", launcher], rehearsal)
+        assert "node0:1,node1:1" in plan.command and "hosts from $HVDKIT_HOSTS (hvdkit rehearse)" in plan.reason
+        assert plan.watch == ["node0", "node1"], "a lost host ends the job, as with -H"
+    assert "h9:2" in _plan(["-np", "2", "--launcher", "mpirun", "-H", "h9:2"], rehearsal).command
+    in_job = _plan(["-np", "2", "--launcher", "horovodrun"], {**rehearsal, "SLURM_JOB_ID": "7",
+                                                             "SLURM_JOB_NODELIST": "n[1-2]"})
+    assert "n1:1,n2:1" in in_job.command
+
+
 def test_auto_prefers_srun_in_an_allocation_then_mpirun_then_gloo():
     in_slurm = _plan(["-np", "2"], {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]"})
     assert in_slurm.launcher == "srun" and "Slurm allocation 7" in in_slurm.reason

@@ -1,4 +1,4 @@
-"""hvdkit across three hosts: network namespaces on one machine (tests/hosts.py), each with its
+"""hvdkit across three hosts: network namespaces on one machine (hvdkit.hosts), each with its
 own address, name and sshd, and a docker0 that routes nowhere, as on many cluster nodes.
 
 Launched from h1 as a user logged in there would: horovodrun over ssh (Gloo and MPI), mpirun
@@ -17,7 +17,7 @@ import psutil
 import pytest
 import torch
 
-import hosts as namespace_hosts
+from hvdkit import hosts as namespace_hosts
 from conftest import REPO, final_weights, kill_tree, metrics_records, require_namespaces, run, untagged, wait_for
 from hvdkit import launch, network, selftest
 

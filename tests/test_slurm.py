@@ -11,8 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-import hosts as namespace_hosts
-import slurm_cluster
+from hvdkit import hosts as namespace_hosts
+from hvdkit import slurm_cluster
 from conftest import REPO, assert_bitwise_equal, final_weights, require_namespaces, run
 from hvdkit import checkpoint, launch, selftest
 

@@ -1,35 +1,30 @@
-"""N test hosts on one machine: network namespaces on a private switch, each with its own
-address, host name, sshd and, if asked, a shaped link and a docker0 that routes nowhere.
-
-    python -m tests.hosts up 3 [--docker0] [--rate 1gbit]   # as root; Ctrl-C removes them
-    python -m tests.hosts run 2 --rate 1gbit --cpus -- hvdkit bench allreduce -np 2 -H h1:1,h2:1
+"""Hosts on one machine: network namespaces on a private switch, each with its own address,
+host name, sshd and, if asked, a shaped link and a docker0 that routes nowhere. `hvdkit
+rehearse` runs a user's job on them (hvdkit.rehearse); the multi-host tests use them too.
 
     with Hosts(3) as hosts:
         subprocess.run(hosts.on("h1", ["horovodrun", "-np", "3", "-H", "h1:1,h2:1,h3:1", ...]),
                        env=hosts.env())
 
 Every name carries this process's PID and a count, so two runs, or two sets of hosts in one
-run, never share anything. The hosts' links meet
-on a bridge inside a switch namespace: the machine's own network and the root namespace see
-none of their traffic. Addresses are 10.231.0.11.. (eth0, routed between hosts) and, with
-docker0, 10.231.1.1 on every host (routed nowhere, as Docker's bridge is), both inside the
-namespaces only. Each host's name resolves from every host (/etc/netns/<ns>/hosts); commands
-run there see that host's name (a UTS namespace of their own). The filesystem is shared, as a
-cluster's home is; with ``own_tmp`` each host has a /tmp of its own, as a node's local disk
-(the checkout and its Python, should they be under /tmp, stay shared).
-With ``cpus`` each host runs on its own share of this machine's cores (CPU affinity, inherited
-by everything its sshd starts), as a real host computes on its own cores; with more hosts
-than cores, hosts share.
+run, never share anything. The hosts' links meet on a bridge inside a switch namespace: the
+machine's own network and the root namespace see none of their traffic. Addresses are
+10.231.0.11.. (eth0, routed between hosts) and, with docker0, 10.231.1.1 on every host
+(routed nowhere, as Docker's bridge is), both inside the namespaces only. Each host's name
+resolves from every host (/etc/netns/<ns>/hosts); commands run there see that host's name (a
+UTS namespace of their own). The filesystem is shared, as a cluster's home is; with
+``own_tmp`` each host has a /tmp of its own, as a node's local disk (the working directory,
+hvdkit and its Python, should they be under /tmp, stay shared). With ``cpus`` each host runs
+on its own share of this machine's cores (CPU affinity, inherited by everything its sshd
+starts), as a real host computes on its own cores; with more hosts than cores, hosts share.
 Removing the hosts ends every process still in their namespaces first.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import re
-import shlex
 import shutil
 import signal
 import subprocess
@@ -51,6 +46,14 @@ def bits_per_second(rate: str) -> float:
     if not match:
         raise ValueError(f"rate {rate!r}: expected a number and gbit, mbit or kbit, like 1gbit")
     return float(match[1]) * {"k": 1e3, "m": 1e6, "g": 1e9}[match[2]]
+
+
+def seconds(delay: str) -> float:
+    """tc's time words: '1ms' -> 0.001, '250us' -> 0.00025, '0.5s' -> 0.5."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(us|ms|s)", delay)
+    if not match:
+        raise ValueError(f"delay {delay!r}: expected a number and us, ms or s, like 1ms")
+    return float(match[1]) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[match[2]]
 
 
 class HostsUnavailable(Exception):
@@ -75,10 +78,11 @@ def unavailable() -> Optional[str]:
 
 class Hosts:
     def __init__(self, count: int, docker0: bool = False, rate: Optional[str] = None, own_tmp: bool = False,
-                 cpus: bool = False) -> None:
-        self.names = [f"h{i}" for i in range(1, count + 1)]
+                 cpus: bool = False, delay: Optional[str] = None, names: Optional[Sequence[str]] = None) -> None:
+        """``count`` hosts named h1..hN, or ``names``; ``rate`` and ``delay`` shape what each sends."""
+        self.names = list(names) if names else [f"h{i}" for i in range(1, count + 1)]
         self.prefix = f"hvdk{os.getpid()}x{next(_made)}"
-        self.docker0, self.rate, self.own_tmp, self.cpus = docker0, rate, own_tmp, cpus
+        self.docker0, self.rate, self.delay, self.own_tmp, self.cpus = docker0, rate, delay, own_tmp, cpus
         self.dir: Optional[Path] = None
         self.sshd: dict[str, subprocess.Popen] = {}
 
@@ -117,9 +121,9 @@ class Hosts:
 
     @staticmethod
     def kept_in_tmp() -> list[str]:
-        """This checkout and the Python running it, relative to /tmp, where they are under /tmp
-        (a CI clone): own_tmp must not hide them from the hosts."""
-        paths = [Path(__file__).resolve().parent.parent, Path(sys.prefix).resolve()]
+        """The working directory, hvdkit's checkout and the Python running it, relative to /tmp,
+        where they are under /tmp (a CI clone): own_tmp must not hide them from the hosts."""
+        paths = [Path.cwd().resolve(), Path(__file__).resolve().parent.parent, Path(sys.prefix).resolve()]
         under = [p.relative_to("/tmp") for p in paths if p.is_relative_to("/tmp") and p != Path("/tmp")]
         return [str(p) for p in under if not any(p != q and p.is_relative_to(q) for q in under)]
 
@@ -177,16 +181,26 @@ class Hosts:
                 _ip("-n", ns, "addr", "add", DOCKER0, "dev", "docker0")
                 _ip("-n", ns, "link", "set", "vethc0", "up")
                 _ip("-n", ns, "link", "set", "docker0", "up")
-            if self.rate:
-                self.shape(name, self.rate)
+            if self.rate or self.delay:
+                self.shape(name, self.rate, self.delay)
 
-    def shape(self, name: str, rate: str) -> None:
-        """Limit what host ``name`` sends to ``rate`` (tc tbf; this kernel has no netem, so no delay).
-        The bucket holds 4 ms of the rate (at least 256 KiB): tbf refills once per timer tick, and
-        a smaller bucket caps a 10gbit link well below its rate."""
-        burst = max(256 * 1024, int(bits_per_second(rate) / 8 * 0.004))
-        subprocess.run(["ip", "netns", "exec", self.ns(name), "tc", "qdisc", "replace", "dev", "eth0", "root",
-                        "tbf", "rate", rate, "burst", str(burst), "latency", "50ms"], check=True)
+    def shape(self, name: str, rate: Optional[str], delay: Optional[str] = None) -> None:
+        """Limit what host ``name`` sends to ``rate`` (tc tbf) and, with ``delay``, hold each packet
+        that long (tc netem, which also takes the rate). tbf's bucket holds 4 ms of the rate (at
+        least 256 KiB): tbf refills once per timer tick, and a smaller bucket caps a 10gbit link
+        well below its rate."""
+        if delay:
+            qdisc = ["netem", "delay", delay, *(["rate", rate] if rate else [])]
+        else:
+            qdisc = ["tbf", "rate", rate, "burst", str(max(256 * 1024, int(bits_per_second(rate) / 8 * 0.004))),
+                     "latency", "50ms"]
+        proc = subprocess.run(["ip", "netns", "exec", self.ns(name), "tc", "qdisc", "replace", "dev", "eth0", "root",
+                               *qdisc], capture_output=True, text=True)
+        if proc.returncode != 0 and delay and "unknown" in proc.stderr:
+            raise HostsUnavailable(f"a delay of {delay} needs tc's netem queue (kernel module sch_netem), "
+                                   "which this machine's kernel lacks")
+        if proc.returncode != 0:
+            raise RuntimeError(f"tc {' '.join(qdisc)} on {name}: {proc.stderr.strip()}")
 
     def unshape(self, name: str) -> None:
         """Host ``name``'s link at full speed again (nothing to do if it is not shaped)."""
@@ -230,6 +244,20 @@ class Hosts:
                     log = (d / f"sshd_{name}.log").read_text()[-1000:]
                     raise RuntimeError(f"sshd on {name} is not reachable: {log}")
                 time.sleep(0.2)
+
+    def lose(self, name: str) -> None:
+        """Host ``name`` fails: every process on it is killed, its sshd too, and once they are gone
+        (their connections closed, as a crashed machine's kernel closes them) its link goes down,
+        so that nothing reaches it any more."""
+        deadline = time.monotonic() + 10
+        while self.pids(name) and time.monotonic() < deadline:
+            for pid in self.pids(name):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.05)
+        self.link(name, up=False)
 
     def end_jobs(self, name: str) -> None:
         """End every process on host ``name`` but its sshd (what a lost host left behind)."""
@@ -278,50 +306,3 @@ class Hosts:
             shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
         if self.dir:
             shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _rate(text: str) -> str:
-    try:
-        bits_per_second(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.hosts", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="action", required=True)
-    up = sub.add_parser("up", help="make the hosts and keep them until Ctrl-C or SIGTERM")
-    run = sub.add_parser("run", help="make the hosts, run the command after -- on h1 as a user logged in there, "
-                                     "remove them")
-    for action in (up, run):
-        action.add_argument("count", type=int)
-        action.add_argument("--docker0", action="store_true", help="a docker0 with 10.231.1.1 on every host")
-        action.add_argument("--rate", type=_rate, help="shape each host's link, e.g. 1gbit")
-        action.add_argument("--own-tmp", action="store_true", help="a /tmp of its own on every host (node-local disk)")
-        action.add_argument("--cpus", action="store_true", help="each host on its own share of this machine's cores")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    split = argv.index("--") if "--" in argv else len(argv)
-    argv, command = argv[:split], argv[split + 1:]
-    args = parser.parse_args(argv)
-    if args.action == "run" and not command:
-        parser.error("run: give the command after --")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
-        with Hosts(args.count, docker0=args.docker0, rate=args.rate, own_tmp=args.own_tmp, cpus=args.cpus) as hosts:
-            if args.action == "run":
-                return subprocess.run(hosts.on("h1", command), env=hosts.env()).returncode
-            print(f"hosts {', '.join(f'{n}={hosts.address(n)}' for n in hosts.names)}; keys in {hosts.dir}")
-            print(f"a shell on h1:  PATH={hosts.dir}/bin:$PATH {shlex.join(hosts.on('h1', ['bash']))}")
-            print("Ctrl-C removes them.", flush=True)
-            signal.pause()
-    except HostsUnavailable as exc:
-        print(f"tests.hosts: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        pass
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

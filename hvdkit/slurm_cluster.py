@@ -1,9 +1,10 @@
-"""A real two-node Slurm cluster on namespace hosts (tests/hosts.py), for the tests.
+"""A real Slurm cluster on namespace hosts (hvdkit.hosts): for `hvdkit rehearse --slurm` and the tests.
 
-slurmctld and a slurmd on h1, a slurmd on h2; each node is its host's name and address
-(NodeAddr 10.231.0.11, .12) with a /tmp of its own, as real nodes have, so srun --mpi=pmix
-uses the default TmpFS. Commands a user would type (sbatch, scancel, salloc) run on h1, the
-login node. Debian's slurm-wlm and munge; munged's socket is shared by the hosts.
+slurmctld and a slurmd on the first host, a slurmd on each of the others; each node is its
+host's name and address (NodeAddr 10.231.0.11, .12, ...) with a /tmp of its own, as real nodes
+have, so srun --mpi=pmix uses the default TmpFS. Commands a user would type (sbatch, scancel,
+salloc) run on the first host, the login node. Debian's slurm-wlm and munge; munged's socket
+is shared by the hosts.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ def ensure_munge() -> None:
 
 class SlurmCluster:
     def __init__(self, hosts) -> None:
-        """On ``hosts`` (two or more, made with own_tmp); its files in their shared directory."""
-        self.hosts, self.nodes = hosts, hosts.names[:2]
+        """On ``hosts`` (made with own_tmp), every one a node; its files in their shared directory."""
+        self.hosts, self.nodes = hosts, list(hosts.names)
         self.root = hosts.dir / "slurm"
         self.home = hosts.dir / "home"  # the users' shared directory: the nodes' /tmp is their own
         self.conf = self.root / "slurm.conf"

@@ -1,0 +1,117 @@
+"""hvdkit.run: the notebook under examples/ in a real Jupyter kernel, and a user's script calling
+it (tests/spawn_caller.py), with real launches: values back in rank order, a rank's exception or
+unpicklable value named, Ctrl-C stopping every rank with a checkpoint and nothing left running."""
+
+import json
+import os
+import sys
+import uuid
+
+import pytest
+
+from conftest import REPO, final_weights, run
+from hvdkit import checkpoint, selftest, spawn
+
+CALLER = REPO / "tests" / "spawn_caller.py"
+NOTEBOOK = REPO / "examples" / "hvdkit_run.ipynb"
+# What the notebook's settings are, as `hvdkit train` flags.
+TRAIN = ["--model", "mlp", "--max-steps", "20", "--warmup-epochs", "0", "--lr-schedule", "none"]
+
+
+def test_the_launch_line_of_hvdkit_run_golden():
+    assert spawn.launch_command(2, "gloo", "/runs/d", hosts="h1:1,h2:1", env={"OMP_NUM_THREADS": "1"}) == [
+        sys.executable, "-m", "hvdkit", "launch", "-np", "2", "--launcher", "horovodrun", "--gloo",
+        "-H", "h1:1,h2:1", "-x", "PYTHONUNBUFFERED=1", "-x", "OMP_NUM_THREADS=1",
+        "--", sys.executable, "-m", "hvdkit.spawn", "/runs/d"]
+    assert spawn.launch_command(3, "mpirun", "/runs/d")[3:9] == ["launch", "-np", "3", "--launcher", "mpirun", "-x"]
+
+
+def test_bad_arguments_are_one_line_before_anything_starts():
+    import hvdkit
+
+    with pytest.raises(ValueError, match=r"^hvdkit.run: launcher='srun'; expected one of horovodrun, mpirun, gloo$"):
+        hvdkit.run(print, launcher="srun")
+    with pytest.raises(ValueError, match=r"^hvdkit.run: np=0; expected a whole number >= 1$"):
+        hvdkit.run(print, np=0)
+    lock = __import__("threading").Lock()
+    with pytest.raises(hvdkit.RunError, match=r"^hvdkit.run: 'print' or its arguments cannot be pickled to send "
+                                              r"to the ranks: cannot pickle '_thread.lock' object$"):
+        hvdkit.run(print, lock)
+
+
+@pytest.fixture(scope="module")
+def trained_by_hvdkit_train(tmp_path_factory):
+    """`hvdkit train` on two ranks with the notebook's settings: the weights to get back."""
+    ckpt = tmp_path_factory.mktemp("hvdkit-train") / "ckpt"
+    proc = run([sys.executable, "-m", "hvdkit", "launch", "-np", "2", "--launcher", "horovodrun", "--",
+                sys.executable, "-m", "hvdkit", "train", *TRAIN, "--checkpoint-dir", str(ckpt),
+                "--log-dir", str(ckpt.parent / "logs")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return final_weights(ckpt)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["horovodrun", "mpirun", "gloo"])
+def test_the_notebook_trains_on_every_rank_to_the_weights_of_hvdkit_train(launcher, tmp_path, monkeypatch,
+                                                                          trained_by_hvdkit_train):
+    import nbformat
+    import torch
+    from nbclient import NotebookClient
+
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    cells = {tag: cell for cell in notebook.cells for tag in cell.metadata.get("tags", [])}
+    cells["parameters"].source = f'LAUNCHER = "{launcher}"\nNP = 2'
+    notebook.cells.append(nbformat.v4.new_code_cell('torch.save([r["weights"] for r in results], "weights.pt")'))
+    for name, value in selftest.mpi_root_env({}).items():
+        monkeypatch.setenv(name, value)
+    notebook = NotebookClient(notebook, timeout=300, kernel_name="python3",
+                              resources={"metadata": {"path": str(tmp_path)}}).execute()
+
+    cells = {tag: cell for cell in notebook.cells for tag in cell.metadata.get("tags", [])}
+    assert cells["values"].outputs[0]["data"]["text/plain"] == "[(0, 20), (1, 20)]"
+    assert cells["same-weights"].outputs[0]["data"]["text/plain"] == "True"
+    printed = "".join(output.get("text", "") for output in cells["run"].outputs if output["output_type"] == "stream")
+    assert any(line.startswith("[0] [train] step 20/20") for line in printed.splitlines()), printed[-2000:]
+    for weights in torch.load(tmp_path / "weights.pt"):
+        assert weights.keys() == trained_by_hvdkit_train.keys()
+        for name, value in weights.items():
+            assert torch.equal(value, trained_by_hvdkit_train[name]), name
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_or_returns_what_cannot_be_pickled_is_named_in_the_caller():
+    proc = run([sys.executable, str(CALLER), "errors", "gloo"], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    raised, unpicklable = (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))
+    host = os.uname().nodename
+    assert raised["rank"] == 1 and raised["host"] == host
+    assert raised["error"].startswith(f"rank 1 on {host} raised ValueError: rank one's bad value\n\n"
+                                      "rank 1's traceback:\nTraceback (most recent call last):\n")
+    assert "in raises_on_rank_one\n" in raised["error"] and raised["cause"] == 'ValueError("rank one\'s bad value")'
+    assert unpicklable["error"] == (f"hvdkit.run: rank {unpicklable['rank']} on {host} returned a generator, which "
+                                    "cannot be pickled to send back: cannot pickle 'generator' object")
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_the_caller_stops_every_rank_with_a_checkpoint_and_leaves_nothing(tmp_path):
+    import psutil
+
+    mark = uuid.uuid4().hex  # in the environment of everything the caller starts
+    ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
+    proc = run([sys.executable, str(CALLER), "interrupt", "horovodrun", str(ckpt), str(logs)],
+               env=dict(os.environ, HVDKIT_TEST_MARK=mark), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(proc.stdout.splitlines()[-1])
+    assert record["interrupted"] and record["sent_after"] >= 5, record
+    assert record["returned_after"] < 15, record
+    (stopped,) = [line for line in proc.stderr.splitlines() if line.startswith("hvdkit launch: stopped by SIGINT")]
+    step = int(stopped.split(" at step ")[1].split(";")[0])
+    assert checkpoint.existing(str(ckpt))[-1] == checkpoint.path_for(str(ckpt), step), stopped
+    left = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get("HVDKIT_TEST_MARK") == mark:
+                left.append(process.cmdline())
+        except psutil.Error:
+            pass
+    assert left == []

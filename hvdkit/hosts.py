@@ -247,8 +247,10 @@ class Hosts:
 
     def lose(self, name: str) -> None:
         """Host ``name`` fails: every process on it is killed, its sshd too, and once they are gone
-        (their connections closed, as a crashed machine's kernel closes them) its link goes down,
-        so that nothing reaches it any more."""
+        and their connections' last packets have left (a shaped link queues them), its link goes
+        down, so that nothing reaches it any more. The other hosts see their connections to it
+        closed, as when a node's processes die; a link cut first would leave them waiting for
+        their collectives' timeouts (Gloo's: 30 s)."""
         deadline = time.monotonic() + 10
         while self.pids(name) and time.monotonic() < deadline:
             for pid in self.pids(name):
@@ -257,6 +259,7 @@ class Hosts:
                 except ProcessLookupError:
                     pass
             time.sleep(0.05)
+        time.sleep(1.0)
         self.link(name, up=False)
 
     def end_jobs(self, name: str) -> None:

@@ -26,7 +26,6 @@ and end; then every process on the hosts ends and the hosts are removed. Exit: t
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shlex
 import signal

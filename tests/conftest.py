@@ -32,6 +32,22 @@ def final_weights(ckpt_dir):
     return checkpoint.load(checkpoint.existing(str(ckpt_dir))[-1])["model"]
 
 
+# The notebook's settings (examples/hvdkit_run.ipynb) as `hvdkit train` flags: plain SGD on a model
+# without batch norm or dropout, so that every way of running two ranks gives the same weights.
+TWO_RANK_TRAIN = ["--model", "mlp", "--max-steps", "20", "--warmup-epochs", "0", "--lr-schedule", "none"]
+
+
+@pytest.fixture(scope="session")
+def two_ranks_trained(tmp_path_factory):
+    """The final weights of `hvdkit train` with TWO_RANK_TRAIN on two ranks of this host (horovodrun)."""
+    ckpt = tmp_path_factory.mktemp("two-ranks") / "ckpt"
+    proc = run([sys.executable, "-m", "hvdkit", "launch", "-np", "2", "--launcher", "horovodrun", "--",
+                sys.executable, "-m", "hvdkit", "train", *TWO_RANK_TRAIN, "--checkpoint-dir", str(ckpt),
+                "--log-dir", str(ckpt.parent / "logs")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return final_weights(ckpt)
+
+
 def assert_bitwise_equal(a, b):
     import torch
 

@@ -17,8 +17,8 @@ import psutil
 import pytest
 import torch
 
-from hvdkit import hosts as namespace_hosts
 from conftest import REPO, final_weights, kill_tree, metrics_records, require_namespaces, run, untagged, wait_for
+from hvdkit import hosts as namespace_hosts
 from hvdkit import launch, network, selftest
 
 pytestmark = pytest.mark.slow

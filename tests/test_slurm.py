@@ -11,10 +11,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hvdkit import hosts as namespace_hosts
-from hvdkit import slurm_cluster
 from conftest import REPO, assert_bitwise_equal, final_weights, require_namespaces, run
-from hvdkit import checkpoint, launch, selftest
+from hvdkit import checkpoint, launch, selftest, slurm_cluster
+from hvdkit import hosts as namespace_hosts
 
 pytestmark = pytest.mark.slow
 VENV_BIN = Path(sys.executable).parent

@@ -9,13 +9,11 @@ import uuid
 
 import pytest
 
-from conftest import REPO, final_weights, run
+from conftest import REPO, run
 from hvdkit import checkpoint, selftest, spawn
 
 CALLER = REPO / "tests" / "spawn_caller.py"
-NOTEBOOK = REPO / "examples" / "hvdkit_run.ipynb"
-# What the notebook's settings are, as `hvdkit train` flags.
-TRAIN = ["--model", "mlp", "--max-steps", "20", "--warmup-epochs", "0", "--lr-schedule", "none"]
+NOTEBOOK = REPO / "examples" / "hvdkit_run.ipynb"  # its settings are conftest.TWO_RANK_TRAIN
 
 
 def test_the_launch_line_of_hvdkit_run_golden():
@@ -39,21 +37,10 @@ def test_bad_arguments_are_one_line_before_anything_starts():
         hvdkit.run(print, lock)
 
 
-@pytest.fixture(scope="module")
-def trained_by_hvdkit_train(tmp_path_factory):
-    """`hvdkit train` on two ranks with the notebook's settings: the weights to get back."""
-    ckpt = tmp_path_factory.mktemp("hvdkit-train") / "ckpt"
-    proc = run([sys.executable, "-m", "hvdkit", "launch", "-np", "2", "--launcher", "horovodrun", "--",
-                sys.executable, "-m", "hvdkit", "train", *TRAIN, "--checkpoint-dir", str(ckpt),
-                "--log-dir", str(ckpt.parent / "logs")])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return final_weights(ckpt)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["horovodrun", "mpirun", "gloo"])
 def test_the_notebook_trains_on_every_rank_to_the_weights_of_hvdkit_train(launcher, tmp_path, monkeypatch,
-                                                                          trained_by_hvdkit_train):
+                                                                          two_ranks_trained):
     import nbformat
     import torch
     from nbclient import NotebookClient
@@ -73,9 +60,9 @@ def test_the_notebook_trains_on_every_rank_to_the_weights_of_hvdkit_train(launch
     printed = "".join(output.get("text", "") for output in cells["run"].outputs if output["output_type"] == "stream")
     assert any(line.startswith("[0] [train] step 20/20") for line in printed.splitlines()), printed[-2000:]
     for weights in torch.load(tmp_path / "weights.pt"):
-        assert weights.keys() == trained_by_hvdkit_train.keys()
+        assert weights.keys() == two_ranks_trained.keys()
         for name, value in weights.items():
-            assert torch.equal(value, trained_by_hvdkit_train[name]), name
+            assert torch.equal(value, two_ranks_trained[name]), name
 
 
 @pytest.mark.slow

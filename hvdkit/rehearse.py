@@ -91,6 +91,8 @@ def check(args: argparse.Namespace, command: Sequence[str]) -> Optional[str]:
         return "--hosts and --slots must be at least 1"
     if (args.kill_host is None) != (args.after is None):
         return "--kill-host and --after go together: --kill-host 1 --after 30s"
+    if args.kill_host is not None and args.hosts < 2:
+        return "--kill-host needs --hosts 2 or more: node0 runs the command, as the node you log in to"
     if args.kill_host is not None and not 1 <= args.kill_host < args.hosts:
         return (f"--kill-host {args.kill_host}: pick a host from 1 to {args.hosts - 1} "
                 "(node0 runs the command, as the node you log in to)")

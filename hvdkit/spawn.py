@@ -8,8 +8,9 @@ works. The ranks are started by `hvdkit launch` (launch_command), so everything 
 hosts and slots checked first, each rank's output in whole lines, a stop signal to every rank,
 nothing left running. Each rank runs ``python -m hvdkit.spawn DIR``: Horovod initialised, the
 function called, and its value, or its exception and traceback, left in DIR, a directory the
-caller made (in the working directory when ``hosts`` are given, which must then be shared, as
-a cluster's home is). The caller relays the ranks' output live, each line tagged ``[rank]``.
+caller made (in the working directory when the ranks may span hosts: ``hosts`` given, inside
+`hvdkit rehearse` or a Slurm allocation; it must then be shared, as a cluster's home is). The
+caller relays the ranks' output live, each line tagged ``[rank]``.
 
 Ctrl-C in the caller (a notebook's stop button) is passed to every rank as SIGINT: a Session
 stops at its next step and saves its checkpoint, as on Ctrl-C in a shell. What has not ended
@@ -75,7 +76,8 @@ def run(fn: Callable, *args: Any, np: int = 2, launcher: str = "horovodrun", hos
     except Exception as exc:
         raise RunError(f"hvdkit.run: {getattr(fn, '__name__', fn)!r} or its arguments cannot be pickled to send "
                        f"to the ranks: {_one_line(exc)}") from None
-    directory = Path(tempfile.mkdtemp(prefix=".hvdkit-run-", dir=os.getcwd() if hosts else None))
+    across_hosts = hosts or any(name in os.environ for name in ("HVDKIT_HOSTS", "SLURM_JOB_NODELIST"))
+    directory = Path(tempfile.mkdtemp(prefix=".hvdkit-run-", dir=os.getcwd() if across_hosts else None))
     try:
         (directory / CALL).write_bytes(call)
         command = launch_command(np, launcher, str(directory), hosts, env)

@@ -62,9 +62,25 @@ def require_namespaces():
 
     problem = hosts.unavailable()
     if problem:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the multi-host tests, but: {problem}")
-        pytest.skip(f"cannot make namespace hosts here: {problem}")
+        _missing(f"CI must run the multi-host tests, but: {problem}", f"cannot make namespace hosts here: {problem}")
+
+
+def require_slurm_on_namespaces():
+    """Skip, saying why, where Slurm or namespace hosts are missing; in CI that is a failure."""
+    from hvdkit import slurm_cluster
+
+    missing = ", ".join(slurm_cluster.missing_binaries())
+    if missing:
+        _missing(f"Slurm is required in CI but {missing} is missing (make setup installs it)",
+                 f"Slurm is not installed here ({missing} missing): run `make setup`")
+    require_namespaces()
+
+
+def _missing(in_ci, elsewhere):
+    """CI must run every test: there a missing part fails the test; elsewhere it skips, saying why."""
+    if os.environ.get("CI"):
+        pytest.fail(in_ci)
+    pytest.skip(elsewhere)
 
 
 def elastic_on_this_host(hostfile, command, launcher="horovodrun"):

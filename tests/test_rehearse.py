@@ -15,8 +15,17 @@ import psutil
 import pytest
 import torch
 
-from conftest import REPO, TWO_RANK_TRAIN, final_weights, metrics_records, require_namespaces, untagged, wait_for
-from hvdkit import checkpoint, rehearse, selftest, slurm_cluster
+from conftest import (
+    REPO,
+    TWO_RANK_TRAIN,
+    final_weights,
+    metrics_records,
+    require_namespaces,
+    require_slurm_on_namespaces,
+    untagged,
+    wait_for,
+)
+from hvdkit import checkpoint, rehearse, selftest
 
 REHEARSE = [sys.executable, "-m", "hvdkit", "rehearse"]
 VENV_BIN = os.path.dirname(sys.executable)
@@ -59,6 +68,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys):
         ("--hosts", "2"): "give the command after '--'",
         ("--kill-host", "0", "--after", "5s", "--", "true"): "--kill-host 0: pick a host from 1 to 1 (node0 runs",
         ("--kill-host", "1", "--", "true"): "--kill-host and --after go together",
+        ("--hosts", "1", "--kill-host", "1", "--after", "5", "--", "true"): "--kill-host needs --hosts 2 or more",
         ("--bandwidth", "1gb", "--", "true"): "argument --bandwidth: rate '1gb': expected a number and gbit",
         ("--delay", "5", "--", "true"): "argument --delay: delay '5': expected a number and us, ms or s",
         ("--slurm", "--kill-host", "1", "--after", "1", "--", "sbatch", "x"): "--kill-host is for launches",
@@ -125,12 +135,7 @@ def test_an_elastic_job_finishes_on_the_host_left_when_the_other_is_lost(tmp_pat
 
 @pytest.mark.slow
 def test_slurm_runs_a_template_to_completed_across_the_two_hosts(tmp_path):
-    missing = slurm_cluster.missing_binaries()
-    if missing:
-        if os.environ.get("CI"):
-            pytest.fail(f"Slurm is required in CI but {', '.join(missing)} is missing (make setup installs it)")
-        pytest.skip(f"Slurm is not installed here ({', '.join(missing)} missing): run `make setup`")
-    require_namespaces()
+    require_slurm_on_namespaces()
     mark = uuid.uuid4().hex
     env = dict(environment(mark), HVDKIT_ARGS="--model mlp --max-steps 5", HVDKIT_RUN_DIR=str(tmp_path / "run"))
     proc = subprocess.Popen([*REHEARSE, "--hosts", "2", "--slurm", "--", "sbatch", "--output",
@@ -168,4 +173,19 @@ def test_sigterm_mid_run_stops_the_job_with_its_checkpoint_and_removes_everythin
     (stopped,) = [line for line in err.splitlines() if line.startswith("hvdkit launch: stopped by SIGTERM at step ")]
     step = int(stopped.split(" at step ")[1].split(";")[0])
     assert checkpoint.existing(str(ckpt))[-1] == checkpoint.path_for(str(ckpt), step)
+    wait_for_none_left(proc.pid, mark, tmp_path)
+
+
+@pytest.mark.slow
+def test_hvdkit_run_inside_a_rehearsal_spans_its_hosts(tmp_path):
+    """A script calling hvdkit.run on node0: `hvdkit launch` finds the hosts in HVDKIT_HOSTS."""
+    require_namespaces()
+    mark = uuid.uuid4().hex
+    script = ("import socket, hvdkit; print(hvdkit.run(lambda: socket.gethostname(), np=2, launcher='mpirun'))")
+    proc = subprocess.Popen([*REHEARSE, "--hosts", "2", "--", sys.executable, "-c", script], env=environment(mark),
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert out.splitlines()[-1] == "['node0', 'node1']"
+    assert list(tmp_path.iterdir()) == [], "the call's directory is removed"
     wait_for_none_left(proc.pid, mark, tmp_path)

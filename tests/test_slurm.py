@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import REPO, assert_bitwise_equal, final_weights, require_namespaces, run
+from conftest import REPO, assert_bitwise_equal, final_weights, require_slurm_on_namespaces, run
 from hvdkit import checkpoint, launch, selftest, slurm_cluster
 from hvdkit import hosts as namespace_hosts
 
@@ -21,12 +21,7 @@ VENV_BIN = Path(sys.executable).parent
 
 @pytest.fixture(scope="module")
 def cluster():
-    missing = slurm_cluster.missing_binaries()
-    if missing:
-        if os.environ.get("CI"):
-            pytest.fail(f"Slurm is required in CI but {', '.join(missing)} is missing (make setup installs it)")
-        pytest.skip(f"Slurm is not installed here ({', '.join(missing)} missing): run `make setup`")
-    require_namespaces()
+    require_slurm_on_namespaces()
     with namespace_hosts.Hosts(2, own_tmp=True) as hosts:
         cluster = slurm_cluster.SlurmCluster(hosts)
         try:

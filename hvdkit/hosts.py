@@ -124,8 +124,8 @@ class Hosts:
         """The working directory, hvdkit's checkout and the Python running it, relative to /tmp,
         where they are under /tmp (a CI clone): own_tmp must not hide them from the hosts."""
         paths = [Path.cwd().resolve(), Path(__file__).resolve().parent.parent, Path(sys.prefix).resolve()]
-        under = [p.relative_to("/tmp") for p in paths if p.is_relative_to("/tmp") and p != Path("/tmp")]
-        return [str(p) for p in under if not any(p != q and p.is_relative_to(q) for q in under)]
+        under = {p.relative_to("/tmp") for p in paths if p.is_relative_to("/tmp") and p != Path("/tmp")}
+        return sorted(str(p) for p in under if not any(p != q and p.is_relative_to(q) for q in under))
 
     def tmp(self, name: str) -> Path:
         """Host ``name``'s /tmp, as this machine sees it (with ``own_tmp``)."""

@@ -32,6 +32,11 @@ def path_for(directory: str, step: int) -> Path:
     return Path(directory) / f"{PREFIX}{step:09d}{SUFFIX}"
 
 
+def step_of(path: Path) -> int:
+    """The step of checkpoint ``path`` (path_for's name)."""
+    return int(path.name.removeprefix(PREFIX).removesuffix(SUFFIX))
+
+
 def existing(directory: str) -> list[Path]:
     """Checkpoint files, oldest first (the step is zero-padded in the name)."""
     return sorted(Path(directory).glob(f"{PREFIX}*{SUFFIX}"))

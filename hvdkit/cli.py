@@ -63,6 +63,7 @@ def train(args: argparse.Namespace) -> int:
         print("datasets:", " ".join(data.DATASETS))
         return 0
     from hvdkit.checkpoint import CheckpointError  # imports torch, which only training needs
+    from hvdkit.consistency import DivergenceError
     from hvdkit.data import UnreadableSample, one_line
     from hvdkit.step import NonFiniteError
     from hvdkit.trainer import Trainer, failure_hint
@@ -71,11 +72,11 @@ def train(args: argparse.Namespace) -> int:
         cfg = config.from_args(args)
         trainer = Trainer(cfg)
         summary = trainer.fit_elastic() if cfg.elastic else trainer.fit()
-    except (config.ConfigError, CheckpointError, NonFiniteError) as exc:
+    except (config.ConfigError, CheckpointError, NonFiniteError, DivergenceError) as exc:
         if args.debug:
             raise
         _say_once(f"hvdkit train: {exc}")
-        return 2 if isinstance(exc, config.ConfigError) else 1
+        return getattr(exc, "exit_code", 2 if isinstance(exc, config.ConfigError) else 1)
     except UnreadableSample as exc:  # on the rank that read it: the others wait for it, or for the launcher
         if args.debug:
             raise

@@ -84,6 +84,12 @@ class TrainConfig:
     on_nonfinite: str = field(default="stop", metadata={
         "help": "a NaN/inf loss or gradient: stop (one line naming the step, last good checkpoint kept) or skip "
                 "the step (as GradScaler does), stopping after 10 in a row"})
+    check_consistency_steps: int = field(default=100, metadata={
+        "help": "every N steps and before each checkpoint, check that every rank holds the same weights, buffers "
+                "and optimizer state; a difference stops the job naming the ranks (exit 77); 0 off"})
+    straggler_threshold: float = field(default=0.15, metadata={
+        "help": "name a rank whose compute time per step is this fraction above the median rank's for 3 reports "
+                "in a row; 0 off"})
     skip_bad_samples: bool = field(default=False, metadata={
         "help": "skip samples that cannot be read (counted in the summary) instead of stopping at the first"})
 
@@ -93,7 +99,8 @@ class TrainConfig:
 # (batch size moves the data position, base_lr is restored from the checkpoint, ...).
 RESUME_MAY_CHANGE = ("epochs", "max_steps", "data_dir", "num_workers", "log_interval", "log_dir", "checkpoint_dir",
                      "checkpoint_steps", "keep_checkpoints", "stall_timeout", "max_requeues", "resume", "compile",
-                     "commit_steps", "on_nonfinite", "skip_bad_samples")
+                     "commit_steps", "on_nonfinite", "skip_bad_samples", "check_consistency_steps",
+                     "straggler_threshold")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -139,7 +146,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"config: {name} must be > 0 (got {getattr(cfg, name)})")
-    for name in ("momentum", "weight_decay", "warmup_epochs", "num_workers", "stall_timeout", "max_requeues"):
+    for name in ("momentum", "weight_decay", "warmup_epochs", "num_workers", "stall_timeout", "max_requeues",
+                 "check_consistency_steps", "straggler_threshold"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"config: {name} must be >= 0 (got {getattr(cfg, name)})")
     for name in ("max_steps", "checkpoint_steps"):
@@ -244,6 +252,7 @@ GROUPS = {
                     "stall_timeout", "elastic", "commit_steps"),
     "checkpoints": ("checkpoint_dir", "checkpoint_steps", "keep_checkpoints", "resume", "max_requeues"),
     "logging": ("log_dir", "log_interval"),
+    "checks": ("check_consistency_steps", "straggler_threshold"),
 }
 ALIASES = {"base_lr": ("--lr",)}  # Horovod's examples say --lr
 

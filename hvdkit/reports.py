@@ -9,6 +9,7 @@ Rank 0's sink (hvdkit.metrics) shows progress and writes metrics.jsonl and Tenso
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import time
 import weakref
@@ -35,6 +36,7 @@ class Reports:
         self.sink: Optional[Metrics] = None
         self.samples, self.seconds = 0.0, 0.0
         self.window_start = self.wall_start = time.perf_counter()
+        self._hosts: Optional[list] = None
 
     def log(self, samples: int, means: dict) -> None:
         device = self.session.device
@@ -50,11 +52,15 @@ class Reports:
         return step % session.cfg.log_interval == 0 or session._loaders.epoch_ended() or step == session.total_steps
 
     def report(self, stage: str, extra: dict) -> dict:
+        """One allreduce of the metrics' sums and count and, at a training report, of every
+        rank's step times (hvdkit.stragglers: each rank fills its own row)."""
         session = self.session
         hvd = session.hvd
         names = sorted(self.sums)
-        window = torch.stack([*(self.sums[n] for n in names), self.count.float()])
-        *sums, count = hvd.allreduce(window, op=hvd.Sum, name=f"hvdkit.{stage}").tolist()
+        times = session._times.row().to(session.device) if stage == "train" else torch.zeros(0, device=session.device)
+        window = torch.cat([torch.stack([*(self.sums[n] for n in names), self.count.float()]).double(), times])
+        reduced = hvd.allreduce(window, op=hvd.Sum, name=f"hvdkit.{stage}").cpu()
+        *sums, count = reduced[:len(names) + 1].tolist()
         self.last_count = count
         means = {name: total / count if count else float("nan") for name, total in zip(names, sums, strict=True)}
         values = {**extra, **means}
@@ -63,6 +69,9 @@ class Reports:
             self.samples += count
             self.seconds += now - self.window_start
             values["samples_per_sec"] = count / max(now - self.window_start, 1e-9)
+            per_rank = session._times.reported(reduced[len(names) + 1:], session.global_step, self.hosts())
+            if per_rank:
+                values["per_rank"] = per_rank
         self.metrics().record(stage, session.global_step, values, position=session.global_step)
         self.restart_window()  # evaluation and writing are not training time
         self.sums, self.count = {}, torch.zeros((), device=session.device)
@@ -70,6 +79,13 @@ class Reports:
 
     def restart_window(self) -> None:
         self.window_start = time.perf_counter()
+        self.session._times.restart()
+
+    def hosts(self) -> list[str]:
+        """Every rank's host name, in rank order: gathered once, at the first training report."""
+        if self._hosts is None:
+            self._hosts = self.session.hvd.allgather_object(socket.gethostname(), name="hvdkit.hosts")
+        return self._hosts
 
     def evaluate(self, eval_loader: DataLoader, metrics_of: Callable[[Any], tuple[int, dict]]) -> dict:
         session = self.session
@@ -101,8 +117,10 @@ class Reports:
         session = self.session
         memory = None if session.optimizer is None else session.hvd.allgather_object(
             zero.memory_of(session.optimizer), name="hvdkit.memory")  # bytes per rank, in rank order
+        times = session._times
         summary = {"event": "summary", "epochs": session.epoch, "steps": session.global_step,
                    "world_size": session.size, **(extra or {}), "memory": memory,
+                   "per_rank": times.table(self._hosts or []), "stragglers": times.named,
                    "wall_seconds": time.perf_counter() - self.wall_start, "stopped": session.stopped,
                    "exit_code": session.exit_code, "skipped_steps": session.skipped_steps}
         self.metrics().write(summary)
@@ -115,7 +133,7 @@ class Reports:
         """Rank 0 may now be another process: it takes the sink and records the reset."""
         if self.sink is not None:
             self.sink.close()
-        self.sink = None
+        self.sink, self._hosts = None, None
         self.metrics().write({"event": "reset", "step": step, "world_size": self.session.size})
 
     def world_size_changes(self) -> list:

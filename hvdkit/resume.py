@@ -173,6 +173,7 @@ class Checkpoints:
         if session.cfg.elastic:  # its collective could wait on a leaving worker; the file lacks the position
             raise RuntimeError("hvdkit: an elastic run writes its checkpoints with save_elastic(sampler), "
                                "where it commits its state; save() is for runs without --elastic")
+        session._consistency.before_checkpoint()
         session.watchdog.beat(f"checkpoint of step {session.global_step}")
         rng = session.hvd.allgather_object(rng_state())
         manifest = None

@@ -43,11 +43,13 @@ from torch.utils.data import DataLoader
 from hvdkit import network, orphan, process, stops, supervise, zero
 from hvdkit.checkpoint import CheckpointError
 from hvdkit.config import ConfigError, TrainConfig, from_environ, from_mapping, validate
+from hvdkit.consistency import Consistency, DivergenceError
 from hvdkit.loaders import Loaders
 from hvdkit.metrics import Metrics
 from hvdkit.reports import Reports
 from hvdkit.resume import Checkpoints
 from hvdkit.step import NonFiniteError, TrainingStep, lr_multiplier
+from hvdkit.stragglers import StepTimes
 from hvdkit.watchdog import Watchdog
 
 
@@ -84,9 +86,11 @@ class Session:
         self._signal = stops.StopSignal(install=not cfg.elastic or supervise.started_by_horovodrun_here())
         self._stops = stops.StopAgreement(self.hvd, self._signal)
         self._checkpoints, self._reports = Checkpoints(self), Reports(self)
+        self._consistency, self._times = Consistency(self), StepTimes(self.rank, self.size, cfg.straggler_threshold)
         self._locks: list = []
-        self._undo_hook = stops.exit_on_own_errors(self.rank, (ConfigError, CheckpointError, NonFiniteError),
-                                                   (ConfigError,), self._end_after_error)
+        self._undo_hook = stops.exit_on_own_errors(
+            self.rank, (ConfigError, CheckpointError, NonFiniteError, DivergenceError), (ConfigError,),
+            self._end_after_error)
         self.log_dir = cfg.log_dir or process.run_dir(cfg, self.hvd)
         self._locks = process.lock_directories(cfg, self.hvd, self.log_dir)
         self._checkpoints.read_ahead()  # a sharded run resumed at another size adapts K before its loaders
@@ -223,8 +227,18 @@ class Session:
         self._step.apply()
         self.global_step += 1
         self._signal.step = self.global_step  # the steps done, for a second Ctrl-C's message
+        if self._consistency.due():
+            self._consistency.check()
         if self._checkpoints.due():
             self.save()
+        self._times.step_ended()
+
+    def check_consistency(self) -> None:
+        """Check now that every rank holds the same weights, buffers and optimizer state (all
+        ranks call it at the same point); a difference raises DivergenceError naming the ranks,
+        which ends the job with one line and exit code 77 (see hvdkit.consistency). It also runs
+        every ``check_consistency_steps`` steps and before every checkpoint."""
+        self._consistency.check()
 
     # -- metrics (hvdkit.reports) and stopping (hvdkit.stops) ------------------------------
     def log(self, samples: int, **means) -> None:
@@ -315,6 +329,7 @@ class Session:
         now be another process); a stop allreduce started before it belongs to the old ranks."""
         self._stops.handle = None
         self._reports.elastic_reset(step)
+        self._times = StepTimes(self.rank, self.size, self.cfg.straggler_threshold)  # the table has a row per rank
 
     def world_size_changes(self) -> list:
         """Elastic: each change of world size in metrics.jsonl, with the seconds it lost."""

@@ -117,7 +117,9 @@ class TrainingStep:
         session = self.session
         cfg, optimizer, scaler = session.cfg, session.optimizer, session.scaler
         if not cfg.use_adasum:
+            session._times.waiting()
             optimizer.synchronize()
+            session._times.waited()
         if scaler:
             scaler.unscale_(optimizer)
             if cfg.zero:  # each rank checked only its own slices for an overflow

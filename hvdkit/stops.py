@@ -149,8 +149,8 @@ def conclude(signum: int, rank: int, step: int, checkpoint_dir: Optional[str], m
 def exit_on_own_errors(rank: int, own: tuple, bad_input: tuple, end: Callable[[], None]) -> Callable[[], None]:
     """From now on, an exception of the ``own`` types that nothing caught ends this rank with
     its message once (rank 0's, as one line) instead of a traceback on every rank: ``end()``
-    (a bound method: Horovod's shutdown), then exit 2 for ``bad_input`` types, else 1. Returns
-    the undo."""
+    (a bound method: Horovod's shutdown), then exit with the exception's ``exit_code``, else 2
+    for ``bad_input`` types, else 1. Returns the undo."""
     previous = sys.excepthook
     end = weakref.WeakMethod(end)  # the hook must not keep a Session (its loaders' workers) alive
 
@@ -158,7 +158,7 @@ def exit_on_own_errors(rank: int, own: tuple, bad_input: tuple, end: Callable[[]
         if not issubclass(kind, own):
             previous(kind, exc, tb)
             return
-        code = 2 if issubclass(kind, bad_input) else 1
+        code = getattr(exc, "exit_code", 2 if issubclass(kind, bad_input) else 1)  # e.g. a divergence's 77
         line = str(exc).splitlines()[0] if str(exc) else kind.__name__
         if rank == 0:
             print(f"hvdkit: error: {line}", file=sys.stderr, flush=True)

@@ -10,6 +10,7 @@ import csv
 import json
 import math
 import re
+import socket
 import sys
 
 import pytest
@@ -174,6 +175,12 @@ def test_synthetic_under_horovodrun_prints_horovods_output(hvd_built):
     assert record["total_img_sec"] == pytest.approx(sum(rates))
     assert float(total.group(1)) == pytest.approx(sum(rates), abs=0.05)
     assert float(per.group(1)) == pytest.approx(sum(rates) / 2, abs=0.05)
+    # each rank's compute and wait per step (hvdkit.stragglers), printed and in the record
+    host = socket.gethostname()
+    assert [(row["rank"], row["host"]) for row in record["per_rank"]] == [(0, host), (1, host)]
+    assert all(row["compute_ms"] > 0 and row["wait_ms"] >= 0 for row in record["per_rank"])
+    assert len(re.findall(rf"^Rank [01] on {host}: compute [\d.]+ ms, waiting for the gradients [\d.]+ ms per step$",
+                          proc.stdout, re.M)) == 2
 
 
 @pytest.mark.slow

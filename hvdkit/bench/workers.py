@@ -7,6 +7,7 @@ import argparse
 import atexit
 import json
 import os
+import socket
 import statistics
 import time
 from functools import partial
@@ -191,6 +192,9 @@ def synthetic_worker(args: argparse.Namespace) -> None:
     for _ in range(args.num_warmup_batches):
         step()
     say("Running benchmark...", flush=True)
+    times = session._times if impl in ("hvdkit", "own-loop") else None
+    if times:
+        times.clear()
     rates = []
     # CPU time of the whole process and of this (the training) thread: on a rank with one core,
     # what the other threads (the allreduces) spend is taken from the training.
@@ -204,18 +208,30 @@ def synthetic_worker(args: argparse.Namespace) -> None:
     result = cross_rank_total([row[:2] for row in rows])
     comm.allgather_rows([0.0])  # every rank starts the compute-only timing together
     compute_ms = max(row[0] for row in comm.allgather_rows([_compute_seconds(args, device, images, labels) * 1e3]))
+    per_rank = _per_rank(session, times, steps) if times else []
     if comm.rank == 0:
         print(f"Img/sec per {kind}: {result['img_sec_per_device']:.1f} +-{result['img_sec_per_device_conf']:.1f}")
         print(f"Total img/sec on {comm.size} {kind}(s): {result['total_img_sec']:.1f} "
               f"+-{result['total_img_sec_conf']:.1f}")
+        for row in per_rank:
+            print(f"Rank {row['rank']} on {row['host']}: compute {row['compute_ms']:.1f} ms, "
+                  f"waiting for the gradients {row['wait_ms']:.1f} ms per step")
         gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         record = {"event": "bench.synthetic", "impl": impl, "model": args.model, "batch_size": args.batch_size,
                   "image_size": args.image_size, "world_size": comm.size, "device": kind, **result,
                   "compute_ms": compute_ms, "gradient_bytes": gradient_bytes, "fp16_allreduce": args.fp16_allreduce,
                   "cpu_ms_per_step": statistics.fmean(row[2] for row in rows),
                   "training_thread_cpu_ms_per_step": statistics.fmean(row[3] for row in rows),
-                  "environment": environment(controller=comm.controller, impl=impl)}
+                  "per_rank": per_rank, "environment": environment(controller=comm.controller, impl=impl)}
         print(json.dumps(record), flush=True)
+
+
+def _per_rank(session, times, steps: int) -> list[dict]:
+    """Each rank's compute and wait per step over the timed batches (hvdkit.stragglers), with its host."""
+    hvd = session.hvd
+    hosts = hvd.allgather_object(socket.gethostname(), name="bench.hosts")
+    times.reported(hvd.allreduce(times.row(), op=hvd.Sum, name="bench.per_rank"), steps, hosts)
+    return times.table(hosts)
 
 
 def _compute_seconds(args: argparse.Namespace, device, images, labels) -> float:

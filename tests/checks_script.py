@@ -1,0 +1,67 @@
+"""A user's own loop on hvdkit.Session with two faults to plant, for tests/test_checks.py:
+
+- ``--plant K``: after step K, rank 1 changes one weight (fc.weight[0, 0]) on its own, the bug
+  the consistency check is for (rank-dependent code touching the model);
+- ``--slow-rank R --slow-ms S``: the test hook for a straggler: rank R's data loader sleeps S ms
+  for every batch, as a node with a slow disk or a busy CPU would load slower.
+
+    horovodrun -np 2 python tests/checks_script.py --plant 7 --check-every 5 --checkpoint-steps 6 \
+        --checkpoint-dir ckpt --log-dir logs
+"""
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset, default_collate
+
+import hvdkit
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--plant", type=int, default=0, help="after this step, rank 1 changes fc.weight[0, 0]; 0: never")
+parser.add_argument("--check-every", type=int, default=100)
+parser.add_argument("--checkpoint-steps", type=int)
+parser.add_argument("--slow-rank", type=int, help="this rank's data loader sleeps --slow-ms for every batch")
+parser.add_argument("--slow-ms", type=float, default=0.0)
+parser.add_argument("--width", type=int, default=32, help="hidden units: more, for more compute per step")
+parser.add_argument("--steps", type=int, default=30)
+parser.add_argument("--checkpoint-dir")
+parser.add_argument("--log-dir", required=True)
+args = parser.parse_args()
+
+session = hvdkit.Session(batch_size=32, log_interval=5, check_consistency_steps=args.check_every,
+                         checkpoint_steps=args.checkpoint_steps, checkpoint_dir=args.checkpoint_dir,
+                         log_dir=args.log_dir)
+torch.manual_seed(0)
+model = nn.Sequential()
+model.add_module("hidden", nn.Linear(64, args.width))
+model.add_module("relu", nn.ReLU())
+model.add_module("fc", nn.Linear(args.width, 4))
+model, optimizer = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+data = TensorDataset(torch.randn(4096, 64), torch.randint(0, 4, (4096,)))
+
+
+def collate(samples):
+    if session.rank == args.slow_rank:
+        time.sleep(args.slow_ms / 1000)
+    return default_collate(samples)
+
+
+loader = session.loader(DataLoader(data, collate_fn=collate))
+for _ in session.epochs(100, max_steps=args.steps):
+    for inputs, labels in loader:
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(inputs), labels)
+        session.backward(loss)
+        session.log(len(labels), loss=loss)
+        session.step()
+        if session.global_step == args.plant and session.rank == 1:
+            with torch.no_grad():
+                model.fc.weight[0, 0] += 1e-3
+        if session.report_due():
+            session.report("train")
+        if session.should_stop() or session.global_step >= args.steps:
+            break
+session.finish()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import weakref
 from pathlib import Path
 from typing import Optional
 
@@ -95,7 +96,7 @@ class Consistency:
     """The check of one Session, which holds the model and optimizer it compares."""
 
     def __init__(self, session) -> None:
-        self.session = session
+        self.session = weakref.proxy(session)  # the Session owns this; no cycle keeps either alive
         self.last_good: Optional[int] = None  # the last step whose check passed
         self.checked_at: Optional[int] = None
 

@@ -55,11 +55,17 @@ def test_compared_leaves_out_only_the_statistics_each_rank_keeps_itself():
     assert not [n for n, _ in consistency.compared(model, optimizer, sharded=True) if n.startswith("optimizer.")]
 
 
+class _Session:
+    pass
+
+
 def test_checkpoints_after_the_last_check_that_passed_are_set_aside_not_deleted(tmp_path):
     for step in (4, 8, 12):
         checkpoint.save(str(tmp_path), step, {"step": step}, keep=5)
     (checkpoint.shard_folder(checkpoint.path_for(str(tmp_path), 12))).mkdir()
-    check = consistency.Consistency(SimpleNamespace(cfg=SimpleNamespace(checkpoint_dir=str(tmp_path))))
+    session = _Session()  # what of a Session setting aside reads: its checkpoint_dir
+    session.cfg = SimpleNamespace(checkpoint_dir=str(tmp_path))
+    check = consistency.Consistency(session)
     check.last_good = 8
     check._set_aside_unchecked()
     assert checkpoint.existing(str(tmp_path)) == [checkpoint.path_for(str(tmp_path), s) for s in (4, 8)]

@@ -10,8 +10,9 @@ bits; any one changed value changes it). One allreduce of the digests and their 
 Min gives every rank the smallest and largest digest of each tensor: equal everywhere, or not.
 
 What is compared: the parameters, the buffers, and the optimizer's state where every rank holds
-all of it (not under ``zero``, whose ranks hold slices). Not compared: the running statistics of
-batch norms that are not synchronized (each rank's own batches, by design in Horovod), which a
+the same (not under ``zero``, whose ranks hold slices, nor under Adasum, whose ranks step their
+optimizers on their own gradients and combine the updates). Not compared: the running statistics
+of batch norms that are not synchronized (each rank's own batches, by design in Horovod), which a
 checkpoint takes from rank 0.
 
 On a mismatch every rank stops at that step (they all read the same allreduce): the digests
@@ -78,12 +79,14 @@ def _horovod_sync_batch_norm():
     return hvd.SyncBatchNorm
 
 
-def compared(model: nn.Module, optimizer, sharded: bool) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) of everything that every rank should hold alike, in the model's order."""
+def compared(model: nn.Module, optimizer, replicated_optimizer: bool) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of everything that every rank should hold alike, in the model's order; the
+    optimizer's state only where ``replicated_optimizer`` (not under zero, whose ranks hold slices,
+    nor Adasum, whose ranks step on their own gradients and combine the updates)."""
     local = local_statistics(model)
     tensors = [(name, p) for name, p in model.named_parameters()]
     tensors += [(name, b) for name, b in model.named_buffers() if name not in local]
-    if optimizer is not None and not sharded:
+    if optimizer is not None and replicated_optimizer:
         names = {id(p): name for name, p in model.named_parameters()}
         for param, state in optimizer.state.items():
             for key, value in state.items():
@@ -118,7 +121,7 @@ class Consistency:
         if self.checked_at == step or session.model is None:
             return
         self.checked_at = step
-        tensors = compared(session.model, session.optimizer, bool(session.cfg.zero))
+        tensors = compared(session.model, session.optimizer, not (session.cfg.zero or session.cfg.use_adasum))
         if not tensors:
             return
         digests = torch.stack([digest(t).to(session.device) for _, t in tensors]).cpu()

@@ -27,7 +27,8 @@ A Horovod script keeps its loop and hands hvdkit the parts that are easy to get 
 step, epoch) and delegates the work, one concern per module: process set-up and tuning
 (hvdkit.process), loaders and the data position (hvdkit.loaders), the training step
 (hvdkit.step), resume and checkpoint state (hvdkit.resume), metrics and the summary
-(hvdkit.reports), and the stop agreement (hvdkit.stops).
+(hvdkit.reports), the stop agreement (hvdkit.stops), the ranks' copies of the model compared
+(hvdkit.consistency) and each rank's compute and wait per step (hvdkit.stragglers).
 """
 
 from __future__ import annotations

@@ -7,8 +7,11 @@ of the step: loading its data, forward, backward, the optimizer. The slow rank c
 the others wait about as long. At each report the per-rank means ride in the report's own
 allreduce (each rank fills its row of a zeroed table), so this costs no collective of its own.
 Rank 0 names a rank whose compute is more than ``straggler_threshold`` above the median of the
-other ranks' (and at least ``FLOOR_SECONDS`` more: below that, the scheduler's jitter, not a node)
-for ``IN_A_ROW`` reports in a row, once, with its host and how much slower it is.
+other ranks', by at least that fraction of their whole step (compute and wait: what the slow rank
+costs each step), for ``IN_A_ROW`` reports in a row, once, with its host and how much slower it
+is. The second condition keeps a busy machine's jitter quiet: there every rank waits long for
+the allreduce and a millisecond more compute on one rank is not what the job waits for (measured:
+4.8 against 6.0 ms of compute, and 13 ms of waiting on both, with a third process on the cores).
 Reports, evaluation and checkpoints are not step time: the clock restarts after them.
 """
 
@@ -22,7 +25,6 @@ from typing import Optional
 import torch
 
 IN_A_ROW = 3
-FLOOR_SECONDS = 0.001  # measured: 0.5 ms between two equal ranks of a 1.3 ms step, 2 cores shared
 
 
 class StepTimes:
@@ -84,11 +86,13 @@ class StepTimes:
             return []
         self.totals += table * measured
         self.total_steps += measured
-        compute = table[:, 0].tolist()
+        compute, step_time = table[:, 0].tolist(), table.sum(dim=1).tolist()
         if self.threshold and self.size > 1:
             for rank in range(self.size):
                 others = statistics.median(compute[:rank] + compute[rank + 1:])
-                slow = compute[rank] > max((1 + self.threshold) * others, others + FLOOR_SECONDS)
+                others_step = statistics.median(step_time[:rank] + step_time[rank + 1:])
+                excess = compute[rank] - others
+                slow = excess > self.threshold * others and excess > self.threshold * others_step
                 self.streaks[rank] = self.streaks[rank] + 1 if slow else 0
                 if self.streaks[rank] == IN_A_ROW:
                     self._name(rank, hosts[rank], compute[rank], others, step)

@@ -272,6 +272,11 @@ class Trainer:
 
         @hvd.elastic.run
         def train(state) -> None:
+            # Horovod's sync broadcast rank 0's weights and then gave a joining worker's empty
+            # optimizer its state with a zero-gradient step, which with weight decay moves that
+            # worker's weights alone; they would stay apart for the rest of the run (found by
+            # hvdkit.consistency). So rank 0's weights once more, after the sync.
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
             session.global_step, session.epoch = state.step, state.epoch
             while state.epoch < cfg.epochs and state.step < final_step:
                 model.train()

@@ -31,7 +31,7 @@ parser.add_argument("--checkpoint-dir")
 parser.add_argument("--log-dir", required=True)
 args = parser.parse_args()
 
-session = hvdkit.Session(batch_size=32, log_interval=5, check_consistency_steps=args.check_every,
+session = hvdkit.Session(batch_size=32, log_interval=10, check_consistency_steps=args.check_every,
                          checkpoint_steps=args.checkpoint_steps, checkpoint_dir=args.checkpoint_dir,
                          log_dir=args.log_dir)
 torch.manual_seed(0)

@@ -48,11 +48,12 @@ def test_compared_leaves_out_only_the_statistics_each_rank_keeps_itself():
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     optimizer.step()
-    names = [name for name, _ in consistency.compared(model, optimizer, sharded=False)]
+    names = [name for name, _ in consistency.compared(model, optimizer, replicated_optimizer=True)]
     assert "1.running_mean" not in names and "1.running_var" not in names, "a plain batch norm's are per rank"
     assert {"1.weight", "1.num_batches_tracked", "2.running_mean", "2.running_var", "3.bias"} <= set(names)
     assert "optimizer.3.weight.momentum_buffer" in names
-    assert not [n for n, _ in consistency.compared(model, optimizer, sharded=True) if n.startswith("optimizer.")]
+    assert not [n for n, _ in consistency.compared(model, optimizer, replicated_optimizer=False)
+                if n.startswith("optimizer.")], "zero's slices and Adasum's own steps are not the same on every rank"
 
 
 class _Session:
@@ -85,8 +86,9 @@ def reports(times, tables):
 
 
 def test_a_rank_is_named_after_three_slow_reports_in_a_row_against_the_others_median(capsys):
-    slow = [[0.010, 0.004], [0.016, 0.000], [0.010, 0.005]]  # rank 1: 60% above the others' 10 ms
+    slow = [[0.010, 0.006], [0.016, 0.000], [0.010, 0.005]]  # rank 1: 60% above the others' 10 ms
     fast = [[0.010, 0.001], [0.011, 0.000], [0.010, 0.001]]
+    jitter = [[0.0048, 0.0136], [0.0060, 0.0127], [0.0050, 0.0130]]  # 25% more, but 7% of the step
     times = stragglers.StepTimes(rank=0, size=3, threshold=0.15)
     assert reports(times, [slow, slow, fast, slow, slow]) == [], "never three in a row"
     (named,) = reports(times, [slow])
@@ -102,6 +104,8 @@ def test_a_rank_is_named_after_three_slow_reports_in_a_row_against_the_others_me
     assert capsys.readouterr().err == "", "only rank 0 prints"
     off = stragglers.StepTimes(rank=0, size=3, threshold=0.0)
     assert reports(off, [slow] * 4) == []
+    busy = stragglers.StepTimes(rank=0, size=3, threshold=0.15)
+    assert reports(busy, [jitter] * 4) == [], "a busy machine's jitter is not what the job waits for"
 
 
 # --- real jobs ----------------------------------------------------------------------------------
@@ -168,7 +172,7 @@ def test_a_rank_with_a_slow_data_loader_is_named_with_its_host_and_slowdown(tmp_
     assert re.match(r"hvdkit: straggler: rank 1 on \S+ computes \d+% longer per step", line), line
     (summary,) = selftest.parse_records(proc.stdout, "summary")
     (named,) = summary["stragglers"]
-    assert named["rank"] == 1 and named["host"] in line and named["step"] <= 25, "within a few reports"
+    assert named["rank"] == 1 and named["host"] in line and named["step"] <= 40, "within a few reports"
     extra = named["compute_ms"] - named["others_median_ms"]
     assert planted_ms * 0.7 <= extra <= planted_ms * 1.3, named
     table = summary["per_rank"]

@@ -17,7 +17,7 @@ import threading
 from typing import Callable, Optional
 
 # [job,rank]<stdout>: from Open MPI's --tag-output (horovodrun --mpi), [rank]<stdout>: from horovodrun --gloo
-TAG = re.compile(rb"\[\d+(?:,\d+)?\]<(?:stdout|stderr|stddiag)>:")
+TAG = re.compile(rb"\[(\d+)(?:,(\d+))?\]<(stdout|stderr|stddiag)>:")  # groups: rank or job, rank, stream
 _PARTIAL_TAG = re.compile(rb"\[[\d,]*(?:\](?:<[a-z]*>?)?)?")  # a tag cut off by the end of a read
 
 

@@ -39,8 +39,6 @@ from typing import Optional, Sequence
 from hvdkit.hosts import Hosts, HostsUnavailable, bits_per_second, seconds, unavailable
 
 STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
-         "DEADLINE")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -228,8 +226,7 @@ def _jobs_ended(cluster, code: int, timeout: float = 24 * 3600) -> int:
     deadline = time.monotonic() + timeout
     while cluster.run(["squeue", "-h", "-o", "%i"]).stdout.strip() and time.monotonic() < deadline:
         time.sleep(1)
-    out = cluster.run(["scontrol", "-o", "show", "job"]).stdout
-    jobs = [dict(re.findall(r"(\w+)=(\S*)", line)) for line in out.splitlines() if line.startswith("JobId=")]
+    jobs = cluster.jobs()
     if not jobs:
         say("no Slurm job was submitted (the command under --slurm is an sbatch line)")
         return code or 1

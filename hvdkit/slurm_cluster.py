@@ -137,8 +137,12 @@ PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE St
         return out.stdout.strip().split(";")[0]
 
     def job(self, job_id: str) -> dict:
-        out = self.run(["scontrol", "-o", "show", "job", job_id])
-        return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
+        return next(iter(self.jobs(job_id)), {})
+
+    def jobs(self, job_id: str = "") -> list[dict]:
+        """The controller's record of each job (of ``job_id`` alone, if given), as KEY=VALUE pairs."""
+        out = self.run(["scontrol", "-o", "show", "job", *([job_id] if job_id else [])])
+        return [dict(re.findall(r"(\w+)=(\S*)", line)) for line in out.stdout.splitlines() if line.startswith("JobId=")]
 
     def release_requeued(self, job_id: str, timeout: float = 120) -> dict:
         """Once a requeued job waits for its begin time (Slurm holds a requeued batch job back about

@@ -20,7 +20,6 @@ stops at its next step and saves its checkpoint, as on Ctrl-C in a shell. What h
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import socket
@@ -33,12 +32,12 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from hvdkit import lines
+
 LAUNCHERS = {"horovodrun": ["--launcher", "horovodrun"], "mpirun": ["--launcher", "mpirun"],
              "gloo": ["--launcher", "horovodrun", "--gloo"]}
 GRACE_SECONDS = 10.0
 CALL = "call.pkl"
-# [rank]<stdout>: (horovodrun --gloo) or [job,rank]<stdout>: (Open MPI), as hvdkit.lines joins them
-_TAG = re.compile(r"^\[(\d+)(?:,(\d+))?\]<(stdout|stderr|stddiag)>:")
 
 
 class RunError(RuntimeError):
@@ -141,11 +140,11 @@ def _relay(stream, name: str) -> None:
     stderr, as the rank wrote it, tagged ``[rank]``; the launcher's own lines as they are. The
     caller's streams are looked up per line: in a notebook, they are the running cell's."""
     for raw in iter(stream.readline, b""):
-        line = raw.decode(errors="replace")
-        match = _TAG.match(line)
+        match = lines.TAG.match(raw)  # [rank]<stdout>: (horovodrun --gloo) or [job,rank]<stdout>: (Open MPI)
+        line = raw[match.end() if match else 0:].decode(errors="replace")
         if match:
-            rank = match[2] if match[2] is not None else match[1]
-            line, name = f"[{rank}] {line[match.end():]}", "stdout" if match[3] == "stdout" else "stderr"
+            rank = (match[2] or match[1]).decode()
+            line, name = f"[{rank}] {line}", "stdout" if match[3] == b"stdout" else "stderr"
         out = getattr(sys, name)
         out.write(line)
         out.flush()

@@ -62,17 +62,15 @@ def train(args: argparse.Namespace) -> int:
         print("models:  ", " ".join(models.names()))
         print("datasets:", " ".join(data.DATASETS))
         return 0
-    from hvdkit.checkpoint import CheckpointError  # imports torch, which only training needs
-    from hvdkit.consistency import DivergenceError
-    from hvdkit.data import UnreadableSample, one_line
-    from hvdkit.step import NonFiniteError
+    from hvdkit.data import UnreadableSample, one_line  # imports torch, which only training needs
+    from hvdkit.session import OWN_ERRORS
     from hvdkit.trainer import Trainer, failure_hint
 
     try:
         cfg = config.from_args(args)
         trainer = Trainer(cfg)
         summary = trainer.fit_elastic() if cfg.elastic else trainer.fit()
-    except (config.ConfigError, CheckpointError, NonFiniteError, DivergenceError) as exc:
+    except OWN_ERRORS as exc:
         if args.debug:
             raise
         _say_once(f"hvdkit train: {exc}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from torch.utils.data import DataLoader
 
@@ -74,7 +74,8 @@ class Loaders:
         """This step ends an epoch of the training loaders (False before any is made)."""
         return bool(self.made) and self.session.global_step % self.steps_per_epoch() == 0
 
-    def epochs(self, count: int, max_steps: Optional[int]) -> Iterator[int]:
+    def epochs(self, count: int, max_steps: Optional[int], epoch_ended: Callable[[], bool]) -> Iterator[int]:
+        """``epoch_ended()``: every rank at the end of its batches; True where the run stopped there."""
         session = self.session
         per_epoch = self.steps_per_epoch() if self.made else None
         self._check_position(per_epoch)
@@ -85,9 +86,8 @@ class Loaders:
                 done = session.global_step - session.epoch * per_epoch
                 loader.sampler.set_epoch(session.epoch, start=done * loader.batch_size)
             yield session.epoch
-            if session.stopped:
+            if session.stopped or epoch_ended():
                 return
-            session.join()
             finished = per_epoch is None or session.global_step >= (session.epoch + 1) * per_epoch
             if finished:
                 session.epoch += 1
@@ -106,11 +106,3 @@ class Loaders:
         if per_epoch and not 0 <= session.global_step - session.epoch * per_epoch <= per_epoch:
             raise ConfigError(f"the checkpoint's step {session.global_step} is not in its epoch {session.epoch + 1} "
                               f"of {per_epoch} steps: the training set or batch size changed since it was taken")
-
-    def join(self) -> None:
-        session = self.session
-        session.watchdog.beat(f"join after step {session.global_step}")
-        if session.device.type == "cuda":
-            session.hvd.join(session.device.index)
-        else:
-            session.hvd.join()  # with a device argument, a GPU build of Horovod hangs on a CPU-only host

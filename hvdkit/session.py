@@ -33,11 +33,13 @@ step, epoch) and delegates the work, one concern per module: process set-up and 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+from horovod.common.exceptions import HorovodInternalError
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -46,12 +48,16 @@ from hvdkit.checkpoint import CheckpointError
 from hvdkit.config import ConfigError, TrainConfig, from_environ, from_mapping, validate
 from hvdkit.consistency import Consistency, DivergenceError
 from hvdkit.loaders import Loaders
+from hvdkit.lockstep import CALLS, Lockstep, LockstepError, RankEnded, where
 from hvdkit.metrics import Metrics
 from hvdkit.reports import Reports
 from hvdkit.resume import Checkpoints
 from hvdkit.step import NonFiniteError, TrainingStep, lr_multiplier
 from hvdkit.stragglers import StepTimes
 from hvdkit.watchdog import Watchdog
+
+# hvdkit's own errors: each ends every rank with one line instead of a traceback per rank.
+OWN_ERRORS = (ConfigError, CheckpointError, NonFiniteError, DivergenceError, LockstepError, RankEnded)
 
 
 class Session:
@@ -84,13 +90,15 @@ class Session:
         self.total_steps = 0  # for the progress bar; set it if you know it, epochs() does
         # Elastic: a stop signal on the driver's host ends the job (with a checkpoint); elsewhere
         # it ends that worker alone, as Horovod has it (a node drained or preempted), and the job goes on.
-        self._signal = stops.StopSignal(install=not cfg.elastic or supervise.started_by_horovodrun_here())
-        self._stops = stops.StopAgreement(self.hvd, self._signal)
+        self._signal = stops.StopSignal(install=not cfg.elastic or supervise.started_by_horovodrun_here(),
+                                        rank=self.rank, where=lambda watchdog=self.watchdog: watchdog.where)
+        self._lockstep = Lockstep(self.hvd)
+        self._unread_step = False  # a step's agreement that should_stop() has not read yet
         self._checkpoints, self._reports = Checkpoints(self), Reports(self)
         self._consistency, self._times = Consistency(self), StepTimes(self.rank, self.size, cfg.straggler_threshold)
         self._locks: list = []
         self._undo_hook = stops.exit_on_own_errors(
-            self.rank, (ConfigError, CheckpointError, NonFiniteError, DivergenceError), (ConfigError,),
+            self.rank, OWN_ERRORS, (ConfigError, LockstepError),
             self._end_after_error)
         self.log_dir = cfg.log_dir or process.run_dir(cfg, self.hvd)
         self._locks = process.lock_directories(cfg, self.hvd, self.log_dir)
@@ -165,6 +173,7 @@ class Session:
 
     def save(self) -> None:
         """Write a checkpoint of this step to ``checkpoint_dir`` (all ranks call it; rank 0 writes)."""
+        self._meet(CALLS[2])
         self._checkpoints.save()
 
     def save_elastic(self, sampler) -> None:
@@ -197,12 +206,20 @@ class Session:
         checkpoint (after what the loop body does past its batches, evaluation say). A resumed
         epoch continues at the sample where its checkpoint was taken, in the same order. Ends
         early when ``should_stop()`` agreed to stop, or at ``max_steps``."""
-        return self._loaders.epochs(count, max_steps)
+        return self._loaders.epochs(count, max_steps, self._epoch_ended)
 
     def join(self) -> None:
-        """Wait for every rank to finish its batches: a rank with fewer waits here instead of
-        hanging the others' allreduce."""
-        self._loaders.join()
+        """Wait for every rank to finish its batches. Every rank must have taken the same number of
+        steps: ranks that did not end the job with one line saying so (hvdkit.lockstep)."""
+        if self._epoch_ended():
+            self._end_stopped()
+
+    def _epoch_ended(self) -> bool:
+        """Every rank at the end of its batches after the same steps; True where that took a stop
+        the loop did not ask should_stop() about (its checkpoint is written)."""
+        self.watchdog.beat(f"the end of epoch {self.epoch + 1} after step {self.global_step}")
+        self._meet(CALLS[6])
+        return self._take_stop()
 
     # -- the step (hvdkit.step) ------------------------------------------------------------
     def micro_batches(self, batch: Any) -> list:
@@ -215,30 +232,41 @@ class Session:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss, averaged over the step's micro-batches and
-        scaled for fp16. The last micro-batch's backward starts the allreduce."""
+        scaled for fp16. The last micro-batch's backward starts the allreduce; the step's
+        first starts its meeting (hvdkit.lockstep), ahead of the gradients."""
+        self._start_step()
         self._step.backward(loss)
 
     def step(self) -> None:
-        """The optimizer step (see hvdkit.step), with this step's stop agreement submitted
-        before the gradients are awaited, so it travels in their cycle; then a checkpoint
-        every ``checkpoint_steps``."""
+        """The optimizer step (see hvdkit.step), once every rank is at this step (and has agreed
+        on a stop: see should_stop); then a checkpoint every ``checkpoint_steps``."""
         self.watchdog.beat(f"training step {self.global_step + 1}")
-        self._stops.collect()  # one left by a loop that did not ask should_stop()
-        self._stops.ask()
-        self._step.apply()
+        self._start_step()
+        with self._waiting(CALLS[0]):
+            self._lockstep.collect()
+            self._step.apply()
         self.global_step += 1
+        self._unread_step = True
         self._signal.step = self.global_step  # the steps done, for a second Ctrl-C's message
         if self._consistency.due():
             self._consistency.check()
         if self._checkpoints.due():
-            self.save()
+            self._checkpoints.save()
         self._times.step_ended()
+
+    def _start_step(self) -> None:
+        """A step begins: a stop agreed at the last one that the loop did not ask should_stop()
+        about ends the run here (its checkpoint written); else this step's meeting starts."""
+        if self._lockstep.pending is None:
+            self._end_stopped()
+            self._lockstep.submit(CALLS[0], self.global_step, self._signal.received or 0)
 
     def check_consistency(self) -> None:
         """Check now that every rank holds the same weights, buffers and optimizer state (all
         ranks call it at the same point); a difference raises DivergenceError naming the ranks,
         which ends the job with one line and exit code 77 (see hvdkit.consistency). It also runs
         every ``check_consistency_steps`` steps and before every checkpoint."""
+        self._meet(CALLS[5])
         self._consistency.check()
 
     # -- metrics (hvdkit.reports) and stopping (hvdkit.stops) ------------------------------
@@ -254,12 +282,14 @@ class Session:
         """The sample-weighted means of everything log()ged since the last report, over all
         ranks, in one allreduce; rank 0 shows and writes them with ``extra`` (e.g. lr) and the
         throughput."""
+        self._meet(CALLS[3])
         return self._reports.report(stage, extra)
 
     def evaluate(self, eval_loader: DataLoader, metrics_of: Callable[[Any], tuple[int, dict]]) -> dict:
         """Means over the whole evaluation set, and its size: ``metrics_of(batch)`` gives
         (samples, means) for each batch of this rank's share (every rank needs one); training
         metrics logged since the last report are kept for the next one."""
+        self._meet(CALLS[4])
         return self._reports.evaluate(eval_loader, metrics_of)
 
     @property
@@ -273,37 +303,69 @@ class Session:
 
     def should_stop(self) -> bool:
         """True on every rank at the same step once any rank got SIGTERM, SIGHUP, SIGINT or SIGUSR1
-        (see hvdkit.stops), with that step's checkpoint written. Call it after every step(): it
-        reads the small allreduce step() started, so it costs no extra wait. Elastic runs stop
-        alike on a signal to the workers on horovodrun's host (see __init__)."""
+        (see hvdkit.stops), with that step's checkpoint written. Call it after step(): it reads
+        what the ranks agreed in the step's meeting, at no extra wait. A loop that does not call
+        it stops as well, at its next step or epoch's end: the checkpoint is written there and
+        the process exits with the stop's code. Elastic runs stop alike on a signal to the
+        workers on horovodrun's host (see __init__)."""
         if self.stopped:
             return True
-        sampler = self._checkpoints.elastic_sampler
-        if self.cfg.elastic and sampler is None:
+        if self.cfg.elastic and self._checkpoints.elastic_sampler is None:
             raise RuntimeError("hvdkit: an elastic loop calls session.load_elastic(sampler) before its first step, "
                                "so that the checkpoint of a stop records the sampler's position")
-        if self._stops.handle is None:  # no step since the last call: ask now
-            self._stops.ask()
-        if not self._stops.collect():
-            return False
+        if not self._unread_step:  # no step since the last call: meet now
+            self._meet(CALLS[1])
+        self._unread_step = False
+        return self._take_stop()
+
+    def _meet(self, call: str) -> None:
+        """Every rank at ``call`` after the same steps, or one line saying who is where (hvdkit.lockstep)."""
+        with self._waiting(call):
+            self._lockstep.collect()  # a step's meeting, where the loop called backward() without step()
+            self._lockstep.meet(call, self.global_step, self._signal.received or 0)
+
+    @contextlib.contextmanager
+    def _waiting(self, call: str):
+        """Horovod's shutdown by another rank (it raised, returned early or was killed), said in
+        one line here; elastic runs recover from it instead."""
+        try:
+            yield
+        except HorovodInternalError:
+            if self.cfg.elastic:
+                raise
+            raise RankEnded(f"another rank ended while rank {self.rank} waited in {where(call, self.global_step)}; "
+                            f"its output says why") from None
+
+    def _take_stop(self) -> bool:
+        """Whether the run stops here: the ranks agreed on a stop, and its checkpoint is now written."""
+        if self.stopped or not self._lockstep.signum:
+            return self.stopped
         self.stopped = True
         if self.cfg.elastic:
-            self.save_elastic(sampler)
+            self.save_elastic(self._checkpoints.elastic_sampler)
         else:
-            self.save()
+            self._checkpoints.save()
         return True
+
+    def _end_stopped(self) -> None:
+        """A stop the loop did not ask should_stop() about: checkpoint, summary and exit here."""
+        if self._take_stop():
+            raise SystemExit(self.finish()["exit_code"])
 
     def finish(self, summary: Optional[dict] = None) -> dict:
         """End the run: after a stop, say what was saved and requeue the Slurm job (rank 0);
         write, print (rank 0) and return the summary, whose exit_code is non-zero after a stop
         that was not requeued. The signal handlers go last: a requeue makes Slurm SIGTERM every
         task within milliseconds of scontrol's answer, which must not cut the report short."""
+        if not self.cfg.elastic:  # elastic workers may be leaving or joining
+            self._meet(CALLS[7])  # before the handlers go: its error is said in one line
+            self._take_stop()
         try:
             self._release()
             if self.stopped:
-                self.exit_code = stops.conclude(self._stops.signum, self.rank, self.global_step,
+                self.exit_code = stops.conclude(self._lockstep.signum, self.rank, self.global_step,
                                                 self.cfg.checkpoint_dir, self.cfg.max_requeues,
-                                                reason=self._signal.reason_for(self._stops.signum))
+                                                reason=self._signal.reason_for(self._lockstep.signum))
             return self._reports.summary(summary)
         finally:
             self._signal.restore()
@@ -328,7 +390,7 @@ class Session:
     def elastic_reset(self, step: int) -> None:
         """Elastic: call it from a reset callback. Records the reset in rank 0's sink (which may
         now be another process); a stop allreduce started before it belongs to the old ranks."""
-        self._stops.handle = None
+        self._lockstep.pending = None
         self._reports.elastic_reset(step)
         self._times = StepTimes(self.rank, self.size, self.cfg.straggler_threshold)  # the table has a row per rank
 

@@ -11,19 +11,26 @@ handler only records the signal; the loop agrees on it at the next step (one tin
 per step, in the same Horovod cycle as the gradients), rank 0 writes the checkpoint of that
 step, and the process exits with 128 + the signal's number, as a shell reports a process a
 signal ended. A second Ctrl-C stops at once, saving nothing more.
+
+A stop always ends: a rank that has not exited ``supervise.stop_grace()`` seconds (10 by
+default, HVDKIT_STOP_GRACE) after its first stop signal, or after its launcher went away, is
+blocked where no step boundary comes (a collective another rank never joins, a hung read):
+it says where it was and exits with the signal's code, without a checkpoint. Python runs a
+signal's handler only when the main thread gets back to it, so the count starts in a thread
+woken by the signal itself (signal.set_wakeup_fd).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import weakref
 from pathlib import Path
 from typing import Callable, Mapping, Optional
-
-import torch
 
 from hvdkit import orphan, supervise
 
@@ -39,7 +46,7 @@ def exit_code_for(signum: int) -> int:
 class StopSignal:
     """Remembers that a stop was asked for; installed for the loop's lifetime."""
 
-    def __init__(self, install: bool = True) -> None:
+    def __init__(self, install: bool = True, rank: int = 0, where: Callable[[], str] = lambda: "its loop") -> None:
         self.received: Optional[int] = None
         self.reason: Optional[str] = None  # why, when it was not a signal (hvdkit.orphan)
         self.output_file: Optional[Path] = None  # for output nothing reads any more (hvdkit.orphan.keep_output)
@@ -48,6 +55,51 @@ class StopSignal:
         handled = supervise.unless_nohup(SIGNALS) if install else []  # nohup's SIGHUP stays ignored
         self._previous = {sig: signal.signal(sig, self._handle) for sig in handled}
         self.installed = install
+        self.rank, self.where = rank, where
+        self._countdown: Optional[threading.Timer] = None
+        self._wakeup = self._wake_on_signals() if install else None
+
+    def _wake_on_signals(self) -> tuple[int, int]:
+        """(the pipe's writing end, the wakeup fd it replaced): the C-level handler writes each
+        signal's number to a pipe, in whatever thread it arrives, and a thread reads it there."""
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)
+        previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+
+        def read() -> None:
+            while True:
+                try:
+                    woken = os.read(read_end, 64)
+                except OSError:
+                    return
+                if not woken:
+                    return
+                if previous != -1:  # whoever set a wakeup fd before us (an event loop) still hears of it
+                    with contextlib.suppress(OSError):
+                        os.write(previous, woken)
+                for signum in woken:
+                    if signum in SIGNALS:
+                        self._count_down(signal.Signals(signum).name, exit_code_for(signum))
+
+        threading.Thread(target=read, name="hvdkit-stop-signals", daemon=True).start()
+        return write_end, previous
+
+    def _count_down(self, why: str, code: int) -> None:
+        """From the first stop: end this process if it still runs after the grace period."""
+        if self._countdown is not None:
+            return
+        grace = supervise.stop_grace()
+
+        def overdue() -> None:
+            line = (f"rank {self.rank} did not reach a step boundary within {grace:g} s of {why} (it was in "
+                    f"{self.where()}); ending it without a checkpoint")
+            print(f"hvdkit: {line}", file=sys.stderr, flush=True)
+            supervise.record_exit(code, line)
+            os._exit(code)
+
+        self._countdown = threading.Timer(grace, overdue)
+        self._countdown.daemon = True
+        self._countdown.start()
 
     def _handle(self, signum, frame) -> None:
         if signum == signal.SIGINT and self.received == signal.SIGINT:
@@ -64,6 +116,7 @@ class StopSignal:
             orphan.keep_output(self.output_file)
         if self.received is None:
             self.reason, self.received = reason, signal.SIGTERM
+        self._count_down("its launcher's end", exit_code_for(signal.SIGTERM))
 
     def reason_for(self, agreed: int) -> Optional[str]:
         """Why the ranks stopped where no signal asked for it: this rank's launcher is gone (it
@@ -73,8 +126,14 @@ class StopSignal:
         return self.launcher.gone() if self.launcher else None
 
     def restore(self) -> None:
+        """The handlers as they were. A count already started goes on: the process is ending."""
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if self._wakeup:
+            write_end, previous = self._wakeup
+            signal.set_wakeup_fd(previous)
+            os.close(write_end)
+            self._wakeup = None
 
 
 def requeue(environ: Mapping[str, str], max_requeues: int) -> str:
@@ -106,26 +165,6 @@ def after_stop(signum: int, environ: Mapping[str, str], max_requeues: int) -> tu
             return outcome, 0
         return outcome, exit_code_for(signum)
     return "rerun the same command (or resubmit the job) to resume", exit_code_for(signum)
-
-
-class StopAgreement:
-    """The ranks' stop signals, agreed in an allreduce that each step submits before it waits
-    for the gradients, so it travels in their Horovod cycle: the largest signal number wins."""
-
-    def __init__(self, hvd, received: StopSignal) -> None:
-        self.hvd, self.received = hvd, received
-        self.handle = None  # this step's allreduce
-        self.signum = 0  # the signal all ranks agreed to stop for
-
-    def ask(self) -> None:
-        self.handle = self.hvd.allreduce_async(torch.tensor([float(self.received.received or 0)]),
-                                               op=self.hvd.Max, name="hvdkit.stop")
-
-    def collect(self) -> int:
-        if self.handle is not None:
-            self.signum = self.signum or int(self.hvd.synchronize(self.handle).item())
-            self.handle = None
-        return self.signum
 
 
 def conclude(signum: int, rank: int, step: int, checkpoint_dir: Optional[str], max_requeues: int,

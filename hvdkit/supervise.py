@@ -10,6 +10,9 @@ therefore starts the launcher as a child in its own session and stays as its par
   forward signals to their ranks on other hosts, and the ranks on this host are signalled
   directly. srun takes a single Ctrl-C as "show status", so SIGINT reaches srun
   as SIGTERM, as Open MPI's mpirun passes it to its ranks;
+* a stop always ends: the ranks end themselves ``stop_grace()`` seconds after the signal where
+  no step boundary comes (hvdkit.stops), and whatever still runs a few seconds later (a
+  frozen rank, a launcher that does not exit) is killed, with one line;
 * when the launcher exits, every process still left below it is ended (SIGTERM, then
   SIGKILL), by PID, and the launcher's exit code is returned, or the documented code a rank
   left in the job directory (HVDKIT_JOB_DIR) when a launcher replaced it with its own;
@@ -27,6 +30,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
@@ -40,7 +44,19 @@ FORWARDERS = ("mpirun", "mpiexec", "orterun", "prterun", "srun")  # launchers th
 RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 JOB_DIR = "HVDKIT_JOB_DIR"
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
-GRACE_SECONDS = 10.0
+STOP_GRACE = "HVDKIT_STOP_GRACE"
+GRACE_SECONDS = 10.0  # as Slurm's KillWait and Kubernetes' grace period, shorter: a stopped job holds its nodes
+KILL_AFTER_GRACE = 3.0  # the ranks' own count ends them first, each saying where it was
+
+
+def stop_grace(environ: Mapping[str, str] = os.environ) -> float:
+    """Seconds between a stop signal and the kill of whatever has not ended: HVDKIT_STOP_GRACE,
+    else GRACE_SECONDS. A checkpoint must be written within it."""
+    text = environ.get(STOP_GRACE, "")
+    try:
+        return max(0.0, float(text)) if text else GRACE_SECONDS
+    except ValueError:
+        return GRACE_SECONDS
 
 
 def _prctl(option: int, value: int) -> None:
@@ -48,7 +64,7 @@ def _prctl(option: int, value: int) -> None:
     libc.prctl(option, value, 0, 0, 0)
 
 
-def _end_with_parent() -> None:
+def end_with_parent() -> None:
     """In the launcher's process: a SIGKILLed hvdkit still takes its launcher with it."""
     _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -102,7 +118,7 @@ def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False
     with tempfile.TemporaryDirectory(prefix="hvdkit-job-") as job_dir:
         env = {JOB_DIR: job_dir, **env}
         pipe = subprocess.PIPE if join_lines else None
-        child = subprocess.Popen(list(command), env=env, start_new_session=True, preexec_fn=_end_with_parent,
+        child = subprocess.Popen(list(command), env=env, start_new_session=True, preexec_fn=end_with_parent,
                                  stdout=pipe, stderr=pipe)
         pumps = [lines.pump(os.dup(child.stdout.fileno()), sys.stdout.fileno()),
                  lines.pump(os.dup(child.stderr.fileno()), sys.stderr.fileno())] if join_lines else []
@@ -110,8 +126,12 @@ def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False
             if stream:
                 stream.close()  # the pumps hold their own copies
         launcher = psutil.Process(child.pid)
+        stopped: list[int] = []  # the first stop signal, which starts the grace period
 
         def forward(signum, frame) -> None:
+            if not stopped:
+                stopped.append(signum)
+                stopped.append(time.monotonic() + stop_grace() + KILL_AFTER_GRACE)
             for process, forwarder in signal_targets(launcher):
                 try:
                     process.send_signal(translate(signum, _name(process)) if forwarder else signum)
@@ -121,12 +141,12 @@ def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False
         previous = {sig: signal.signal(sig, forward) for sig in unless_nohup(FORWARDED)}
         hosts = network.HostWatch(dict(watch or {}))
         try:
-            code = _wait(child, hosts)
+            code = _wait(child, hosts, stopped)
         finally:
             hosts.stop()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            end_leftovers(grace=0 if hosts.lost else GRACE_SECONDS)
+            end_leftovers(grace=0 if hosts.lost or stopped else stop_grace())
             for pump in pumps:
                 pump.join(timeout=5)
         if hosts.lost:
@@ -134,16 +154,20 @@ def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False
         return rank_exit_code(Path(env[JOB_DIR])) or _shell_code(code)
 
 
-def _wait(child: subprocess.Popen, hosts: network.HostWatch) -> int:
-    """The launcher's exit code; if a host is lost first, the launcher is killed (its
-    process group) after saying which host."""
+def _wait(child: subprocess.Popen, hosts: network.HostWatch, stopped: list) -> int:
+    """The launcher's exit code; if a host is lost first, or the job outlives a stop's grace
+    period (``stopped``: [signal, deadline]), the launcher is killed (its process group) after
+    saying why; what it leaves is killed after."""
     while True:
         try:
-            return child.wait(timeout=1.0)
+            return child.wait(timeout=0.5)
         except subprocess.TimeoutExpired:
             pass
-        if hosts.lost:
-            print(f"hvdkit launch: {hosts.lost}", file=sys.stderr, flush=True)
+        why = hosts.lost or (stopped and time.monotonic() > stopped[1] and
+                             f"the job did not end within {stop_grace() + KILL_AFTER_GRACE:g} s of "
+                             f"{signal.Signals(stopped[0]).name}; killing what is left")
+        if why:
+            print(f"hvdkit launch: {why}", file=sys.stderr, flush=True)
             try:
                 os.killpg(child.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -156,7 +180,7 @@ def _shell_code(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def end_leftovers(grace: float = GRACE_SECONDS) -> list[int]:
+def end_leftovers(grace: float) -> list[int]:
     """End every process still below this one (orphans re-parented to it included): SIGTERM,
     then SIGKILL after ``grace`` seconds. Their PIDs, which are also printed."""
     import psutil

@@ -1,0 +1,233 @@
+"""Training loops on hvdkit.Session in the shapes users write them (Horovod's examples, the
+Fabric and Accelerate docs), each training the same 60 steps of a Linear model; or a shape
+that cannot work, which must end the job at once with one line.
+
+    python tests/shapes_script.py --shape SHAPE [--shape SHAPE ...] --out DIR
+
+Each shape that trains runs in a Session of its own, one after another in this one job, and
+rank 0 writes its final weights to DIR/SHAPE.pt. Shapes:
+
+  canonical         session.epochs(), should_stop() after every step, a break at 60 steps
+  no-should-stop    the same loop without should_stop() (the hang of issue 37)
+  plain-range       a plain range over batches, no epochs(), no should_stop()
+  own-backward      loss.backward() and session.step(), no session.backward
+  eval-in-epoch     evaluation and reports inside the epoch, should_stop() only at its end
+  rank0-save        `if session.rank == 0: session.save()`             (cannot work)
+  rank0-report      a report on rank 0 only                             (cannot work)
+  uneven-steps      rank 1 takes 10 steps fewer                         (cannot work)
+  raise-on-rank1    an exception in the loop body on rank 1             (cannot work)
+  stuck-collective  rank 1 waits in an allreduce no other rank joins    (a stop cannot reach a step)
+  sleep-in-step     every step sleeps 1 s, for stop signals to arrive part-way
+"""
+import argparse
+import itertools
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import TensorDataset
+
+import hvdkit
+
+STEPS = 60
+
+
+def dataset():
+    inputs = torch.randn(256, 8, generator=torch.Generator().manual_seed(0))
+    return TensorDataset(inputs, inputs.sum(dim=1, keepdim=True))
+
+
+def start(args, **keys):
+    session = hvdkit.Session(seed=0, batch_size=8, log_dir=args.log_dir, checkpoint_dir=args.checkpoint_dir,
+                             stall_timeout=args.stall_timeout, **keys)
+    loader = session.loader(dataset())
+    linear = torch.nn.Linear(8, 1)
+    model, optimizer = session.setup(linear, torch.optim.SGD(linear.parameters(), lr=0.01))
+    return session, loader, model, optimizer
+
+
+def loss_of(model, batch):
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def canonical(args):
+    session, loader, model, optimizer = start(args)
+    for _ in session.epochs(100, max_steps=STEPS):
+        for batch in loader:
+            optimizer.zero_grad()
+            session.backward(loss_of(model, batch))
+            session.step()
+            if session.should_stop() or session.global_step >= STEPS:
+                break
+    return session, model
+
+
+def no_should_stop(args):
+    session, loader, model, optimizer = start(args)
+    steps = 0
+    for _ in session.epochs(100):
+        for batch in loader:
+            optimizer.zero_grad()
+            session.backward(loss_of(model, batch))
+            session.step()
+            steps += 1
+            if steps >= STEPS:
+                break
+        if steps >= STEPS:
+            break
+    return session, model
+
+
+def plain_range(args):
+    session, loader, model, optimizer = start(args)
+    batches = itertools.chain.from_iterable(_epochs(loader))
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        session.backward(loss_of(model, next(batches)))
+        session.step()
+    return session, model
+
+
+def _epochs(loader):
+    for epoch in itertools.count():
+        loader.sampler.set_epoch(epoch)
+        yield loader
+
+
+def own_backward(args):
+    session, loader, model, optimizer = start(args)
+    for _ in session.epochs(100, max_steps=STEPS):
+        for batch in loader:
+            optimizer.zero_grad()
+            loss_of(model, batch).backward()
+            session.step()
+            if session.global_step >= STEPS:
+                break
+    return session, model
+
+
+def eval_in_epoch(args):
+    session, loader, model, optimizer = start(args, log_interval=5)
+    held_out = session.eval_loader(dataset())
+    for _ in session.epochs(100, max_steps=STEPS):
+        for batch in loader:
+            optimizer.zero_grad()
+            loss = loss_of(model, batch)
+            session.backward(loss)
+            session.log(len(batch[0]), loss=loss)
+            session.step()
+            if session.report_due():
+                session.report("train")
+            if session.global_step % 7 == 0:
+                session.evaluate(held_out, lambda b: (len(b[0]), {"loss": loss_of(model, b)}))
+            if session.global_step >= STEPS:
+                break
+        if session.should_stop():
+            break
+    return session, model
+
+
+def rank0_save(args):
+    session, loader, model, optimizer = start(args)
+    for _ in session.epochs(100):
+        for batch in loader:
+            optimizer.zero_grad()
+            session.backward(loss_of(model, batch))
+            session.step()
+            if session.rank == 0 and session.global_step % 10 == 0:
+                session.save()
+    return session, model
+
+
+def rank0_report(args):
+    session, loader, model, optimizer = start(args)
+    for _ in session.epochs(100):
+        for batch in loader:
+            optimizer.zero_grad()
+            loss = loss_of(model, batch)
+            session.backward(loss)
+            session.log(len(batch[0]), loss=loss)
+            session.step()
+            if session.rank == 0 and session.global_step % 10 == 0:
+                session.report("train")
+    return session, model
+
+
+def uneven_steps(args):
+    session, loader, model, optimizer = start(args)
+    batches = itertools.chain.from_iterable(_epochs(loader))
+    for _ in range(STEPS - 10 * (session.rank == 1)):
+        optimizer.zero_grad()
+        session.backward(loss_of(model, next(batches)))
+        session.step()
+    return session, model
+
+
+def raise_on_rank1(args):
+    session, loader, model, optimizer = start(args)
+    for _ in session.epochs(100):
+        for batch in loader:
+            optimizer.zero_grad()
+            session.backward(loss_of(model, batch))
+            session.step()
+            if session.rank == 1 and session.global_step == 20:
+                raise ValueError("a bad batch on rank 1")
+    return session, model
+
+
+def stuck_collective(args):
+    import horovod.torch as hvd
+
+    session, loader, model, optimizer = start(args)
+    for _ in session.epochs(100):
+        for batch in loader:
+            optimizer.zero_grad()
+            session.backward(loss_of(model, batch))
+            session.step()
+            if session.global_step == 5:
+                print(f"rank {session.rank} stuck", flush=True)
+                if session.rank == 1:
+                    hvd.allreduce(torch.zeros(1), name="never.joined")
+    return session, model
+
+
+def sleep_in_step(args):
+    session, loader, model, optimizer = start(args)
+    for _ in session.epochs(100):
+        for batch in loader:
+            optimizer.zero_grad()
+            session.backward(loss_of(model, batch))
+            session.step()
+            session.print(f"step {session.global_step}")
+            time.sleep(1)
+    return session, model
+
+
+SHAPES = {fn.__name__.replace("_", "-"): fn for fn in (
+    canonical, no_should_stop, plain_range, own_backward, eval_in_epoch, rank0_save, rank0_report, uneven_steps,
+    raise_on_rank1, stuck_collective, sleep_in_step)}
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--shape", action="append", choices=SHAPES, required=True)
+parser.add_argument("--out")
+parser.add_argument("--log-dir")
+parser.add_argument("--checkpoint-dir")
+parser.add_argument("--stall-timeout", type=float, default=300.0)
+
+
+def main():
+    args = parser.parse_args()
+    code = 0
+    for shape in args.shape:
+        session, model = SHAPES[shape](args)
+        code = session.finish()["exit_code"] or code
+        if session.rank == 0 and args.out:
+            os.makedirs(args.out, exist_ok=True)
+            torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, Path(args.out, f"{shape}.pt"))
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -14,7 +14,10 @@ caller relays the ranks' output live, each line tagged ``[rank]``.
 
 Ctrl-C in the caller (a notebook's stop button) is passed to every rank as SIGINT: a Session
 stops at its next step and saves its checkpoint, as on Ctrl-C in a shell. What has not ended
-``GRACE_SECONDS`` later is killed, and KeyboardInterrupt is raised in the caller.
+within the stop grace period (hvdkit.supervise.stop_grace) is killed, and KeyboardInterrupt is
+raised in the caller. SIGTERM and SIGHUP to the caller (a scheduler, a notebook server shutting
+down, a closed terminal) stop the job the same way before the caller ends by them; a caller
+killed outright takes the job with it (`hvdkit launch` gets SIGTERM when its parent dies).
 """
 
 from __future__ import annotations
@@ -32,12 +35,20 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from hvdkit import lines
+from hvdkit import lines, supervise
 
 LAUNCHERS = {"horovodrun": ["--launcher", "horovodrun"], "mpirun": ["--launcher", "mpirun"],
              "gloo": ["--launcher", "horovodrun", "--gloo"]}
-GRACE_SECONDS = 10.0
 CALL = "call.pkl"
+ENDING = (signal.SIGTERM, signal.SIGHUP)  # the caller's own end, passed to the job first
+
+
+class _Ended(BaseException):
+    """The caller got one of ENDING (``signum``) while it waited for the job."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 class RunError(RuntimeError):
@@ -81,22 +92,55 @@ def run(fn: Callable, *args: Any, np: int = 2, launcher: str = "horovodrun", hos
         (directory / CALL).write_bytes(call)
         command = launch_command(np, launcher, str(directory), hosts, env)
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"), preexec_fn=supervise.end_with_parent)
         relays = [threading.Thread(target=_relay, args=(stream, name), daemon=True)
                   for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
         for relay in relays:
             relay.start()
+        previous = _on_ending()
         try:
             code = _wait(proc)
         except KeyboardInterrupt:
-            _stop(proc)
+            _stop(proc, signal.SIGINT, "Ctrl-C")
             raise
+        except _Ended as ended:
+            _stop(proc, ended.signum, signal.Signals(ended.signum).name)
+            _end_by(ended.signum, previous)
         finally:
+            _restore(previous)
             for relay in relays:
                 relay.join(timeout=5)
         return _results(directory, np, code)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _on_ending() -> dict:
+    """Handlers for ENDING that raise _Ended in the waiting caller (only the main thread can set
+    them; elsewhere the job still ends with the caller, by PR_SET_PDEATHSIG). The previous ones."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def ended(signum, frame) -> None:
+        raise _Ended(signum)
+
+    return {sig: signal.signal(sig, ended) for sig in supervise.unless_nohup(ENDING)}
+
+
+def _restore(previous: dict) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def _end_by(signum: int, previous: dict) -> None:
+    """With the job ended, the caller gets what it would have had: its own handler, if it had
+    one, else the default action (its end) by the same signal."""
+    handler = previous.get(signum, signal.SIG_DFL)
+    _restore(previous)
+    if callable(handler):
+        handler(signum, None)
+    elif handler == signal.SIG_DFL:
+        os.kill(os.getpid(), signum)
 
 
 def _wait(proc: subprocess.Popen) -> int:
@@ -108,15 +152,16 @@ def _wait(proc: subprocess.Popen) -> int:
             pass
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGINT to `hvdkit launch`, which passes it to every rank; after GRACE_SECONDS, or a second
-    Ctrl-C, every process of the job is killed by PID."""
-    proc.send_signal(signal.SIGINT)
-    print(f"hvdkit.run: Ctrl-C passed to every rank; waiting up to {GRACE_SECONDS:.0f} s for them to save and end",
+def _stop(proc: subprocess.Popen, signum: int, what: str) -> None:
+    """``signum`` to `hvdkit launch`, which passes it to every rank; after the stop grace period,
+    or a second Ctrl-C or ending signal, every process of the job is killed by PID."""
+    proc.send_signal(signum)
+    grace = supervise.stop_grace()
+    print(f"hvdkit.run: {what} passed to every rank; waiting up to {grace:g} s for them to save and end",
           file=sys.stderr, flush=True)
     try:
-        proc.wait(timeout=GRACE_SECONDS)
-    except (subprocess.TimeoutExpired, KeyboardInterrupt):
+        proc.wait(timeout=grace + supervise.KILL_AFTER_GRACE)
+    except (subprocess.TimeoutExpired, KeyboardInterrupt, _Ended):
         _kill_tree(proc)
 
 
@@ -222,6 +267,8 @@ def rank_main(directory: Path) -> int:
         value = fn(*args, **kwargs)
     except KeyboardInterrupt:  # Ctrl-C in the caller, passed to every rank
         return 130
+    except SystemExit as exc:  # a Session that stopped where the loop did not ask should_stop()
+        return exc.code if isinstance(exc.code, int) else 1
     except BaseException as exc:
         _fail(directory, rank, {"kind": "raised", "type": _type_name(type(exc)), "message": _one_line(exc),
                                 "traceback": traceback.format_exc(), "exception": exc})

@@ -3,6 +3,7 @@ by value, as a notebook's do. Prints one JSON line per call for tests/test_spawn
 
     python tests/spawn_caller.py errors LAUNCHER
     python tests/spawn_caller.py interrupt LAUNCHER CHECKPOINT_DIR LOG_DIR
+    python tests/spawn_caller.py forever LAUNCHER CHECKPOINT_DIR LOG_DIR   (until this process is ended)
 """
 
 import json
@@ -68,5 +69,9 @@ def interrupt(launcher, checkpoint_dir, log_dir):
                           "sent_after": sent["at"] - started}), flush=True)
 
 
+def forever(launcher, checkpoint_dir, log_dir):
+    hvdkit.run(train, checkpoint_dir, log_dir, np=2, launcher=launcher)
+
+
 if __name__ == "__main__":
-    {"errors": errors, "interrupt": interrupt}[sys.argv[1]](*sys.argv[2:])
+    {"errors": errors, "interrupt": interrupt, "forever": forever}[sys.argv[1]](*sys.argv[2:])

@@ -1,15 +1,19 @@
 """hvdkit.run: the notebook under examples/ in a real Jupyter kernel, and a user's script calling
 it (tests/spawn_caller.py), with real launches: values back in rank order, a rank's exception or
-unpicklable value named, Ctrl-C stopping every rank with a checkpoint and nothing left running."""
+unpicklable value named, Ctrl-C stopping every rank with a checkpoint and nothing left running,
+nor after the caller is ended by a signal or killed."""
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 import uuid
 
 import pytest
 
-from conftest import REPO, run
+from conftest import REPO, run, wait_for
 from hvdkit import checkpoint, selftest, spawn
 
 CALLER = REPO / "tests" / "spawn_caller.py"
@@ -102,3 +106,48 @@ def test_ctrl_c_in_the_caller_stops_every_rank_with_a_checkpoint_and_leaves_noth
         except psutil.Error:
             pass
     assert left == []
+
+
+def _marked(mark):
+    import psutil
+
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get("HVDKIT_TEST_MARK") == mark:
+                found.append(process)
+        except psutil.Error:
+            pass
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ending", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_caller_ended_by_a_scheduler_or_killed_takes_its_job_with_it(tmp_path, ending):
+    """As `timeout 20 python caller.py` does, or a notebook server shutting down: the ranks stop
+    (SIGTERM: with their checkpoint, then the caller ends by the signal) and nothing of the job
+    runs 20 s later."""
+    mark = uuid.uuid4().hex
+    ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
+    caller = subprocess.Popen([sys.executable, str(CALLER), "forever", "gloo", str(ckpt), str(logs)],
+                              env=dict(os.environ, HVDKIT_TEST_MARK=mark), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: (logs / "metrics.jsonl").exists() and '"train"' in (logs / "metrics.jsonl").read_text(),
+                 caller, "training to report")
+        caller.send_signal(ending)
+        _, err = caller.communicate(timeout=30)
+        assert caller.returncode == -ending, err[-3000:]
+        deadline = time.monotonic() + 20
+        while _marked(mark) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = _marked(mark)
+        assert left == [], [p.cmdline() for p in left]
+        if ending == signal.SIGTERM:
+            assert "hvdkit.run: SIGTERM passed to every rank" in err, err[-3000:]
+            assert checkpoint.existing(str(ckpt)), err[-3000:]
+    finally:
+        for process in _marked(mark):
+            process.kill()
+        caller.kill()
+        caller.wait()

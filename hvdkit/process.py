@@ -76,15 +76,19 @@ def place_process(local_rank: int, local_size: int) -> torch.device:
     return torch.device("cpu")
 
 
+STALL_BACKSTOP_SECONDS = 5
+
+
 def stall_settings(timeout: float) -> dict:
     """Horovod's stall inspector: warn about a collective some rank has not joined after
-    min(60 s, timeout/2), naming the tensor and the missing ranks, and end the job after
-    ``timeout`` seconds instead of hanging until the allocation's time limit. 0 disables it.
-    It works under the MPI controller only; the Watchdog covers Gloo."""
+    min(60 s, timeout/2), naming the tensor and the missing ranks (MPI controller only). The
+    job is ended at ``timeout`` by hvdkit's Watchdog, under every controller and with a frozen
+    rank too; the inspector's own shutdown comes STALL_BACKSTOP_SECONDS later, only where the
+    watchdog could not act. 0 disables both."""
     if timeout <= 0:
         return {"HOROVOD_STALL_CHECK_DISABLE": "1"}
     return {"HOROVOD_STALL_CHECK_TIME_SECONDS": str(max(1, int(min(60.0, timeout / 2)))),
-            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": str(max(1, int(timeout)))}
+            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": str(max(1, int(timeout)) + STALL_BACKSTOP_SECONDS)}
 
 
 # Open MPI's tuned allreduce from 1 MiB up: the ring (algorithm 4); below, its own fixed

@@ -77,7 +77,7 @@ class Session:
             config = from_mapping(from_environ(os.environ))
         self.cfg = cfg = validate(from_mapping(keys, base=config))
         self.hvd, self.device = process.start(cfg)
-        self.watchdog = Watchdog.after_stall_inspector(0 if cfg.elastic else cfg.stall_timeout, self.rank)
+        self.watchdog = Watchdog(0 if cfg.elastic else cfg.stall_timeout, self.rank)
         self._lifeline = network.Lifeline.from_environ(os.environ, self.rank)  # horovodrun --gloo's ranks
         self.amp_dtype = torch.float16 if self.device.type == "cuda" else torch.bfloat16
         # fp16 needs loss scaling, bf16 does not.
@@ -97,8 +97,9 @@ class Session:
         self._checkpoints, self._reports = Checkpoints(self), Reports(self)
         self._consistency, self._times = Consistency(self), StepTimes(self.rank, self.size, cfg.straggler_threshold)
         self._locks: list = []
+        # Horovod's shutdown met outside hvdkit's calls (your own loss.backward()) is said in one line too.
         self._undo_hook = stops.exit_on_own_errors(
-            self.rank, OWN_ERRORS, (ConfigError, LockstepError),
+            self.rank, OWN_ERRORS + (() if cfg.elastic else (HorovodInternalError,)), (ConfigError, LockstepError),
             self._end_after_error)
         self.log_dir = cfg.log_dir or process.run_dir(cfg, self.hvd)
         self._locks = process.lock_directories(cfg, self.hvd, self.log_dir)
@@ -234,8 +235,9 @@ class Session:
         """Backward of one micro-batch's loss, averaged over the step's micro-batches and
         scaled for fp16. The last micro-batch's backward starts the allreduce; the step's
         first starts its meeting (hvdkit.lockstep), ahead of the gradients."""
-        self._start_step()
-        self._step.backward(loss)
+        with self._waiting(CALLS[0]):  # the gradients' allreduces start here
+            self._start_step()
+            self._step.backward(loss)
 
     def step(self) -> None:
         """The optimizer step (see hvdkit.step), once every rank is at this step (and has agreed
@@ -320,6 +322,7 @@ class Session:
 
     def _meet(self, call: str) -> None:
         """Every rank at ``call`` after the same steps, or one line saying who is where (hvdkit.lockstep)."""
+        self.watchdog.beat(where(call, self.global_step))
         with self._waiting(call):
             self._lockstep.collect()  # a step's meeting, where the loop called backward() without step()
             self._lockstep.meet(call, self.global_step, self._signal.received or 0)
@@ -333,8 +336,9 @@ class Session:
         except HorovodInternalError:
             if self.cfg.elastic:
                 raise
-            raise RankEnded(f"another rank ended while rank {self.rank} waited in {where(call, self.global_step)}; "
-                            f"its output says why") from None
+            raise RankEnded(f"Horovod shut down while rank {self.rank} waited in {where(call, self.global_step)}: "
+                            f"another rank ended (it raised, returned early or was killed) or Horovod's stall "
+                            f"inspector ended the job; the lines above say which") from None
 
     def _take_stop(self) -> bool:
         """Whether the run stops here: the ranks agreed on a stop, and its checkpoint is now written."""

@@ -1,11 +1,12 @@
 """A per-rank watchdog that ends a job which has stopped making progress.
 
-Horovod's stall inspector names the tensor a missing rank never submitted and shuts the job
-down, but only under the MPI controller: measured here with Horovod 0.28.1, a rank that
-stops calling collectives under `horovodrun --gloo` hangs the job with no message at all.
-The watchdog works under any controller: the loop beats at each step, and a rank that has
-not beaten for ``timeout`` seconds says where it was and exits, which makes every launcher
-end the whole job.
+Horovod's stall inspector names the tensor a missing rank never submitted (at half the
+timeout, hvdkit.process.stall_settings), but its shutdown works only under the MPI controller,
+and not even there when a rank is frozen (SIGSTOP: measured here with Horovod 0.28.1, the
+job ran on past the limit). The watchdog works under any controller and is what ends a
+stalled job at ``--stall-timeout``: the loop beats at each step and at each of hvdkit's calls,
+and a rank that has not beaten for ``timeout`` seconds says where it was and exits, which
+makes every launcher end the whole job.
 """
 
 from __future__ import annotations
@@ -46,11 +47,6 @@ class Watchdog:
         if timeout > 0:
             self._thread.start()
 
-    @classmethod
-    def after_stall_inspector(cls, stall_timeout: float, rank: int) -> "Watchdog":
-        """A watchdog that fires after Horovod's inspector (MPI) had its chance to name the tensor."""
-        return cls(stall_timeout * 1.5 + 5 if stall_timeout > 0 else 0, rank)
-
     def share(self, directory: str, own: bool = True) -> None:
         """Write heartbeats to ``directory`` (every rank must pass the same one); ``own``: the
         directory is only for them, and the last rank to stop removes it."""
@@ -88,6 +84,7 @@ class Watchdog:
                 os._exit(EXIT_CODE)
             if idle > self.timeout:
                 culprit = self._culprit()
+                self._kill_frozen_here()
                 line = (f"{culprit}; rank {self.rank} waited {idle:.0f} s in {self.where}; ending the job "
                         f"(--stall-timeout sets the limit)" if culprit else
                         f"rank {self.rank} made no progress for {idle:.0f} s in {self.where}; ending the job (a rank "
@@ -112,18 +109,42 @@ class Watchdog:
         except OSError:
             pass  # heartbeats only improve the message; never fail training for them
 
-    def _culprit(self) -> Optional[str]:
-        """Who stopped the job, from the other ranks' heartbeats: 'rank 1 (host h, pid p) ...'."""
+    def _records(self) -> list[dict]:
         records = []
         for path in self.shared.glob("heartbeat-rank-*.json") if self.shared else []:
             try:
                 records.append(json.loads(path.read_text()))
             except (OSError, ValueError):
                 continue
+        return records
+
+    def _frozen(self, records: list[dict]) -> list[dict]:
+        now = time.time()
+        return [r for r in records if now - r["alive"] > FROZEN_SECONDS]
+
+    def _kill_frozen_here(self) -> None:
+        """A frozen rank on this host, stopped and running this same program, is killed now: a
+        stopped process keeps a SIGTERM pending, and launchers that send one first wait seconds
+        more before SIGKILL (horovodrun --gloo: 10 s, measured), past the stall limit."""
+        import psutil
+
+        for record in self._frozen(self._records()):
+            if record["host"] != socket.gethostname() or record["pid"] == os.getpid():
+                continue
+            try:
+                process = psutil.Process(record["pid"])
+                if process.status() == psutil.STATUS_STOPPED and process.cmdline() == psutil.Process().cmdline():
+                    process.kill()
+            except psutil.Error:
+                pass
+
+    def _culprit(self) -> Optional[str]:
+        """Who stopped the job, from the other ranks' heartbeats: 'rank 1 (host h, pid p) ...'."""
+        records = self._records()
         if len(records) < 2:
             return None
         now = time.time()
-        frozen = [r for r in records if now - r["alive"] > FROZEN_SECONDS]
+        frozen = self._frozen(records)
         if frozen:
             return "; ".join(f"rank {r['rank']} (host {r['host']}, pid {r['pid']}) stopped responding "
                              f"{now - r['alive']:.0f} s ago, last seen in {r['where']}" for r in frozen)

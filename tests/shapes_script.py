@@ -2,10 +2,11 @@
 Fabric and Accelerate docs), each training the same 60 steps of a Linear model; or a shape
 that cannot work, which must end the job at once with one line.
 
-    python tests/shapes_script.py --shape SHAPE [--shape SHAPE ...] --out DIR
+    python tests/shapes_script.py --shape SHAPE [--shape SHAPE ...] [--repeat N] --out DIR
 
-Each shape that trains runs in a Session of its own, one after another in this one job, and
-rank 0 writes its final weights to DIR/SHAPE.pt. Shapes:
+Each shape that trains runs in a Session of its own, one after another in this one job (N
+times each: the hang of issue 37 was a race), and rank 0 writes each run's final weights to
+DIR/SHAPE-I.pt. Shapes:
 
   canonical         session.epochs(), should_stop() after every step, a break at 60 steps
   no-should-stop    the same loop without should_stop() (the hang of issue 37)
@@ -215,17 +216,19 @@ parser.add_argument("--out")
 parser.add_argument("--log-dir")
 parser.add_argument("--checkpoint-dir")
 parser.add_argument("--stall-timeout", type=float, default=300.0)
+parser.add_argument("--repeat", type=int, default=1)
 
 
 def main():
     args = parser.parse_args()
     code = 0
-    for shape in args.shape:
+    for shape, run in itertools.product(args.shape, range(args.repeat)):
         session, model = SHAPES[shape](args)
         code = session.finish()["exit_code"] or code
         if session.rank == 0 and args.out:
             os.makedirs(args.out, exist_ok=True)
-            torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, Path(args.out, f"{shape}.pt"))
+            torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
+                       Path(args.out, f"{shape}-{run}.pt"))
     return code
 
 

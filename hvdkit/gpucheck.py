@@ -1,7 +1,7 @@
 """`make gpu-check`: what the CPU-only suite cannot show, on any CUDA machine, in one command.
 
 It builds (or finds) Horovod with NCCL for this torch, runs the tests marked ``gpu`` (NCCL
-collectives, fp16 autocast with GradScaler, pinned memory, hvd.join(device)) and the synthetic
+collectives, fp16 autocast with GradScaler, pinned memory, the end-of-epoch lockstep) and the synthetic
 benchmark beside Horovod's own loop and DDP, then prints one summary whose last line is PASS or
 FAIL. Offline nodes pass ``--sdist`` or ``--find-links`` on to the builder.
 

@@ -290,7 +290,8 @@ def main(argv: Sequence[str]) -> int:
                       launcher_args, network=_previewed if args.dry_run else routable_network)
         check_command(command)
         watched = {} if args.dry_run else remote_hosts(result.watch)
-    except (LaunchError, NetworkError) as exc:
+        supervise.stop_grace()
+    except (LaunchError, NetworkError, ValueError) as exc:
         print(f"hvdkit launch: {exc}", file=sys.stderr)
         return 2
     if args.dry_run or args.verbose:

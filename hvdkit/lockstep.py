@@ -49,8 +49,9 @@ class RankEnded(RuntimeError):
 class Lockstep:
     """The meetings of one Session's ranks, and the stop they agreed on."""
 
-    def __init__(self, hvd) -> None:
+    def __init__(self, hvd, strict: bool = True) -> None:
         self.hvd = hvd
+        self.strict = strict  # False in elastic runs: a worker joining mid-run meets the others before it syncs
         self.pending: Optional[tuple] = None  # (handle, call, steps) of a meeting submitted, not yet read
         self.signum = 0  # the stop signal all ranks agreed on, 0 until one is
 
@@ -69,7 +70,7 @@ class Lockstep:
         handle, call, steps = self.pending
         self.pending = None
         rows = self.hvd.synchronize(handle)
-        problem = mismatch(rows.tolist())
+        problem = self.strict and mismatch(rows.tolist())
         if problem:
             raise LockstepError(problem)
         self.signum = self.signum or int(rows[:, 2].max().item())
@@ -114,4 +115,6 @@ def mismatch(rows: list[list[float]]) -> Optional[str]:
 
 
 def _ranks(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks)) if len(ranks) <= 8 else f"{', '.join(map(str, ranks[:6]))} and {len(ranks) - 6} more"
+    if len(ranks) <= 8:
+        return ", ".join(map(str, ranks))
+    return f"{', '.join(map(str, ranks[:6]))} and {len(ranks) - 6} more"

@@ -90,9 +90,12 @@ class Session:
         self.total_steps = 0  # for the progress bar; set it if you know it, epochs() does
         # Elastic: a stop signal on the driver's host ends the job (with a checkpoint); elsewhere
         # it ends that worker alone, as Horovod has it (a node drained or preempted), and the job goes on.
-        self._signal = stops.StopSignal(install=not cfg.elastic or supervise.started_by_horovodrun_here(),
-                                        rank=self.rank, where=lambda watchdog=self.watchdog: watchdog.where)
-        self._lockstep = Lockstep(self.hvd)
+        try:
+            self._signal = stops.StopSignal(install=not cfg.elastic or supervise.started_by_horovodrun_here(),
+                                            rank=self.rank, where=lambda watchdog=self.watchdog: watchdog.where)
+        except ValueError as exc:  # HVDKIT_STOP_GRACE
+            raise ConfigError(str(exc)) from None
+        self._lockstep = Lockstep(self.hvd, strict=not cfg.elastic)
         self._unread_step = False  # a step's agreement that should_stop() has not read yet
         self._checkpoints, self._reports = Checkpoints(self), Reports(self)
         self._consistency, self._times = Consistency(self), StepTimes(self.rank, self.size, cfg.straggler_threshold)

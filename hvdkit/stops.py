@@ -56,6 +56,7 @@ class StopSignal:
         self._previous = {sig: signal.signal(sig, self._handle) for sig in handled}
         self.installed = install
         self.rank, self.where = rank, where
+        self.grace = supervise.stop_grace()  # checked now, not when the stop comes
         self._countdown: Optional[threading.Timer] = None
         self._wakeup = self._wake_on_signals() if install else None
 
@@ -88,7 +89,7 @@ class StopSignal:
         """From the first stop: end this process if it still runs after the grace period."""
         if self._countdown is not None:
             return
-        grace = supervise.stop_grace()
+        grace = self.grace
 
         def overdue() -> None:
             line = (f"rank {self.rank} did not reach a step boundary within {grace:g} s of {why} (it was in "

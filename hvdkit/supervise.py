@@ -51,12 +51,17 @@ KILL_AFTER_GRACE = 3.0  # the ranks' own count ends them first, each saying wher
 
 def stop_grace(environ: Mapping[str, str] = os.environ) -> float:
     """Seconds between a stop signal and the kill of whatever has not ended: HVDKIT_STOP_GRACE,
-    else GRACE_SECONDS. A checkpoint must be written within it."""
+    else GRACE_SECONDS. A checkpoint must be written within it. ValueError naming the variable
+    if it is not a number of seconds (hvdkit launch and the Session check it at start)."""
     text = environ.get(STOP_GRACE, "")
     try:
-        return max(0.0, float(text)) if text else GRACE_SECONDS
+        seconds = float(text) if text else GRACE_SECONDS
     except ValueError:
-        return GRACE_SECONDS
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise ValueError(f"{STOP_GRACE}={text!r}: expected the seconds a stopped rank has to save and end, "
+                         f"a number >= 0 (default {GRACE_SECONDS:g})")
+    return seconds
 
 
 def _prctl(option: int, value: int) -> None:

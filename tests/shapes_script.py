@@ -130,19 +130,9 @@ def eval_in_epoch(args):
     return session, model
 
 
-def rank0_save(args):
-    session, loader, model, optimizer = start(args)
-    for _ in session.epochs(100):
-        for batch in loader:
-            optimizer.zero_grad()
-            session.backward(loss_of(model, batch))
-            session.step()
-            if session.rank == 0 and session.global_step % 10 == 0:
-                session.save()
-    return session, model
-
-
-def rank0_report(args):
+def until_it_fails(args, after_step):
+    """The canonical loop without an end, ``after_step(session)`` after each step: for the shapes
+    that cannot work and for stops."""
     session, loader, model, optimizer = start(args)
     for _ in session.epochs(100):
         for batch in loader:
@@ -151,9 +141,24 @@ def rank0_report(args):
             session.backward(loss)
             session.log(len(batch[0]), loss=loss)
             session.step()
-            if session.rank == 0 and session.global_step % 10 == 0:
-                session.report("train")
+            after_step(session)
     return session, model
+
+
+def rank0_save(args):
+    def save_on_rank_0(session):
+        if session.rank == 0 and session.global_step % 10 == 0:
+            session.save()
+
+    return until_it_fails(args, save_on_rank_0)
+
+
+def rank0_report(args):
+    def report_on_rank_0(session):
+        if session.rank == 0 and session.global_step % 10 == 0:
+            session.report("train")
+
+    return until_it_fails(args, report_on_rank_0)
 
 
 def uneven_steps(args):
@@ -167,43 +172,31 @@ def uneven_steps(args):
 
 
 def raise_on_rank1(args):
-    session, loader, model, optimizer = start(args)
-    for _ in session.epochs(100):
-        for batch in loader:
-            optimizer.zero_grad()
-            session.backward(loss_of(model, batch))
-            session.step()
-            if session.rank == 1 and session.global_step == 20:
-                raise ValueError("a bad batch on rank 1")
-    return session, model
+    def raise_at_step_20(session):
+        if session.rank == 1 and session.global_step == 20:
+            raise ValueError("a bad batch on rank 1")
+
+    return until_it_fails(args, raise_at_step_20)
 
 
 def stuck_collective(args):
     import horovod.torch as hvd
 
-    session, loader, model, optimizer = start(args)
-    for _ in session.epochs(100):
-        for batch in loader:
-            optimizer.zero_grad()
-            session.backward(loss_of(model, batch))
-            session.step()
-            if session.global_step == 5:
-                print(f"rank {session.rank} stuck", flush=True)
-                if session.rank == 1:
-                    hvd.allreduce(torch.zeros(1), name="never.joined")
-    return session, model
+    def stick_at_step_5(session):
+        if session.global_step == 5:
+            print(f"rank {session.rank} stuck", flush=True)
+            if session.rank == 1:
+                hvd.allreduce(torch.zeros(1), name="never.joined")
+
+    return until_it_fails(args, stick_at_step_5)
 
 
 def sleep_in_step(args):
-    session, loader, model, optimizer = start(args)
-    for _ in session.epochs(100):
-        for batch in loader:
-            optimizer.zero_grad()
-            session.backward(loss_of(model, batch))
-            session.step()
-            session.print(f"step {session.global_step}")
-            time.sleep(1)
-    return session, model
+    def sleep(session):
+        session.print(f"step {session.global_step}")
+        time.sleep(1)
+
+    return until_it_fails(args, sleep)
 
 
 SHAPES = {fn.__name__.replace("_", "-"): fn for fn in (

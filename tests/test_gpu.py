@@ -1,5 +1,5 @@
 """What only a GPU exercises: NCCL collectives, fp16 autocast with GradScaler, pinned memory and
-hvd.join(device), each in real ranks started by horovodrun (Gloo controller: no MPI needed on a
+the end-of-epoch lockstep, each in real ranks started by horovodrun (Gloo controller: no MPI needed on a
 GPU node). One rank per GPU of this machine.
 
 Marked ``gpu``: on a machine without CUDA they skip with the reason (conftest), and

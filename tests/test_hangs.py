@@ -3,7 +3,6 @@ horovodrun (MPI and Gloo) at np=2 and np=3, train to the canonical loop's weight
 cannot work end in seconds with one line; a stop signal ends ranks stuck in a collective within
 the grace period. The loops are tests/shapes_script.py. After each test no process is left."""
 
-import os
 import signal
 import subprocess
 import sys

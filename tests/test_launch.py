@@ -297,6 +297,8 @@ HVDKIT = [sys.executable, "-m", "hvdkit", "launch"]
     (["-np", "2", "NOSEP"], "hvdkit launch: put '--' before the command", None),
     (["-np", "2", "--", "/no/such/cmd"], "hvdkit launch: /no/such/cmd: no such command on this host", None),
     (["-np", "2", "--", "nosuchcmd"], "hvdkit launch: nosuchcmd: no such command on this host", None),
+    (["-np", "2", "--launcher", "mpirun"], "hvdkit launch: HVDKIT_STOP_GRACE='soon': expected the seconds",
+     {"HVDKIT_STOP_GRACE": "soon"}),
 ])
 def test_bad_input_is_one_line_and_nothing_starts(tmp_path, argv, line, env):
     (tmp_path / "EMPTY").write_text("")

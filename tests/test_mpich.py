@@ -5,17 +5,20 @@ under MPICH's Hydra mpiexec, through `hvdkit launch`.
 
 The MPICH build is installed beside the suite's Open MPI one, not over it: into a folder put
 first on PYTHONPATH, with Hydra's mpirun first on PATH, as a second MPI on a cluster would be.
+A frozen rank ends the job at the stall limit under Hydra too.
 """
 
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-from conftest import REPO, run
+from conftest import REPO, kill_tree, run, wait_for
 from hvdkit import build, doctor, selftest
 
 pytestmark = pytest.mark.slow
@@ -97,3 +100,27 @@ def test_doctor_names_the_mpi_built_with_and_warns_of_another_mpirun(mpich):
     other = dict(mpich, env=dict(mpich["env"], PATH=f"/usr/bin{os.pathsep}{mpich['env']['PATH']}"))
     proc = _run(other, [sys.executable, "-m", "hvdkit", "doctor"])
     assert "mpirun on PATH (/usr/bin/mpirun) is Open MPI, but Horovod was built with MPICH" in proc.stdout, proc.stdout
+
+
+def test_a_frozen_rank_ends_the_job_at_the_stall_limit(mpich, tmp_path):
+    """SIGSTOP to rank 1 under Hydra: ended within --stall-timeout + 5 s, rank 1 named, exit 75."""
+    stall, logs = 6, tmp_path / "logs"
+    proc = subprocess.Popen([sys.executable, "-m", "hvdkit", "launch", "-np", "2", "--launcher", "mpirun", "--",
+                             sys.executable, "-m", "hvdkit", "train", "--model", "mlp", "--epochs", "60",
+                             "--stall-timeout", str(stall), "--log-dir", str(logs)],
+                            env=selftest.mpi_root_env(mpich["env"]), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        wait_for(lambda: (logs / "metrics.jsonl").exists() and '"train"' in (logs / "metrics.jsonl").read_text(),
+                 proc, "training to report")
+        (frozen,) = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                     if p.cmdline()[1:4] == ["-m", "hvdkit", "train"] and p.environ().get("PMI_RANK") == "1"]
+        frozen.suspend()  # SIGSTOP
+        began = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - began
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 75, err[-3000:]
+    assert took <= stall + 5, (took, err[-3000:])
+    assert f"rank 1 (host {os.uname().nodename}, pid {frozen.pid}) stopped responding" in err, err[-3000:]

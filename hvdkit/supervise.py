@@ -151,7 +151,8 @@ def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False
             hosts.stop()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            end_leftovers(grace=0 if hosts.lost or stopped else stop_grace())
+            left = max(0.0, stopped[1] - time.monotonic()) if stopped else stop_grace()  # of a stop's grace period
+            end_leftovers(grace=0 if hosts.lost else left)
             for pump in pumps:
                 pump.join(timeout=5)
         if hosts.lost:

@@ -10,8 +10,9 @@ steps, and the stop signal it received. Ranks at different calls meet each other
 all see who is where; the same allreduce is the stop agreement (the largest signal wins).
 
 A step's meeting is submitted before its gradients' allreduces where the loop calls
-``session.backward`` (else in ``session.step()``), so it travels in their Horovod cycle and
-is read, before the gradients are awaited, at no extra wait. Nothing is left in flight
+``session.backward`` (else in ``session.step()``), so it travels in their Horovod cycle (one
+small allreduce a step, as the one-number stop agreement it replaces was) and is read, before
+the gradients are awaited, at no extra wait. Nothing is left in flight
 between calls: an allreduce still pending when another collective (a join, a checkpoint's
 allgather) starts is how ranks fell a step out of line.
 """
@@ -31,11 +32,7 @@ RANK_ZERO_HABIT = {  # what the call does on rank 0 alone, for the line that say
     CALLS[2]: "rank 0 alone writes the file", CALLS[3]: "rank 0 alone prints and writes the metrics",
     CALLS[4]: "each rank evaluates its share of the data", CALLS[5]: "every rank's copy is compared",
 }
-FIELDS = 3  # call, steps taken, stop signal
-# float32, so that a step's meeting is fused with the gradients into one allreduce (CPU), as the
-# one-number stop agreement it replaces was: exact for whole numbers below 2**24, so steps are
-# sent modulo that (ranks apart by a multiple of 16.7 million steps would pass, unnoticed).
-EXACT = 2 ** 24
+FIELDS = 3  # call, steps taken, stop signal; in float64, exact for any step count
 
 
 class LockstepError(RuntimeError):
@@ -61,8 +58,8 @@ class Lockstep:
 
     def submit(self, call: str, steps: int, signum: int) -> None:
         """Start this rank's part of a meeting at ``call`` after ``steps`` steps."""
-        rows = torch.zeros(self.hvd.size(), FIELDS)  # elastic: the size of now
-        rows[self.hvd.rank()] = torch.tensor([CALLS.index(call) + 1, steps % EXACT, signum])
+        rows = torch.zeros(self.hvd.size(), FIELDS, dtype=torch.float64)  # elastic: the size of now
+        rows[self.hvd.rank()] = torch.tensor([CALLS.index(call) + 1, steps, signum], dtype=torch.float64)
         handle = self.hvd.allreduce_async(rows, op=self.hvd.Sum, name="hvdkit.lockstep")
         self.pending = (handle, call, steps)
 
@@ -91,7 +88,7 @@ def where(call: str, steps: int) -> str:
 
 def mismatch(rows: list[list[float]]) -> Optional[str]:
     """The line saying how the ranks' rows (call code, steps) differ; None if they do not."""
-    at = {rank: (CALLS[int(code) - 1] if code else "no hvdkit call", int(steps))  # steps modulo EXACT
+    at = {rank: (CALLS[int(code) - 1] if code else "no hvdkit call", int(steps))
           for rank, (code, steps, _) in enumerate(rows)}
     if len(set(at.values())) == 1:
         return None

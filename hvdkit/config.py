@@ -75,7 +75,7 @@ class TrainConfig:
     keep_checkpoints: int = field(default=3, metadata={"help": "how many of the newest checkpoints to keep"})
     stall_timeout: float = field(default=300.0, metadata={
         "help": "seconds without progress after which the job ends, naming the stalled rank (exit 75); Horovod "
-                "names the tensor it waits for at half of it; 0 off"})
+                "names the tensor it waits for before that; 0 off"})
     elastic: bool = field(default=False, metadata={
         "help": "elastic training (horovodrun --min-np/--max-np with a host discovery script)"})
     commit_steps: int = field(default=10, metadata={"help": "elastic: commit the state every N steps"})

@@ -80,14 +80,15 @@ STALL_BACKSTOP_SECONDS = 5
 
 
 def stall_settings(timeout: float) -> dict:
-    """Horovod's stall inspector: warn about a collective some rank has not joined after
-    min(60 s, timeout/2), naming the tensor and the missing ranks (MPI controller only). The
+    """Horovod's stall inspector: warn about a collective some rank has not joined, naming the
+    tensor and the missing ranks (MPI controller only). It checks every min(60 s, timeout/3)
+    for tensors waiting longer than that, so the warning comes before the limit. The
     job is ended at ``timeout`` by hvdkit's Watchdog, under every controller and with a frozen
     rank too; the inspector's own shutdown comes STALL_BACKSTOP_SECONDS later, only where the
     watchdog could not act. 0 disables both."""
     if timeout <= 0:
         return {"HOROVOD_STALL_CHECK_DISABLE": "1"}
-    return {"HOROVOD_STALL_CHECK_TIME_SECONDS": str(max(1, int(min(60.0, timeout / 2)))),
+    return {"HOROVOD_STALL_CHECK_TIME_SECONDS": str(max(1, int(min(60.0, timeout / 3)))),
             "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": str(max(1, int(timeout)) + STALL_BACKSTOP_SECONDS)}
 
 

@@ -136,6 +136,7 @@ class Session:
         stepped once per optimizer step by ``step()``.
         """
         cfg, hvd = self.cfg, self.hvd
+        self.watchdog.beat("setup()")  # the stall limit counts from here: loading data before it is not a stall
         model = model.to(self.device)
         self.model, self.scheduler, self._inner = model, scheduler, optimizer
         compression = hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none
@@ -248,7 +249,9 @@ class Session:
         self.watchdog.beat(f"training step {self.global_step + 1}")
         self._start_step()
         with self._waiting(CALLS[0]):
+            self._times.waiting()  # for a rank late to the step, the others wait here (hvdkit.stragglers)
             self._lockstep.collect()
+            self._times.waited()
             self._step.apply()
         self.global_step += 1
         self._unread_step = True

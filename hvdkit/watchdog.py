@@ -1,6 +1,6 @@
 """A per-rank watchdog that ends a job which has stopped making progress.
 
-Horovod's stall inspector names the tensor a missing rank never submitted (at half the
+Horovod's stall inspector names the tensor a missing rank never submitted (before the
 timeout, hvdkit.process.stall_settings), but its shutdown works only under the MPI controller,
 and not even there when a rank is frozen (SIGSTOP: measured here with Horovod 0.28.1, the
 job ran on past the limit). The watchdog works under any controller and is what ends a
@@ -38,7 +38,8 @@ class Watchdog:
     def __init__(self, timeout: float, rank: int) -> None:
         self.timeout, self.rank = timeout, rank
         self.where = "start-up"
-        self.last, self.last_wall = time.monotonic(), time.time()
+        self.last: Optional[float] = None  # no limit before the first beat: start-up is not a stall
+        self.last_wall = time.time()
         self.shared: Optional[Path] = None
         self._own = False
         self._written = 0.0
@@ -73,7 +74,7 @@ class Watchdog:
         while not self._stop.wait(interval):
             slept, woke = time.monotonic() - woke, time.monotonic()
             self._write_heartbeat()
-            idle = woke - self.last
+            idle = woke - self.last if self.last is not None else 0.0
             # This whole process was stopped for longer than the others wait for it. Not merely
             # FROZEN_SECONDS: a long call holding the GIL (pickling a large checkpoint) also
             # delays this thread, and must not end the run.

@@ -130,6 +130,11 @@ def eval_in_epoch(args):
     return session, model
 
 
+def mark(what):
+    """When the shape goes wrong, for the test that times how soon the job ends after it."""
+    print(f"MARK {time.time()} {what}", flush=True)
+
+
 def until_it_fails(args, after_step):
     """The canonical loop without an end, ``after_step(session)`` after each step: for the shapes
     that cannot work and for stops."""
@@ -148,6 +153,7 @@ def until_it_fails(args, after_step):
 def rank0_save(args):
     def save_on_rank_0(session):
         if session.rank == 0 and session.global_step % 10 == 0:
+            mark("save on rank 0")
             session.save()
 
     return until_it_fails(args, save_on_rank_0)
@@ -156,6 +162,7 @@ def rank0_save(args):
 def rank0_report(args):
     def report_on_rank_0(session):
         if session.rank == 0 and session.global_step % 10 == 0:
+            mark("report on rank 0")
             session.report("train")
 
     return until_it_fails(args, report_on_rank_0)
@@ -168,12 +175,15 @@ def uneven_steps(args):
         optimizer.zero_grad()
         session.backward(loss_of(model, next(batches)))
         session.step()
+    if session.rank == 1:
+        mark("rank 1 took its last step")
     return session, model
 
 
 def raise_on_rank1(args):
     def raise_at_step_20(session):
         if session.rank == 1 and session.global_step == 20:
+            mark("rank 1 raises")
             raise ValueError("a bad batch on rank 1")
 
     return until_it_fails(args, raise_at_step_20)

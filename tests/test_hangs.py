@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 SCRIPT = [sys.executable, str(REPO / "tests" / "shapes_script.py")]
 TRAINING = ["canonical", "no-should-stop", "plain-range", "own-backward", "eval-in-epoch"]
 PLAIN = ["mpirun", "horovodrun --mpi", "horovodrun --gloo"]
-GRACE = 6  # HVDKIT_STOP_GRACE in these tests
+GRACE = 8  # HVDKIT_STOP_GRACE in these tests: plain horovodrun --gloo takes 10 s of its own (5 s, then SIGKILL)
 
 
 def start(how, np, args, **env):
@@ -31,15 +31,14 @@ def start(how, np, args, **env):
 
 
 def ended(proc, seconds):
-    """(exit code, stdout, stderr, seconds taken) of a job that must end within ``seconds``."""
-    began = time.monotonic()
+    """(exit code, stdout, stderr, when it ended) of a job that must end within ``seconds``."""
     try:
         out, err = proc.communicate(timeout=seconds)
     except subprocess.TimeoutExpired:
         kill_tree(proc)
         out, err = proc.communicate()
         pytest.fail(f"the job was still running after {seconds} s: {err[-3000:]}")
-    return proc.returncode, untagged(out), untagged(err), time.monotonic() - began
+    return proc.returncode, untagged(out), untagged(err), time.time()
 
 
 @pytest.mark.parametrize("np", [2, 3])
@@ -49,7 +48,7 @@ def test_every_loop_shape_trains_to_the_canonical_weights(tmp_path, how, np):
     (a loop without should_stop() at an epoch's end) was a race that passed some runs."""
     proc = start(how, np, [*(arg for shape in TRAINING for arg in ("--shape", shape)), "--repeat", "3",
                            "--out", str(tmp_path / "out"), "--log-dir", str(tmp_path / "logs")])
-    code, _, err, _ = ended(proc, 240)
+    code, _, err, _ = ended(proc, 300)
     assert code == 0, err[-3000:]
     reference = torch.load(tmp_path / "out" / "canonical-0.pt")
     for shape in TRAINING:
@@ -86,7 +85,7 @@ ONE_LINE = {
 def test_a_shape_that_cannot_work_ends_in_seconds_with_one_line(tmp_path, shape, how, np):
     proc = start(how, np, ["--shape", shape, "--log-dir", str(tmp_path / "logs"),
                            "--checkpoint-dir", str(tmp_path / "ckpt")])
-    code, out, err, seconds = ended(proc, 60)
+    code, out, err, end = ended(proc, 120)
     line, rank_code = ONE_LINE[shape]
     others = ", ".join(map(str, range(1, np)))
     others0 = ", ".join(map(str, [0, *range(2, np)]))
@@ -96,7 +95,8 @@ def test_a_shape_that_cannot_work_ends_in_seconds_with_one_line(tmp_path, shape,
     assert code != 0 and (how != "mpirun" or code == rank_code), (code, err[-3000:])
     if shape == "raise-on-rank1":  # the rank that raised shows its own traceback
         assert "ValueError: a bad batch on rank 1" in err, err[-3000:]
-    assert seconds < 30, seconds
+    went_wrong = float(next(line for line in out.splitlines() if line.startswith("MARK ")).split()[1])
+    assert end - went_wrong <= 30, (end - went_wrong, err[-3000:])  # the shapes script marks the moment
 
 
 @pytest.mark.parametrize("how", ["hvdkit launch horovodrun --gloo", "horovodrun --gloo", "mpirun"])

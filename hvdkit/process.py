@@ -85,11 +85,16 @@ def stall_settings(timeout: float) -> dict:
     for tensors waiting longer than that, so the warning comes before the limit. The
     job is ended at ``timeout`` by hvdkit's Watchdog, under every controller and with a frozen
     rank too; the inspector's own shutdown comes STALL_BACKSTOP_SECONDS later, only where the
-    watchdog could not act. 0 disables both."""
+    watchdog could not act. Gloo's own limit on one operation (30 s unless set) moves there too:
+    under it, a rank waiting longer than 30 s for a frozen or busy peer (rank 0 writing a large
+    checkpoint) ended the job with a traceback and exit 1, and horovodrun waited 10 s more on
+    the frozen rank (40 s at --stall-timeout 30, measured). 0 disables the inspector and the
+    watchdog, and leaves Gloo its 30 s."""
     if timeout <= 0:
         return {"HOROVOD_STALL_CHECK_DISABLE": "1"}
+    backstop = str(max(1, int(timeout)) + STALL_BACKSTOP_SECONDS)
     return {"HOROVOD_STALL_CHECK_TIME_SECONDS": str(max(1, int(min(60.0, timeout / 3)))),
-            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": str(max(1, int(timeout)) + STALL_BACKSTOP_SECONDS)}
+            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": backstop, "HOROVOD_GLOO_TIMEOUT_SECONDS": backstop}
 
 
 # Open MPI's tuned allreduce from 1 MiB up: the ring (algorithm 4); below, its own fixed

@@ -97,6 +97,7 @@ def run(fn: Callable, *args: Any, np: int = 2, launcher: str = "horovodrun", hos
                   for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
         for relay in relays:
             relay.start()
+        threading.Thread(target=proc.wait, name="hvdkit-run-reaper", daemon=True).start()
         previous = _on_ending()
         try:
             code = _wait(proc)
@@ -143,13 +144,17 @@ def _end_by(signum: int, previous: dict) -> None:
         os.kill(os.getpid(), signum)
 
 
-def _wait(proc: subprocess.Popen) -> int:
-    """The job's exit code, waiting in short steps so that Ctrl-C is seen at once."""
-    while True:
-        try:
-            return proc.wait(timeout=0.2)
-        except subprocess.TimeoutExpired:
-            pass
+def _wait(proc: subprocess.Popen, timeout: Optional[float] = None) -> Optional[int]:
+    """The job's exit code (None after ``timeout`` seconds), once the reaper thread has it. The
+    caller's signals raise here, in a sleep: raised inside Popen.wait, they can leave its
+    lock held (between its acquire and its try), and the next wait then blocked for good: a
+    caller ended by `timeout 20` hung so, its job gone."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while proc.returncode is None:
+        if deadline is not None and time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+    return proc.returncode
 
 
 def _stop(proc: subprocess.Popen, signum: int, what: str) -> None:
@@ -160,8 +165,9 @@ def _stop(proc: subprocess.Popen, signum: int, what: str) -> None:
     print(f"hvdkit.run: {what} passed to every rank; waiting up to {grace:g} s for them to save and end",
           file=sys.stderr, flush=True)
     try:
-        proc.wait(timeout=grace + supervise.KILL_AFTER_GRACE)
-    except (subprocess.TimeoutExpired, KeyboardInterrupt, _Ended):
+        if _wait(proc, timeout=grace + supervise.KILL_AFTER_GRACE) is None:
+            _kill_tree(proc)
+    except (KeyboardInterrupt, _Ended):
         _kill_tree(proc)
 
 
@@ -177,7 +183,7 @@ def _kill_tree(proc: subprocess.Popen) -> None:
             process.kill()
         except psutil.NoSuchProcess:
             pass
-    proc.wait()
+    _wait(proc)
 
 
 def _relay(stream, name: str) -> None:

@@ -104,7 +104,7 @@ def test_doctor_names_the_mpi_built_with_and_warns_of_another_mpirun(mpich):
 
 def test_a_frozen_rank_ends_the_job_at_the_stall_limit(mpich, tmp_path):
     """SIGSTOP to rank 1 under Hydra: ended within --stall-timeout + 5 s, rank 1 named, exit 75."""
-    stall, logs = 6, tmp_path / "logs"
+    stall, logs = 30, tmp_path / "logs"  # not below 30: a limit of its own at 30 s would end the job first
     proc = subprocess.Popen([sys.executable, "-m", "hvdkit", "launch", "-np", "2", "--launcher", "mpirun", "--",
                              sys.executable, "-m", "hvdkit", "train", "--model", "mlp", "--epochs", "60",
                              "--stall-timeout", str(stall), "--log-dir", str(logs)],

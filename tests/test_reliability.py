@@ -291,8 +291,9 @@ def test_stall_settings():
     from hvdkit.process import stall_settings
 
     assert stall_settings(300) == {"HOROVOD_STALL_CHECK_TIME_SECONDS": "60",
-                                   "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "305"}
-    assert stall_settings(6) == {"HOROVOD_STALL_CHECK_TIME_SECONDS": "2", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "11"}
+                                   "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "305", "HOROVOD_GLOO_TIMEOUT_SECONDS": "305"}
+    assert stall_settings(6) == {"HOROVOD_STALL_CHECK_TIME_SECONDS": "2", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "11",
+                                 "HOROVOD_GLOO_TIMEOUT_SECONDS": "11"}
     assert stall_settings(0) == {"HOROVOD_STALL_CHECK_DISABLE": "1"}
 
 

@@ -94,9 +94,7 @@ class StopSignal:
         def overdue() -> None:
             line = (f"rank {self.rank} did not reach a step boundary within {grace:g} s of {why} (it was in "
                     f"{self.where()}); ending it without a checkpoint")
-            print(f"hvdkit: {line}", file=sys.stderr, flush=True)
-            supervise.record_exit(code, line)
-            os._exit(code)
+            supervise.end_rank(code, line)
 
         self._countdown = threading.Timer(grace, overdue)
         self._countdown.daemon = True

@@ -24,6 +24,7 @@ therefore starts the launcher as a child in its own session and stays as its par
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -239,6 +240,18 @@ def started_by_horovodrun_here() -> bool:
             return False
 
     return any(is_horovodrun(p) for p in psutil.Process().parents())
+
+
+def end_rank(code: int, line: str) -> None:
+    """A rank's last line, recorded, and its exit, from the thread that ends it (the watchdog, a
+    stop's countdown, the lifeline). The line may have nowhere to go, its reader's launcher gone
+    (BrokenPipeError): that must not keep the rank alive. Raised here, it ended the thread
+    instead, and a rank on another host outlived its job (found once Gloo's 30 s timeout no
+    longer ended such ranks first)."""
+    with contextlib.suppress(OSError, ValueError):
+        print(f"hvdkit: {line}", file=sys.stderr, flush=True)
+    record_exit(code, line)
+    os._exit(code)
 
 
 def record_exit(code: int, message: str) -> None:

@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from pathlib import Path
@@ -81,8 +80,7 @@ class Watchdog:
             if slept > max(FROZEN_SECONDS, self.timeout):
                 line = (f"rank {self.rank} was frozen for {slept:.0f} s (stopped, or its host paused) in "
                         f"{self.where}; ending")
-                print(f"hvdkit: {line}", file=sys.stderr, flush=True)
-                os._exit(EXIT_CODE)
+                supervise.end_rank(EXIT_CODE, line)
             if idle > self.timeout:
                 culprit = self._culprit()
                 self._kill_frozen_here()
@@ -90,9 +88,7 @@ class Watchdog:
                         f"(--stall-timeout sets the limit)" if culprit else
                         f"rank {self.rank} made no progress for {idle:.0f} s in {self.where}; ending the job (a rank "
                         f"is stalled or gone; --stall-timeout sets the limit)")
-                print(f"hvdkit: {line}", file=sys.stderr, flush=True)
-                supervise.record_exit(EXIT_CODE, line)
-                os._exit(EXIT_CODE)
+                supervise.end_rank(EXIT_CODE, line)
 
     def _write_heartbeat(self) -> None:
         now = time.time()

@@ -195,6 +195,7 @@ def stuck_collective(args):
     def stick_at_step_5(session):
         if session.global_step == 5:
             print(f"rank {session.rank} stuck", flush=True)
+            Path(args.log_dir, f"stuck-rank-{session.rank}").touch()  # for tests: a launcher may hold the line back
             if session.rank == 1:
                 hvd.allreduce(torch.zeros(1), name="never.joined")
 

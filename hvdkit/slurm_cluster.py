@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 BINARIES = ("munged", "munge", "slurmctld", "slurmd", "sbatch", "sinfo", "scontrol")
 
@@ -28,10 +28,14 @@ def _sbin(name: str) -> str:
     return shutil.which(name) or f"/usr/sbin/{name}"
 
 
-def ensure_munge() -> None:
-    """munged runs as the munge user; start it unless a credential already round-trips."""
+MUNGED_PID = Path("/run/munge/munged.pid")
+
+
+def ensure_munge() -> Optional[int]:
+    """munged runs as the munge user; start it unless a credential already round-trips. The PID
+    of the munged started here (for whoever started it to end it), None if one was running."""
     if subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode == 0:
-        return
+        return None
     Path("/run/munge").mkdir(parents=True, exist_ok=True)
     shutil.chown("/run/munge", "munge", "munge")
     if not Path("/etc/munge/munge.key").exists():
@@ -40,9 +44,23 @@ def ensure_munge() -> None:
     subprocess.run(["su", "-s", "/bin/sh", "munge", "-c", _sbin("munged")], check=True)
     for _ in range(50):
         if subprocess.run("munge -n | unmunge", shell=True, capture_output=True).returncode == 0:
-            return
+            return int(MUNGED_PID.read_text())
         time.sleep(0.1)
     raise RuntimeError("munged did not start")
+
+
+def end_munge(pid: Optional[int]) -> None:
+    """End the munged that ensure_munge started (``pid``), by its PID; nothing if it started none."""
+    if pid is None:
+        return
+    import psutil
+
+    try:
+        process = psutil.Process(pid)
+        process.terminate()
+        process.wait(timeout=10)
+    except psutil.NoSuchProcess:
+        pass
 
 
 class SlurmCluster:
@@ -54,6 +72,7 @@ class SlurmCluster:
         self.conf = self.root / "slurm.conf"
         self.env = dict(hosts.env(), SLURM_CONF=str(self.conf))
         self.processes: list[subprocess.Popen] = []
+        self.munged: Optional[int] = None  # the munged this cluster started, if it did
 
     def on(self, command: Sequence[str]) -> list[str]:
         """``command`` as typed on the login node."""
@@ -100,7 +119,7 @@ PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE St
 """)
 
     def start(self, timeout: float = 60) -> None:
-        ensure_munge()
+        self.munged = ensure_munge()
         self.write_config()
         self.processes.append(subprocess.Popen(self.on([_sbin("slurmctld"), "-D", "-f", str(self.conf)]),
                                                env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
@@ -129,6 +148,7 @@ PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE St
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        end_munge(self.munged)
 
     def sbatch(self, *args: str, env: dict | None = None) -> str:
         out = self.run(["sbatch", "--parsable", *args], env=env or self.env)

@@ -141,7 +141,7 @@ def pytest_configure(config):
     installed. Installed for the test Slurm cluster but stopped (a container has no systemd), it
     costs every Open MPI start: PMIx's munge module retries its socket for 2.3 s in mpirun and
     again in each rank (`mpirun -np 2` of an mpi4py barrier: 4.95 s, 0.40 s with munged running).
-    The Slurm cluster leaves it running; started here, the tests before the cluster do not wait.
+    Started here, the tests before the cluster do not wait; the session ends it (pytest_unconfigure).
     Once, by the controller, before pytest-xdist starts its workers."""
     import shutil
 
@@ -149,7 +149,14 @@ def pytest_configure(config):
         return
     from hvdkit import slurm_cluster
 
-    slurm_cluster.ensure_munge()
+    config.hvdkit_munged = slurm_cluster.ensure_munge()
+
+
+def pytest_unconfigure(config):
+    """The munged pytest_configure started ends with the session (by the controller, by PID)."""
+    from hvdkit import slurm_cluster
+
+    slurm_cluster.end_munge(getattr(config, "hvdkit_munged", None))
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups

@@ -15,6 +15,8 @@ hosts in its environment:
 
 ``--kill-host I --after T`` fails nodeI T after the start: its processes die, its sshd too, its
 link goes down, and it leaves the hostfile, as a lost machine leaves a cluster's discovery.
+``--after SIGUSR1`` fails it when this process receives SIGUSR1 (``kill -USR1 PID``): at the
+moment the job is where the failure should find it, however long its start took.
 ``--slurm`` makes the hosts a Slurm cluster (hvdkit.slurm_cluster), runs the command (an sbatch
 line) on node0, the login node, and waits for every job it submitted to end.
 
@@ -26,6 +28,7 @@ and end; then every process on the hosts ends and the hosts are removed. Exit: t
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import signal
@@ -64,6 +67,14 @@ def duration(text: str) -> float:
     return float(match[1]) * {"": 1, "s": 1, "m": 60, "h": 3600}[match[2]]
 
 
+def _moment(text: str):
+    """When a host fails: a duration after the start, or ON_SIGNAL."""
+    return ON_SIGNAL if text.upper() in ("SIGUSR1", "USR1") else duration(text)
+
+
+ON_SIGNAL = "SIGUSR1"
+
+
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="hvdkit rehearse", usage="hvdkit rehearse --hosts N [options] -- COMMAND ...",
                 description="Run COMMAND on node0 of N hosts made on this machine (network namespaces with sshd), "
@@ -74,7 +85,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--delay", type=_checked(seconds), help="delay each packet a host sends: 1ms (needs tc netem)")
     p.add_argument("--cpus", action="store_true", help="each host computes on its own share of this machine's cores")
     p.add_argument("--kill-host", type=int, metavar="I", help="fail nodeI (1..N-1) --after the start")
-    p.add_argument("--after", type=duration, metavar="T", help="when --kill-host fails its host: 30s, 2m")
+    p.add_argument("--after", type=_moment, metavar="T",
+                   help="when --kill-host fails its host: 30s, 2m, or SIGUSR1 (on kill -USR1 to this process)")
     p.add_argument("--slurm", action="store_true", help="make the hosts a Slurm cluster; COMMAND is an sbatch line")
     p.add_argument("--grace", type=duration, default=60.0,
                    help="after a stop signal, how long the command may take to save and end (default 60s)")
@@ -203,8 +215,10 @@ def _wait(proc: subprocess.Popen, running: dict, grace: float) -> int:
 
 
 def _kill_later(hosts: Hosts, args: argparse.Namespace, running: dict) -> threading.Timer:
+    """A timer that fails the host --after the start; under --after SIGUSR1 the signal starts it at once."""
     name = hosts.names[args.kill_host]
     hostfile = hosts.dir / "hostfile"
+    started = time.monotonic()
 
     def lose() -> None:
         if running["proc"].poll() is not None:
@@ -212,12 +226,17 @@ def _kill_later(hosts: Hosts, args: argparse.Namespace, running: dict) -> thread
         hostfile.write_text("".join(line + "\n" for line in hostfile.read_text().splitlines()
                                     if line.split()[0] != name))
         hosts.lose(name)
-        say(f"{name} lost {args.after:g} s after the start: its processes killed, its link down, "
-            f"and it left {hostfile}")
+        why = "on SIGUSR1, " if args.after == ON_SIGNAL else ""
+        say(f"{name} lost {why}{time.monotonic() - started:.0f} s after the start: its processes killed, its link "
+            f"down, and it left {hostfile}")
 
-    timer = threading.Timer(args.after, lose)
+    timer = threading.Timer(0 if args.after == ON_SIGNAL else args.after, lose)
     timer.daemon = True
-    timer.start()
+    if args.after == ON_SIGNAL:
+        signal.signal(signal.SIGUSR1, lambda signum, frame: timer.ident or timer.start())  # the first one fails it
+        say(f"{name} fails on SIGUSR1: kill -USR1 {os.getpid()}")
+    else:
+        timer.start()
     return timer
 
 

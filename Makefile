@@ -98,13 +98,13 @@ lint: $(STAMPS)/python-packages
 	    --output-format concise .
 
 # On a CUDA machine: Horovod with NCCL, the tests marked gpu, the synthetic benchmark beside
-# Horovod's loop and DDP, one summary (hvdkit/gpucheck.py). On an offline node whose Python
+# Horovod's loop and DDP, one summary (hvdkit/checks/gpucheck.py). On an offline node whose Python
 # already has torch: make gpu-check GPU_PYTHON=/usr/bin/python3 GPU_CHECK_ARGS="--sdist FILE".
 GPU_PYTHON ?=
 GPU_CHECK_ARGS ?=
 gpu-check:
 	@if [ -z "$(GPU_PYTHON)" ]; then $(MAKE) --no-print-directory -s system-packages $(STAMPS)/python-packages; fi
-	$(or $(GPU_PYTHON),$(PY)) -m hvdkit.gpucheck $(GPU_CHECK_ARGS)
+	$(or $(GPU_PYTHON),$(PY)) -m hvdkit.checks.gpucheck $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(STAMPS) *.egg-info

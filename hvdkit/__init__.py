@@ -8,7 +8,8 @@ every rank, from Python or a notebook) are imported on first use, so that
 __version__ = "0.1.0"
 
 _LAZY = {"Trainer": "hvdkit.trainer", "TrainConfig": "hvdkit.config", "Session": "hvdkit.session",
-         "sync_batch_norm": "hvdkit.models", "run": "hvdkit.spawn", "RunError": "hvdkit.spawn"}
+         "sync_batch_norm": "hvdkit.models", "run": "hvdkit.launch.spawn",
+         "RunError": "hvdkit.launch.spawn"}
 
 
 def __getattr__(name):

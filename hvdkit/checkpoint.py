@@ -57,7 +57,7 @@ def save(directory: str, step: int, state: dict, keep: int) -> Path:
 
 
 def shard_folder(path: Path) -> Path:
-    """Where the ranks of a sharded run write their parts of checkpoint ``path`` (hvdkit.shards)."""
+    """Where the ranks of a sharded run write their parts of checkpoint ``path`` (hvdkit.zero.shards)."""
     return Path(f"{path}{SHARDS}")
 
 

@@ -91,8 +91,8 @@ def train(args: argparse.Namespace) -> int:
 
 
 def export_checkpoint(args: argparse.Namespace) -> int:
-    from hvdkit import shards
     from hvdkit.checkpoint import CheckpointError
+    from hvdkit.zero import shards
 
     try:
         out = shards.export(args.source, args.output)
@@ -108,23 +108,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     if argv[:1] == ["build"]:
-        from hvdkit import build
+        from hvdkit.build import builder as build
         return build.main(argv[1:])
     if argv[:1] == ["launch"]:
-        from hvdkit import launch
+        from hvdkit.launch import cli as launch
         return launch.main(argv[1:])
     if argv[:1] == ["slurm"]:
         from hvdkit import slurm
         return slurm.main(argv[1:])
     if argv[:1] == ["rehearse"]:
-        from hvdkit import rehearse
+        from hvdkit.rehearse import cli as rehearse
         return rehearse.main(argv[1:])
     if argv[:1] == ["bench"]:
         from hvdkit import bench
         return bench.main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "doctor":
-        from hvdkit import doctor
+        from hvdkit.checks import doctor
         return doctor.main(selftest_wanted=args.selftest)
     if args.command == "checkpoint":
         return export_checkpoint(args)
@@ -132,7 +132,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             return train(args)
         finally:
-            if args.debug:  # the traceback, not the Session's one line (hvdkit.stops.exit_on_own_errors)
+            if args.debug:  # the traceback, not the Session's one line (hvdkit.rank.stops.exit_on_own_errors)
                 sys.excepthook = sys.__excepthook__
     parser.error(f"unknown command {args.command}")
     return 2

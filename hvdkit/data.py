@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, DistributedSampler, Sampler, TensorDataset
 
-from hvdkit import stops
 from hvdkit.config import ConfigError, TrainConfig
+from hvdkit.rank import stops
 
 DIGITS_TEST_SIZE = 360  # a fixed 20% of the 1,797 digits, the same on every rank and run
 SYNTHETIC_CLASSES = 10

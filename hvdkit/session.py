@@ -25,10 +25,10 @@ A Horovod script keeps its loop and hands hvdkit the parts that are easy to get 
 
 ``Session`` is a facade, as Lightning Fabric's is: it holds the run's state (model, optimizer,
 step, epoch) and delegates the work, one concern per module: process set-up and tuning
-(hvdkit.process), loaders and the data position (hvdkit.loaders), the training step
-(hvdkit.step), resume and checkpoint state (hvdkit.resume), metrics and the summary
-(hvdkit.reports), the stop agreement (hvdkit.stops), the ranks' copies of the model compared
-(hvdkit.consistency) and each rank's compute and wait per step (hvdkit.stragglers).
+(hvdkit.rank.startup), loaders and the data position (hvdkit.rank.loaders), the training step
+(hvdkit.rank.step), resume and checkpoint state (hvdkit.rank.resume), metrics and the summary
+(hvdkit.rank.reports), the stop agreement (hvdkit.rank.stops), the ranks' copies of the model compared
+(hvdkit.rank.consistency) and each rank's compute and wait per step (hvdkit.rank.stragglers).
 """
 
 from __future__ import annotations
@@ -43,18 +43,21 @@ from horovod.common.exceptions import HorovodInternalError
 from torch import nn
 from torch.utils.data import DataLoader
 
-from hvdkit import network, orphan, process, stops, supervise, zero
+from hvdkit import job
 from hvdkit.checkpoint import CheckpointError
 from hvdkit.config import ConfigError, TrainConfig, from_environ, from_mapping, validate
-from hvdkit.consistency import Consistency, DivergenceError
-from hvdkit.loaders import Loaders
-from hvdkit.lockstep import CALLS, Lockstep, LockstepError, RankEnded, where
-from hvdkit.metrics import Metrics
-from hvdkit.reports import Reports
-from hvdkit.resume import Checkpoints
-from hvdkit.step import NonFiniteError, TrainingStep, lr_multiplier
-from hvdkit.stragglers import StepTimes
-from hvdkit.watchdog import Watchdog
+from hvdkit.rank import orphan, startup, stops
+from hvdkit.rank.consistency import Consistency, DivergenceError
+from hvdkit.rank.lifeline import Lifeline
+from hvdkit.rank.loaders import Loaders
+from hvdkit.rank.lockstep import CALLS, Lockstep, LockstepError, RankEnded, where
+from hvdkit.rank.metrics import Metrics
+from hvdkit.rank.reports import Reports
+from hvdkit.rank.resume import Checkpoints
+from hvdkit.rank.step import NonFiniteError, TrainingStep, lr_multiplier
+from hvdkit.rank.stragglers import StepTimes
+from hvdkit.rank.watchdog import Watchdog
+from hvdkit.zero import optimizer as zero
 
 # hvdkit's own errors: each ends every rank with one line instead of a traceback per rank.
 OWN_ERRORS = (ConfigError, CheckpointError, NonFiniteError, DivergenceError, LockstepError, RankEnded)
@@ -69,16 +72,16 @@ class Session:
     variables set the keys your keywords leave out (``HVDKIT_CHECKPOINT_DIR=ckpt``). Every
     method that communicates must be called by every rank at the same point of the loop, as
     with Horovod itself. hvdkit's own errors that your loop does not catch end every rank with
-    one line (see hvdkit.stops).
+    one line (see hvdkit.rank.stops).
     """
 
     def __init__(self, config: Optional[TrainConfig] = None, **keys) -> None:
         if config is None:  # your own loop: HVDKIT_<KEY> variables, then your keywords
             config = from_mapping(from_environ(os.environ))
         self.cfg = cfg = validate(from_mapping(keys, base=config))
-        self.hvd, self.device = process.start(cfg)
+        self.hvd, self.device = startup.start(cfg)
         self.watchdog = Watchdog(0 if cfg.elastic else cfg.stall_timeout, self.rank)
-        self._lifeline = network.Lifeline.from_environ(os.environ, self.rank)  # horovodrun --gloo's ranks
+        self._lifeline = Lifeline.from_environ(os.environ, self.rank)  # horovodrun --gloo's ranks
         self.amp_dtype = torch.float16 if self.device.type == "cuda" else torch.bfloat16
         # fp16 needs loss scaling, bf16 does not.
         self.scaler = torch.amp.GradScaler("cuda") if cfg.amp and self.device.type == "cuda" else None
@@ -91,7 +94,7 @@ class Session:
         # Elastic: a stop signal on the driver's host ends the job (with a checkpoint); elsewhere
         # it ends that worker alone, as Horovod has it (a node drained or preempted), and the job goes on.
         try:
-            self._signal = stops.StopSignal(install=not cfg.elastic or supervise.started_by_horovodrun_here(),
+            self._signal = stops.StopSignal(install=not cfg.elastic or orphan.started_by_horovodrun_here(),
                                             rank=self.rank, where=lambda watchdog=self.watchdog: watchdog.where)
         except ValueError as exc:  # HVDKIT_STOP_GRACE
             raise ConfigError(str(exc)) from None
@@ -104,8 +107,8 @@ class Session:
         self._undo_hook = stops.exit_on_own_errors(
             self.rank, OWN_ERRORS + (() if cfg.elastic else (HorovodInternalError,)), (ConfigError, LockstepError),
             self._end_after_error)
-        self.log_dir = cfg.log_dir or process.run_dir(cfg, self.hvd)
-        self._locks = process.lock_directories(cfg, self.hvd, self.log_dir)
+        self.log_dir = cfg.log_dir or startup.run_dir(cfg, self.hvd)
+        self._locks = startup.lock_directories(cfg, self.hvd, self.log_dir)
         self._checkpoints.read_ahead()  # a sharded run resumed at another size adapts K before its loaders
         self._loaders, self._step = Loaders(self), TrainingStep(self)
         if self._signal.installed:  # a rank whose launcher is gone stops as on SIGTERM
@@ -123,13 +126,13 @@ class Session:
         if self.rank == 0:
             print(*args, **kwargs, flush=True)
 
-    # -- model, optimizer, resume (hvdkit.resume) ------------------------------------------
+    # -- model, optimizer, resume (hvdkit.rank.resume) ------------------------------------------
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler=None):
         """(model, optimizer): the model on this rank's device, the optimizer wrapped in
         Horovod's DistributedOptimizer (or, with ``zero``, hvdkit.zero's ShardedOptimizer), and
         every rank holding the same state.
 
-        That state is the newest valid checkpoint in ``checkpoint_dir`` (see hvdkit.resume),
+        That state is the newest valid checkpoint in ``checkpoint_dir`` (see hvdkit.rank.resume),
         else rank 0's initial weights. A fresh optimizer's state is empty, so only parameters
         are broadcast: Horovod's broadcast_optimizer_state would take a zero-gradient step to
         create state, which with AdamW's weight decay moves the weights. A ``scheduler`` is
@@ -166,7 +169,7 @@ class Session:
                 self._loaders.resumed_batches = state.get("loader_batches")
         # Heartbeats for naming a stalled rank, once the run is accepted: a refused resume
         # leaves the log directory as it was.
-        job_dir = os.environ.get(supervise.JOB_DIR)
+        job_dir = os.environ.get(job.JOB_DIR)
         self.watchdog.share(job_dir or str(Path(self.log_dir) / "ranks"), own=not job_dir)
         self._reports.restart_window()
         return model, self.optimizer
@@ -190,7 +193,7 @@ class Session:
         be joining); False if none. The sampler's position goes into a stop's checkpoint."""
         return self._checkpoints.load_elastic(sampler)
 
-    # -- data (hvdkit.loaders) -------------------------------------------------------------
+    # -- data (hvdkit.rank.loaders) -------------------------------------------------------------
     def loader(self, data_or_loader, batch_size: Optional[int] = None, shuffle: bool = True,
                **loader_args) -> DataLoader:
         """A training DataLoader over this rank's shard, whose batches hold K micro-batches.
@@ -215,7 +218,7 @@ class Session:
 
     def join(self) -> None:
         """Wait for every rank to finish its batches. Every rank must have taken the same number of
-        steps: ranks that did not end the job with one line saying so (hvdkit.lockstep)."""
+        steps: ranks that did not end the job with one line saying so (hvdkit.rank.lockstep)."""
         if self._epoch_ended():
             self._end_stopped()
 
@@ -226,7 +229,7 @@ class Session:
         self._meet(CALLS[6])
         return self._take_stop()
 
-    # -- the step (hvdkit.step) ------------------------------------------------------------
+    # -- the step (hvdkit.rank.step) ------------------------------------------------------------
     def micro_batches(self, batch: Any) -> list:
         """``batch`` on this device, split into the micro-batches of one optimizer step."""
         return self._step.micro_batches(batch, self._loaders.micro_size)
@@ -238,18 +241,18 @@ class Session:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss, averaged over the step's micro-batches and
         scaled for fp16. The last micro-batch's backward starts the allreduce; the step's
-        first starts its meeting (hvdkit.lockstep), ahead of the gradients."""
+        first starts its meeting (hvdkit.rank.lockstep), ahead of the gradients."""
         with self._waiting(CALLS[0]):  # the gradients' allreduces start here
             self._start_step()
             self._step.backward(loss)
 
     def step(self) -> None:
-        """The optimizer step (see hvdkit.step), once every rank is at this step (and has agreed
+        """The optimizer step (see hvdkit.rank.step), once every rank is at this step (and has agreed
         on a stop: see should_stop); then a checkpoint every ``checkpoint_steps``."""
         self.watchdog.beat(f"training step {self.global_step + 1}")
         self._start_step()
         with self._waiting(CALLS[0]):
-            self._times.waiting()  # for a rank late to the step, the others wait here (hvdkit.stragglers)
+            self._times.waiting()  # for a rank late to the step, the others wait here (hvdkit.rank.stragglers)
             self._lockstep.collect()
             self._times.waited()
             self._step.apply()
@@ -272,12 +275,12 @@ class Session:
     def check_consistency(self) -> None:
         """Check now that every rank holds the same weights, buffers and optimizer state (all
         ranks call it at the same point); a difference raises DivergenceError naming the ranks,
-        which ends the job with one line and exit code 77 (see hvdkit.consistency). It also runs
+        which ends the job with one line and exit code 77 (see hvdkit.rank.consistency). It also runs
         every ``check_consistency_steps`` steps and before every checkpoint."""
         self._meet(CALLS[5])
         self._consistency.check()
 
-    # -- metrics (hvdkit.reports) and stopping (hvdkit.stops) ------------------------------
+    # -- metrics (hvdkit.rank.reports) and stopping (hvdkit.rank.stops) ------------------------------
     def log(self, samples: int, **means) -> None:
         """Add a micro-batch's metrics (each a mean over its ``samples``) to this report's sums."""
         self._reports.log(samples, means)
@@ -311,7 +314,7 @@ class Session:
 
     def should_stop(self) -> bool:
         """True on every rank at the same step once any rank got SIGTERM, SIGHUP, SIGINT or SIGUSR1
-        (see hvdkit.stops), with that step's checkpoint written. Call it after step(): it reads
+        (see hvdkit.rank.stops), with that step's checkpoint written. Call it after step(): it reads
         what the ranks agreed in the step's meeting, at no extra wait. A loop that does not call
         it stops as well, at its next step or epoch's end: the checkpoint is written there and
         the process exits with the stop's code. Elastic runs stop alike on a signal to the
@@ -327,7 +330,7 @@ class Session:
         return self._take_stop()
 
     def _meet(self, call: str) -> None:
-        """Every rank at ``call`` after the same steps, or one line saying who is where (hvdkit.lockstep)."""
+        """Every rank at ``call`` after the same steps, or one line saying who is where (hvdkit.rank.lockstep)."""
         self.watchdog.beat(where(call, self.global_step))
         with self._waiting(call):
             self._lockstep.collect()  # a step's meeting, where the loop called backward() without step()

@@ -20,9 +20,9 @@ from torch.utils.data import DataLoader, Dataset
 from hvdkit import checkpoint, data, models
 from hvdkit.config import ConfigError, TrainConfig, validate
 from hvdkit.models import sync_batch_norm
-from hvdkit.process import seed_everything
+from hvdkit.rank.startup import seed_everything
+from hvdkit.rank.step import batch_len
 from hvdkit.session import Session
-from hvdkit.step import batch_len
 
 # A loss function takes the model and one micro-batch (already on the device) and returns the
 # loss, or the loss and a dict of named metrics, each a mean over the micro-batch's samples.
@@ -275,7 +275,7 @@ class Trainer:
             # Horovod's sync broadcast rank 0's weights and then gave a joining worker's empty
             # optimizer its state with a zero-gradient step, which with weight decay moves that
             # worker's weights alone; they would stay apart for the rest of the run (found by
-            # hvdkit.consistency). So rank 0's weights once more, after the sync.
+            # hvdkit.rank.consistency). So rank 0's weights once more, after the sync.
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
             session.global_step, session.epoch = state.step, state.epoch
             while state.epoch < cfg.epochs and state.step < final_step:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hvdkit import selftest
-from hvdkit.lines import untagged
+from hvdkit.checks import selftest
+from hvdkit.launch.rank_output import untagged
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,8 +57,8 @@ def assert_bitwise_equal(a, b):
 
 
 def require_namespaces():
-    """Skip, saying why, where namespace hosts (hvdkit.hosts) cannot be made; in CI that is a failure."""
-    from hvdkit import hosts
+    """Skip, saying why, where namespace hosts (hvdkit.rehearse.namespaces) cannot be made; in CI that is a failure."""
+    from hvdkit.rehearse import namespaces as hosts
 
     problem = hosts.unavailable()
     if problem:
@@ -67,7 +67,7 @@ def require_namespaces():
 
 def require_slurm_on_namespaces():
     """Skip, saying why, where Slurm or namespace hosts are missing; in CI that is a failure."""
-    from hvdkit import slurm_cluster
+    from hvdkit.rehearse import slurm_cluster
 
     missing = ", ".join(slurm_cluster.missing_binaries())
     if missing:
@@ -86,7 +86,7 @@ def _missing(in_ci, elsewhere):
 def elastic_on_this_host(hostfile, command, launcher="horovodrun"):
     """(argv, env) of an elastic job with two slots of this host, from the hostfile ``hostfile``
     read by launchers/discover_hosts.sh; ``launcher``: horovodrun itself or `hvdkit launch`."""
-    from hvdkit.launch import find_program
+    from hvdkit.launch.cli import find_program
 
     hostfile.write_text("localhost:2\n")
     # One host: Horovod's elastic driver needs the interface named, or it waits for a second host.
@@ -147,14 +147,14 @@ def pytest_configure(config):
 
     if hasattr(config, "workerinput") or not (shutil.which("munged") or Path("/usr/sbin/munged").exists()):
         return
-    from hvdkit import slurm_cluster
+    from hvdkit.rehearse import slurm_cluster
 
     config.hvdkit_munged = slurm_cluster.ensure_munge()
 
 
 def pytest_unconfigure(config):
     """The munged pytest_configure started ends with the session (by the controller, by PID)."""
-    from hvdkit import slurm_cluster
+    from hvdkit.rehearse import slurm_cluster
 
     slurm_cluster.end_munge(getattr(config, "hvdkit_munged", None))
 

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import hvdkit
-from hvdkit.step import NonFiniteError
+from hvdkit.rank.step import NonFiniteError
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--epochs", type=int, default=100)

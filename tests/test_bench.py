@@ -17,9 +17,9 @@ import pytest
 
 from conftest import run
 from hvdkit.bench import estimate, figures
-from hvdkit.launch import local_command
-from hvdkit.lines import TAG
-from hvdkit.selftest import parse_records
+from hvdkit.checks.selftest import parse_records
+from hvdkit.launch.cli import local_command
+from hvdkit.launch.rank_output import TAG
 
 HVDKIT = [sys.executable, "-m", "hvdkit.cli", "bench"]
 TINY = ["--model", "resnet18", "--batch-size", "4", "--image-size", "32", "--num-classes", "10",
@@ -175,7 +175,7 @@ def test_synthetic_under_horovodrun_prints_horovods_output(hvd_built):
     assert record["total_img_sec"] == pytest.approx(sum(rates))
     assert float(total.group(1)) == pytest.approx(sum(rates), abs=0.05)
     assert float(per.group(1)) == pytest.approx(sum(rates) / 2, abs=0.05)
-    # each rank's compute and wait per step (hvdkit.stragglers), printed and in the record
+    # each rank's compute and wait per step (hvdkit.rank.stragglers), printed and in the record
     host = socket.gethostname()
     assert [(row["rank"], row["host"]) for row in record["per_rank"]] == [(0, host), (1, host)]
     assert all(row["compute_ms"] > 0 and row["wait_ms"] >= 0 for row in record["per_rank"])

@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from hvdkit import build, patches, toolchain
-from hvdkit.build import BuildError, Toolchain, plan_build
+from hvdkit.build import builder as build
+from hvdkit.build import patches, toolchain
+from hvdkit.build.builder import BuildError, Toolchain, plan_build
 
 
 @pytest.mark.parametrize("torch_version, standard", [

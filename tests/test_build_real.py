@@ -9,7 +9,9 @@ import tarfile
 import pytest
 
 from conftest import REPO, run
-from hvdkit import build, launch, patches
+from hvdkit.build import builder as build
+from hvdkit.build import patches
+from hvdkit.launch import cli as launch
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +40,7 @@ def test_check_build_lists_what_was_planned(plan, hvd_built):
 
 @pytest.mark.parametrize("standard", [17, 20])  # torch 2.1-2.13 (the GPU machine's 2.11), and >= 2.14
 def test_patches_apply_to_the_real_source_and_give_the_tree_of_record(tmp_path, standard):
-    """hvdkit/patches/ on Horovod's real sdist, with GNU patch: every file they change, and only
+    """hvdkit/build/patches/ on Horovod's real sdist, with GNU patch: every file they change, and only
     those, as tests/golden records it. For 0001-0003 that tree is the one the Python-held edits
     they replaced produced, checked with diff -r, but for one comment that named them; 0004 and
     later were written as patches."""

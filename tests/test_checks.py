@@ -1,5 +1,5 @@
-"""The checks inside a running job: the ranks' copies of the model compared (hvdkit.consistency),
-and the rank the others wait for named (hvdkit.stragglers). Real launches of a user's own loop
+"""The checks inside a running job: the ranks' copies of the model compared (hvdkit.rank.consistency),
+and the rank the others wait for named (hvdkit.rank.stragglers). Real launches of a user's own loop
 (tests/checks_script.py) and of `hvdkit train`; the digests and the straggler rule also alone."""
 
 import json
@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from conftest import REPO, metrics_records, run
-from hvdkit import checkpoint, consistency, selftest, stragglers
+from hvdkit import checkpoint, job
+from hvdkit.checks import selftest
+from hvdkit.rank import consistency, stragglers
 
 SCRIPT = [sys.executable, str(REPO / "tests" / "checks_script.py")]
 HVDKIT = [sys.executable, "-m", "hvdkit"]
@@ -121,7 +123,7 @@ def test_a_rank_whose_weights_diverge_stops_the_job_and_the_rerun_resumes_from_b
     start = [*HVDKIT, "launch", "-np", str(np_), *launcher, "--", *SCRIPT, "--check-every", "5",
              "--checkpoint-steps", str(checkpoint_steps), "--checkpoint-dir", str(ckpt), "--log-dir", str(logs)]
     planted = run([*start, "--plant", "7"], timeout=300)
-    assert planted.returncode == consistency.EXIT_CODE, planted.stderr[-3000:]
+    assert planted.returncode == job.DIVERGED, planted.stderr[-3000:]
     host = socket.gethostname()
     others = ", ".join(f"{rank} ({host})" for rank in range(np_) if rank != 1)
     assert (f"hvdkit: error: the ranks' copies of the model differ at step {detected}: rank 1 ({host}) differs from "

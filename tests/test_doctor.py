@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import run
-from hvdkit import launch
+from hvdkit.launch import cli as launch
 
 
 def test_report_names_every_part():

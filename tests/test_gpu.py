@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from conftest import REPO, run
-from hvdkit import checkpoint, launch, selftest
+from hvdkit import checkpoint
+from hvdkit.checks import selftest
+from hvdkit.launch import cli as launch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

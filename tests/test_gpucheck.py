@@ -10,11 +10,11 @@ import sys
 import pytest
 
 from conftest import REPO, run
-from hvdkit import gpucheck
+from hvdkit.checks import gpucheck
 
 
 def test_without_a_gpu_it_says_why_in_one_line_and_fails():
-    proc = run([sys.executable, "-m", "hvdkit.gpucheck"], cwd=REPO)
+    proc = run([sys.executable, "-m", "hvdkit.checks.gpucheck"], cwd=REPO)
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
@@ -26,7 +26,7 @@ def test_without_a_gpu_it_says_why_in_one_line_and_fails():
 def test_make_gpu_check_is_the_same_command():
     proc = run(["make", "--no-print-directory", "gpu-check"], cwd=REPO, timeout=600)
     assert proc.returncode != 0
-    assert "-m hvdkit.gpucheck" in proc.stdout and "gpu-check: torch " in proc.stderr, proc.stderr[-2000:]
+    assert "-m hvdkit.checks.gpucheck" in proc.stdout and "gpu-check: torch " in proc.stderr, proc.stderr[-2000:]
     assert "is up to date" not in proc.stdout + proc.stderr, "the package check's sub-make runs silent"
 
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from conftest import REPO, assert_bitwise_equal, kill_tree
-from hvdkit import launch, selftest
-from hvdkit.lines import untagged
+from hvdkit.checks import selftest
+from hvdkit.launch import cli as launch
+from hvdkit.launch.rank_output import untagged
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""hvdkit's fixes to Horovod's source (hvdkit/patches/), on the installed build, under
+"""hvdkit's fixes to Horovod's source (hvdkit/build/patches/), on the installed build, under
 real launchers: float16 sums stay exact, a rank waiting on a collective sleeps instead of
 spinning, an idle rank's background thread sleeps instead of negotiating every cycle, a
 failed collective still raises, horovodrun knows what was built without importing torch, and
@@ -16,7 +16,8 @@ import psutil
 import pytest
 
 from conftest import REPO, kill_tree, run
-from hvdkit import launch, selftest
+from hvdkit.checks import selftest
+from hvdkit.launch import cli as launch
 
 pytestmark = pytest.mark.slow
 

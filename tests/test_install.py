@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from hvdkit import selftest
+from hvdkit.checks import selftest
 
 pytestmark = pytest.mark.slow
 

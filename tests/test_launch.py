@@ -9,10 +9,13 @@ import time
 import pytest
 
 from conftest import REPO, run
-from hvdkit import commands, hostfile, launch, lines, network, selftest
-from hvdkit.commands import LaunchSpec
-from hvdkit.hostfile import Host, LaunchError
-from hvdkit.network import NetworkError
+from hvdkit.checks import selftest
+from hvdkit.launch import cli as launch
+from hvdkit.launch import commands, hostfile, network
+from hvdkit.launch import rank_output as lines
+from hvdkit.launch.commands import LaunchSpec
+from hvdkit.launch.hostfile import Host, LaunchError
+from hvdkit.launch.network import NetworkError
 
 WORKER = ["python", "train.py"]
 

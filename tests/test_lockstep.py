@@ -1,9 +1,10 @@
-"""The lines hvdkit.lockstep says when the ranks are out of step, from the rows the ranks send
+"""The lines hvdkit.rank.lockstep says when the ranks are out of step, from the rows the ranks send
 (real runs of each shape: tests/test_hangs.py), and the stop grace period's setting."""
 
 import pytest
 
-from hvdkit import lockstep, supervise
+from hvdkit import job
+from hvdkit.rank import lockstep
 
 STEP, SAVE, REPORT, END, FINISH = (lockstep.CALLS.index(call) + 1 for call in (
     "session.step()", "session.save()", "session.report()",
@@ -45,8 +46,8 @@ def test_many_ranks_are_counted_not_listed():
 
 
 def test_the_stop_grace_period_is_10_s_unless_set():
-    assert supervise.stop_grace({}) == 10.0
-    assert supervise.stop_grace({"HVDKIT_STOP_GRACE": "3.5"}) == 3.5
+    assert job.stop_grace({}) == 10.0
+    assert job.stop_grace({"HVDKIT_STOP_GRACE": "3.5"}) == 3.5
     for bad in ("soon", "-1", "inf", "nan"):
         with pytest.raises(ValueError, match=f"^HVDKIT_STOP_GRACE='{bad}': expected the seconds"):
-            supervise.stop_grace({"HVDKIT_STOP_GRACE": bad})
+            job.stop_grace({"HVDKIT_STOP_GRACE": bad})

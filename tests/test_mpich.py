@@ -19,7 +19,8 @@ import psutil
 import pytest
 
 from conftest import REPO, kill_tree, run, wait_for
-from hvdkit import build, doctor, selftest
+from hvdkit.build import builder as build
+from hvdkit.checks import doctor, selftest
 
 pytestmark = pytest.mark.slow
 HYDRA = "/usr/bin/mpiexec.mpich"

@@ -1,4 +1,4 @@
-"""hvdkit across three hosts: network namespaces on one machine (hvdkit.hosts), each with its
+"""hvdkit across three hosts: network namespaces on one machine (hvdkit.rehearse.namespaces), each with its
 own address, name and sshd, and a docker0 that routes nowhere, as on many cluster nodes.
 
 Launched from h1 as a user logged in there would: horovodrun over ssh (Gloo and MPI), mpirun
@@ -18,8 +18,10 @@ import pytest
 import torch
 
 from conftest import REPO, final_weights, kill_tree, metrics_records, require_namespaces, run, untagged, wait_for
-from hvdkit import hosts as namespace_hosts
-from hvdkit import launch, network, selftest
+from hvdkit import job
+from hvdkit.checks import selftest
+from hvdkit.launch import cli as launch
+from hvdkit.rehearse import namespaces as namespace_hosts
 
 pytestmark = pytest.mark.slow
 
@@ -99,7 +101,7 @@ def test_a_host_whose_link_goes_down_ends_the_job_naming_it(hosts, launcher, tmp
         ended_after = time.monotonic() - down
         reader.join(timeout=10)
         text = "".join(err)
-        assert code == network.LOST_EXIT, text[-3000:]
+        assert code == job.LOST, text[-3000:]
         assert ended_after < 60
         assert "hvdkit launch: host h3 (10.231.0.13) has not answered on the network for" in text, text[-3000:]
         # Nothing left running on the hosts still reachable: only their sshd.

@@ -1,13 +1,14 @@
 """Real 2-process Horovod runs under each launcher on this machine: no mocks of Horovod or MPI.
 
-The worker (hvdkit.selftest) prints each rank's raw results; these tests check the values
+The worker (hvdkit.checks.selftest) prints each rank's raw results; these tests check the values
 themselves, then that `selftest.check` (what `hvdkit doctor --selftest` relies on) agrees.
 """
 
 import pytest
 
 from conftest import run
-from hvdkit import launch, selftest
+from hvdkit.checks import selftest
+from hvdkit.launch import cli as launch
 
 pytestmark = pytest.mark.slow
 

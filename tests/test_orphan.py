@@ -14,7 +14,7 @@ from conftest import REPO
 PROBE = """
 import sys, time
 from pathlib import Path
-from hvdkit import orphan
+from hvdkit.rank import orphan
 
 lines = []
 watch = orphan.LauncherWatch(orphan.launcher_chain(), lines.append, every=0.1)
@@ -68,7 +68,7 @@ def test_a_rank_notices_within_seconds_that_horovodruns_shell_is_gone(tmp_path):
 
 def test_a_rank_without_a_launcher_above_it_watches_nothing(tmp_path):
     """Started by srun, by ssh, or by hand: no chain, no thread."""
-    probe = subprocess.run([sys.executable, "-c", "from hvdkit import orphan; print(orphan.launcher_chain())"],
+    probe = subprocess.run([sys.executable, "-c", "from hvdkit.rank import orphan; print(orphan.launcher_chain())"],
                            env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=60)
     assert probe.stdout.strip() == "[]", probe.stdout + probe.stderr
 
@@ -76,7 +76,7 @@ def test_a_rank_without_a_launcher_above_it_watches_nothing(tmp_path):
 KEPT = """
 import sys
 from pathlib import Path
-from hvdkit import orphan
+from hvdkit.rank import orphan
 
 orphan.keep_streams(Path(sys.argv[1]))
 sys.stdin.readline()  # the reader of our output is gone when this returns

@@ -1,8 +1,8 @@
 """Plain `horovodrun -np 2 ...`, as most users start a job, stopped (SIGTERM), hung up (SIGHUP)
 or killed (SIGKILL): every rank saves and ends, nothing of the job keeps running, and the same
 command resumes. hvdkit's horovodrun passes SIGTERM and SIGHUP to the ranks and waits for them
-(hvdkit/patches/0005); killed, it leaves mpirun a SIGTERM (MPI mode) or its middlemen a closed
-pipe (--gloo), and the ranks notice that their launcher is gone (hvdkit.orphan) and stop as on
+(hvdkit/build/patches/0005); killed, it leaves mpirun a SIGTERM (MPI mode) or its middlemen a closed
+pipe (--gloo), and the ranks notice that their launcher is gone (hvdkit.rank.orphan) and stop as on
 SIGTERM, keeping their output in the run directory where nothing relays it. One test per mode
 and program runs the three signals in turn, each launch resuming from the checkpoint the one
 before left."""
@@ -16,7 +16,9 @@ import psutil
 import pytest
 
 from conftest import REPO, kill_tree, untagged
-from hvdkit import checkpoint, launch, selftest
+from hvdkit import checkpoint
+from hvdkit.checks import selftest
+from hvdkit.launch import cli as launch
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""`hvdkit rehearse`: real jobs on the hosts it makes (hvdkit.hosts), then nothing of them left.
+"""`hvdkit rehearse`: real jobs on the hosts it makes (hvdkit.rehearse.namespaces), then nothing of them left.
 
 Each run is `python -m hvdkit rehearse ...` as a user types it; the hosts' names carry its PID
 (hvdk<pid>x...), which is how the test finds what it made: namespaces, sshd, slurmd and ranks.
@@ -25,7 +25,9 @@ from conftest import (
     untagged,
     wait_for,
 )
-from hvdkit import checkpoint, rehearse, selftest
+from hvdkit import checkpoint
+from hvdkit.checks import selftest
+from hvdkit.rehearse import cli as rehearse
 
 REHEARSE = [sys.executable, "-m", "hvdkit", "rehearse"]
 VENV_BIN = os.path.dirname(sys.executable)
@@ -116,8 +118,9 @@ def test_an_elastic_job_finishes_on_the_host_left_when_the_other_is_lost(tmp_pat
     load they were still importing torch at 20 s); links shaped to 30 Mbit/s keep the job on two hosts until then."""
     require_namespaces()
     mark, logs = uuid.uuid4().hex, tmp_path / "logs"
-    proc = subprocess.Popen([*REHEARSE, "--hosts", "2", "--bandwidth", "30mbit", "--kill-host", "1", "--after", "SIGUSR1",
-                             "--", "hvdkit", "launch", "-np", "2", "--min-np", "1", "--max-np", "2",
+    proc = subprocess.Popen([*REHEARSE, "--hosts", "2", "--bandwidth", "30mbit", "--kill-host", "1",
+                             "--after", "SIGUSR1", "--", "hvdkit", "launch", "-np", "2", "--min-np", "1",
+                             "--max-np", "2",
                              "--host-discovery-script", "hvdkit-discover-hosts", "--",
                              "hvdkit", "train", "--elastic", "--model", "mlp", "--dataset", "synthetic", "--epochs",
                              "100", "--max-steps", "200", "--warmup-epochs", "0", "--lr-schedule", "none",

@@ -20,7 +20,9 @@ from conftest import (
     run,
     wait_for,
 )
-from hvdkit import checkpoint, launch, selftest
+from hvdkit import checkpoint
+from hvdkit.checks import selftest
+from hvdkit.launch import cli as launch
 
 pytestmark = pytest.mark.slow
 
@@ -255,8 +257,8 @@ def test_a_failing_rank_ends_the_job_within_60s(tmp_path, launcher, how):
 STALLING_RANK = """
 import os, sys, time
 import torch, horovod.torch as hvd
-from hvdkit.process import stall_settings
-from hvdkit.watchdog import Watchdog
+from hvdkit.rank.startup import stall_settings
+from hvdkit.rank.watchdog import Watchdog
 os.environ.update(stall_settings(float(sys.argv[1])))  # what the Trainer sets up
 hvd.init()
 watchdog = Watchdog(float(sys.argv[1]), hvd.rank())
@@ -288,7 +290,7 @@ def test_a_stalled_collective_is_named_and_ends_the_job(tmp_path, launcher):
 
 
 def test_stall_settings():
-    from hvdkit.process import stall_settings
+    from hvdkit.rank.startup import stall_settings
 
     assert stall_settings(300) == {"HOROVOD_STALL_CHECK_TIME_SECONDS": "60",
                                    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "305", "HOROVOD_GLOO_TIMEOUT_SECONDS": "305"}
@@ -429,7 +431,7 @@ def test_an_elastic_run_writes_checkpoints_only_with_the_sampler_position(tmp_pa
 
 def test_requeues_are_bounded(tmp_path):
     """Past the bound, no scontrol requeue is run and the exit code says the job stopped."""
-    from hvdkit import stops
+    from hvdkit.rank import stops
 
     assert stops.requeue({}, 3) == "not a Slurm job: rerun the same command to resume"
     limited = stops.requeue({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "3"}, 3)

@@ -16,12 +16,14 @@ import pytest
 import torch
 
 from conftest import REPO, assert_bitwise_equal, final_weights, kill_tree, run
-from hvdkit import checkpoint, config, launch, selftest
+from hvdkit import checkpoint, config
+from hvdkit.checks import selftest
 from hvdkit.config import ConfigError, TrainConfig
-from hvdkit.metrics import finite_or_none
+from hvdkit.launch import cli as launch
 from hvdkit.models import sync_batch_norm
-from hvdkit.process import ALLREDUCE_RULES, performance_settings
-from hvdkit.step import batch_len, lr_multiplier, split_batch
+from hvdkit.rank.metrics import finite_or_none
+from hvdkit.rank.startup import ALLREDUCE_RULES, performance_settings
+from hvdkit.rank.step import batch_len, lr_multiplier, split_batch
 from hvdkit.trainer import lr_factor
 
 PORTED = [sys.executable, str(REPO / "examples" / "hvdkit_digits.py")]
@@ -367,7 +369,7 @@ def test_runs_started_at_once_get_directories_of_their_own(tmp_path):
     """The name is the start second; runs started in one second (a job array) must not share."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from hvdkit.process import new_run_dir
+    from hvdkit.rank.startup import new_run_dir
 
     with ThreadPoolExecutor(8) as pool:
         made = list(pool.map(lambda _: new_run_dir(str(tmp_path / "runs")), range(8)))
@@ -473,7 +475,7 @@ def test_sync_batch_norm_flag_is_refused_in_one_line_on_cpus(tmp_path):
 
 
 def test_plain_progress_lines_say_step_total_rate_and_eta():
-    from hvdkit.metrics import progress_text
+    from hvdkit.rank.metrics import progress_text
 
     assert progress_text(50, 360, 10.0, 40) == "step 50/360 (13%), 4 steps/s, ETA 0:01:18,"
     assert progress_text(10, 360, 0.0, 0) == "step 10/360 (2%),"
@@ -484,7 +486,7 @@ def test_plain_progress_lines_say_step_total_rate_and_eta():
 def test_world_size_changes_time_what_each_change_lost():
     """Records as an elastic job wrote them (tests/test_multihost.py runs one for real): a host
     lost after step 15 (two resets, one change) and one that rejoined after step 75."""
-    from hvdkit.metrics import world_size_changes
+    from hvdkit.rank.metrics import world_size_changes
 
     def train(step, size, t):
         return {"event": "train", "step": step, "world_size": size, "time": t}
@@ -560,7 +562,7 @@ import atexit, gc, sys, weakref, torch
 from torch.utils.data import TensorDataset
 import hvdkit
 
-# Registered before the Session, so it runs after hvdkit.process.exit_quickly (atexit is last-in, first-out).
+# Registered before the Session, so it runs after hvdkit.rank.startup.exit_quickly (atexit is last-in, first-out).
 atexit.register(lambda: print("frozen at exit", gc.get_freeze_count() > 0, flush=True))
 
 
@@ -586,7 +588,7 @@ def test_a_dropped_session_frees_its_loader_workers_and_the_process_exits(tmp_pa
     loader's persistent workers, alive until exit, where multiprocessing waits for workers that
     ignore SIGTERM (hvdkit.data), and a finished `hvdkit train --num-workers 1` hung (seen in
     tests/test_stops.py). At exit, what is left is frozen before Python's last collections walk
-    it (hvdkit.process.exit_quickly). One process, no launcher."""
+    it (hvdkit.rank.startup.exit_quickly). One process, no launcher."""
     script = tmp_path / "dropped.py"
     script.write_text(DROPPED_SESSION)
     proc = run([sys.executable, str(script), str(tmp_path / "logs")], timeout=60)

@@ -12,8 +12,11 @@ import psutil
 import pytest
 
 from conftest import REPO, assert_bitwise_equal, final_weights, require_slurm_on_namespaces, run
-from hvdkit import checkpoint, launch, selftest, slurm_cluster
-from hvdkit import hosts as namespace_hosts
+from hvdkit import checkpoint
+from hvdkit.checks import selftest
+from hvdkit.launch import cli as launch
+from hvdkit.rehearse import namespaces as namespace_hosts
+from hvdkit.rehearse import slurm_cluster
 
 pytestmark = pytest.mark.slow
 VENV_BIN = Path(sys.executable).parent

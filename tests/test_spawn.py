@@ -14,7 +14,9 @@ import uuid
 import pytest
 
 from conftest import REPO, run, wait_for
-from hvdkit import checkpoint, selftest, spawn
+from hvdkit import checkpoint
+from hvdkit.checks import selftest
+from hvdkit.launch import spawn
 
 CALLER = REPO / "tests" / "spawn_caller.py"
 NOTEBOOK = REPO / "examples" / "hvdkit_run.ipynb"  # its settings are conftest.TWO_RANK_TRAIN
@@ -24,7 +26,7 @@ def test_the_launch_line_of_hvdkit_run_golden():
     assert spawn.launch_command(2, "gloo", "/runs/d", hosts="h1:1,h2:1", env={"OMP_NUM_THREADS": "1"}) == [
         sys.executable, "-m", "hvdkit", "launch", "-np", "2", "--launcher", "horovodrun", "--gloo",
         "-H", "h1:1,h2:1", "-x", "PYTHONUNBUFFERED=1", "-x", "OMP_NUM_THREADS=1",
-        "--", sys.executable, "-m", "hvdkit.spawn", "/runs/d"]
+        "--", sys.executable, "-m", "hvdkit.launch.spawn", "/runs/d"]
     assert spawn.launch_command(3, "mpirun", "/runs/d")[3:9] == ["launch", "-np", "3", "--launcher", "mpirun", "-x"]
 
 

@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from conftest import REPO, assert_bitwise_equal, elastic_on_this_host, final_weights, kill_tree, run, untagged
-from hvdkit import checkpoint, launch, selftest
+from hvdkit import checkpoint
+from hvdkit.checks import selftest
+from hvdkit.launch import cli as launch
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import final_weights, run
-from hvdkit import launch, selftest
+from hvdkit.checks import selftest
+from hvdkit.launch import cli as launch
 from test_data import make_imagefolder
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The sharded optimizer (hvdkit.zero, hvdkit.shards) in real horovodrun jobs of 2 and 3 ranks.
+"""The sharded optimizer (hvdkit.zero.optimizer, hvdkit.zero.shards) in real horovodrun jobs of 2 and 3 ranks.
 
 tests/zero_worker.py trains one model many ways and reports the weights and the bytes each rank
 holds; tests/zero_script.py is a user's own loop with a Session, for checkpoints and export.
@@ -13,8 +13,10 @@ import torch
 from torch import nn
 
 from conftest import REPO, run
-from hvdkit import checkpoint, launch, zero
+from hvdkit import checkpoint
 from hvdkit.config import ConfigError
+from hvdkit.launch import cli as launch
+from hvdkit.zero import optimizer as zero
 
 pytestmark = pytest.mark.slow
 

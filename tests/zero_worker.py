@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hvdkit import zero
+from hvdkit.zero import optimizer as zero
 
 STEPS, ROWS = 50, 12  # rows of a micro-batch over all ranks: divisible by 1, 2 and 3
 BUCKET_BYTES = 2048  # several buckets, and parameters cut between ranks' slices

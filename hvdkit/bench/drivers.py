@@ -23,9 +23,9 @@ from hvdkit.bench.figures import (
     scaling_table,
 )
 from hvdkit.bench.plots import plot_allreduce, plot_scaling, write_allreduce_csv
-from hvdkit.launch import find_program, local_slots
-from hvdkit.lines import untagged
-from hvdkit.selftest import mpi_root_env, parse_records
+from hvdkit.checks.selftest import mpi_root_env, parse_records
+from hvdkit.launch.cli import find_program, local_slots
+from hvdkit.launch.rank_output import untagged
 
 
 class RunFailed(RuntimeError):

@@ -46,10 +46,10 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.nn.functional as F
 
-    from hvdkit import zero
     from hvdkit.bench.workers import _init_torch_distributed
     from hvdkit.models import TinyGPT
-    from hvdkit.process import place_process
+    from hvdkit.rank.startup import place_process
+    from hvdkit.zero import optimizer as zero
 
     launch = env.detect()
     torch.set_num_threads(1)

@@ -90,7 +90,7 @@ def synthetic_worker(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
 
     from hvdkit import models
-    from hvdkit.process import performance_settings, place_process
+    from hvdkit.rank.startup import performance_settings, place_process
     from hvdkit.session import Session
     from hvdkit.trainer import classification_loss, train_step
 
@@ -227,7 +227,7 @@ def synthetic_worker(args: argparse.Namespace) -> None:
 
 
 def _per_rank(session, times, steps: int) -> list[dict]:
-    """Each rank's compute and wait per step over the timed batches (hvdkit.stragglers), with its host."""
+    """Each rank's compute and wait per step over the timed batches (hvdkit.rank.stragglers), with its host."""
     hvd = session.hvd
     hosts = hvd.allgather_object(socket.gethostname(), name="bench.hosts")
     times.reported(hvd.allreduce(times.row(), op=hvd.Sum, name="bench.per_rank"), steps, hosts)
@@ -282,7 +282,7 @@ def allreduce_worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from hvdkit.process import performance_settings, place_process
+    from hvdkit.rank.startup import performance_settings, place_process
 
     launch = env.detect()
     if not args.no_tuning:

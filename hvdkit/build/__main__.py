@@ -1,0 +1,5 @@
+import sys
+
+from hvdkit.build.builder import main
+
+sys.exit(main())

@@ -1,0 +1,113 @@
+"""What a rank and the process that launched it agree on: the exit codes, the job directory
+and the exit records ranks leave in it, and the grace period of a stop.
+
+The rank side (hvdkit.rank, the Session) and the launcher side (hvdkit.launch) both import
+this module and never each other: a rank ends the job with a documented code and says why in
+its record; `hvdkit launch` exits with that code where the launcher (mpirun, horovodrun: 1)
+would have hidden it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+
+@dataclass(frozen=True)
+class ExitCode:
+    name: str
+    code: int
+    meaning: str
+    who: str
+
+
+# The table docs/stops-and-recovery.md shows (a test compares them). Between 64 and 78 as
+# sysexits' codes are, so that job scripts can tell these from a Python error (1).
+EXIT_CODES = (
+    ExitCode("OK", 0, "finished; or stopped, saved and requeued", "every rank, hvdkit launch"),
+    ExitCode("FAILED", 1, "an error in the script (its traceback), or the launcher's own failure",
+             "Python, mpirun, horovodrun"),
+    ExitCode("BAD_INPUT", 2, "bad input, named in one line: an option, the config, a loop shape that cannot work",
+             "every rank, every hvdkit command"),
+    ExitCode("STALLED", 75, "no progress within --stall-timeout; the stalled rank named", "the watchdog"),
+    ExitCode("LOST", 76, "a host or the launcher stopped answering", "hvdkit launch, a rank's lifeline"),
+    ExitCode("DIVERGED", 77, "the ranks' copies of the model differ", "the consistency check"),
+    ExitCode("STOPPED", 128, "128 + the signal: stopped (143 SIGTERM, 130 SIGINT, 129 SIGHUP, 138 SIGUSR1), "
+             "the step's checkpoint saved", "every rank, hvdkit launch, hvdkit rehearse"),
+)
+_CODES = {entry.name: entry.code for entry in EXIT_CODES}
+OK, FAILED, BAD_INPUT = _CODES["OK"], _CODES["FAILED"], _CODES["BAD_INPUT"]
+STALLED, LOST, DIVERGED = _CODES["STALLED"], _CODES["LOST"], _CODES["DIVERGED"]
+
+
+def stopped_by(signum: int) -> int:
+    """128 + the signal's number, as a shell reports a process a signal ended."""
+    return _CODES["STOPPED"] + signum
+
+
+JOB_DIR = "HVDKIT_JOB_DIR"  # set by `hvdkit launch` for its ranks: where they leave exit records
+STOP_GRACE = "HVDKIT_STOP_GRACE"
+GRACE_SECONDS = 10.0  # as Slurm's KillWait and Kubernetes' grace period, shorter: a stopped job holds its nodes
+KILL_AFTER_GRACE = 3.0  # the ranks' own count ends them first, each saying where it was
+PROBE_SECONDS = 2.0  # how often a host (hvdkit launch) or a launcher (a rank's lifeline) is probed
+LOST_SECONDS = 15.0  # no answer for this long: it is gone (a link flap shorter than this is not)
+
+
+def stop_grace(environ: Mapping[str, str] = os.environ) -> float:
+    """Seconds between a stop signal and the end of whatever has not ended: HVDKIT_STOP_GRACE,
+    else GRACE_SECONDS. A checkpoint must be written within it. ValueError naming the variable
+    if it is not a number of seconds (hvdkit launch and the Session check it at start)."""
+    text = environ.get(STOP_GRACE, "")
+    try:
+        seconds = float(text) if text else GRACE_SECONDS
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise ValueError(f"{STOP_GRACE}={text!r}: expected the seconds a stopped rank has to save and end, "
+                         f"a number >= 0 (default {GRACE_SECONDS:g})")
+    return seconds
+
+
+def unless_nohup(signals: Sequence[int]) -> list[int]:
+    """``signals`` less SIGHUP where it is ignored: `nohup` ignores it so that a job outlives its
+    terminal, and hvdkit keeps it so."""
+    return [sig for sig in signals if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN]
+
+
+def end_rank(code: int, line: str) -> None:
+    """A rank's last line, recorded, and its exit, from the thread that ends it (the watchdog, a
+    stop's countdown, the lifeline). The line may have nowhere to go, its reader's launcher gone
+    (BrokenPipeError): that must not keep the rank alive. Raised here, it ended the thread
+    instead, and a rank on another host outlived its job (found once Gloo's 30 s timeout no
+    longer ended such ranks first)."""
+    with contextlib.suppress(OSError, ValueError):
+        print(f"hvdkit: {line}", file=sys.stderr, flush=True)
+    record_exit(code, line)
+    os._exit(code)
+
+
+def record_exit(code: int, message: str) -> None:
+    """Called by a rank that ends the job with a documented code, so that `hvdkit launch` exits
+    with it where the launcher reports its own (mpirun and horovodrun: 1)."""
+    directory = os.environ.get(JOB_DIR)
+    if not directory:
+        return
+    try:
+        Path(directory, f"exit-{os.getpid()}").write_text(f"{code} {message}\n")
+    except OSError:
+        pass
+
+
+def rank_exit_code(directory: Path) -> Optional[int]:
+    """The first documented exit code a rank recorded, after repeating its message."""
+    records = sorted(directory.glob("exit-*"), key=lambda p: p.stat().st_mtime) if directory.is_dir() else []
+    for path in records:
+        code, _, message = path.read_text().strip().partition(" ")
+        print(f"hvdkit launch: {message}", file=sys.stderr, flush=True)
+        return int(code)
+    return None

@@ -1,0 +1,203 @@
+"""Running a launcher so that a signal reaches every rank and no rank outlives it.
+
+`exec horovodrun` is not enough: in MPI mode horovodrun becomes `/bin/sh -c mpirun ...`, so
+a SIGTERM ends the shell and leaves mpirun and every rank training with no launcher. hvdkit
+therefore starts the launcher as a child in its own session and stays as its parent:
+
+* it is the "child subreaper" of everything the launcher starts on this host (Linux
+  prctl), so a process orphaned by the launcher becomes its child, not init's;
+* SIGTERM, SIGINT, SIGUSR1 and SIGHUP go to whatever delivers them to the ranks: mpirun and srun
+  forward signals to their ranks on other hosts, and the ranks on this host are signalled
+  directly. srun takes a single Ctrl-C as "show status", so SIGINT reaches srun
+  as SIGTERM, as Open MPI's mpirun passes it to its ranks;
+* a stop always ends: the ranks end themselves ``stop_grace()`` seconds after the signal where
+  no step boundary comes (hvdkit.rank.stops), and whatever still runs a few seconds later (a
+  frozen rank, a launcher that does not exit) is killed, with one line;
+* when the launcher exits, every process still left below it is ended (SIGTERM, then
+  SIGKILL), by PID, and the launcher's exit code is returned, or the documented code a rank
+  left in the job directory (HVDKIT_JOB_DIR) when a launcher replaced it with its own;
+* across hosts, it watches them (hvdkit.launch.network.HostWatch): when one stops answering, the
+  other ranks are blocked in a collective that cannot complete, so the launcher and every
+  process below it are killed at once, with one line naming the host, and it exits with
+  hvdkit.job.LOST.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
+
+from hvdkit.job import JOB_DIR, KILL_AFTER_GRACE, LOST, rank_exit_code, stop_grace, unless_nohup
+from hvdkit.launch import network
+from hvdkit.launch import rank_output as lines
+
+if TYPE_CHECKING:  # imported where used: `hvdkit doctor` runs without psutil
+    import psutil
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
+FORWARDERS = ("mpirun", "mpiexec", "orterun", "prterun", "srun")  # launchers that pass signals on
+RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+
+
+def _prctl(option: int, value: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(option, value, 0, 0, 0)
+
+
+def end_with_parent() -> None:
+    """In the launcher's process: a SIGKILLed hvdkit still takes its launcher with it."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def signal_targets(launcher: "psutil.Process") -> list[tuple["psutil.Process", bool]]:
+    """(process, is a forwarder) for each process a stop signal must reach: the launchers
+    below us that forward signals to other hosts (mpirun, srun), and the ranks on this host
+    directly: Open MPI's mpirun sends SIGCONT, waits odls_base_sigkill_timeout (1 s), sends
+    SIGTERM, waits again and SIGKILLs, so a rank told only by mpirun has about 1 s to save."""
+    below = [launcher, *launcher.children(recursive=True)]
+    return [(p, True) for p in below if _name(p) in FORWARDERS] + [(p, False) for p in below if _is_rank(p)]
+
+
+def _name(process: "psutil.Process") -> str:
+    import psutil
+
+    try:
+        return process.name()
+    except psutil.Error:
+        return ""
+
+
+def _is_rank(process: "psutil.Process") -> bool:
+    import psutil
+
+    try:
+        return any(name in process.environ() for name in RANK_VARIABLES)
+    except psutil.Error:
+        return False
+
+
+def translate(signum: int, forwarder: str) -> int:
+    """srun shows its tasks' status on a single SIGINT instead of passing it on."""
+    return signal.SIGTERM if signum == signal.SIGINT and forwarder == "srun" else signum
+
+
+def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False,
+        watch: Optional[Mapping[str, str]] = None) -> int:
+    """Run ``command`` (a launcher) to its end as described above; its exit code. With
+    ``join_lines``, its output (tagged by rank) is passed on as whole lines (hvdkit.launch.rank_output);
+    ``watch``: {host: address} of the other hosts of the job."""
+    import psutil  # here: `hvdkit doctor` imports this module where psutil may be missing
+
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    with tempfile.TemporaryDirectory(prefix="hvdkit-job-") as job_dir:
+        env = {JOB_DIR: job_dir, **env}
+        pipe = subprocess.PIPE if join_lines else None
+        child = subprocess.Popen(list(command), env=env, start_new_session=True, preexec_fn=end_with_parent,
+                                 stdout=pipe, stderr=pipe)
+        pumps = [lines.pump(os.dup(child.stdout.fileno()), sys.stdout.fileno()),
+                 lines.pump(os.dup(child.stderr.fileno()), sys.stderr.fileno())] if join_lines else []
+        for stream in (child.stdout, child.stderr):
+            if stream:
+                stream.close()  # the pumps hold their own copies
+        launcher = psutil.Process(child.pid)
+        stopped: list[int] = []  # the first stop signal, which starts the grace period
+
+        def forward(signum, frame) -> None:
+            if not stopped:
+                stopped.append(signum)
+                stopped.append(time.monotonic() + stop_grace() + KILL_AFTER_GRACE)
+            for process, forwarder in signal_targets(launcher):
+                try:
+                    process.send_signal(translate(signum, _name(process)) if forwarder else signum)
+                except psutil.Error:
+                    pass
+
+        previous = {sig: signal.signal(sig, forward) for sig in unless_nohup(FORWARDED)}
+        hosts = network.HostWatch(dict(watch or {}))
+        try:
+            code = _wait(child, hosts, stopped)
+        finally:
+            hosts.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            left = max(0.0, stopped[1] - time.monotonic()) if stopped else stop_grace()  # of a stop's grace period
+            end_leftovers(grace=0 if hosts.lost else left)
+            for pump in pumps:
+                pump.join(timeout=5)
+        if hosts.lost:
+            return LOST
+        return rank_exit_code(Path(env[JOB_DIR])) or _shell_code(code)
+
+
+def _wait(child: subprocess.Popen, hosts: network.HostWatch, stopped: list) -> int:
+    """The launcher's exit code; if a host is lost first, or the job outlives a stop's grace
+    period (``stopped``: [signal, deadline]), the launcher is killed (its process group) after
+    saying why; what it leaves is killed after."""
+    while True:
+        try:
+            return child.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            pass
+        why = hosts.lost or (stopped and time.monotonic() > stopped[1] and
+                             f"the job did not end within {stop_grace() + KILL_AFTER_GRACE:g} s of "
+                             f"{signal.Signals(stopped[0]).name}; killing what is left")
+        if why:
+            print(f"hvdkit launch: {why}", file=sys.stderr, flush=True)
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            return child.wait()
+
+
+def _shell_code(code: int) -> int:
+    """A launcher killed by a signal exits as a shell reports it: 128 + the signal."""
+    return 128 - code if code < 0 else code
+
+
+def end_leftovers(grace: float) -> list[int]:
+    """End every process still below this one (orphans re-parented to it included): SIGTERM,
+    then SIGKILL after ``grace`` seconds. Their PIDs, which are also printed."""
+    import psutil
+
+    left = psutil.Process().children(recursive=True)
+    _, left = psutil.wait_procs(left, timeout=3)  # ranks still exiting after their launcher did
+    if not left:
+        _reap()
+        return []
+    pids = [p.pid for p in left]
+    print(f"hvdkit launch: the launcher exited and left {len(left)} processes running; ending them "
+          f"(pids {' '.join(map(str, pids))})", file=sys.stderr, flush=True)
+    for process in left:
+        try:
+            process.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(left, timeout=grace)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=max(grace, 5.0))
+    _reap()
+    return pids
+
+
+def _reap() -> None:
+    """Collect the exit status of orphans that died as our children (we are their subreaper)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return

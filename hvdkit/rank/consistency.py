@@ -1,0 +1,190 @@
+"""The ranks' copies of the model, checked to be the same while training.
+
+Data parallelism keeps every rank's weights identical: each applies the same averaged gradients.
+When they drift apart (an op applied on one rank only, a buffer updated outside the optimizer, a
+flipped bit on a bad node, rank-dependent code), training goes on and the result is quietly
+wrong; no launcher or framework notices. So every ``check_consistency_steps`` steps, and before
+every checkpoint, each rank reduces each tensor that should be identical to a 64-bit digest: the
+sum of its bits read as integers (exact, so order-free and the same on every rank for the same
+bits; any one changed value changes it). One allreduce of the digests and their negations with
+Min gives every rank the smallest and largest digest of each tensor: equal everywhere, or not.
+
+What is compared: the parameters, the buffers, and the optimizer's state where every rank holds
+the same (not under ``zero``, whose ranks hold slices, nor under Adasum, whose ranks step their
+optimizers on their own gradients and combine the updates). Not compared: the running statistics
+of batch norms that are not synchronized (each rank's own batches, by design in Horovod), which a
+checkpoint takes from rank 0.
+
+On a mismatch every rank stops at that step (they all read the same allreduce): the digests
+are gathered once to name the ranks that differ from the largest group, their hosts and the
+first tensor that differs; rank 0 writes them per tensor and rank to ``divergence-step-N.json``
+in the run directory, sets aside checkpoints newer than the last check that passed (their
+weights may already differ) so that a resume starts from one taken before, and the job ends
+with job.DIVERGED (77) and one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import weakref
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from hvdkit import checkpoint, job
+
+SET_ASIDE = ".diverged"  # suffix of a checkpoint written after the last check that passed
+_INTEGER_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class DivergenceError(RuntimeError):
+    """The ranks' weights (or buffers, or optimizer state) are no longer the same."""
+
+    exit_code = job.DIVERGED
+
+
+def digest(tensor: torch.Tensor) -> torch.Tensor:
+    """A 64-bit integer that any change of one value of ``tensor`` changes: the sum of its bits
+    read as integers of its element size, on its device."""
+    values = tensor.detach()
+    if values.is_complex():
+        values = torch.view_as_real(values)
+    if values.dtype == torch.bool:
+        values = values.to(torch.uint8)
+    bits = values.contiguous().view(-1).view(_INTEGER_VIEW[values.element_size()])
+    return bits.sum(dtype=torch.int64)
+
+
+def local_statistics(model: nn.Module) -> set:
+    """The names of the running statistics that each rank keeps from its own batches: those of
+    batch, instance and group norms that are not synchronized across ranks."""
+    synced = tuple(kind for kind in (nn.SyncBatchNorm, _horovod_sync_batch_norm()) if kind is not None)
+    names = set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._NormBase) and not isinstance(module, synced):
+            names |= {f"{prefix}.{name}".lstrip(".") for name in ("running_mean", "running_var")}
+    return names
+
+
+def _horovod_sync_batch_norm():
+    try:
+        import horovod.torch as hvd
+    except ImportError:
+        return None
+    return hvd.SyncBatchNorm
+
+
+def compared(model: nn.Module, optimizer, replicated_optimizer: bool) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of everything that every rank should hold alike, in the model's order; the
+    optimizer's state only where ``replicated_optimizer`` (not under zero, whose ranks hold slices,
+    nor Adasum, whose ranks step on their own gradients and combine the updates)."""
+    local = local_statistics(model)
+    tensors = [(name, p) for name, p in model.named_parameters()]
+    tensors += [(name, b) for name, b in model.named_buffers() if name not in local]
+    if optimizer is not None and replicated_optimizer:
+        names = {id(p): name for name, p in model.named_parameters()}
+        for param, state in optimizer.state.items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    tensors.append((f"optimizer.{names.get(id(param), '?')}.{key}", value))
+    return tensors
+
+
+class Consistency:
+    """The check of one Session, which holds the model and optimizer it compares."""
+
+    def __init__(self, session) -> None:
+        self.session = weakref.proxy(session)  # the Session owns this; no cycle keeps either alive
+        self.last_good: Optional[int] = None  # the last step whose check passed
+        self.checked_at: Optional[int] = None
+
+    def due(self) -> bool:
+        """After this step: every ``check_consistency_steps`` (0: never, and not before checkpoints)."""
+        every = self.session.cfg.check_consistency_steps
+        return bool(every) and self.session.global_step % every == 0
+
+    def before_checkpoint(self) -> None:
+        """A checkpoint is written only of weights checked equal on every rank."""
+        if self.session.cfg.check_consistency_steps:
+            self.check()
+
+    def check(self) -> None:
+        """Compare every rank's tensors (all ranks call it at the same step); DivergenceError if
+        they differ. Once per step: the periodic check and a checkpoint's share it."""
+        session = self.session
+        step = session.global_step
+        if self.checked_at == step or session.model is None:
+            return
+        self.checked_at = step
+        tensors = compared(session.model, session.optimizer, not (session.cfg.zero or session.cfg.use_adasum))
+        if not tensors:
+            return
+        digests = torch.stack([digest(t).to(session.device) for _, t in tensors]).cpu()
+        hvd = session.hvd
+        extremes = hvd.allreduce(torch.cat([digests, -digests]), op=hvd.Min, name="hvdkit.consistency")
+        low, high = extremes[:len(tensors)], -extremes[len(tensors):]
+        if torch.equal(low, high):
+            self.last_good = step
+            return
+        self._stop([name for name, _ in tensors], digests.tolist())
+
+    def _stop(self, names: list[str], digests: list[int]) -> None:
+        """Name what differs, keep the evidence and the last good checkpoint, end every rank."""
+        session = self.session
+        ranks = session.hvd.allgather_object((socket.gethostname(), digests), name="hvdkit.consistency.detail")
+        groups: dict = {}
+        for rank, (_, values) in enumerate(ranks):
+            groups.setdefault(tuple(values), []).append(rank)
+        reference = max(groups.values(), key=lambda members: (len(members), 0 in members))
+        differing = [rank for rank in range(len(ranks)) if rank not in reference]
+        first = next(name for i, name in enumerate(names) if len({values[i] for _, values in ranks}) > 1)
+        step, report = session.global_step, Path(session.log_dir) / f"divergence-step-{session.global_step}.json"
+
+        def who(members: list[int]) -> str:
+            return ", ".join(f"{rank} ({ranks[rank][0]})" for rank in members)
+
+        many = len(differing) > 1
+        line = (f"the ranks' copies of the model differ at step {step}: rank{'s' * many} {who(differing)} "
+                f"differ{'s' * (not many)} from rank{'s' * (len(reference) > 1)} {who(reference)}, first in "
+                f"{first!r}; digests per tensor and rank in {report}; {self._kept()}")
+        if session.rank == 0:
+            _write_json(report, {"step": step, "last_good_step": self.last_good, "first": first,
+                                 "differing_ranks": differing, "reference_ranks": reference,
+                                 "hosts": [host for host, _ in ranks], "tensors": names,
+                                 "digests": {name: [values[i] for _, values in ranks] for i, name in enumerate(names)}})
+            self._set_aside_unchecked()
+            job.record_exit(job.DIVERGED, line)
+        raise DivergenceError(line)
+
+    def _set_aside_unchecked(self) -> None:
+        """Checkpoints newer than the last check that passed may hold diverged weights: renamed,
+        not deleted, so that a resume starts from the newest one taken before."""
+        directory = self.session.cfg.checkpoint_dir
+        if not directory:
+            return
+        for path in checkpoint.existing(directory):
+            if self.last_good is None or checkpoint.step_of(path) > self.last_good:
+                os.replace(path, f"{path}{SET_ASIDE}")
+                if checkpoint.shard_folder(path).exists():
+                    os.replace(checkpoint.shard_folder(path), f"{checkpoint.shard_folder(path)}{SET_ASIDE}")
+
+    def _kept(self) -> str:
+        directory = self.session.cfg.checkpoint_dir
+        if not directory:
+            return "no checkpoint_dir to resume from"
+        good = [p for p in checkpoint.existing(directory)
+                if self.last_good is not None and checkpoint.step_of(p) <= self.last_good]
+        if not good:
+            return "no checkpoint taken before it to resume from"
+        return f"a rerun resumes from {good[-1]}, the newest taken before (checked equal at step {self.last_good})"
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(partial, path)

@@ -1,0 +1,121 @@
+"""Lockstep: the ranks make hvdkit's collective calls in the same order, or the job ends at
+once with one line saying which rank did what.
+
+Horovod pairs collectives by name, so a call made on one rank only (``if rank == 0:
+session.save()``, the Horovod habit) or ranks taking different numbers of steps leave a rank
+waiting for a tensor the others never send: a hang until the stall limit. So each of the
+Session's calls that communicate first meets the other ranks in one small allreduce of one
+name, ``hvdkit.rank.lockstep``, in which every rank fills its own row: which call, after how many
+steps, and the stop signal it received. Ranks at different calls meet each other there and
+all see who is where; the same allreduce is the stop agreement (the largest signal wins).
+
+A step's meeting is submitted before its gradients' allreduces where the loop calls
+``session.backward`` (else in ``session.step()``), so it travels in their Horovod cycle (one
+small allreduce a step, as the one-number stop agreement it replaces was) and is read, before
+the gradients are awaited, at no extra wait. Nothing is left in flight
+between calls: an allreduce still pending when another collective (a join, a checkpoint's
+allgather) starts is how ranks fell a step out of line.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+# What each call is, in the lines that name it; the number is its code in the allreduce.
+CALLS = ("session.step()", "session.should_stop()", "session.save()", "session.report()", "session.evaluate()",
+         "session.check_consistency()", "the end of an epoch (session.epochs() or session.join())",
+         "session.finish()")
+ENDS = (CALLS[6], CALLS[7])  # a rank that arrives here has taken all its steps
+RANK_ZERO_HABIT = {  # what the call does on rank 0 alone, for the line that says to call it everywhere
+    CALLS[2]: "rank 0 alone writes the file", CALLS[3]: "rank 0 alone prints and writes the metrics",
+    CALLS[4]: "each rank evaluates its share of the data", CALLS[5]: "every rank's copy is compared",
+}
+FIELDS = 3  # call, steps taken, stop signal; in float64, exact for any step count
+
+
+class LockstepError(RuntimeError):
+    """The ranks made different hvdkit calls, or took different numbers of steps."""
+
+    exit_code = 2  # a mistake in the loop, as bad input is
+
+
+class RankEnded(RuntimeError):
+    """Another rank ended (it raised, returned, or was killed) while this one waited for it."""
+
+    exit_code = 1
+
+
+class Lockstep:
+    """The meetings of one Session's ranks, and the stop they agreed on."""
+
+    def __init__(self, hvd, strict: bool = True) -> None:
+        self.hvd = hvd
+        self.strict = strict  # False in elastic runs: a worker joining mid-run meets the others before it syncs
+        self.pending: Optional[tuple] = None  # (handle, call, steps) of a meeting submitted, not yet read
+        self.signum = 0  # the stop signal all ranks agreed on, 0 until one is
+
+    def submit(self, call: str, steps: int, signum: int) -> None:
+        """Start this rank's part of a meeting at ``call`` after ``steps`` steps."""
+        rows = torch.zeros(self.hvd.size(), FIELDS, dtype=torch.float64)  # elastic: the size of now
+        rows[self.hvd.rank()] = torch.tensor([CALLS.index(call) + 1, steps, signum], dtype=torch.float64)
+        handle = self.hvd.allreduce_async(rows, op=self.hvd.Sum, name="hvdkit.lockstep")
+        self.pending = (handle, call, steps)
+
+    def collect(self) -> int:
+        """Wait for the meeting submitted, if any; LockstepError if the ranks were not at the same
+        call after the same steps. The agreed stop signal (0: none)."""
+        if self.pending is None:
+            return self.signum
+        handle, call, steps = self.pending
+        self.pending = None
+        rows = self.hvd.synchronize(handle)
+        problem = self.strict and mismatch(rows.tolist())
+        if problem:
+            raise LockstepError(problem)
+        self.signum = self.signum or int(rows[:, 2].max().item())
+        return self.signum
+
+    def meet(self, call: str, steps: int, signum: int) -> int:
+        self.submit(call, steps, signum)
+        return self.collect()
+
+
+def where(call: str, steps: int) -> str:
+    return f"{call} (step {steps + 1})" if call == CALLS[0] else f"{call} after step {steps}"
+
+
+def mismatch(rows: list[list[float]]) -> Optional[str]:
+    """The line saying how the ranks' rows (call code, steps) differ; None if they do not."""
+    at = {rank: (CALLS[int(code) - 1] if code else "no hvdkit call", int(steps))
+          for rank, (code, steps, _) in enumerate(rows)}
+    if len(set(at.values())) == 1:
+        return None
+    groups: dict[tuple, list[int]] = {}
+    for rank, place in at.items():
+        groups.setdefault(place, []).append(rank)
+
+    def who(place) -> str:
+        ranks = groups[place]
+        return f"rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)} at {where(*place)}"
+
+    # The odd one out: the place the fewest ranks are at, a call other than step() on a tie.
+    odd = min(groups, key=lambda place: (len(groups[place]), place[0] == CALLS[0]))
+    others = [place for place in groups if place != odd]
+    seen = f"{who(odd)}, {'; '.join(who(place) for place in others)}"
+    calls = {place[0] for place in groups}
+    steps = {place[1] for place in groups}
+    if len(calls) == 1 or calls & set(ENDS) or len(steps) > 1 and odd[0] not in RANK_ZERO_HABIT:
+        return (f"the ranks took different numbers of steps ({seen}): every rank must take the same number of "
+                f"steps; give each the same number of batches (session.loader does; with a loader of your own, "
+                f"a DistributedSampler), and do not break out of the loop on one rank only")
+    habit = RANK_ZERO_HABIT.get(odd[0])
+    return (f"the ranks made different hvdkit calls ({seen}): {odd[0]} must be called by every rank at the same "
+            f"point of the loop" + (f", not under `if rank == 0` ({habit})" if habit else ""))
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) <= 8:
+        return ", ".join(map(str, ranks))
+    return f"{', '.join(map(str, ranks[:6]))} and {len(ranks) - 6} more"

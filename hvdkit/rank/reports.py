@@ -1,0 +1,148 @@
+"""What a Session reports: metrics summed on each rank, combined in one allreduce at a report,
+shown and written by rank 0; evaluation over every sample once; the run's summary.
+
+``log()`` adds a micro-batch's means, weighted by its samples, to sums that stay on the device:
+no communication until ``report()``, whose one allreduce carries every metric and the count.
+Rank 0's sink (hvdkit.rank.metrics) shows progress and writes metrics.jsonl and TensorBoard.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils.data import DataLoader
+
+from hvdkit.config import to_dict
+from hvdkit.rank.metrics import Metrics, finite_or_none, world_size_changes
+from hvdkit.rank.step import to_device
+from hvdkit.zero import optimizer as zero
+
+
+class Reports:
+    """The metrics of one Session."""
+
+    def __init__(self, session) -> None:
+        self.session = weakref.proxy(session)  # the Session owns this; no cycle keeps either alive
+        self.sums: dict[str, torch.Tensor] = {}
+        self.count = torch.zeros((), device=session.device)
+        self.last_count = 0.0
+        self.sink: Optional[Metrics] = None
+        self.samples, self.seconds = 0.0, 0.0
+        self.window_start = self.wall_start = time.perf_counter()
+        self._hosts: Optional[list] = None
+
+    def log(self, samples: int, means: dict) -> None:
+        device = self.session.device
+        for name, value in means.items():
+            value = value.detach().float() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+            self.sums[name] = self.sums.get(name, 0) + value.to(device) * samples
+        self.count += samples
+
+    def due(self) -> bool:
+        """Every ``log_interval`` steps, at the end of each epoch and at the last step."""
+        session = self.session
+        step = session.global_step
+        return step % session.cfg.log_interval == 0 or session._loaders.epoch_ended() or step == session.total_steps
+
+    def report(self, stage: str, extra: dict) -> dict:
+        """One allreduce of the metrics' sums and count and, at a training report, of every
+        rank's step times (hvdkit.rank.stragglers: each rank fills its own row)."""
+        session = self.session
+        hvd = session.hvd
+        names = sorted(self.sums)
+        times = session._times.row().to(session.device) if stage == "train" else torch.zeros(0, device=session.device)
+        window = torch.cat([torch.stack([*(self.sums[n] for n in names), self.count.float()]).double(), times])
+        reduced = hvd.allreduce(window, op=hvd.Sum, name=f"hvdkit.{stage}").cpu()
+        *sums, count = reduced[:len(names) + 1].tolist()
+        self.last_count = count
+        means = {name: total / count if count else float("nan") for name, total in zip(names, sums, strict=True)}
+        values = {**extra, **means}
+        if stage == "train":
+            now = time.perf_counter()
+            self.samples += count
+            self.seconds += now - self.window_start
+            values["samples_per_sec"] = count / max(now - self.window_start, 1e-9)
+            per_rank = session._times.reported(reduced[len(names) + 1:], session.global_step, self.hosts())
+            if per_rank:
+                values["per_rank"] = per_rank
+        self.metrics().record(stage, session.global_step, values, position=session.global_step)
+        self.restart_window()  # evaluation and writing are not training time
+        self.sums, self.count = {}, torch.zeros((), device=session.device)
+        return means
+
+    def restart_window(self) -> None:
+        self.window_start = time.perf_counter()
+        self.session._times.restart()
+
+    def hosts(self) -> list[str]:
+        """Every rank's host name, in rank order: gathered once, at the first training report."""
+        if self._hosts is None:
+            self._hosts = self.session.hvd.allgather_object(socket.gethostname(), name="hvdkit.hosts")
+        return self._hosts
+
+    def evaluate(self, eval_loader: DataLoader, metrics_of: Callable[[Any], tuple[int, dict]]) -> dict:
+        session = self.session
+        training = self.sums, self.count
+        self.sums, self.count = {}, torch.zeros((), device=session.device)
+        session.model.eval()
+        with torch.no_grad(), session.autocast():
+            for batch in eval_loader:
+                samples, means = metrics_of(to_device(batch, session.device))
+                self.log(samples, means)
+        result = self.report("test", {})
+        session.model.train()
+        self.sums, self.count = training
+        return {**result, "samples": int(self.last_count)}
+
+    def metrics(self) -> Metrics:
+        """Rank 0's sink, made at first use; other ranks' drops everything."""
+        session = self.session
+        if self.sink is None:
+            self.sink = Metrics(session.log_dir, session.total_steps, enabled=session.rank == 0)
+            self.sink.write({"event": "config", "world_size": session.size, **to_dict(session.cfg)})
+        return self.sink
+
+    def throughput(self) -> float:
+        return self.samples / self.seconds if self.seconds else 0.0
+
+    def summary(self, extra: Optional[dict]) -> dict:
+        """The run's summary record: written, printed by rank 0 as one JSON line, returned."""
+        session = self.session
+        memory = None if session.optimizer is None else session.hvd.allgather_object(
+            zero.memory_of(session.optimizer), name="hvdkit.memory")  # bytes per rank, in rank order
+        times = session._times
+        summary = {"event": "summary", "epochs": session.epoch, "steps": session.global_step,
+                   "world_size": session.size, **(extra or {}), "memory": memory,
+                   "per_rank": times.table(self._hosts or []), "stragglers": times.named,
+                   "wall_seconds": time.perf_counter() - self.wall_start, "stopped": session.stopped,
+                   "exit_code": session.exit_code, "skipped_steps": session.skipped_steps}
+        self.metrics().write(summary)
+        self.metrics().close()
+        if session.rank == 0:
+            print(json.dumps(finite_or_none(summary)), flush=True)
+        return summary
+
+    def elastic_reset(self, step: int) -> None:
+        """Rank 0 may now be another process: it takes the sink and records the reset."""
+        if self.sink is not None:
+            self.sink.close()
+        self.sink, self._hosts = None, None
+        self.metrics().write({"event": "reset", "step": step, "world_size": self.session.size})
+
+    def world_size_changes(self) -> list:
+        session = self.session
+        path = Path(session.log_dir) / "metrics.jsonl"
+        if session.rank != 0 or not path.exists():
+            return []
+        changes = world_size_changes([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+        for change in changes:
+            print(f"hvdkit: elastic: world size {change['from']} -> {change['to']}, going on from step "
+                  f"{change['step']}; about {change['lost_seconds']:.1f} s lost", file=sys.stderr, flush=True)
+        return changes

@@ -1,0 +1,214 @@
+"""Process setup: Horovod started for one training process, with its device, seeds, tuning and
+the run's directories.
+
+What happens before the first step, in order (``start``): hvdkit's measured Horovod and Open MPI
+settings go into the environment (a variable the user exported wins), Horovod starts, the
+launcher's view of the job is checked against Horovod's, and the process takes its device and
+its seeds. Then the run gets a directory of its own (``run_dir``), and rank 0 locks that and the
+checkpoint directory against a second run (``lock_directories``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import hashlib
+import itertools
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from hvdkit import env
+from hvdkit.config import TrainConfig
+from hvdkit.rank.lock import DirectoryInUse, DirectoryLock
+
+
+def start(cfg: TrainConfig):
+    """hvd.init() with hvdkit's settings, a warning where the launcher disagrees with Horovod,
+    this rank's device and seeds; (horovod.torch, device)."""
+    import horovod.torch as hvd
+
+    settings = {**performance_settings(torch.cuda.is_available(), env.detect().spans_hosts),
+                **stall_settings(cfg.stall_timeout)}
+    for name, value in ({} if cfg.elastic else settings).items():
+        os.environ.setdefault(name, value)  # a variable the user exported wins
+    hvd.init()
+    problem = env.disagreement(env.detect(), hvd.rank(), hvd.size(), hvd.local_rank())
+    if problem:
+        print(f"hvdkit: warning: {problem}", file=sys.stderr, flush=True)
+    device = place_process(hvd.local_rank(), hvd.local_size())
+    seed_everything(cfg.seed + hvd.rank())
+    atexit.register(exit_quickly)
+    return hvd, device
+
+
+def exit_quickly() -> None:
+    """Registered by ``start`` to run at exit, before Python's own teardown: ``gc.freeze``.
+
+    Python's last garbage collections at exit walk every object the process holds, and torch
+    with torch._dynamo (which torch.optim imports) holds millions: about 0.8 s of CPU per rank
+    at every exit, measured with ``/usr/bin/time hvdkit train --max-steps 2``. Frozen objects
+    are not walked. Their memory goes back with the process; Python promises no ``__del__`` for
+    what is still alive at exit, and hvdkit closes its files and checkpoints before.
+    """
+    gc.freeze()
+
+
+def place_process(local_rank: int, local_size: int) -> torch.device:
+    """The GPU local_rank % GPUs when there are GPUs; else the CPU with OMP_NUM_THREADS threads,
+    or a fair share of this node's cores."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # the job script's choice (Slurm: cpus-per-task)
+        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // local_size))
+    return torch.device("cpu")
+
+
+STALL_BACKSTOP_SECONDS = 5
+
+
+def stall_settings(timeout: float) -> dict:
+    """Horovod's stall inspector: warn about a collective some rank has not joined, naming the
+    tensor and the missing ranks (MPI controller only). It checks every min(60 s, timeout/3)
+    for tensors waiting longer than that, so the warning comes before the limit. The
+    job is ended at ``timeout`` by hvdkit's Watchdog, under every controller and with a frozen
+    rank too; the inspector's own shutdown comes STALL_BACKSTOP_SECONDS later, only where the
+    watchdog could not act. Gloo's own limit on one operation (30 s unless set) moves there too:
+    under it, a rank waiting longer than 30 s for a frozen or busy peer (rank 0 writing a large
+    checkpoint) ended the job with a traceback and exit 1, and horovodrun waited 10 s more on
+    the frozen rank (40 s at --stall-timeout 30, measured). 0 disables the inspector and the
+    watchdog, and leaves Gloo its 30 s."""
+    if timeout <= 0:
+        return {"HOROVOD_STALL_CHECK_DISABLE": "1"}
+    backstop = str(max(1, int(timeout)) + STALL_BACKSTOP_SECONDS)
+    return {"HOROVOD_STALL_CHECK_TIME_SECONDS": str(max(1, int(min(60.0, timeout / 3)))),
+            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": backstop, "HOROVOD_GLOO_TIMEOUT_SECONDS": backstop}
+
+
+# Open MPI's tuned allreduce from 1 MiB up: the ring (algorithm 4); below, its own fixed
+# decision (0). Format: collectives, collective id (2: allreduce), comm sizes, from comm size 1,
+# message sizes, then "bytes algorithm fan-in/out segment-size" per message size.
+ALLREDUCE_RULES = "1\n2\n1\n1\n2\n0 0 0 0\n1048576 4 0 0\n"
+
+
+def performance_settings(on_gpu: bool, spans_hosts: bool = False,
+                         environ: Optional[dict] = None) -> dict:
+    """Horovod and Open MPI knobs measured best for this loop (docs/performance.md).
+
+    On CPUs the ranks' compute threads take every core, so a rank waiting in MPI must
+    yield its core instead of spinning on it: Horovod's background thread waits in an MPI
+    collective each cycle, and Open MPI busy-polls unless told it is oversubscribed. Once
+    waiting yields, a 0.1 ms cycle costs training nothing measurable and cuts the latency
+    of every allreduce, which waits for the next cycle, from ~1.2 ms to ~0.3 ms; hvdkit's
+    Horovod build sleeps through the cycles in which nothing is outstanding (hvdkit.build.builder).
+
+    Across hosts, Open MPI's fixed choice for large allreduces is not the ring (whose bytes
+    per rank do not grow with the ranks): at 3 hosts on 1 Gbit/s links, training ran at
+    24.8 img/s with it and 47.8 with the ring. So the fused gradients go by the ring, while
+    the small allreduces of Horovod's negotiation keep Open MPI's choice (log2 N hops, not
+    2(N-1)); unless ``environ`` already sets a coll_tuned variable of its own. And two TCP
+    connections per pair of ranks: with one, a 16 MiB allreduce between two hosts moved
+    0.065-0.118 GB/s on a 1 Gbit/s link, from run to run; with two, 0.112-0.119. GPUs are left at Horovod's
+    defaults: no GPU was available to measure them.
+    """
+    if on_gpu:
+        return {}
+    settings = {"OMPI_MCA_mpi_yield_when_idle": "1", "HOROVOD_CYCLE_TIME": "0.1"}
+    environ = os.environ if environ is None else environ
+    if not spans_hosts:
+        return settings
+    settings["OMPI_MCA_btl_tcp_links"] = "2"
+    if not any(name.startswith("OMPI_MCA_coll_tuned_") for name in environ):
+        settings.update(OMPI_MCA_coll_tuned_use_dynamic_rules="1",
+                        OMPI_MCA_coll_tuned_dynamic_rules_filename=str(allreduce_rules_file()))
+    return settings
+
+
+def allreduce_rules_file() -> Path:
+    """ALLREDUCE_RULES in a file on this host, which Open MPI reads in every rank; named by
+    its content, so every rank and hvdkit version that writes it writes the same bytes."""
+    digest = hashlib.sha256(ALLREDUCE_RULES.encode()).hexdigest()[:12]
+    path = Path(tempfile.gettempdir()) / f"hvdkit-allreduce-{digest}.rules"
+    if not path.exists():
+        partial = path.with_name(f"{path.name}.{os.getpid()}")
+        partial.write_text(ALLREDUCE_RULES)
+        os.replace(partial, path)  # ranks on one host may race: each replace is whole
+    return path
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def new_run_dir(root: str = "runs") -> str:
+    """runs/<date>-<time>[-N], made here: a directory no other run uses, so runs never share
+    metrics, also two started in the same second from one directory (a Slurm job array)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    Path(root).mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        candidate = Path(root) / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        return str(candidate)
+
+
+def run_dir(cfg: TrainConfig, hvd) -> str:
+    """A new directory for this run's metrics, the same on every rank. Elastic workers may
+    join while the others train, so there it comes from the job (no collective)."""
+    if cfg.elastic:
+        job = os.environ.get("SLURM_JOB_ID") or os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", "job")
+        return str(Path("runs") / f"elastic-{job}")
+    return hvd.broadcast_object(new_run_dir() if hvd.rank() == 0 else None, root_rank=0, name="hvdkit.log_dir")
+
+
+def lock_directories(cfg: TrainConfig, hvd, log_dir: str) -> list[DirectoryLock]:
+    """Rank 0 locks the checkpoint and log directories for this run (see hvdkit.rank.lock);
+    every rank stops with the same line when another run holds one."""
+    if cfg.elastic:  # rank 0 may leave and another process take its place
+        return []
+    locks, problem = [], None
+    if hvd.rank() == 0:
+        places = {os.path.realpath(d): what for d, what in ((cfg.checkpoint_dir, "checkpoint_dir"),
+                                                             (log_dir, "log_dir")) if d}
+        try:
+            for directory, what in places.items():
+                locks.append(DirectoryLock(directory, what))
+                locks[-1].acquire()
+        except DirectoryInUse as exc:
+            locks.pop()
+            for held in locks:
+                held.release()
+            problem = exc
+    problem = hvd.broadcast_object(problem, root_rank=0, name="hvdkit.lock")
+    if problem is not None:
+        raise problem
+    return locks

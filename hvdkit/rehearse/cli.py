@@ -1,0 +1,255 @@
+"""`hvdkit rehearse`: a multi-node job tried on this machine before it costs cluster hours.
+
+    hvdkit rehearse --hosts 2 --slots 1 [--bandwidth 1gbit] [--delay 1ms] [--kill-host 1 --after 30s] \
+        -- hvdkit launch -np 2 -- hvdkit train ...
+    hvdkit rehearse --hosts 2 --slurm -- sbatch --nodes 2 slurm/multi-node-srun.sbatch
+
+The hosts are network namespaces (hvdkit.rehearse.namespaces), node0 to nodeN-1, each with its own address,
+name and sshd, on a private switch; the filesystem (this directory, the virtual environment) is
+shared, as a cluster's home is. The command runs on node0 as a user logged in there, with the
+hosts in its environment:
+
+    HVDKIT_HOSTS       node0:1,node1:1     (horovodrun -H; `hvdkit launch` reads it by itself)
+    HVDKIT_HOSTFILE    a hostfile, "node0 slots=1" lines (mpirun --hostfile, horovodrun --hostfile)
+    HVDKIT_HOSTS_FILE  the same file, for elastic discovery (--host-discovery-script hvdkit-discover-hosts)
+
+``--kill-host I --after T`` fails nodeI T after the start: its processes die, its sshd too, its
+link goes down, and it leaves the hostfile, as a lost machine leaves a cluster's discovery.
+``--after SIGUSR1`` fails it when this process receives SIGUSR1 (``kill -USR1 PID``): at the
+moment the job is where the failure should find it, however long its start took.
+``--slurm`` makes the hosts a Slurm cluster (hvdkit.rehearse.slurm_cluster), runs the command (an sbatch
+line) on node0, the login node, and waits for every job it submitted to end.
+
+A stop signal (Ctrl-C, SIGTERM, SIGHUP) goes to the command, which has ``--grace`` seconds to save
+and end; then every process on the hosts ends and the hosts are removed. Exit: the command's code
+(or 1 if a Slurm job did not complete), 128 + the signal after a stop, 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from hvdkit.rehearse.namespaces import Hosts, HostsUnavailable, bits_per_second, seconds, unavailable
+
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(2, f"hvdkit rehearse: {message}\n")
+
+
+def _checked(check):
+    def parse(text: str) -> str:
+        try:
+            check(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+    return parse
+
+
+def duration(text: str) -> float:
+    """'30s', '2m', '1.5h' or plain seconds ('20')."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smh]?)", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a duration like 30s, 2m or 20")
+    return float(match[1]) * {"": 1, "s": 1, "m": 60, "h": 3600}[match[2]]
+
+
+def _moment(text: str):
+    """When a host fails: a duration after the start, or ON_SIGNAL."""
+    return ON_SIGNAL if text.upper() in ("SIGUSR1", "USR1") else duration(text)
+
+
+ON_SIGNAL = "SIGUSR1"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="hvdkit rehearse", usage="hvdkit rehearse --hosts N [options] -- COMMAND ...",
+                description="Run COMMAND on node0 of N hosts made on this machine (network namespaces with sshd), "
+                            "then remove them.", allow_abbrev=False)
+    p.add_argument("--hosts", type=int, default=2, help="how many hosts (default 2)")
+    p.add_argument("--slots", type=int, default=1, help="slots per host in HVDKIT_HOSTS and the hostfile (default 1)")
+    p.add_argument("--bandwidth", type=_checked(bits_per_second), help="shape each host's link: 1gbit, 100mbit")
+    p.add_argument("--delay", type=_checked(seconds), help="delay each packet a host sends: 1ms (needs tc netem)")
+    p.add_argument("--cpus", action="store_true", help="each host computes on its own share of this machine's cores")
+    p.add_argument("--kill-host", type=int, metavar="I", help="fail nodeI (1..N-1) --after the start")
+    p.add_argument("--after", type=_moment, metavar="T",
+                   help="when --kill-host fails its host: 30s, 2m, or SIGUSR1 (on kill -USR1 to this process)")
+    p.add_argument("--slurm", action="store_true", help="make the hosts a Slurm cluster; COMMAND is an sbatch line")
+    p.add_argument("--grace", type=duration, default=60.0,
+                   help="after a stop signal, how long the command may take to save and end (default 60s)")
+    return p
+
+
+def check(args: argparse.Namespace, command: Sequence[str]) -> Optional[str]:
+    """What is wrong with the arguments, in one line, or None."""
+    if not command:
+        return "give the command after '--', e.g. hvdkit rehearse --hosts 2 -- hvdkit launch -np 2 -- hvdkit train"
+    if args.hosts < 1 or args.slots < 1:
+        return "--hosts and --slots must be at least 1"
+    if (args.kill_host is None) != (args.after is None):
+        return "--kill-host and --after go together: --kill-host 1 --after 30s"
+    if args.kill_host is not None and args.hosts < 2:
+        return "--kill-host needs --hosts 2 or more: node0 runs the command, as the node you log in to"
+    if args.kill_host is not None and not 1 <= args.kill_host < args.hosts:
+        return (f"--kill-host {args.kill_host}: pick a host from 1 to {args.hosts - 1} "
+                "(node0 runs the command, as the node you log in to)")
+    if args.slurm and args.kill_host is not None:
+        return "--kill-host is for launches on the hosts; under --slurm, drain a node with scontrol instead"
+    return None
+
+
+def names(count: int) -> list[str]:
+    return [f"node{i}" for i in range(count)]
+
+
+def host_environment(hosts: Hosts, slots: int, hostfile: Path) -> dict:
+    """What the command sees of the hosts (the documented variable names above)."""
+    hostfile.write_text("".join(f"{name} slots={slots}\n" for name in hosts.names))
+    return {"HVDKIT_HOSTS": ",".join(f"{name}:{slots}" for name in hosts.names), "HVDKIT_HOSTFILE": str(hostfile),
+            "HVDKIT_HOSTS_FILE": str(hostfile)}
+
+
+class Stopped(BaseException):
+    """A second stop signal, or one before the command started: remove everything now."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.code = 128 + signum
+
+
+def say(message: str) -> None:
+    print(f"hvdkit rehearse: {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str]) -> int:
+    argv = list(argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser().parse_args(argv[:split])
+    command = argv[split + 1:]
+    problem = check(args, command) or unavailable()
+    if problem:
+        say(problem)
+        return 2
+    running: dict = {}
+
+    def on_stop(signum, frame) -> None:
+        proc = running.get("proc")
+        if proc is None or "signal" in running:
+            raise Stopped(signum)
+        running["signal"] = signum
+        say(f"{signal.Signals(signum).name}: passed to the command, which has {args.grace:.0f} s to end")
+        proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, on_stop) for sig in STOPS}
+    try:
+        with Hosts(args.hosts, rate=args.bandwidth, delay=args.delay, cpus=args.cpus, own_tmp=args.slurm,
+                   names=names(args.hosts)) as hosts:
+            return _rehearse(args, command, hosts, running)
+    except HostsUnavailable as exc:
+        say(str(exc))
+        return 2
+    except RuntimeError as exc:  # a host that did not start: sshd, ip, tc, Slurm
+        say(f"the hosts did not start: {str(exc).splitlines()[0]}")
+        return 1
+    except Stopped as exc:
+        say(f"stopped by {signal.Signals(exc.code - 128).name}; every host and process it made is removed")
+        return exc.code
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _rehearse(args: argparse.Namespace, command: list[str], hosts: Hosts, running: dict) -> int:
+    first = hosts.names[0]
+    env = dict(hosts.env(), **host_environment(hosts, args.slots, hosts.dir / "hostfile"))
+    cluster = None
+    if args.slurm:
+        from hvdkit.rehearse.slurm_cluster import SlurmCluster
+
+        cluster = SlurmCluster(hosts)
+        env.pop("HVDKIT_HOSTS")  # inside a job, the allocation lists the hosts
+        env["SLURM_CONF"] = str(cluster.conf)
+    try:
+        if cluster:
+            cluster.start()
+        listed = ", ".join(f"{name} ({hosts.address(name)})" for name in hosts.names)
+        say(f"{len(hosts.names)} hosts: {listed}, {args.slots} slot(s) each"
+            f"{'; a Slurm cluster on them' if cluster else ''}; on {first}: {shlex.join(command)}")
+        # Its own process group: a signal reaches it once, from here, not also from the terminal.
+        running["proc"] = proc = subprocess.Popen(hosts.on(first, command), env=env, process_group=0)
+        killer = _kill_later(hosts, args, running) if args.kill_host is not None else None
+        code = _wait(proc, running, args.grace)
+        if killer:
+            killer.cancel()
+        if cluster and "signal" not in running:
+            code = _jobs_ended(cluster, code)
+        return 128 + running["signal"] if "signal" in running else code
+    finally:
+        if cluster:
+            cluster.stop()
+
+
+def _wait(proc: subprocess.Popen, running: dict, grace: float) -> int:
+    """The command's exit code; after a stop signal, at most ``grace`` seconds more."""
+    while True:
+        try:
+            return proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            pass
+        if "signal" in running and time.monotonic() - running.setdefault("since", time.monotonic()) > grace:
+            say(f"the command did not end within {grace:.0f} s of the signal; ending every process on the hosts")
+            return 128 + running["signal"]
+
+
+def _kill_later(hosts: Hosts, args: argparse.Namespace, running: dict) -> threading.Timer:
+    """A timer that fails the host --after the start; under --after SIGUSR1 the signal starts it at once."""
+    name = hosts.names[args.kill_host]
+    hostfile = hosts.dir / "hostfile"
+    started = time.monotonic()
+
+    def lose() -> None:
+        if running["proc"].poll() is not None:
+            return
+        hostfile.write_text("".join(line + "\n" for line in hostfile.read_text().splitlines()
+                                    if line.split()[0] != name))
+        hosts.lose(name)
+        why = "on SIGUSR1, " if args.after == ON_SIGNAL else ""
+        say(f"{name} lost {why}{time.monotonic() - started:.0f} s after the start: its processes killed, its link "
+            f"down, and it left {hostfile}")
+
+    timer = threading.Timer(0 if args.after == ON_SIGNAL else args.after, lose)
+    timer.daemon = True
+    if args.after == ON_SIGNAL:
+        signal.signal(signal.SIGUSR1, lambda signum, frame: timer.ident or timer.start())  # the first one fails it
+        say(f"{name} fails on SIGUSR1: kill -USR1 {os.getpid()}")
+    else:
+        timer.start()
+    return timer
+
+
+def _jobs_ended(cluster, code: int, timeout: float = 24 * 3600) -> int:
+    """Wait until the cluster's queue is empty; say how each job ended. 1 if one did not complete."""
+    deadline = time.monotonic() + timeout
+    while cluster.run(["squeue", "-h", "-o", "%i"]).stdout.strip() and time.monotonic() < deadline:
+        time.sleep(1)
+    jobs = cluster.jobs()
+    if not jobs:
+        say("no Slurm job was submitted (the command under --slurm is an sbatch line)")
+        return code or 1
+    for job in jobs:
+        say(f"job {job['JobId']} ({job.get('JobName', '?')}) {job.get('JobState')}, exit {job.get('ExitCode')}, "
+            f"on {job.get('NodeList')}; output {job.get('StdOut')}")
+    return code or (0 if all(job.get("JobState") == "COMPLETED" for job in jobs) else 1)

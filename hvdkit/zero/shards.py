@@ -1,0 +1,160 @@
+"""Sharded checkpoints: each rank writes the optimizer state of its own slices; nothing is gathered.
+
+A sharded run's checkpoint is the usual file rank 0 writes (hvdkit.checkpoint) whose
+"optimizer" entry is a manifest: the stage, the world size, the buckets (hvdkit.zero.optimizer), the
+param groups' options, and each shard's file name and sha256. The shards lie in a folder beside
+it (``ckpt-step000000050.pt.shards/rank-00001-of-00002.pt``), each written atomically by its
+rank before rank 0 writes the main file. The main file is what makes the checkpoint exist: a
+save killed part-way leaves the previous checkpoint the newest complete one.
+
+The buckets do not depend on the world size, so any element of any parameter's state is found
+in the shards of any size: a run resumes at another size by reading, one file at a time, the
+pieces of its new slices, and ``export`` assembles the plain optimizer state_dict that a torch
+optimizer on one process loads as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from hvdkit import checkpoint
+from hvdkit.checkpoint import CheckpointError
+from hvdkit.zero.optimizer import Bucket, ShardedOptimizer
+
+
+def file_name(rank: int, size: int) -> str:
+    return f"rank-{rank:05d}-of-{size:05d}.pt"
+
+
+def save(optimizer: ShardedOptimizer, directory: str, step: int, hvd) -> dict:
+    """Every rank writes its shard of the checkpoint of ``step``; returns the manifest that rank 0
+    puts in the main file. It returns once every rank's shard is on disk (an allgather)."""
+    main = checkpoint.path_for(directory, step)
+    name = file_name(optimizer.rank, optimizer.size)
+    digest = checkpoint.write(checkpoint.shard_folder(main) / name, optimizer.shard_state())
+    written = hvd.allgather_object((name, digest), name="hvdkit.shards.written")
+    return {"zero": optimizer.stage, "world_size": optimizer.size,
+            "buckets": [b.describe() for b in optimizer.buckets], "groups": optimizer.group_options(),
+            "group_sizes": optimizer.group_sizes,
+            "shards": [{"file": f, "sha256": d} for f, d in written]}
+
+
+def is_manifest(entry) -> bool:
+    return isinstance(entry, dict) and "shards" in entry
+
+
+def _where(buckets: list[Bucket]) -> dict[int, tuple[int, int]]:
+    """Parameter index -> (bucket number, offset in the bucket)."""
+    return {i: (n, offset) for n, b in enumerate(buckets) for i, offset in zip(b.params, b.offsets, strict=True)}
+
+
+def _copy_plan(old: list[Bucket], old_size: int, wanted: list[tuple]) -> dict[int, list[tuple]]:
+    """For each wanted (target, param, first element, count, target position): the copies from the
+    old shards, by old rank: (old bucket, old position, target, target position, length)."""
+    where = _where(old)
+    plan: dict[int, list[tuple]] = {}
+    for target, param, first, count, at in wanted:
+        n, offset = where[param]
+        width = old[n].slice_length(old_size)
+        lo, hi = offset + first, offset + first + count  # in the old bucket's flat vector
+        for rank in range(lo // width, (hi - 1) // width + 1):
+            a, b = max(lo, rank * width), min(hi, (rank + 1) * width)
+            plan.setdefault(rank, []).append((n, a - rank * width, target, at + a - lo, b - a))
+    return plan
+
+
+def _apply(plan: dict[int, list[tuple]], folder: Path, old_size: int, targets: dict) -> None:
+    """Run ``plan``, reading one old shard at a time into ``targets`` (target -> state dict,
+    tensors made at first use with ``targets``' sizes)."""
+    for rank in sorted(plan):
+        shard = checkpoint.load(folder / file_name(rank, old_size))["state"]
+        for n, position, target, at, length in plan[rank]:
+            state, size = targets[target]
+            for key, value in shard.get(n, {}).items():
+                if not torch.is_tensor(value) or value.dim() == 0:
+                    state[key] = value.clone() if torch.is_tensor(value) else value
+                    continue
+                whole = state.setdefault(key, torch.zeros(size, dtype=value.dtype))
+                whole.view(-1)[at:at + length] = value[position:position + length]
+        del shard
+
+
+def load(optimizer: ShardedOptimizer, main: Path, manifest: dict) -> None:
+    """This rank's slices' state from a sharded checkpoint written at any world size."""
+    old = [Bucket.from_description(d) for d in manifest["buckets"]]
+    if sorted(i for b in old for i in b.params) != sorted(i for b in optimizer.buckets for i in b.params):
+        raise CheckpointError(f"checkpoint {main} shards other parameters than this optimizer trains "
+                              f"(a layer frozen or unfrozen since); start afresh in another checkpoint_dir")
+    wanted, rank = [], optimizer.rank
+    for n, bucket in enumerate(optimizer.buckets):
+        width = bucket.slice_length(optimizer.size)
+        lo, hi = rank * width, (rank + 1) * width
+        for i, offset, shape in zip(bucket.params, bucket.offsets, bucket.shapes, strict=True):
+            a, b = max(lo, offset), min(hi, offset + math.prod(shape))
+            if a < b:
+                wanted.append((n, i, a - offset, b - a, a - lo))
+    targets = {n: ({}, (b.slice_length(optimizer.size),)) for n, b in enumerate(optimizer.buckets)}
+    _apply(_copy_plan(old, manifest["world_size"], wanted), checkpoint.shard_folder(main), manifest["world_size"],
+           targets)
+    optimizer.load_shard_state({n: state for n, (state, _) in targets.items() if state}, manifest["groups"])
+
+
+def plain_optimizer_state(main: Path, manifest: dict) -> dict:
+    """The torch state_dict of the whole optimizer, as one process would have it: every trained
+    parameter's state at its own shape, and the param groups numbering all parameters."""
+    old = [Bucket.from_description(d) for d in manifest["buckets"]]
+    wanted, targets = [], {}
+    for bucket in old:
+        for i, shape in zip(bucket.params, bucket.shapes, strict=True):
+            wanted.append((i, i, 0, math.prod(shape), 0))
+            targets[i] = ({}, tuple(shape))
+    _apply(_copy_plan(old, manifest["world_size"], wanted), checkpoint.shard_folder(main), manifest["world_size"],
+           targets)
+    groups, first = [], 0
+    for options, count in zip(manifest["groups"], manifest["group_sizes"], strict=True):
+        groups.append({**options, "params": list(range(first, first + count))})
+        first += count
+    return {"state": {i: state for i, (state, _) in sorted(targets.items())}, "param_groups": groups}
+
+
+def export(source: str, output: str) -> Path:
+    """Write the model and optimizer state_dicts of checkpoint ``source`` (a file, or the newest
+    valid one in a directory) as plain torch files in the new directory ``output``:
+    model.pt, optimizer.pt, scheduler.pt (if any) and export.json (step, epoch, world size)."""
+    out = Path(output)
+    if out.exists():
+        raise CheckpointError(f"export: {out} exists; name a new directory (nothing is overwritten)")
+    path = Path(source)
+    if path.is_dir():
+        found = checkpoint.load_latest(str(path), lambda message: print(f"hvdkit: warning: {message}"))
+        if found is None:
+            raise CheckpointError(f"export: {path} holds no checkpoint")
+        path, state = found
+    else:
+        state = checkpoint.load(path)
+        checkpoint.check_shards(path, state)
+    optimizer = state["optimizer"]
+    if is_manifest(optimizer):
+        optimizer = plain_optimizer_state(path, optimizer)
+    files = {"model.pt": state["model"], "optimizer.pt": optimizer}
+    if state.get("scheduler") is not None:
+        files["scheduler.pt"] = state["scheduler"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        for name, value in files.items():
+            torch.save(value, staging / name)
+        (staging / "export.json").write_text(json.dumps({
+            "checkpoint": str(path), "step": state["step"], "epoch": state["epoch"],
+            "world_size": state["world_size"], "zero": state["config"].get("zero", 0)}, indent=1) + "\n")
+        os.rename(staging, out)  # the whole export appears at once, or none of it
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out

@@ -35,7 +35,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from hvdkit.launch import rank_output as lines
+from hvdkit.launch import rank_output
 from hvdkit.launch import supervise
 
 LAUNCHERS = {"horovodrun": ["--launcher", "horovodrun"], "mpirun": ["--launcher", "mpirun"],
@@ -192,7 +192,7 @@ def _relay(stream, name: str) -> None:
     stderr, as the rank wrote it, tagged ``[rank]``; the launcher's own lines as they are. The
     caller's streams are looked up per line: in a notebook, they are the running cell's."""
     for raw in iter(stream.readline, b""):
-        match = lines.TAG.match(raw)  # [rank]<stdout>: (horovodrun --gloo) or [job,rank]<stdout>: (Open MPI)
+        match = rank_output.TAG.match(raw)  # [rank]<stdout>: (horovodrun --gloo) or [job,rank]<stdout>: (Open MPI)
         line = raw[match.end() if match else 0:].decode(errors="replace")
         if match:
             rank = (match[2] or match[1]).decode()

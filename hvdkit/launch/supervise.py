@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 from hvdkit.job import JOB_DIR, KILL_AFTER_GRACE, LOST, rank_exit_code, stop_grace, unless_nohup
 from hvdkit.launch import network
-from hvdkit.launch import rank_output as lines
+from hvdkit.launch import rank_output
 
 if TYPE_CHECKING:  # imported where used: `hvdkit doctor` runs without psutil
     import psutil
@@ -102,8 +102,8 @@ def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False
         pipe = subprocess.PIPE if join_lines else None
         child = subprocess.Popen(list(command), env=env, start_new_session=True, preexec_fn=end_with_parent,
                                  stdout=pipe, stderr=pipe)
-        pumps = [lines.pump(os.dup(child.stdout.fileno()), sys.stdout.fileno()),
-                 lines.pump(os.dup(child.stderr.fileno()), sys.stderr.fileno())] if join_lines else []
+        pumps = [rank_output.pump(os.dup(child.stdout.fileno()), sys.stdout.fileno()),
+                 rank_output.pump(os.dup(child.stderr.fileno()), sys.stderr.fileno())] if join_lines else []
         for stream in (child.stdout, child.stderr):
             if stream:
                 stream.close()  # the pumps hold their own copies

@@ -35,8 +35,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from hvdkit.launch import rank_output
-from hvdkit.launch import supervise
+from hvdkit.launch import rank_output, supervise
 
 LAUNCHERS = {"horovodrun": ["--launcher", "horovodrun"], "mpirun": ["--launcher", "mpirun"],
              "gloo": ["--launcher", "horovodrun", "--gloo"]}

@@ -35,8 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 from hvdkit.job import JOB_DIR, KILL_AFTER_GRACE, LOST, rank_exit_code, stop_grace, unless_nohup
-from hvdkit.launch import network
-from hvdkit.launch import rank_output
+from hvdkit.launch import network, rank_output
 
 if TYPE_CHECKING:  # imported where used: `hvdkit doctor` runs without psutil
     import psutil

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
+from hvdkit import job
 from hvdkit.launch import supervise
 from hvdkit.launch.commands import (
     MPIRUN_BUILDERS,
@@ -247,7 +248,7 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
                 spec.set_env["NCCL_SOCKET_IFNAME"] = spec.network.interface
             notes.append(f"network: {spec.network.interface} ({spec.network.cidr}), this host's route to "
                          f"{', '.join(spec.network.peers)}; MPI and NCCL pinned to it")
-    spec.forward = forwarded_names(environ, [*extra, *([supervise.JOB_DIR] if supervised else [])])
+    spec.forward = forwarded_names(environ, [*extra, *([job.JOB_DIR] if supervised else [])])
     return Plan(launcher, f"{reason}; {flavor}", MPIRUN_BUILDERS[flavor](spec), {}, notes,
                 tagged=flavor == "openmpi", watch=listed)
 
@@ -290,7 +291,7 @@ def main(argv: Sequence[str]) -> int:
                       launcher_args, network=_previewed if args.dry_run else routable_network)
         check_command(command)
         watched = {} if args.dry_run else remote_hosts(result.watch)
-        supervise.stop_grace()
+        job.stop_grace()
     except (LaunchError, NetworkError, ValueError) as exc:
         print(f"hvdkit launch: {exc}", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ caller relays the ranks' output live, each line tagged ``[rank]``.
 
 Ctrl-C in the caller (a notebook's stop button) is passed to every rank as SIGINT: a Session
 stops at its next step and saves its checkpoint, as on Ctrl-C in a shell. What has not ended
-within the stop grace period (hvdkit.launch.supervise.stop_grace) is killed, and KeyboardInterrupt is
+within the stop grace period (hvdkit.job.stop_grace) is killed, and KeyboardInterrupt is
 raised in the caller. SIGTERM and SIGHUP to the caller (a scheduler, a notebook server shutting
 down, a closed terminal) stop the job the same way before the caller ends by them; a caller
 killed outright takes the job with it (`hvdkit launch` gets SIGTERM when its parent dies).
@@ -35,6 +35,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from hvdkit import job
 from hvdkit.launch import rank_output, supervise
 
 LAUNCHERS = {"horovodrun": ["--launcher", "horovodrun"], "mpirun": ["--launcher", "mpirun"],
@@ -125,7 +126,7 @@ def _on_ending() -> dict:
     def ended(signum, frame) -> None:
         raise _Ended(signum)
 
-    return {sig: signal.signal(sig, ended) for sig in supervise.unless_nohup(ENDING)}
+    return {sig: signal.signal(sig, ended) for sig in job.unless_nohup(ENDING)}
 
 
 def _restore(previous: dict) -> None:
@@ -161,11 +162,11 @@ def _stop(proc: subprocess.Popen, signum: int, what: str) -> None:
     """``signum`` to `hvdkit launch`, which passes it to every rank; after the stop grace period,
     or a second Ctrl-C or ending signal, every process of the job is killed by PID."""
     proc.send_signal(signum)
-    grace = supervise.stop_grace()
+    grace = job.stop_grace()
     print(f"hvdkit.run: {what} passed to every rank; waiting up to {grace:g} s for them to save and end",
           file=sys.stderr, flush=True)
     try:
-        if _wait(proc, timeout=grace + supervise.KILL_AFTER_GRACE) is None:
+        if _wait(proc, timeout=grace + job.KILL_AFTER_GRACE) is None:
             _kill_tree(proc)
     except (KeyboardInterrupt, _Ended):
         _kill_tree(proc)

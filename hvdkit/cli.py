@@ -10,9 +10,9 @@ from hvdkit import __version__, config, env
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog="hvdkit", description="Horovod/MPI training toolkit for PyTorch.")
+    parser = OneLineParser(prog="hvdkit", description="Horovod/MPI training toolkit for PyTorch.")
     parser.add_argument("--version", action="version", version=f"hvdkit {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_OneLineParser)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
 
     doctor = sub.add_parser("doctor", help="report Python, torch, MPI, Horovod and the launch environment")
     doctor.add_argument("--selftest", action="store_true",
@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="benchmarks: synthetic (--compare ddp), allreduce bandwidth, scaling")
 
     ckpt = sub.add_parser("checkpoint", help="work with checkpoints: export one as plain torch files")
-    actions = ckpt.add_subparsers(dest="action", required=True, metavar="ACTION", parser_class=_OneLineParser)
+    actions = ckpt.add_subparsers(dest="action", required=True, metavar="ACTION", parser_class=OneLineParser)
     export = actions.add_parser("export", help="write a checkpoint's model and optimizer (sharded or not) as the "
                                                "plain state_dicts that torch loads on one process")
     export.add_argument("source", help="a checkpoint file, or a checkpoint_dir (its newest valid checkpoint)")
@@ -43,11 +43,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """Bad flags get one line and exit code 2, like any other bad input."""
+class OneLineParser(argparse.ArgumentParser):
+    """Bad flags get one line and exit code 2, like any other bad input: `PROG: error: MESSAGE`,
+    or `PROG: MESSAGE` with ``bare`` (the commands whose own checks print so)."""
+
+    def __init__(self, *args, bare: bool = False, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.bare = bare
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: {'' if self.bare else 'error: '}{message}\n")
 
 
 def _say_once(message: str) -> None:

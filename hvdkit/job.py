@@ -50,6 +50,13 @@ def stopped_by(signum: int) -> int:
     return _CODES["STOPPED"] + signum
 
 
+# The programs that start ranks, by process name: a rank looks for them among its ancestors
+# (hvdkit.rank.orphan), hvdkit launch among its children (hvdkit.launch.supervise).
+MPI_LAUNCHERS = ("mpirun", "mpiexec", "orterun", "prterun")  # they pass a signal on to the ranks on every host
+MPI_DAEMONS = ("orted", "prted", "hydra_pmi_proxy")  # what they start on each host, the ranks' parents
+HOROVODRUN = "horovodrun"
+SRUN = "srun"  # Slurm ends its tasks itself when srun goes
+
 JOB_DIR = "HVDKIT_JOB_DIR"  # set by `hvdkit launch` for its ranks: where they leave exit records
 STOP_GRACE = "HVDKIT_STOP_GRACE"
 GRACE_SECONDS = 10.0  # as Slurm's KillWait and Kubernetes' grace period, shorter: a stopped job holds its nodes

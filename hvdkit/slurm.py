@@ -195,16 +195,14 @@ def _set_default(text: str, name: str, value: str) -> str:
 
 def main(argv: list) -> int:
     """`hvdkit slurm render|submit [options] -- COMMAND ...`"""
-    import argparse
     import subprocess
     import sys
 
-    class Parser(argparse.ArgumentParser):
-        def error(self, message: str):
-            self.exit(2, f"hvdkit slurm: {message}\n")
+    from hvdkit.cli import OneLineParser
 
-    parser = Parser(prog="hvdkit slurm", usage="hvdkit slurm {render,submit} [options] -- COMMAND ...",
-                    description="Print (render) or submit an sbatch script made from the templates in slurm/.")
+    parser = OneLineParser(bare=True, prog="hvdkit slurm",
+                           usage="hvdkit slurm {render,submit} [options] -- COMMAND ...",
+                           description="Print (render) or submit an sbatch script made from the templates in slurm/.")
     parser.add_argument("action", choices=("render", "submit"))
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--tasks-per-node", type=int, default=1, help="one per GPU")

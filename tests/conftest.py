@@ -121,18 +121,10 @@ def wait_for(predicate, proc, what, seconds=120):
 
 
 def kill_tree(proc):
-    """SIGKILL a launcher and every process it started (psutil: by PID, ours only)."""
-    import psutil
+    """SIGKILL a launcher and every process it started (by PID, ours only), as hvdkit.run does."""
+    from hvdkit.launch import supervise
 
-    try:
-        tree = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
-    except psutil.NoSuchProcess:  # already ended and reaped: nothing of it to find by PID
-        tree = []
-    for p in tree:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
+    supervise.end_processes(supervise.tree(proc.pid), grace=0)
     proc.wait(timeout=30)
 
 

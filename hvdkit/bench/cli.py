@@ -17,11 +17,7 @@ from hvdkit.bench.workers import (
     allreduce_worker,
     synthetic_worker,
 )
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+from hvdkit.cli import OneLineParser
 
 
 def _np_list(text: str) -> list[int]:
@@ -104,8 +100,8 @@ def _synthetic_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="hvdkit bench", description="Benchmarks that print figures, ratios and their environment.")
-    sub = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK", parser_class=_Parser)
+    p = OneLineParser(prog="hvdkit bench", description="Benchmarks that print figures, ratios and their environment.")
+    sub = p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK", parser_class=OneLineParser)
 
     syn = sub.add_parser("synthetic", help="Horovod's synthetic benchmark; --compare runs the peers in the same run")
     _synthetic_arguments(syn)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
 from hvdkit import job
+from hvdkit.cli import OneLineParser
 from hvdkit.launch import supervise
 from hvdkit.launch.commands import (
     MPIRUN_BUILDERS,
@@ -41,7 +42,7 @@ from hvdkit.launch.hostfile import (
 )
 from hvdkit.launch.network import Network, NetworkError, remote_hosts, routable_network
 
-LAUNCHERS = ("auto", "horovodrun", "mpirun", "srun")
+CHOICES = ("auto", "horovodrun", "mpirun", "srun")  # --launcher
 REHEARSAL_HOSTS = "HVDKIT_HOSTS"  # host:slots,... that `hvdkit rehearse` sets; read where -H/--hostfile are not given
 
 
@@ -122,23 +123,19 @@ def check_slots(spec: LaunchSpec, local_slots: int) -> Optional[str]:
 # The command line.
 # ---------------------------------------------------------------------------
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(2, f"hvdkit launch: {message}\n")
-
-
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="hvdkit launch", usage="hvdkit launch -np N [options] [LAUNCHER FLAGS] -- COMMAND ...",
-                description="Start COMMAND on N ranks with horovodrun, mpirun or srun.",
-                epilog="Any other flag before '--' is passed to the launcher as given (after hvdkit's own), e.g. "
-                       "hvdkit launch -np 4 --launcher mpirun --bind-to core -mca btl tcp,self -- python train.py; "
-                       "--dry-run shows where it goes.", allow_abbrev=False)
+    p = OneLineParser(bare=True, prog="hvdkit launch",
+                      usage="hvdkit launch -np N [options] [LAUNCHER FLAGS] -- COMMAND ...",
+                      description="Start COMMAND on N ranks with horovodrun, mpirun or srun.",
+                      epilog="Any other flag before '--' is passed to the launcher as given (after hvdkit's own), "
+                             "e.g. hvdkit launch -np 4 --launcher mpirun --bind-to core -mca btl tcp,self -- python "
+                             "train.py; --dry-run shows where it goes.", allow_abbrev=False)
     p.add_argument("-np", "--num-proc", dest="np", type=int, help="number of ranks")
     hosts = p.add_mutually_exclusive_group()
     hosts.add_argument("-H", "--hosts", help="host1:4,host2:4 (default: this machine, the Slurm allocation, or "
                                               "$HVDKIT_HOSTS inside `hvdkit rehearse`)")
     hosts.add_argument("--hostfile", help="hostfile: 'host:N' or 'host slots=N' lines")
-    p.add_argument("--launcher", choices=LAUNCHERS, default="auto", help="default: auto")
+    p.add_argument("--launcher", choices=CHOICES, default="auto", help="default: auto")
     ctl = p.add_mutually_exclusive_group()
     ctl.add_argument("--gloo", dest="controller", action="store_const", const="gloo", help="Gloo controller")
     ctl.add_argument("--mpi", dest="controller", action="store_const", const="mpi", help="MPI controller")

@@ -38,8 +38,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from hvdkit import job
 from hvdkit.launch import rank_output, supervise
 
-LAUNCHERS = {"horovodrun": ["--launcher", "horovodrun"], "mpirun": ["--launcher", "mpirun"],
-             "gloo": ["--launcher", "horovodrun", "--gloo"]}
+LAUNCH_FLAGS = {"horovodrun": ["--launcher", "horovodrun"], "mpirun": ["--launcher", "mpirun"],
+                "gloo": ["--launcher", "horovodrun", "--gloo"]}
 CALL = "call.pkl"
 ENDING = (signal.SIGTERM, signal.SIGHUP)  # the caller's own end, passed to the job first
 
@@ -66,7 +66,7 @@ def launch_command(np: int, launcher: str, directory: str, hosts: Optional[str] 
                    env: Optional[Mapping[str, str]] = None) -> list[str]:
     """The `hvdkit launch` line that starts every rank of ``hvdkit.run``; ``env`` is set in each."""
     settings = [f"{name}={value}" for name, value in {"PYTHONUNBUFFERED": "1", **(env or {})}.items()]
-    return [sys.executable, "-m", "hvdkit", "launch", "-np", str(np), *LAUNCHERS[launcher],
+    return [sys.executable, "-m", "hvdkit", "launch", "-np", str(np), *LAUNCH_FLAGS[launcher],
             *(["-H", hosts] if hosts else []), *[arg for setting in settings for arg in ("-x", setting)],
             "--", sys.executable, "-m", "hvdkit.launch.spawn", directory]
 
@@ -78,8 +78,8 @@ def run(fn: Callable, *args: Any, np: int = 2, launcher: str = "horovodrun", hos
     machine); ``env``: variables set in every rank."""
     import cloudpickle
 
-    if launcher not in LAUNCHERS:
-        raise ValueError(f"hvdkit.run: launcher={launcher!r}; expected one of {', '.join(LAUNCHERS)}")
+    if launcher not in LAUNCH_FLAGS:
+        raise ValueError(f"hvdkit.run: launcher={launcher!r}; expected one of {', '.join(LAUNCH_FLAGS)}")
     if not isinstance(np, int) or np < 1:
         raise ValueError(f"hvdkit.run: np={np!r}; expected a whole number >= 1")
     try:
@@ -173,17 +173,7 @@ def _stop(proc: subprocess.Popen, signum: int, what: str) -> None:
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
-    import psutil
-
-    try:
-        tree = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
-    except psutil.NoSuchProcess:
-        tree = []
-    for process in tree:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
+    supervise.end_processes(supervise.tree(proc.pid), grace=0)
     _wait(proc)
 
 

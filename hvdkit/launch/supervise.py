@@ -24,6 +24,7 @@ therefore starts the launcher as a child in its own session and stays as its par
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -34,14 +35,23 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
-from hvdkit.job import JOB_DIR, KILL_AFTER_GRACE, LOST, rank_exit_code, stop_grace, unless_nohup
+from hvdkit.job import (
+    JOB_DIR,
+    KILL_AFTER_GRACE,
+    LOST,
+    MPI_LAUNCHERS,
+    SRUN,
+    rank_exit_code,
+    stop_grace,
+    unless_nohup,
+)
 from hvdkit.launch import network, rank_output
 
 if TYPE_CHECKING:  # imported where used: `hvdkit doctor` runs without psutil
     import psutil
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
-FORWARDERS = ("mpirun", "mpiexec", "orterun", "prterun", "srun")  # launchers that pass signals on
+FORWARDERS = (*MPI_LAUNCHERS, SRUN)  # launchers that pass signals on to the ranks on other hosts
 RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 
@@ -169,26 +179,40 @@ def end_leftovers(grace: float) -> list[int]:
 
     left = psutil.Process().children(recursive=True)
     _, left = psutil.wait_procs(left, timeout=3)  # ranks still exiting after their launcher did
-    if not left:
-        _reap()
-        return []
-    pids = [p.pid for p in left]
-    print(f"hvdkit launch: the launcher exited and left {len(left)} processes running; ending them "
-          f"(pids {' '.join(map(str, pids))})", file=sys.stderr, flush=True)
-    for process in left:
-        try:
-            process.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(left, timeout=grace)
-    for process in alive:
-        try:
-            process.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=max(grace, 5.0))
+    if left:
+        print(f"hvdkit launch: the launcher exited and left {len(left)} processes running; ending them "
+              f"(pids {' '.join(str(p.pid) for p in left)})", file=sys.stderr, flush=True)
+        end_processes(left, grace)
     _reap()
-    return pids
+    return [p.pid for p in left]
+
+
+def tree(pid: int) -> list["psutil.Process"]:
+    """The process ``pid`` and every process below it; none once it has ended and been reaped."""
+    import psutil
+
+    try:
+        top = psutil.Process(pid)
+        return [*top.children(recursive=True), top]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def end_processes(processes: Sequence["psutil.Process"], grace: float) -> None:
+    """End ``processes``, by PID, those already gone passed over: SIGTERM, then SIGKILL to what is
+    left after ``grace`` seconds (SIGKILL at once where ``grace`` is 0); waits until they are gone."""
+    import psutil
+
+    alive = list(processes)
+    if grace > 0:
+        for process in alive:
+            with contextlib.suppress(psutil.Error):
+                process.terminate()
+        _, alive = psutil.wait_procs(alive, timeout=grace)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(alive, timeout=max(grace, 5.0))
 
 
 def _reap() -> None:

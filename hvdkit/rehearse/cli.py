@@ -39,14 +39,10 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from hvdkit.cli import OneLineParser
 from hvdkit.rehearse.namespaces import Hosts, HostsUnavailable, bits_per_second, seconds, unavailable
 
 STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(2, f"hvdkit rehearse: {message}\n")
 
 
 def _checked(check):
@@ -76,9 +72,9 @@ ON_SIGNAL = "SIGUSR1"
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="hvdkit rehearse", usage="hvdkit rehearse --hosts N [options] -- COMMAND ...",
-                description="Run COMMAND on node0 of N hosts made on this machine (network namespaces with sshd), "
-                            "then remove them.", allow_abbrev=False)
+    p = OneLineParser(bare=True, prog="hvdkit rehearse", usage="hvdkit rehearse --hosts N [options] -- COMMAND ...",
+                      description="Run COMMAND on node0 of N hosts made on this machine (network namespaces "
+                                  "with sshd), then remove them.", allow_abbrev=False)
     p.add_argument("--hosts", type=int, default=2, help="how many hosts (default 2)")
     p.add_argument("--slots", type=int, default=1, help="slots per host in HVDKIT_HOSTS and the hostfile (default 1)")
     p.add_argument("--bandwidth", type=_checked(bits_per_second), help="shape each host's link: 1gbit, 100mbit")

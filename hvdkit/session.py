@@ -54,6 +54,7 @@ from hvdkit.rank.lockstep import CALLS, Lockstep, LockstepError, RankEnded, wher
 from hvdkit.rank.metrics import Metrics
 from hvdkit.rank.reports import Reports
 from hvdkit.rank.resume import Checkpoints
+from hvdkit.rank.state import RunState
 from hvdkit.rank.step import NonFiniteError, TrainingStep, lr_multiplier
 from hvdkit.rank.stragglers import StepTimes
 from hvdkit.rank.watchdog import Watchdog
@@ -61,6 +62,12 @@ from hvdkit.zero import optimizer as zero
 
 # hvdkit's own errors: each ends every rank with one line instead of a traceback per rank.
 OWN_ERRORS = (ConfigError, CheckpointError, NonFiniteError, DivergenceError, LockstepError, RankEnded)
+
+
+def _state_field(name: str, doc: str) -> property:
+    """A Session attribute kept in its RunState, which its parts read."""
+    return property(lambda self: getattr(self._state, name), lambda self, value: setattr(self._state, name, value),
+                    doc=doc)
 
 
 class Session:
@@ -79,18 +86,13 @@ class Session:
         if config is None:  # your own loop: HVDKIT_<KEY> variables, then your keywords
             config = from_mapping(from_environ(os.environ))
         self.cfg = cfg = validate(from_mapping(keys, base=config))
-        self.hvd, self.device = startup.start(cfg)
+        self.hvd, self.device = hvd, device = startup.start(cfg)
         self.watchdog = Watchdog(0 if cfg.elastic else cfg.stall_timeout, self.rank)
         self._lifeline = Lifeline.from_environ(os.environ, self.rank)  # horovodrun --gloo's ranks
-        self.amp_dtype = torch.float16 if self.device.type == "cuda" else torch.bfloat16
+        self.amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
         # fp16 needs loss scaling, bf16 does not.
-        self.scaler = torch.amp.GradScaler("cuda") if cfg.amp and self.device.type == "cuda" else None
-        self.global_step, self.epoch = 0, 0
-        self.extra: dict = {}  # your own picklable state, saved in checkpoints and restored on resume
-        self.model = self.optimizer = self.scheduler = self._inner = None
-        self.resumed_config: Optional[dict] = None  # the config keys of the checkpoint resumed from
-        self.stopped, self.exit_code = False, 0
-        self.total_steps = 0  # for the progress bar; set it if you know it, epochs() does
+        self._state = state = RunState(
+            scaler=torch.amp.GradScaler("cuda") if cfg.amp and device.type == "cuda" else None)
         # Elastic: a stop signal on the driver's host ends the job (with a checkpoint); elsewhere
         # it ends that worker alone, as Horovod has it (a node drained or preempted), and the job goes on.
         try:
@@ -100,17 +102,20 @@ class Session:
             raise ConfigError(str(exc)) from None
         self._lockstep = Lockstep(self.hvd, strict=not cfg.elastic)
         self._unread_step = False  # a step's agreement that should_stop() has not read yet
-        self._checkpoints, self._reports = Checkpoints(self), Reports(self)
-        self._consistency, self._times = Consistency(self), StepTimes(self.rank, self.size, cfg.straggler_threshold)
+        self._times = StepTimes(self.rank, self.size, cfg.straggler_threshold)
+        self._reports = Reports(cfg, hvd, device, state, self._times)
+        self._consistency = Consistency(cfg, hvd, device, state)
+        self._loaders = Loaders(cfg, hvd, device, state)
+        self._checkpoints = Checkpoints(cfg, hvd, state, self._loaders, self._consistency, self.watchdog)
         self._locks: list = []
         # Horovod's shutdown met outside hvdkit's calls (your own loss.backward()) is said in one line too.
         self._undo_hook = stops.exit_on_own_errors(
             self.rank, OWN_ERRORS + (() if cfg.elastic else (HorovodInternalError,)), (ConfigError, LockstepError),
             self._end_after_error)
-        self.log_dir = cfg.log_dir or startup.run_dir(cfg, self.hvd)
-        self._locks = startup.lock_directories(cfg, self.hvd, self.log_dir)
-        self._checkpoints.read_ahead()  # a sharded run resumed at another size adapts K before its loaders
-        self._loaders, self._step = Loaders(self), TrainingStep(self)
+        state.log_dir = cfg.log_dir or startup.run_dir(cfg, hvd)
+        self._locks = startup.lock_directories(cfg, hvd, state.log_dir)
+        self._checkpoints.read_ahead()  # a sharded run resumed at another size adapts K before its step and loaders
+        self._step = TrainingStep(cfg, hvd, device, state, self._times, self._checkpoints.kept)
         if self._signal.installed:  # a rank whose launcher is gone stops as on SIGTERM
             orphan.watch(self._signal, Path(self.log_dir) / "ranks" / f"rank-{self.rank}-after-launcher.log")
 
@@ -120,6 +125,22 @@ class Session:
     local_rank = property(lambda self: self.hvd.local_rank())
     is_main = property(lambda self: self.rank == 0)
     skipped_steps = property(lambda self: self._step.skipped, doc="Steps skipped as non-finite (on_nonfinite: skip)")
+    step_times = property(lambda self: self._times,
+                          doc="Each rank's compute and wait per step (hvdkit.rank.stragglers)")
+
+    # -- where the run is (hvdkit.rank.state), shared with the parts below -------------------
+    global_step = _state_field("global_step", "optimizer steps taken")
+    epoch = _state_field("epoch", "epochs finished")
+    total_steps = _state_field("total_steps", "for the progress bar; set it if you know it, epochs() does")
+    stopped = _state_field("stopped", "the ranks agreed on a stop and its checkpoint is written")
+    exit_code = _state_field("exit_code", "non-zero after a stop that was not requeued")
+    log_dir = _state_field("log_dir", "metrics, heartbeats and the run's lock")
+    model = _state_field("model", "the model setup() placed on this rank's device")
+    optimizer = _state_field("optimizer", "Horovod's DistributedOptimizer (or the sharded one) setup() made")
+    scheduler = _state_field("scheduler", "stepped once per optimizer step by step()")
+    scaler = _state_field("scaler", "fp16's GradScaler (amp on a GPU)")
+    extra = _state_field("extra", "your own picklable state, saved in checkpoints and restored on resume")
+    resumed_config = _state_field("resumed_config", "the config keys of the checkpoint resumed from")
 
     def print(self, *args, **kwargs) -> None:
         """print() on rank 0 only."""
@@ -141,7 +162,7 @@ class Session:
         cfg, hvd = self.cfg, self.hvd
         self.watchdog.beat("setup()")  # the stall limit counts from here: loading data before it is not a stall
         model = model.to(self.device)
-        self.model, self.scheduler, self._inner = model, scheduler, optimizer
+        self.model, self.scheduler, self._state.inner = model, scheduler, optimizer
         compression = hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none
         if cfg.zero:
             zero.check(optimizer, model, cfg.zero)
@@ -214,7 +235,7 @@ class Session:
         checkpoint (after what the loop body does past its batches, evaluation say). A resumed
         epoch continues at the sample where its checkpoint was taken, in the same order. Ends
         early when ``should_stop()`` agreed to stop, or at ``max_steps``."""
-        return self._loaders.epochs(count, max_steps, self._epoch_ended)
+        return self._loaders.epochs(count, max_steps, self._epoch_ended, self.save)
 
     def join(self) -> None:
         """Wait for every rank to finish its batches. Every rank must have taken the same number of
@@ -287,7 +308,7 @@ class Session:
 
     def report_due(self) -> bool:
         """True every ``log_interval`` steps and at the end of each epoch."""
-        return self._reports.due()
+        return self._reports.due(self._loaders.epoch_ended())
 
     def report(self, stage: str = "train", **extra) -> dict:
         """The sample-weighted means of everything log()ged since the last report, over all
@@ -301,7 +322,7 @@ class Session:
         (samples, means) for each batch of this rank's share (every rank needs one); training
         metrics logged since the last report are kept for the next one."""
         self._meet(CALLS[4])
-        return self._reports.evaluate(eval_loader, metrics_of)
+        return self._reports.evaluate(eval_loader, metrics_of, self.autocast())
 
     @property
     def metrics(self) -> Metrics:
@@ -379,7 +400,7 @@ class Session:
                 self.exit_code = stops.conclude(self._lockstep.signum, self.rank, self.global_step,
                                                 self.cfg.checkpoint_dir, self.cfg.max_requeues,
                                                 reason=self._signal.reason_for(self._lockstep.signum))
-            return self._reports.summary(summary)
+            return self._reports.summary(summary, self.skipped_steps)
         finally:
             self._signal.restore()
             self._undo_hook()
@@ -405,7 +426,7 @@ class Session:
         now be another process); a stop allreduce started before it belongs to the old ranks."""
         self._lockstep.pending = None
         self._reports.elastic_reset(step)
-        self._times = StepTimes(self.rank, self.size, self.cfg.straggler_threshold)  # the table has a row per rank
+        self._times.resize(self.rank, self.size)  # the table has a row per rank
 
     def world_size_changes(self) -> list:
         """Elastic: each change of world size in metrics.jsonl, with the seconds it lost."""

@@ -106,6 +106,17 @@ def metrics_records(path):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def wait_for_file(path, proc, timeout=120):
+    """Wait for the job ``proc`` to write ``path``, polling every 2 ms: a test that kills the job
+    there must catch it before the job's next step."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, f"the run ended before writing {path.name}"
+        time.sleep(0.002)
+
+
 def wait_for(predicate, proc, what, seconds=120):
     """Poll ``predicate`` while the job ``proc`` runs; fail naming ``what`` if it ends or time runs out."""
     import time

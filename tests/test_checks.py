@@ -17,6 +17,7 @@ from conftest import REPO, metrics_records, run
 from hvdkit import checkpoint, job
 from hvdkit.checks import selftest
 from hvdkit.rank import consistency, stragglers
+from hvdkit.rank.state import RunState
 
 SCRIPT = [sys.executable, str(REPO / "tests" / "checks_script.py")]
 HVDKIT = [sys.executable, "-m", "hvdkit"]
@@ -58,17 +59,12 @@ def test_compared_leaves_out_only_the_statistics_each_rank_keeps_itself():
                 if n.startswith("optimizer.")], "zero's slices and Adasum's own steps are not the same on every rank"
 
 
-class _Session:
-    pass
-
-
 def test_checkpoints_after_the_last_check_that_passed_are_set_aside_not_deleted(tmp_path):
     for step in (4, 8, 12):
         checkpoint.save(str(tmp_path), step, {"step": step}, keep=5)
     (checkpoint.shard_folder(checkpoint.path_for(str(tmp_path), 12))).mkdir()
-    session = _Session()  # what of a Session setting aside reads: its checkpoint_dir
-    session.cfg = SimpleNamespace(checkpoint_dir=str(tmp_path))
-    check = consistency.Consistency(session)
+    # what setting aside reads: the checkpoint_dir; no Horovod, no model
+    check = consistency.Consistency(SimpleNamespace(checkpoint_dir=str(tmp_path)), None, None, RunState())
     check.last_good = 8
     check._set_aside_unchecked()
     assert checkpoint.existing(str(tmp_path)) == [checkpoint.path_for(str(tmp_path), s) for s in (4, 8)]

@@ -109,3 +109,22 @@ def test_help_is_grouped_and_shows_defaults():
     assert "--base-lr BASE_LR, --lr BASE_LR" in flat and "(default: 0.025)" in flat
     assert "(default: 30 60 80)" in flat and "--amp, --no-amp" in flat
     assert sorted(n for names in config.GROUPS.values() for n in names) == sorted(config.FIELDS)
+
+
+def test_new_config_keys_are_checked():
+    cfg = config.parse(["--optimizer", "adamw", "--lr-scaling", "sqrt", "--compile", "--seq-len", "16"])
+    assert (cfg.optimizer, cfg.lr_scaling, cfg.compile, cfg.seq_len) == ("adamw", "sqrt", True, 16)
+    for argv, message in ((["--optimizer", "lamb"], "optimizer must be one of sgd, adamw, adam (got 'lamb')"),
+                          (["--lr-scaling", "log"], "lr_scaling must be one of linear, sqrt, none"),
+                          (["--base-lr", "nan"], "base_lr must be a finite number (got nan)"),
+                          (["--clip-grad-norm", "inf"], "clip_grad_norm must be a finite number (got inf)")):
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            config.parse(argv)
+
+
+def test_environment_variables_set_keys_for_own_loops():
+    values = config.from_environ({"HVDKIT_CHECKPOINT_DIR": "ckpt", "HVDKIT_CHECKPOINT_STEPS": "7",
+                                  "HVDKIT_AMP": "true", "HVDKIT_CACHE_DIR": "/x", "HVDKIT_MODEL": "123"})
+    assert values == {"checkpoint_dir": "ckpt", "checkpoint_steps": 7, "amp": True, "model": "123"}
+    with pytest.raises(ConfigError, match="checkpoint_steps must be int"):
+        config.from_mapping(config.from_environ({"HVDKIT_CHECKPOINT_STEPS": "many"}))

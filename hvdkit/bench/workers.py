@@ -192,7 +192,7 @@ def synthetic_worker(args: argparse.Namespace) -> None:
     for _ in range(args.num_warmup_batches):
         step()
     say("Running benchmark...", flush=True)
-    times = session._times if impl in ("hvdkit", "own-loop") else None
+    times = session.step_times if impl in ("hvdkit", "own-loop") else None
     if times:
         times.clear()
     rates = []

@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import weakref
 from pathlib import Path
 from typing import Optional
 
@@ -36,6 +35,7 @@ import torch
 from torch import nn
 
 from hvdkit import checkpoint, job
+from hvdkit.rank.state import RunState
 
 SET_ASIDE = ".diverged"  # suffix of a checkpoint written after the last check that passed
 _INTEGER_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -95,36 +95,35 @@ def compared(model: nn.Module, optimizer, replicated_optimizer: bool) -> list[tu
 
 
 class Consistency:
-    """The check of one Session, which holds the model and optimizer it compares."""
+    """The check of one run: it compares the state's model and optimizer across ranks."""
 
-    def __init__(self, session) -> None:
-        self.session = weakref.proxy(session)  # the Session owns this; no cycle keeps either alive
+    def __init__(self, cfg, hvd, device, state: RunState) -> None:
+        self.cfg, self.hvd, self.device, self.state = cfg, hvd, device, state
         self.last_good: Optional[int] = None  # the last step whose check passed
         self.checked_at: Optional[int] = None
 
     def due(self) -> bool:
         """After this step: every ``check_consistency_steps`` (0: never, and not before checkpoints)."""
-        every = self.session.cfg.check_consistency_steps
-        return bool(every) and self.session.global_step % every == 0
+        every = self.cfg.check_consistency_steps
+        return bool(every) and self.state.global_step % every == 0
 
     def before_checkpoint(self) -> None:
         """A checkpoint is written only of weights checked equal on every rank."""
-        if self.session.cfg.check_consistency_steps:
+        if self.cfg.check_consistency_steps:
             self.check()
 
     def check(self) -> None:
         """Compare every rank's tensors (all ranks call it at the same step); DivergenceError if
         they differ. Once per step: the periodic check and a checkpoint's share it."""
-        session = self.session
-        step = session.global_step
-        if self.checked_at == step or session.model is None:
+        state, cfg, hvd = self.state, self.cfg, self.hvd
+        step = state.global_step
+        if self.checked_at == step or state.model is None:
             return
         self.checked_at = step
-        tensors = compared(session.model, session.optimizer, not (session.cfg.zero or session.cfg.use_adasum))
+        tensors = compared(state.model, state.optimizer, not (cfg.zero or cfg.use_adasum))
         if not tensors:
             return
-        digests = torch.stack([digest(t).to(session.device) for _, t in tensors]).cpu()
-        hvd = session.hvd
+        digests = torch.stack([digest(t).to(self.device) for _, t in tensors]).cpu()
         extremes = hvd.allreduce(torch.cat([digests, -digests]), op=hvd.Min, name="hvdkit.consistency")
         low, high = extremes[:len(tensors)], -extremes[len(tensors):]
         if torch.equal(low, high):
@@ -134,15 +133,15 @@ class Consistency:
 
     def _stop(self, names: list[str], digests: list[int]) -> None:
         """Name what differs, keep the evidence and the last good checkpoint, end every rank."""
-        session = self.session
-        ranks = session.hvd.allgather_object((socket.gethostname(), digests), name="hvdkit.consistency.detail")
+        ranks = self.hvd.allgather_object((socket.gethostname(), digests), name="hvdkit.consistency.detail")
         groups: dict = {}
         for rank, (_, values) in enumerate(ranks):
             groups.setdefault(tuple(values), []).append(rank)
         reference = max(groups.values(), key=lambda members: (len(members), 0 in members))
         differing = [rank for rank in range(len(ranks)) if rank not in reference]
         first = next(name for i, name in enumerate(names) if len({values[i] for _, values in ranks}) > 1)
-        step, report = session.global_step, Path(session.log_dir) / f"divergence-step-{session.global_step}.json"
+        step = self.state.global_step
+        report = Path(self.state.log_dir) / f"divergence-step-{step}.json"
 
         def who(members: list[int]) -> str:
             return ", ".join(f"{rank} ({ranks[rank][0]})" for rank in members)
@@ -151,7 +150,7 @@ class Consistency:
         line = (f"the ranks' copies of the model differ at step {step}: rank{'s' * many} {who(differing)} "
                 f"differ{'s' * (not many)} from rank{'s' * (len(reference) > 1)} {who(reference)}, first in "
                 f"{first!r}; digests per tensor and rank in {report}; {self._kept()}")
-        if session.rank == 0:
+        if self.hvd.rank() == 0:
             _write_json(report, {"step": step, "last_good_step": self.last_good, "first": first,
                                  "differing_ranks": differing, "reference_ranks": reference,
                                  "hosts": [host for host, _ in ranks], "tensors": names,
@@ -163,7 +162,7 @@ class Consistency:
     def _set_aside_unchecked(self) -> None:
         """Checkpoints newer than the last check that passed may hold diverged weights: renamed,
         not deleted, so that a resume starts from the newest one taken before."""
-        directory = self.session.cfg.checkpoint_dir
+        directory = self.cfg.checkpoint_dir
         if not directory:
             return
         for path in checkpoint.existing(directory):
@@ -173,7 +172,7 @@ class Consistency:
                     os.replace(checkpoint.shard_folder(path), f"{checkpoint.shard_folder(path)}{SET_ASIDE}")
 
     def _kept(self) -> str:
-        directory = self.session.cfg.checkpoint_dir
+        directory = self.cfg.checkpoint_dir
         if not directory:
             return "no checkpoint_dir to resume from"
         good = [p for p in checkpoint.existing(directory)

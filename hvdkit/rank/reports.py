@@ -12,7 +12,6 @@ import json
 import socket
 import sys
 import time
-import weakref
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -21,17 +20,19 @@ from torch.utils.data import DataLoader
 
 from hvdkit.config import to_dict
 from hvdkit.rank.metrics import Metrics, finite_or_none, world_size_changes
+from hvdkit.rank.state import RunState
 from hvdkit.rank.step import to_device
+from hvdkit.rank.stragglers import StepTimes
 from hvdkit.zero import optimizer as zero
 
 
 class Reports:
-    """The metrics of one Session."""
+    """The metrics of one run, at the state's step, with each rank's step ``times``."""
 
-    def __init__(self, session) -> None:
-        self.session = weakref.proxy(session)  # the Session owns this; no cycle keeps either alive
+    def __init__(self, cfg, hvd, device, state: RunState, times: StepTimes) -> None:
+        self.cfg, self.hvd, self.device, self.state, self.times = cfg, hvd, device, state, times
         self.sums: dict[str, torch.Tensor] = {}
-        self.count = torch.zeros((), device=session.device)
+        self.count = torch.zeros((), device=device)
         self.last_count = 0.0
         self.sink: Optional[Metrics] = None
         self.samples, self.seconds = 0.0, 0.0
@@ -39,25 +40,23 @@ class Reports:
         self._hosts: Optional[list] = None
 
     def log(self, samples: int, means: dict) -> None:
-        device = self.session.device
+        device = self.device
         for name, value in means.items():
             value = value.detach().float() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
             self.sums[name] = self.sums.get(name, 0) + value.to(device) * samples
         self.count += samples
 
-    def due(self) -> bool:
+    def due(self, epoch_ended: bool) -> bool:
         """Every ``log_interval`` steps, at the end of each epoch and at the last step."""
-        session = self.session
-        step = session.global_step
-        return step % session.cfg.log_interval == 0 or session._loaders.epoch_ended() or step == session.total_steps
+        step = self.state.global_step
+        return step % self.cfg.log_interval == 0 or epoch_ended or step == self.state.total_steps
 
     def report(self, stage: str, extra: dict) -> dict:
         """One allreduce of the metrics' sums and count and, at a training report, of every
         rank's step times (hvdkit.rank.stragglers: each rank fills its own row)."""
-        session = self.session
-        hvd = session.hvd
+        hvd, step = self.hvd, self.state.global_step
         names = sorted(self.sums)
-        times = session._times.row().to(session.device) if stage == "train" else torch.zeros(0, device=session.device)
+        times = self.times.row().to(self.device) if stage == "train" else torch.zeros(0, device=self.device)
         window = torch.cat([torch.stack([*(self.sums[n] for n in names), self.count.float()]).double(), times])
         reduced = hvd.allreduce(window, op=hvd.Sum, name=f"hvdkit.{stage}").cpu()
         *sums, count = reduced[:len(names) + 1].tolist()
@@ -69,63 +68,62 @@ class Reports:
             self.samples += count
             self.seconds += now - self.window_start
             values["samples_per_sec"] = count / max(now - self.window_start, 1e-9)
-            per_rank = session._times.reported(reduced[len(names) + 1:], session.global_step, self.hosts())
+            per_rank = self.times.reported(reduced[len(names) + 1:], step, self.hosts())
             if per_rank:
                 values["per_rank"] = per_rank
-        self.metrics().record(stage, session.global_step, values, position=session.global_step)
+        self.metrics().record(stage, step, values, position=step)
         self.restart_window()  # evaluation and writing are not training time
-        self.sums, self.count = {}, torch.zeros((), device=session.device)
+        self.sums, self.count = {}, torch.zeros((), device=self.device)
         return means
 
     def restart_window(self) -> None:
         self.window_start = time.perf_counter()
-        self.session._times.restart()
+        self.times.restart()
 
     def hosts(self) -> list[str]:
         """Every rank's host name, in rank order: gathered once, at the first training report."""
         if self._hosts is None:
-            self._hosts = self.session.hvd.allgather_object(socket.gethostname(), name="hvdkit.hosts")
+            self._hosts = self.hvd.allgather_object(socket.gethostname(), name="hvdkit.hosts")
         return self._hosts
 
-    def evaluate(self, eval_loader: DataLoader, metrics_of: Callable[[Any], tuple[int, dict]]) -> dict:
-        session = self.session
+    def evaluate(self, eval_loader: DataLoader, metrics_of: Callable[[Any], tuple[int, dict]], autocast) -> dict:
+        """``autocast``: the run's mixed precision context, as in training."""
+        model = self.state.model
         training = self.sums, self.count
-        self.sums, self.count = {}, torch.zeros((), device=session.device)
-        session.model.eval()
-        with torch.no_grad(), session.autocast():
+        self.sums, self.count = {}, torch.zeros((), device=self.device)
+        model.eval()
+        with torch.no_grad(), autocast:
             for batch in eval_loader:
-                samples, means = metrics_of(to_device(batch, session.device))
+                samples, means = metrics_of(to_device(batch, self.device))
                 self.log(samples, means)
         result = self.report("test", {})
-        session.model.train()
+        model.train()
         self.sums, self.count = training
         return {**result, "samples": int(self.last_count)}
 
     def metrics(self) -> Metrics:
         """Rank 0's sink, made at first use; other ranks' drops everything."""
-        session = self.session
         if self.sink is None:
-            self.sink = Metrics(session.log_dir, session.total_steps, enabled=session.rank == 0)
-            self.sink.write({"event": "config", "world_size": session.size, **to_dict(session.cfg)})
+            self.sink = Metrics(self.state.log_dir, self.state.total_steps, enabled=self.hvd.rank() == 0)
+            self.sink.write({"event": "config", "world_size": self.hvd.size(), **to_dict(self.cfg)})
         return self.sink
 
     def throughput(self) -> float:
         return self.samples / self.seconds if self.seconds else 0.0
 
-    def summary(self, extra: Optional[dict]) -> dict:
+    def summary(self, extra: Optional[dict], skipped_steps: int) -> dict:
         """The run's summary record: written, printed by rank 0 as one JSON line, returned."""
-        session = self.session
-        memory = None if session.optimizer is None else session.hvd.allgather_object(
-            zero.memory_of(session.optimizer), name="hvdkit.memory")  # bytes per rank, in rank order
-        times = session._times
-        summary = {"event": "summary", "epochs": session.epoch, "steps": session.global_step,
-                   "world_size": session.size, **(extra or {}), "memory": memory,
-                   "per_rank": times.table(self._hosts or []), "stragglers": times.named,
-                   "wall_seconds": time.perf_counter() - self.wall_start, "stopped": session.stopped,
-                   "exit_code": session.exit_code, "skipped_steps": session.skipped_steps}
+        state = self.state
+        memory = None if state.optimizer is None else self.hvd.allgather_object(
+            zero.memory_of(state.optimizer), name="hvdkit.memory")  # bytes per rank, in rank order
+        summary = {"event": "summary", "epochs": state.epoch, "steps": state.global_step,
+                   "world_size": self.hvd.size(), **(extra or {}), "memory": memory,
+                   "per_rank": self.times.table(self._hosts or []), "stragglers": self.times.named,
+                   "wall_seconds": time.perf_counter() - self.wall_start, "stopped": state.stopped,
+                   "exit_code": state.exit_code, "skipped_steps": skipped_steps}
         self.metrics().write(summary)
         self.metrics().close()
-        if session.rank == 0:
+        if self.hvd.rank() == 0:
             print(json.dumps(finite_or_none(summary)), flush=True)
         return summary
 
@@ -134,12 +132,11 @@ class Reports:
         if self.sink is not None:
             self.sink.close()
         self.sink, self._hosts = None, None
-        self.metrics().write({"event": "reset", "step": step, "world_size": self.session.size})
+        self.metrics().write({"event": "reset", "step": step, "world_size": self.hvd.size()})
 
     def world_size_changes(self) -> list:
-        session = self.session
-        path = Path(session.log_dir) / "metrics.jsonl"
-        if session.rank != 0 or not path.exists():
+        path = Path(self.state.log_dir) / "metrics.jsonl"
+        if self.hvd.rank() != 0 or not path.exists():
             return []
         changes = world_size_changes([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
         for change in changes:

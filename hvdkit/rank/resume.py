@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import sys
-import weakref
 from pathlib import Path
 from typing import Optional
 
@@ -25,15 +24,22 @@ from torch import nn
 from hvdkit import checkpoint
 from hvdkit.config import ConfigError, to_dict
 from hvdkit.config import resume_conflict as config_resume_conflict
+from hvdkit.rank.consistency import Consistency
+from hvdkit.rank.loaders import Loaders
 from hvdkit.rank.startup import rng_state, set_rng_state
+from hvdkit.rank.state import RunState, say
+from hvdkit.rank.watchdog import Watchdog
 from hvdkit.zero import shards
 
 
 class Checkpoints:
-    """The checkpoints of one Session, which holds the state they save and restore."""
+    """The checkpoints of one run: they save and restore ``state``, with the loaders' data
+    position, each written only of weights the consistency check passed (where it is on)."""
 
-    def __init__(self, session) -> None:
-        self.session = weakref.proxy(session)  # the Session owns this; no cycle keeps either alive
+    def __init__(self, cfg, hvd, state: RunState, loaders: Loaders, consistency: Consistency,
+                 watchdog: Watchdog) -> None:
+        self.cfg, self.hvd, self.state = cfg, hvd, state
+        self.loaders, self.consistency, self.watchdog = loaders, consistency, watchdog
         self.elastic_state: Optional[dict] = None  # read in setup(), applied by load_elastic
         self.elastic_sampler = None  # given to load_elastic: a stop's checkpoint records its position
         self.ahead = None  # rank 0: what read_ahead() read, for restore()
@@ -41,29 +47,28 @@ class Checkpoints:
     def read_ahead(self) -> None:
         """A sharded run resumed at another world size changes K before its loaders and step are
         made: rank 0 reads the checkpoint now, for restore(), and every rank takes its K."""
-        session = self.session
-        cfg = session.cfg
+        cfg = self.cfg
         if not (cfg.zero and cfg.checkpoint_dir and cfg.resume):
             return
         passes = None
-        if session.rank == 0:
+        if self.hvd.rank() == 0:
             try:
                 self.ahead = self.read() or {}
             except (checkpoint.CheckpointError, ConfigError) as exc:
                 self.ahead = {"error": exc}  # restore() stops every rank with it
             passes = self.ahead.get("batches_per_allreduce")
-        passes = session.hvd.broadcast_object(passes, root_rank=0, name="hvdkit.resume.k")
+        passes = self.hvd.broadcast_object(passes, root_rank=0, name="hvdkit.resume.k")
         if passes is not None:
             cfg.batches_per_allreduce = passes
 
     def restore(self) -> Optional[dict]:
         """Load the newest valid checkpoint on every rank (read by rank 0); None if there is none."""
-        session = self.session
-        cfg, hvd = session.cfg, session.hvd
+        run = self.state
+        cfg, hvd = self.cfg, self.hvd
         if not (cfg.checkpoint_dir and cfg.resume):
             return None
         state = None
-        if session.rank == 0:
+        if self.hvd.rank() == 0:
             try:
                 state = self.read() if self.ahead is None else (self.ahead or None)
             except (checkpoint.CheckpointError, ConfigError) as exc:
@@ -75,71 +80,68 @@ class Checkpoints:
         if "error" in state:  # every rank stops with the same line
             raise state["error"]
         self.load_state(state)
-        if state["world_size"] == session.size:
-            set_rng_state(state["rng"][session.rank])
+        if state["world_size"] == self.hvd.size():
+            set_rng_state(state["rng"][self.hvd.rank()])
         else:  # another world size: each rank keeps the seed it started with
-            state["loader_batches"] = [b * state["world_size"] // session.size for b in state["loader_batches"]]
-        session.print(f"hvdkit: resumed from {state['path']} (epoch {session.epoch + 1}, step {session.global_step})",
-                      file=sys.stderr)
+            state["loader_batches"] = [b * state["world_size"] // self.hvd.size() for b in state["loader_batches"]]
+        say(self.hvd, f"hvdkit: resumed from {state['path']} (epoch {run.epoch + 1}, step {run.global_step})")
         return state
 
     def load_state(self, state: dict) -> None:
         """Model, optimizer, scheduler, GradScaler, epoch, step and ``extra`` from a checkpoint."""
-        session = self.session
+        run = self.state
         try:
             self.module().load_state_dict(state["model"])
         except RuntimeError as exc:
             raise ConfigError(f"checkpoint {state['path']} does not fit this model: "
                               f"{str(exc).splitlines()[0]}") from None
         if shards.is_manifest(state["optimizer"]):
-            shards.load(session.optimizer, Path(state["path"]), state["optimizer"])
+            shards.load(run.optimizer, Path(state["path"]), state["optimizer"])
         else:
-            session.optimizer.load_state_dict(state["optimizer"])
+            run.optimizer.load_state_dict(state["optimizer"])
             # That made new param-group dicts; a scheduler sets the rates in the dicts of the
             # optimizer you passed, so those must stay the ones Horovod's wrapper steps with.
-            for mine, loaded in zip(session._inner.param_groups, session.optimizer.param_groups, strict=True):
+            for mine, loaded in zip(run.inner.param_groups, run.optimizer.param_groups, strict=True):
                 mine.update(loaded)
-            session.optimizer.param_groups = session._inner.param_groups
-        if session.scheduler is not None and state.get("scheduler") is not None:
-            session.scheduler.load_state_dict(state["scheduler"])
-        if session.scaler is not None and state.get("scaler") is not None:
-            session.scaler.load_state_dict(state["scaler"])
-        session.epoch, session.global_step = state["epoch"], state["step"]
-        session.resumed_config = state["config"]
-        session.extra.update(state.get("extra") or {})
+            run.optimizer.param_groups = run.inner.param_groups
+        if run.scheduler is not None and state.get("scheduler") is not None:
+            run.scheduler.load_state_dict(state["scheduler"])
+        if run.scaler is not None and state.get("scaler") is not None:
+            run.scaler.load_state_dict(state["scaler"])
+        run.epoch, run.global_step = state["epoch"], state["step"]
+        run.resumed_config = state["config"]
+        run.extra.update(state.get("extra") or {})
 
     def read(self) -> Optional[dict]:
         """The newest valid checkpoint, if this run may continue it; ConfigError if not."""
-        session = self.session
 
         def warn(message: str) -> None:
-            if session.rank == 0:  # elastic ranks each read the file
+            if self.hvd.rank() == 0:  # elastic ranks each read the file
                 print(f"hvdkit: warning: {message}", file=sys.stderr, flush=True)
 
-        found = checkpoint.load_latest(session.cfg.checkpoint_dir, warn)
+        found = checkpoint.load_latest(self.cfg.checkpoint_dir, warn)
         if found is None:
             return None
         path, state = found
-        other_size = state["world_size"] != session.size
-        sharded = bool(session.cfg.zero and state["config"].get("zero"))  # stage 1 and 2 shards are alike
+        other_size = state["world_size"] != self.hvd.size()
+        sharded = bool(self.cfg.zero and state["config"].get("zero"))  # stage 1 and 2 shards are alike
         adapted = ("zero",) * sharded + ("batches_per_allreduce",) * (sharded and other_size)
-        conflict = config_resume_conflict(state["config"], session.cfg, adapted)
+        conflict = config_resume_conflict(state["config"], self.cfg, adapted)
         if conflict:
             raise ConfigError(f"checkpoint {path} {conflict}")
         saved = state["world_size"]
-        if other_size and session.cfg.zero:
+        if other_size and self.cfg.zero:
             return {**state, "path": str(path), "batches_per_allreduce": self._adapted_k(path, state)}
-        if saved != session.size and not session.cfg.elastic:  # elastic positions fit any size
+        if saved != self.hvd.size() and not self.cfg.elastic:  # elastic positions fit any size
             raise ConfigError(f"checkpoint {path} was written by {saved} ranks, this job has "
-                              f"{session.size}; resume with {saved} ranks (the data order and learning "
+                              f"{self.hvd.size()}; resume with {saved} ranks (the data order and learning "
                               f"rate depend on it), or start afresh in another --checkpoint-dir")
         return {**state, "path": str(path)}
 
     def _adapted_k(self, path, state: dict) -> int:
         """K for this world size that keeps the checkpoint's global batch (size x batch x K);
         ConfigError if none does. Said in one line."""
-        session = self.session
-        saved, size, k = state["world_size"], session.size, state["config"]["batches_per_allreduce"]
+        saved, size, k = state["world_size"], self.hvd.size(), state["config"]["batches_per_allreduce"]
         if (saved * k) % size:
             raise ConfigError(f"checkpoint {path} was written by {saved} ranks with batches_per_allreduce {k}; "
                               f"{size} ranks cannot keep its global batch of {saved} x {k} batches (the data "
@@ -147,58 +149,58 @@ class Checkpoints:
                               f"{saved * k}, or start afresh in another --checkpoint-dir")
         adapted = saved * k // size
         print(f"hvdkit: checkpoint {path} was written by {saved} ranks, this job has {size}: batches_per_allreduce "
-              f"{k} -> {adapted} keeps the global batch of {saved * k * session.cfg.batch_size} samples and the "
+              f"{k} -> {adapted} keeps the global batch of {saved * k * self.cfg.batch_size} samples and the "
               f"learning rate schedule", file=sys.stderr, flush=True)
         return adapted
 
     def module(self) -> nn.Module:
         """The model without torch.compile's wrapper, so that a checkpoint's keys are the
         same whether the model was compiled or not."""
-        return getattr(self.session.model, "_orig_mod", self.session.model)
+        return getattr(self.state.model, "_orig_mod", self.state.model)
 
     def due(self) -> bool:
         """A periodic checkpoint after this step: every ``checkpoint_steps``, except where epochs()
         saves anyway (an epoch's end) and after the last step. Elastic runs write theirs at a
         commit (save_elastic), with the sampler's position."""
-        session = self.session
-        cfg, step = session.cfg, session.global_step
+        run = self.state
+        cfg, step = self.cfg, run.global_step
         if not cfg.checkpoint_steps or step % cfg.checkpoint_steps or cfg.elastic:
             return False
-        return not session._loaders.epoch_ended() and step < (session.total_steps or math.inf)
+        return not self.loaders.epoch_ended() and step < (run.total_steps or math.inf)
 
     def save(self) -> None:
         """Write a checkpoint of this step (all ranks call it; rank 0 writes)."""
-        session = self.session
-        if not session.cfg.checkpoint_dir:
+        run = self.state
+        if not self.cfg.checkpoint_dir:
             return
-        if session.cfg.elastic:  # its collective could wait on a leaving worker; the file lacks the position
+        if self.cfg.elastic:  # its collective could wait on a leaving worker; the file lacks the position
             raise RuntimeError("hvdkit: an elastic run writes its checkpoints with save_elastic(sampler), "
                                "where it commits its state; save() is for runs without --elastic")
-        session._consistency.before_checkpoint()
-        session.watchdog.beat(f"checkpoint of step {session.global_step}")
-        rng = session.hvd.allgather_object(rng_state())
+        self.consistency.before_checkpoint()
+        self.watchdog.beat(f"checkpoint of step {run.global_step}")
+        rng = self.hvd.allgather_object(rng_state())
         manifest = None
-        if session.cfg.zero:  # every rank writes its shard first; the main file commits them
-            manifest = shards.save(session.optimizer, session.cfg.checkpoint_dir, session.global_step, session.hvd)
-        if session.rank == 0:
-            self.write(manifest, rng=rng, loader_batches=session._loaders.batch_sizes())
+        if self.cfg.zero:  # every rank writes its shard first; the main file commits them
+            manifest = shards.save(run.optimizer, self.cfg.checkpoint_dir, run.global_step, self.hvd)
+        if self.hvd.rank() == 0:
+            self.write(manifest, rng=rng, loader_batches=self.loaders.batch_sizes())
 
     def write(self, optimizer_state: Optional[dict] = None, **position) -> None:
         """This rank's state (the optimizer's, or a sharded one's manifest), and ``position``: how
         the data position is kept (see save, save_elastic)."""
-        session = self.session
-        checkpoint.save(session.cfg.checkpoint_dir, session.global_step, {
+        run = self.state
+        checkpoint.save(self.cfg.checkpoint_dir, run.global_step, {
             "model": self.module().state_dict(),
-            "optimizer": session.optimizer.state_dict() if optimizer_state is None else optimizer_state,
-            "scheduler": session.scheduler.state_dict() if session.scheduler is not None else None,
-            "scaler": session.scaler.state_dict() if session.scaler else None, "extra": session.extra,
-            "epoch": session.epoch, "step": session.global_step, "world_size": session.size,
-            "config": to_dict(session.cfg), **position,
-        }, keep=session.cfg.keep_checkpoints)
+            "optimizer": run.optimizer.state_dict() if optimizer_state is None else optimizer_state,
+            "scheduler": run.scheduler.state_dict() if run.scheduler is not None else None,
+            "scaler": run.scaler.state_dict() if run.scaler else None, "extra": run.extra,
+            "epoch": run.epoch, "step": run.global_step, "world_size": self.hvd.size(),
+            "config": to_dict(self.cfg), **position,
+        }, keep=self.cfg.keep_checkpoints)
 
     def kept(self) -> str:
         """Which checkpoint a run that stops now leaves behind."""
-        directory = self.session.cfg.checkpoint_dir
+        directory = self.cfg.checkpoint_dir
         if not directory:
             return "no checkpoint_dir"
         newest = checkpoint.existing(directory)
@@ -210,27 +212,27 @@ class Checkpoints:
         must not wait here in a collective the others never enter; each process reads the
         checkpoint now, so that a conflict stops it before anything is written, and
         load_elastic applies it."""
-        cfg = self.session.cfg
+        cfg = self.cfg
         self.elastic_state = self.read() if cfg.checkpoint_dir and cfg.resume else None
 
     def save_elastic(self, sampler) -> None:
         """Elastic: rank 0 writes the state just committed. No collective, as save() has, since
         workers may be joining; the ElasticSampler's position stands in for the loaders' and
         each rank's RNG, and it fits any world size."""
-        session = self.session
-        if session.cfg.checkpoint_dir and session.rank == 0:
-            session.watchdog.beat(f"checkpoint of step {session.global_step}")
+        run = self.state
+        if self.cfg.checkpoint_dir and self.hvd.rank() == 0:
+            self.watchdog.beat(f"checkpoint of step {run.global_step}")
             self.write(sampler=sampler.state_dict())
 
     def load_elastic(self, sampler) -> bool:
         """Elastic: apply the checkpoint this process read in setup(); False if there is none."""
-        session = self.session
+        run = self.state
         self.elastic_sampler = sampler
         state, self.elastic_state = self.elastic_state, None
         if state is None:
             return False
         self.load_state(state)
         sampler.load_state_dict(state["sampler"])
-        session.print(f"hvdkit: resumed from {state['path']} (epoch {session.epoch + 1}, step {session.global_step}, "
-                      f"written by {state['world_size']} ranks, now {session.size})", file=sys.stderr)
+        say(self.hvd, f"hvdkit: resumed from {state['path']} (epoch {run.epoch + 1}, step {run.global_step}, "
+                      f"written by {state['world_size']} ranks, now {self.hvd.size()})")
         return True

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
-import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from hvdkit.config import TrainConfig
+from hvdkit.rank.state import RunState, say
+from hvdkit.rank.stragglers import StepTimes
 
 MAX_SKIPS_IN_A_ROW = 10
 
@@ -91,35 +91,34 @@ def batch_len(batch: Any) -> int:
 
 
 class TrainingStep:
-    """The step of one Session, which holds the model, optimizer, scaler and scheduler it steps."""
+    """The step of one run: it steps the state's model, optimizer, scaler and scheduler, timed by
+    ``times``; ``kept()`` says which checkpoint a run stopped by a non-finite step leaves."""
 
-    def __init__(self, session) -> None:
-        self.session = weakref.proxy(session)  # the Session owns this; no cycle keeps either alive
-        self.micro_count = session.cfg.batches_per_allreduce  # of the step under way
+    def __init__(self, cfg, hvd, device, state: RunState, times: StepTimes, kept: Callable[[], str]) -> None:
+        self.cfg, self.hvd, self.device, self.state, self.times, self.kept = cfg, hvd, device, state, times, kept
+        self.micro_count = cfg.batches_per_allreduce  # of the step under way
         self.skipped, self.skips_in_a_row = 0, 0  # on_nonfinite: skip
 
     def micro_batches(self, batch: Any, micro_size: int) -> list:
         """``batch`` on this device, split into the micro-batches of one optimizer step."""
-        session = self.session
-        chunks = split_batch(batch, micro_size) if session.cfg.batches_per_allreduce > 1 else [batch]
+        chunks = split_batch(batch, micro_size) if self.cfg.batches_per_allreduce > 1 else [batch]
         self.micro_count = len(chunks)
-        return [to_device(chunk, session.device) for chunk in chunks]
+        return [to_device(chunk, self.device) for chunk in chunks]
 
     def backward(self, loss: torch.Tensor) -> None:
         loss = loss / self.micro_count
-        scaler = self.session.scaler
+        scaler = self.state.scaler
         (scaler.scale(loss) if scaler else loss).backward()
 
     def apply(self) -> None:
         """Wait for the averaged gradients, unscale and clip them, then step without a second
         synchronize. Adasum combines the ranks' updates inside step() instead, so there the
         local gradients are unscaled and clipped. Then the GradScaler and the scheduler."""
-        session = self.session
-        cfg, optimizer, scaler = session.cfg, session.optimizer, session.scaler
+        cfg, optimizer, scaler = self.cfg, self.state.optimizer, self.state.scaler
         if not cfg.use_adasum:
-            session._times.waiting()
+            self.times.waiting()
             optimizer.synchronize()
-            session._times.waited()
+            self.times.waited()
         if scaler:
             scaler.unscale_(optimizer)
             if cfg.zero:  # each rank checked only its own slices for an overflow
@@ -132,8 +131,8 @@ class TrainingStep:
                     optimizer.step()
         if scaler:
             scaler.update()
-        if session.scheduler is not None:
-            session.scheduler.step()
+        if self.state.scheduler is not None:
+            self.state.scheduler.step()
         self.micro_count = cfg.batches_per_allreduce
 
     def _gradients_finite(self) -> bool:
@@ -144,33 +143,33 @@ class TrainingStep:
         on_nonfinite=stop raises NonFiniteError before the step, so the weights and the last
         checkpoint stay good; skip leaves the weights as they were and goes on, up to
         MAX_SKIPS_IN_A_ROW steps in a row."""
-        session = self.session
-        cfg, parameters, optimizer = session.cfg, list(session.model.parameters()), session.optimizer
+        cfg, state = self.cfg, self.state
+        parameters, optimizer = list(state.model.parameters()), state.optimizer
         grads = [p.grad for p in parameters if p.grad is not None]
         if cfg.zero:  # the norm of the whole gradient, from every rank's slices
             if cfg.clip_grad_norm:
                 norm = optimizer.clip_grad_norm_(cfg.clip_grad_norm)
-            elif session.scaler is None:
+            elif state.scaler is None:
                 norm = optimizer.grad_norm()
             else:
                 return True
         elif cfg.clip_grad_norm:
             norm = nn.utils.clip_grad_norm_(parameters, cfg.clip_grad_norm)
-        elif session.scaler is None and grads:
+        elif state.scaler is None and grads:
             norm = nn.utils.get_total_norm(grads)
         else:
             return True
-        if session.scaler is not None:
+        if state.scaler is not None:
             return True
         finite = torch.isfinite(norm).float().cpu()
         if cfg.use_adasum:
-            finite = session.hvd.allreduce(finite, op=session.hvd.Min, name="hvdkit.finite")
+            finite = self.hvd.allreduce(finite, op=self.hvd.Min, name="hvdkit.finite")
         if finite.item():
             self.skips_in_a_row = 0
             return True
-        step, kept = session.global_step + 1, session._checkpoints.kept()
+        step, kept = state.global_step + 1, self.kept()
         if cfg.on_nonfinite == "stop":
-            raise NonFiniteError(f"the loss or gradients of step {step} (epoch {session.epoch + 1}) are not finite; "
+            raise NonFiniteError(f"the loss or gradients of step {step} (epoch {state.epoch + 1}) are not finite; "
                                  f"stopped before applying them, {kept}; lower --base-lr, set "
                                  f"--clip-grad-norm, or pass --on-nonfinite skip")
         self.skipped += 1
@@ -179,8 +178,8 @@ class TrainingStep:
             raise NonFiniteError(f"the loss or gradients were not finite for {self.skips_in_a_row} steps in a row "
                                  f"(the last, step {step}); stopped, {kept}; lower --base-lr or set "
                                  f"--clip-grad-norm")
-        session.print(f"hvdkit: warning: the loss or gradients of step {step} are not finite; step skipped "
-                      f"({self.skipped} so far)", file=sys.stderr)
+        say(self.hvd, f"hvdkit: warning: the loss or gradients of step {step} are not finite; step skipped "
+                      f"({self.skipped} so far)")
         if cfg.zero:
             optimizer.zero_grad()  # the slices' gradients too
         else:

@@ -41,6 +41,10 @@ class StepTimes:
         self.totals = torch.zeros(size, 2, dtype=torch.float64)  # per rank: compute and wait seconds
         self.total_steps = 0
 
+    def resize(self, rank: int, size: int) -> None:
+        """Elastic: the ranks changed; every count starts over, with a row per rank."""
+        self.__init__(rank, size, self.threshold)
+
     def waiting(self) -> None:
         """Called as this rank starts to wait for the averaged gradients."""
         self.wait_started = time.perf_counter()

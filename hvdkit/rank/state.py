@@ -1,0 +1,32 @@
+"""What a run is at: its counters and the objects it trains, in one place that the Session's
+parts are handed (Fabric's strategy is handed its accelerator and precision alike). The
+Session, the loaders and a resume write the counters; the other parts read them."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class RunState:
+    global_step: int = 0  # optimizer steps taken
+    epoch: int = 0  # epochs finished
+    total_steps: int = 0  # for the progress bar: set by epochs(), or by the user who knows it
+    stopped: bool = False  # the ranks agreed on a stop and its checkpoint is written
+    exit_code: int = 0
+    log_dir: str = ""
+    model: Any = None
+    optimizer: Any = None  # Horovod's DistributedOptimizer, or the sharded one
+    inner: Any = None  # the optimizer the user made, which that one wraps
+    scheduler: Any = None
+    scaler: Any = None  # fp16's GradScaler
+    extra: dict = field(default_factory=dict)  # the user's own picklable state, in every checkpoint
+    resumed_config: Optional[dict] = None  # the config keys of the checkpoint resumed from
+
+
+def say(hvd, message: str) -> None:
+    """``message`` on stderr from rank 0 only: one line for the job, not one a rank."""
+    if hvd.rank() == 0:
+        print(message, file=sys.stderr, flush=True)

@@ -1,0 +1,116 @@
+"""The Session's parts on their own, each handed what it uses, in one real Horovod process of
+world size 1 (hvd.init() in a process of its own, so that the test process never holds MPI).
+`python tests/parts_worker.py PART DIR` checks PART and exits 0, or fails with the assertion."""
+
+import sys
+from pathlib import Path
+
+import horovod.torch as hvd
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from hvdkit import checkpoint
+from hvdkit.config import ConfigError, TrainConfig, from_mapping, validate
+from hvdkit.rank.consistency import Consistency
+from hvdkit.rank.loaders import Loaders
+from hvdkit.rank.reports import Reports
+from hvdkit.rank.resume import Checkpoints
+from hvdkit.rank.state import RunState
+from hvdkit.rank.step import NonFiniteError, TrainingStep
+from hvdkit.rank.stragglers import StepTimes
+from hvdkit.rank.watchdog import Watchdog
+
+CPU = torch.device("cpu")
+
+
+def config(**keys) -> TrainConfig:
+    return validate(from_mapping(keys, base=TrainConfig()))
+
+
+def trained(state: RunState, cfg: TrainConfig) -> None:
+    torch.manual_seed(0)
+    state.model = nn.Linear(3, 2)
+    state.inner = torch.optim.SGD(state.model.parameters(), lr=0.1)
+    state.optimizer = hvd.DistributedOptimizer(state.inner, named_parameters=state.model.named_parameters())
+
+
+def loaders(directory: Path) -> None:
+    """epochs() moves the state's epoch on and saves after each; a position from other batch sizes is refused."""
+    cfg, state = config(batch_size=2), RunState()
+    part = Loaders(cfg, hvd, CPU, state)
+    loader = part.train(TensorDataset(torch.arange(10.0)), None, False, {})
+    assert part.steps_per_epoch() == 5 and part.batch_sizes() == [2]
+    saved = []
+    for epoch in part.epochs(2, None, epoch_ended=lambda: False, save=lambda: saved.append(state.epoch)):
+        state.global_step += len(list(loader))
+        assert epoch == state.epoch
+    assert (state.epoch, state.global_step, saved, state.total_steps) == (2, 10, [1, 2], 10)
+    part.resumed_batches = [4]
+    try:
+        next(part.epochs(3, None, epoch_ended=lambda: False, save=lambda: None))
+    except ConfigError as exc:
+        assert "loader batches of [4] samples per step and this run's are [2]" in str(exc), exc
+    else:
+        raise AssertionError("a position from other batch sizes was taken")
+
+
+def step(directory: Path) -> None:
+    """A non-finite step is skipped (weights kept) or stops the run naming what is kept."""
+    times = StepTimes(0, 1, 0.0)
+    for mode in ("skip", "stop"):
+        cfg, state = config(on_nonfinite=mode), RunState()
+        trained(state, cfg)
+        part = TrainingStep(cfg, hvd, CPU, state, times, kept=lambda: "last good checkpoint X kept")
+        before = [p.detach().clone() for p in state.model.parameters()]
+        state.optimizer.zero_grad()
+        part.backward(state.model(torch.full((1, 3), float("nan"))).sum())
+        try:
+            part.apply()
+        except NonFiniteError as exc:
+            assert mode == "stop" and "step 1 (epoch 1) are not finite" in str(exc) and "X kept" in str(exc), exc
+        else:
+            assert mode == "skip" and part.skipped == 1
+        assert all(torch.equal(a, b) for a, b in zip(before, state.model.parameters(), strict=True))
+
+
+def checkpoints(directory: Path) -> None:
+    """save() checks consistency, writes the state with the loaders' position; restore() takes it back."""
+    cfg = config(checkpoint_dir=str(directory / "ckpt"), check_consistency_steps=1, batch_size=2)
+    state, watchdog = RunState(log_dir=str(directory)), Watchdog(0, 0)
+    trained(state, cfg)
+    loader_part, consistency = Loaders(cfg, hvd, CPU, state), Consistency(cfg, hvd, CPU, state)
+    loader_part.train(TensorDataset(torch.arange(8.0)), None, True, {})
+    part = Checkpoints(cfg, hvd, state, loader_part, consistency, watchdog)
+    state.global_step, state.epoch, state.extra["mine"] = 3, 1, 7
+    part.save()
+    assert consistency.last_good == 3 and checkpoint.existing(cfg.checkpoint_dir)[-1].name.endswith("000000003.pt")
+    weights = {k: v.clone() for k, v in state.model.state_dict().items()}
+    fresh = RunState(log_dir=str(directory))
+    trained(fresh, cfg)
+    with torch.no_grad():
+        fresh.model.weight.add_(1.0)
+    restored = Checkpoints(cfg, hvd, fresh, Loaders(cfg, hvd, CPU, fresh), Consistency(cfg, hvd, CPU, fresh),
+                           watchdog).restore()
+    assert restored["loader_batches"] == [2] and (fresh.global_step, fresh.epoch, fresh.extra) == (3, 1, {"mine": 7})
+    assert all(torch.equal(weights[k], v) for k, v in fresh.model.state_dict().items())
+
+
+def reports(directory: Path) -> None:
+    """log() sums on the device; report() gives the sample-weighted means and writes rank 0's record."""
+    cfg, state = config(log_interval=4), RunState(log_dir=str(directory), total_steps=10)
+    part = Reports(cfg, hvd, CPU, state, StepTimes(0, 1, 0.0))
+    assert [s for s in range(1, 11) if (setattr(state, "global_step", s) or part.due(epoch_ended=s == 5))] == \
+        [4, 5, 8, 10]
+    part.log(2, {"loss": torch.tensor(1.0)})
+    part.log(6, {"loss": torch.tensor(3.0)})
+    assert part.report("train", {"lr": 0.5}) == {"loss": 2.5}
+    part.metrics().close()
+    (record,) = [line for line in (directory / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
+    assert '"lr": 0.5' in record and '"loss": 2.5' in record, record
+
+
+if __name__ == "__main__":
+    hvd.init()
+    globals()[sys.argv[1]](Path(sys.argv[2]))
+    print(f"{sys.argv[1]}: ok", flush=True)

@@ -43,3 +43,19 @@ def test_the_docs_exit_code_table_is_the_code_one():
             if line.startswith("| ") and not line.startswith("| code") and not line.startswith("| ---")]
     documented = [(re.sub(r" \+ n$", "", code), name, meaning, who) for code, name, meaning, who in rows]
     assert documented == [(str(e.code), e.name, e.meaning, e.who) for e in job.EXIT_CODES]
+
+
+def test_no_part_holds_the_session_or_reads_its_private_attributes():
+    """The Session's parts are handed what they use; a part reaching back through the Session
+    (``session._checkpoints``) is the mesh this layout replaced."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "session.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "session"
+                    and node.attr.startswith("_")):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} session.{node.attr}")
+            if isinstance(node, ast.Attribute) and node.attr == "proxy" and getattr(node.value, "id", "") == "weakref":
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} weakref.proxy")
+    assert found == []

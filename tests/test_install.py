@@ -21,8 +21,14 @@ from hvdkit.checks import selftest
 pytestmark = pytest.mark.slow
 
 # What a checkout holds besides its sources: outputs of earlier builds, runs and tools.
-NOT_SOURCE = (".git", ".venv", ".make", ".pytest_cache", ".ruff_cache", "__pycache__", "build", "dist",
-              "*.egg-info", "runs", "logs")
+NOT_SOURCE = (".git", ".venv", ".make", ".pytest_cache", ".ruff_cache", "__pycache__", "*.egg-info")
+OUTPUTS = ("build", "dist", "runs", "logs")  # at the checkout's top only: hvdkit/build is source
+
+
+def _not_source(directory, names):
+    """What shutil.copytree leaves out of the copy: caches anywhere, build outputs at the top."""
+    left_out = set(shutil.ignore_patterns(*NOT_SOURCE)(directory, names))
+    return left_out | ({name for name in names if name in OUTPUTS} if Path(directory) == REPO else set())
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +50,7 @@ def installed(tmp_path_factory):
     # pip builds in the source tree: build from a copy of the sources, so a build/ left in the
     # checkout (another build, another filesystem) can neither break this one nor be written to.
     source = root / "source"
-    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(*NOT_SOURCE))
+    shutil.copytree(REPO, source, ignore=_not_source)
     pip = subprocess.run([str(python), "-m", "pip", "install", "--no-build-isolation", str(source)],
                          capture_output=True, text=True, env=environ, timeout=600)
     assert pip.returncode == 0, pip.stdout[-2000:] + pip.stderr[-2000:]

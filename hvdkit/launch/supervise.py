@@ -95,7 +95,7 @@ def _is_rank(process: "psutil.Process") -> bool:
 
 def translate(signum: int, forwarder: str) -> int:
     """srun shows its tasks' status on a single SIGINT instead of passing it on."""
-    return signal.SIGTERM if signum == signal.SIGINT and forwarder == "srun" else signum
+    return signal.SIGTERM if signum == signal.SIGINT and forwarder == SRUN else signum
 
 
 def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False,

@@ -121,9 +121,13 @@ class Watchdog:
     def _kill_frozen_here(self) -> None:
         """A frozen rank on this host, stopped and running this same program, is killed now: a
         stopped process keeps a SIGTERM pending, and launchers that send one first wait seconds
-        more before SIGKILL (horovodrun --gloo: 10 s, measured), past the stall limit."""
+        more before SIGKILL (horovodrun --gloo: 10 s, measured), past the stall limit. Not under
+        Open MPI, whose daemon sends SIGCONT before its SIGTERM: there, a frozen rank killed here
+        ended first and mpirun reported its SIGKILL (137) instead of this rank's 75."""
         import psutil
 
+        if "OMPI_COMM_WORLD_RANK" in os.environ:
+            return
         for record in self._frozen(self._records()):
             if record["host"] != socket.gethostname() or record["pid"] == os.getpid():
                 continue

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from hvdkit import __version__, config, env
+from hvdkit import __version__, config, env, job
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,7 +52,7 @@ class OneLineParser(argparse.ArgumentParser):
         self.bare = bare
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: {'' if self.bare else 'error: '}{message}\n")
+        self.exit(job.BAD_INPUT, f"{self.prog}: {'' if self.bare else 'error: '}{message}\n")
 
 
 def _say_once(message: str) -> None:
@@ -79,20 +79,20 @@ def train(args: argparse.Namespace) -> int:
         if args.debug:
             raise
         _say_once(f"hvdkit train: {exc}")
-        return getattr(exc, "exit_code", 2 if isinstance(exc, config.ConfigError) else 1)
+        return job.code_for(exc, (config.ConfigError,))
     except UnreadableSample as exc:  # on the rank that read it: the others wait for it, or for the launcher
         if args.debug:
             raise
         print(f"hvdkit train: {one_line(exc)}", file=sys.stderr, flush=True)
-        return 1
+        return job.FAILED
     except Exception as exc:
         hint = failure_hint(exc)
         if hint is None or args.debug:
             raise
         rank = env.detect().rank
         print(f"hvdkit train: {'' if rank is None else f'rank {rank} '}{hint}", file=sys.stderr, flush=True)
-        return 1
-    return summary.get("exit_code", 0)
+        return job.FAILED
+    return summary.get("exit_code", job.OK)
 
 
 def export_checkpoint(args: argparse.Namespace) -> int:
@@ -103,7 +103,7 @@ def export_checkpoint(args: argparse.Namespace) -> int:
         out = shards.export(args.source, args.output)
     except CheckpointError as exc:
         print(f"hvdkit checkpoint: {exc}", file=sys.stderr)
-        return 1
+        return job.FAILED
     print(f"hvdkit checkpoint: exported {args.source} to {out}: torch.load() each file; "
           f"optimizer.pt loads into the same torch optimizer on one process")
     return 0
@@ -140,7 +140,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if args.debug:  # the traceback, not the Session's one line (hvdkit.rank.stops.exit_on_own_errors)
                 sys.excepthook = sys.__excepthook__
     parser.error(f"unknown command {args.command}")
-    return 2
+    return job.BAD_INPUT
 
 
 if __name__ == "__main__":

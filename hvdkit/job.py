@@ -26,8 +26,9 @@ class ExitCode:
     who: str
 
 
-# The table docs/stops-and-recovery.md shows (a test compares them). Between 64 and 78 as
-# sysexits' codes are, so that job scripts can tell these from a Python error (1).
+# The table docs/stops-and-recovery.md shows (a test compares them). hvdkit's own codes lie in
+# sysexits' range (64-78: 75 is its EX_TEMPFAIL, a retry may succeed), so that job scripts can
+# tell them from a Python error (1), bad input (2) and a signal (128 + n).
 EXIT_CODES = (
     ExitCode("OK", 0, "finished; or stopped, saved and requeued", "every rank, hvdkit launch"),
     ExitCode("FAILED", 1, "an error in the script (its traceback), or the launcher's own failure",
@@ -43,6 +44,12 @@ EXIT_CODES = (
 _CODES = {entry.name: entry.code for entry in EXIT_CODES}
 OK, FAILED, BAD_INPUT = _CODES["OK"], _CODES["FAILED"], _CODES["BAD_INPUT"]
 STALLED, LOST, DIVERGED = _CODES["STALLED"], _CODES["LOST"], _CODES["DIVERGED"]
+
+
+def code_for(exc: BaseException, bad_input: tuple) -> int:
+    """The exit code for one of hvdkit's errors: its own ``exit_code`` (a divergence's 77, a
+    lockstep mistake's 2), else BAD_INPUT for the ``bad_input`` types, else FAILED."""
+    return getattr(exc, "exit_code", BAD_INPUT if isinstance(exc, bad_input) else FAILED)
 
 
 def stopped_by(signum: int) -> int:

@@ -198,6 +198,7 @@ def main(argv: list) -> int:
     import subprocess
     import sys
 
+    from hvdkit import job
     from hvdkit.cli import OneLineParser
 
     parser = OneLineParser(bare=True, prog="hvdkit slurm",
@@ -224,13 +225,13 @@ def main(argv: list) -> int:
         script = render(request)
     except SlurmFormatError as exc:
         print(f"hvdkit slurm: {exc}", file=sys.stderr)
-        return 2
+        return job.BAD_INPUT
     if args.action == "render":
         sys.stdout.write(script)
         return 0
     result = subprocess.run(["sbatch", "--parsable"], input=script, capture_output=True, text=True)
     if result.returncode != 0:
         print(f"hvdkit slurm: sbatch refused the job: {result.stderr.strip()}", file=sys.stderr)
-        return 1
+        return job.FAILED
     print(result.stdout.strip().split(";")[0])
     return 0

@@ -45,6 +45,14 @@ def test_the_docs_exit_code_table_is_the_code_one():
     assert documented == [(str(e.code), e.name, e.meaning, e.who) for e in job.EXIT_CODES]
 
 
+def test_exit_codes_are_named_from_the_one_table():
+    """A literal 1 or 2 returned or exited with is a code the table does not know it gives."""
+    literal = re.compile(r"(return|exit_code =) [12]( if|$)|exit\([12][,)]")
+    found = [f"{path.relative_to(REPO)}:{number}: {line.strip()}" for path in sorted(PACKAGE.rglob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1) if literal.search(line)]
+    assert found == []
+
+
 def test_no_part_holds_the_session_or_reads_its_private_attributes():
     """The Session's parts are handed what they use; a part reaching back through the Session
     (``session._checkpoints``) is the mesh this layout replaced."""

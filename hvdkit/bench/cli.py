@@ -7,7 +7,7 @@ import re
 import sys
 from typing import Optional, Sequence
 
-from hvdkit import env
+from hvdkit import env, job
 from hvdkit.bench import sharded
 from hvdkit.bench.drivers import RunFailed, allreduce, compare_synthetic, print_estimate, scaling
 from hvdkit.bench.figures import BenchError, size_range
@@ -187,4 +187,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return compare_synthetic(args)
     except (BenchError, RunFailed) as exc:
         print(f"hvdkit bench: {exc}", file=sys.stderr, flush=True)
-        return 2 if isinstance(exc, BenchError) else 1
+        return job.code_for(exc, (BenchError,))

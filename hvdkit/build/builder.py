@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
+from hvdkit import job
 from hvdkit.build import patches
 from hvdkit.build.toolchain import (
     HOROVOD_VERSION,
@@ -451,12 +452,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         built = verify_install(plan) if args.install else ["not installed"]
     except BuildError as exc:
         print(f"hvdkit.build: error: {exc}", file=sys.stderr)
-        return 1
+        return job.FAILED
     except subprocess.CalledProcessError as exc:
         said = f" ({last_line(exc.stderr)})" if exc.stderr else ""
         print(f"hvdkit.build: error: command failed ({exc.returncode}): {' '.join(map(str, exc.cmd))}{said}",
               file=sys.stderr)
-        return 1
+        return job.FAILED
     print(f"hvdkit.build: Horovod {plan.local_version} {outcome} "
           f"[{', '.join(built)}] ({time.monotonic() - started:.1f} s)", flush=True)
     return 0

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from hvdkit import env
+from hvdkit import env, job
 from hvdkit.checks import selftest
 from hvdkit.launch import cli as launch
 from hvdkit.launch.cli import describe_mpi, find_program, mpi_flavor, mpirun_version
@@ -173,4 +173,4 @@ def main(selftest_wanted: bool = False) -> int:
         run_selftest(report, controllers)
     for problem in report.missing:
         print(f"doctor: missing {problem}", file=sys.stderr)
-    return 1 if report.missing else 0
+    return job.FAILED if report.missing else job.OK

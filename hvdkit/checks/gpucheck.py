@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from hvdkit import job
 from hvdkit.build.builder import MPI_CHOICES
 from hvdkit.checks import selftest
 
@@ -131,11 +132,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     problem = no_gpu_problem()
     if problem:
         print(f"gpu-check: {problem}", file=sys.stderr)
-        return 2
+        return job.BAD_INPUT
     if not TESTS.is_dir():
         print(f"gpu-check: the tests are not installed ({TESTS} is missing): run it from a clone of hvdkit",
               file=sys.stderr)
-        return 2
+        return job.BAD_INPUT
     import torch
 
     device = (f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}, "

@@ -291,7 +291,7 @@ def main(argv: Sequence[str]) -> int:
         job.stop_grace()
     except (LaunchError, NetworkError, ValueError) as exc:
         print(f"hvdkit launch: {exc}", file=sys.stderr)
-        return 2
+        return job.BAD_INPUT
     if args.dry_run or args.verbose:
         print(f"# launcher: {result.launcher} ({result.reason})")
         for note in result.notes:

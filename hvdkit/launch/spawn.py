@@ -249,7 +249,7 @@ def _fail(directory: Path, rank: int, record: dict) -> None:
     _leave(directory, f"error-{rank}.pkl", data)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1)
+    os._exit(job.FAILED)
 
 
 def rank_main(directory: Path) -> int:

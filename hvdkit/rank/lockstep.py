@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch
 
+from hvdkit import job
+
 # What each call is, in the lines that name it; the number is its code in the allreduce.
 CALLS = ("session.step()", "session.should_stop()", "session.save()", "session.report()", "session.evaluate()",
          "session.check_consistency()", "the end of an epoch (session.epochs() or session.join())",
@@ -38,13 +40,13 @@ FIELDS = 3  # call, steps taken, stop signal; in float64, exact for any step cou
 class LockstepError(RuntimeError):
     """The ranks made different hvdkit calls, or took different numbers of steps."""
 
-    exit_code = 2  # a mistake in the loop, as bad input is
+    exit_code = job.BAD_INPUT  # a mistake in the loop, as bad input is
 
 
 class RankEnded(RuntimeError):
     """Another rank ended (it raised, returned, or was killed) while this one waited for it."""
 
-    exit_code = 1
+    exit_code = job.FAILED
 
 
 class Lockstep:

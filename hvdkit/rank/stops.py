@@ -192,7 +192,7 @@ def exit_on_own_errors(rank: int, own: tuple, bad_input: tuple, end: Callable[[]
         if not issubclass(kind, own):
             previous(kind, exc, tb)
             return
-        code = getattr(exc, "exit_code", 2 if issubclass(kind, bad_input) else 1)  # e.g. a divergence's 77
+        code = job.code_for(exc, bad_input)
         line = str(exc).splitlines()[0] if str(exc) else kind.__name__
         if rank == 0:
             print(f"hvdkit: error: {line}", file=sys.stderr, flush=True)

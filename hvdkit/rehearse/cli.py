@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from hvdkit import job
 from hvdkit.cli import OneLineParser
 from hvdkit.rehearse.namespaces import Hosts, HostsUnavailable, bits_per_second, seconds, unavailable
 
@@ -123,7 +124,8 @@ class Stopped(BaseException):
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
-        self.code = 128 + signum
+        self.signum = signum
+        self.code = job.stopped_by(signum)
 
 
 def say(message: str) -> None:
@@ -138,7 +140,7 @@ def main(argv: Sequence[str]) -> int:
     problem = check(args, command) or unavailable()
     if problem:
         say(problem)
-        return 2
+        return job.BAD_INPUT
     running: dict = {}
 
     def on_stop(signum, frame) -> None:
@@ -156,12 +158,12 @@ def main(argv: Sequence[str]) -> int:
             return _rehearse(args, command, hosts, running)
     except HostsUnavailable as exc:
         say(str(exc))
-        return 2
+        return job.BAD_INPUT
     except RuntimeError as exc:  # a host that did not start: sshd, ip, tc, Slurm
         say(f"the hosts did not start: {str(exc).splitlines()[0]}")
-        return 1
+        return job.FAILED
     except Stopped as exc:
-        say(f"stopped by {signal.Signals(exc.code - 128).name}; every host and process it made is removed")
+        say(f"stopped by {signal.Signals(exc.signum).name}; every host and process it made is removed")
         return exc.code
     finally:
         for sig, handler in previous.items():
@@ -244,8 +246,8 @@ def _jobs_ended(cluster, code: int, timeout: float = 24 * 3600) -> int:
     jobs = cluster.jobs()
     if not jobs:
         say("no Slurm job was submitted (the command under --slurm is an sbatch line)")
-        return code or 1
-    for job in jobs:
-        say(f"job {job['JobId']} ({job.get('JobName', '?')}) {job.get('JobState')}, exit {job.get('ExitCode')}, "
-            f"on {job.get('NodeList')}; output {job.get('StdOut')}")
-    return code or (0 if all(job.get("JobState") == "COMPLETED" for job in jobs) else 1)
+        return code or job.FAILED
+    for entry in jobs:
+        say(f"job {entry['JobId']} ({entry.get('JobName', '?')}) {entry.get('JobState')}, "
+            f"exit {entry.get('ExitCode')}, on {entry.get('NodeList')}; output {entry.get('StdOut')}")
+    return code or (job.OK if all(entry.get("JobState") == "COMPLETED" for entry in jobs) else job.FAILED)

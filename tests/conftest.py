@@ -196,3 +196,9 @@ def hvd_built():
     assert probe.returncode == 0, f"Horovod is not importable (run `make setup`): {probe.stderr[-500:]}"
     mpi, gloo, nccl = (bool(int(x)) for x in probe.stdout.split())
     return {"mpi": mpi, "gloo": gloo, "nccl": nccl}
+
+
+# `mpirun --version` of each MPI implementation, for plans made without one installed.
+OPENMPI = "mpirun (Open MPI) 4.1.4\n\nReport bugs to http://www.open-mpi.org/community/help/\n"
+MPICH = "HYDRA build details:\n    Version:                                 4.0.2\n"
+INTEL = "Intel(R) MPI Library for Linux* OS, Version 2021.10 Build 20230619\n"

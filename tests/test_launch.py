@@ -1,84 +1,19 @@
-"""`hvdkit launch`: golden commands per launcher and MPI, bad input, and real launches here."""
+"""`hvdkit launch`: the plan (which launcher, hosts and flags), bad input, and real launches here.
+The commands each launcher gets are golden-tested in test_commands.py; hostfiles, the network
+and the joining of rank output each in a file of their own; supervise in test_supervise.py."""
 
 import os
-import re
 import shlex
 import sys
-import time
 
 import pytest
 
-from conftest import REPO, run
+from conftest import INTEL, MPICH, OPENMPI, REPO, run
 from hvdkit.checks import selftest
 from hvdkit.launch import cli as launch
-from hvdkit.launch import commands, hostfile, network
-from hvdkit.launch import rank_output as lines
-from hvdkit.launch.commands import LaunchSpec
-from hvdkit.launch.hostfile import Host, LaunchError
-from hvdkit.launch.network import NetworkError
+from hvdkit.launch.hostfile import LaunchError
 
 WORKER = ["python", "train.py"]
-
-
-# --- golden commands: one per launcher and MPI implementation ------------------------------
-
-def test_openmpi_golden():
-    spec = LaunchSpec(np=8, command=WORKER, hosts=[Host("h1", 4), Host("h2", 4)], forward=["NCCL_DEBUG", "PATH"],
-                      set_env={"OMP_NUM_THREADS": "4"}, as_root=True)
-    assert commands.openmpi_command(spec) == [
-        "mpirun", "-np", "8", "-H", "h1:4,h2:4", "-bind-to", "none", "-map-by", "slot", "--tag-output",
-        "--allow-run-as-root",
-        "-x", "NCCL_DEBUG", "-x", "PATH", "-x", "OMP_NUM_THREADS=4",
-        "-mca", "pml", "ob1", "-mca", "btl", "^openib", "python", "train.py"]
-
-
-def test_openmpi_golden_hostfile_oversubscribed_not_root():
-    spec = LaunchSpec(np=4, command=WORKER, hostfile="hosts.txt", hosts=[Host("h1", 2)], oversubscribe=True)
-    assert commands.openmpi_command(spec) == [
-        "mpirun", "-np", "4", "--hostfile", "hosts.txt", "-bind-to", "none", "-map-by", "slot", "--tag-output",
-        "--oversubscribe", "-mca", "pml", "ob1", "-mca", "btl", "^openib", "python", "train.py"]
-
-
-def test_launcher_flags_pass_through_after_hvdkit_defaults_they_replace():
-    own = ["--bind-to", "core", "-mca", "btl", "tcp,self", "--report-bindings"]
-    spec = LaunchSpec(np=2, command=WORKER, launcher_args=own)
-    assert commands.openmpi_command(spec) == [
-        "mpirun", "-np", "2", "-map-by", "slot", "--tag-output", "-mca", "pml", "ob1", *own, *WORKER]
-    for builder in (commands.horovodrun_command, commands.hydra_command, commands.intel_command, commands.srun_command):
-        assert builder(LaunchSpec(np=2, command=WORKER, launcher_args=["--x-flag", "v"]))[-4:] == [
-            "--x-flag", "v", *WORKER]
-
-
-def test_mpich_golden():
-    spec = LaunchSpec(np=8, command=WORKER, hosts=[Host("h1", 4), Host("h2", 4)], forward=["NCCL_DEBUG", "PATH"],
-                      set_env={"OMP_NUM_THREADS": "4"}, as_root=True)
-    assert commands.hydra_command(spec) == [
-        "mpirun", "-np", "8", "-hosts", "h1:4,h2:4", "-genvlist", "NCCL_DEBUG,PATH",
-        "-genv", "OMP_NUM_THREADS", "4", "python", "train.py"]
-
-
-def test_intel_golden():
-    spec = LaunchSpec(np=8, command=WORKER, hosts=[Host("h1", 4), Host("h2", 4)], forward=["PATH"],
-                      set_env={"I_MPI_DEBUG": "5"})
-    assert commands.intel_command(spec) == [
-        "mpirun", "-n", "8", "-hosts", "h1,h2", "-ppn", "4", "-genvlist", "PATH",
-        "-genv", "I_MPI_DEBUG", "5", "python", "train.py"]
-    with pytest.raises(LaunchError, match="different slot counts need --hostfile"):
-        commands.intel_command(LaunchSpec(np=3, command=WORKER, hosts=[Host("h1", 2), Host("h2", 1)]))
-
-
-def test_horovodrun_and_srun_golden():
-    spec = LaunchSpec(np=8, command=WORKER, hosts=[Host("h1", 4), Host("h2", 4)], controller="gloo",
-                      set_env={"NCCL_DEBUG": "INFO"})
-    assert commands.horovodrun_command(spec) == ["horovodrun", "-np", "8", "-H", "h1:4,h2:4", "--gloo", *WORKER]
-    assert commands.srun_command(spec) == ["srun", "--ntasks=8", "--mpi=pmix", "--kill-on-bad-exit=1", "--label",
-                                         "--export=ALL,NCCL_DEBUG=INFO",
-                                         "--nodelist=h1,h2", *WORKER]
-
-
-OPENMPI = "mpirun (Open MPI) 4.1.4\n\nReport bugs to http://www.open-mpi.org/community/help/\n"
-MPICH = "HYDRA build details:\n    Version:                                 4.0.2\n"
-INTEL = "Intel(R) MPI Library for Linux* OS, Version 2021.10 Build 20230619\n"
 
 
 def _plan(argv, environ=None, mpi=OPENMPI, on_path=("mpirun", "horovodrun", "srun"), root=False, cores=2):
@@ -164,124 +99,6 @@ def test_render_is_copy_pasteable():
                                  *result.command]
 
 
-# --- the network between hosts -----------------------------------------------------------------
-
-INTERFACES = {"lo": [("127.0.0.1", "255.0.0.0")], "eth0": [("10.1.0.11", "255.255.255.0")],
-              "docker0": [("172.17.0.1", "255.255.0.0")]}
-ADDRESSES = {"h1": "10.1.0.11", "h2": "10.1.0.12", "h3": "10.1.0.13", "localhost": "127.0.0.1"}
-
-
-def _resolve(name):
-    if name not in ADDRESSES:
-        raise OSError(-2, "Name or service not known")
-    return ADDRESSES[name]
-
-
-def _network(names, source=lambda address: "10.1.0.11"):
-    return network.routable_network(names.split(","), _resolve, source, lambda: INTERFACES)
-
-
-def test_the_network_is_this_hosts_route_to_the_others():
-    assert _network("h1,h2,h3") == network.Network("eth0", "10.1.0.0/24", ("h2", "h3"))
-    assert _network("h1,localhost") is None, "one machine: nothing to pin"
-    with pytest.raises(NetworkError, match=r"^host h9 does not resolve on this host \(check /etc/hosts or DNS\)$"):
-        _network("h1,h9")
-
-    def unreachable(address):
-        raise OSError(101, "Network is unreachable")
-    with pytest.raises(NetworkError, match=r"^no route from this host to h2 \(10.1.0.12\): Network is unreachable$"):
-        _network("h1,h2", unreachable)
-
-
-def _pinned_plan(argv, environ=None, mpi=OPENMPI):
-    args = launch.parser().parse_args(argv[:argv.index("--")] if "--" in argv else argv)
-    which = lambda name: f"/opt/bin/{name}"  # noqa: E731
-    own = argv[argv.index("--") + 1:] if "--" in argv else []
-    return launch.plan(args, WORKER, environ or {}, which, lambda _: mpi, False, 2, own,
-                       network=lambda names: network.Network("eth0", "10.1.0.0/24", ("h2", "h3")))
-
-
-def test_mpirun_across_hosts_is_pinned_to_that_network_unless_the_user_chose():
-    result = _pinned_plan(["-np", "3", "-H", "h1:1,h2:1,h3:1", "--launcher", "mpirun"])
-    pinned = result.command.index("btl_tcp_if_include") - 1
-    assert result.command[pinned:pinned + 6] == ["-mca", "btl_tcp_if_include", "10.1.0.0/24",
-                                                 "-mca", "oob_tcp_if_include", "10.1.0.0/24"]
-    assert "NCCL_SOCKET_IFNAME=eth0" in result.command
-    assert result.notes == ["network: eth0 (10.1.0.0/24), this host's route to h2, h3; MPI and NCCL pinned to it"]
-    hydra = _pinned_plan(["-np", "3", "-H", "h1:1,h2:1,h3:1", "--launcher", "mpirun"], mpi=MPICH).command
-    assert hydra[hydra.index("-iface") + 1] == "eth0"
-    for chose in (_pinned_plan(["-np", "3", "-H", "h1:1,h2:1,h3:1", "--", "-mca", "btl_tcp_if_exclude", "docker0"]),
-                  _pinned_plan(["-np", "3", "-H", "h1:1,h2:1,h3:1"], {"OMPI_MCA_btl_tcp_if_include": "ib0"})):
-        assert "btl_tcp_if_include" not in chose.command and not chose.notes
-    horovodrun = _pinned_plan(["-np", "3", "-H", "h1:1,h2:1,h3:1", "--launcher", "horovodrun"]).command
-    assert "-mca" not in horovodrun, "horovodrun tests the hosts' interfaces itself"
-    assert "btl_tcp_if_include" not in _pinned_plan(["-np", "2", "--launcher", "mpirun"]).command
-    assert result.watch == ["h1", "h2", "h3"] and _pinned_plan(["-np", "2", "--launcher", "mpirun"]).watch == []
-
-
-def test_a_host_that_does_not_resolve_is_one_line_before_the_job():
-    args = launch.parser().parse_args(["-np", "2", "-H", "h1:1,nosuchhost:1", "--launcher", "mpirun"])
-
-    def lookup(names):
-        return network.routable_network(names, _resolve, lambda a: "10.1.0.11", lambda: INTERFACES)
-    with pytest.raises(LaunchError, match="^host nosuchhost does not resolve"):
-        launch.plan(args, WORKER, {}, lambda name: f"/opt/bin/{name}", lambda _: OPENMPI, False, 2, network=lookup)
-    proc = run([sys.executable, "-m", "hvdkit", "launch", "-np", "2", "-H", "localhost:1,nosuchhost.invalid:1",
-                "--launcher", "horovodrun", "--", "true"])
-    assert proc.returncode == 2
-    assert proc.stderr == ("hvdkit launch: host nosuchhost.invalid does not resolve on this host "
-                           "(check /etc/hosts or DNS)\n")
-
-
-def test_host_watch_names_a_host_that_stopped_answering():
-    answering = {"10.1.0.12": True, "10.1.0.13": True}
-    watch = network.HostWatch({"h2": "10.1.0.12", "h3": "10.1.0.13"}, lost_after=0.3,
-                              probe=answering.__getitem__, every=0.05)
-    time.sleep(0.5)
-    assert watch.lost is None
-    answering["10.1.0.13"] = False
-    deadline = time.monotonic() + 5
-    while watch.lost is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    watch.stop()
-    assert re.fullmatch(r"host h3 \(10\.1\.0\.13\) has not answered on the network for \d+ s; ending the job",
-                        watch.lost or "")
-
-
-# --- hostfiles --------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("fmt, text", [
-    ("horovodrun", "h1:4\nh2:2\n"), ("openmpi", "h1 slots=4\nh2 slots=2\n"), ("mpich", "h1:4\nh2:2\n"),
-])
-def test_hostfile_formats_round_trip(tmp_path, fmt, text):
-    hosts = [Host("h1", 4), Host("h2", 2)]
-    assert hostfile.format_hostfile(hosts, fmt) == text
-    path = tmp_path / "hosts"
-    path.write_text("# a comment\n\n" + text)
-    assert hostfile.read_hostfile(str(path)) == hosts
-
-
-@pytest.mark.parametrize("text, message", [
-    ("", "lists no hosts"),
-    ("# only a comment\n", "lists no hosts"),
-    ("h1\n", "line 1: host 'h1' has no slot count (write h1:N)"),
-    ("h1:4\nh2 slots=two\n", "line 2: host 'h2' has slot count 'two'"),
-    ("h1:0\n", "slot count '0'"),
-    ("h1 4\n", "line 1: cannot read 'h1 4'"),
-])
-def test_malformed_hostfiles(tmp_path, text, message):
-    path = tmp_path / "hosts"
-    path.write_text(text)
-    with pytest.raises(LaunchError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        hostfile.read_hostfile(str(path))
-
-
-def test_host_lists():
-    assert hostfile.parse_hosts("a:2,b:1") == [Host("a", 2), Host("b", 1)]
-    with pytest.raises(LaunchError, match="host 'b' has no slot count"):
-        hostfile.parse_hosts("a:2,b")
-
-
 # --- the command line: bad input stops before anything starts ---------------------------------
 
 HVDKIT = [sys.executable, "-m", "hvdkit", "launch"]
@@ -355,46 +172,6 @@ def test_dry_run_line_runs_as_printed(tmp_path):
     assert sorted(again.stdout.split("\n")[:2]) == ["rank 0", "rank 1"]
 
 
-# Each rank writes half a line, waits, then the rest: the launcher sees the other rank's half in between.
-HALVES = ("import os, sys, time\n"
-          "r = next(os.environ[v] for v in ('OMPI_COMM_WORLD_RANK', 'HOROVOD_RANK') if v in os.environ)\n"
-          "for i in range(4):\n"
-          "    print(f'rank {r} first half,', end='', flush=True); time.sleep(0.15 + 0.1 * int(r))\n"
-          "    print(f' second half {i}', flush=True); print(f'rank {r} to stderr {i}', file=sys.stderr)\n")
-LINE = re.compile(r"\[(?:1,)?(\d)\]<(stdout|stderr)>:rank (\d) (?:first half, second half|to stderr) \d")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("flags", [["--launcher", "mpirun"], ["--launcher", "horovodrun", "--mpi"],
-                                   ["--launcher", "horovodrun", "--gloo"]], ids=" ".join)
-def test_ranks_lines_are_never_glued_together(flags):
-    proc = run([*HVDKIT, "-np", "2", *flags, "--", sys.executable, "-c", HALVES],
-               env=dict(os.environ, PYTHONUNBUFFERED="1"), timeout=120, raw=True)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    for stream, text in (("stdout", proc.stdout), ("stderr", proc.stderr)):
-        lines = [line for line in text.splitlines() if "rank" in line]
-        assert len(lines) == 8, text
-        for line in lines:
-            match = LINE.fullmatch(line)
-            assert match and match.group(1) == match.group(3) and match.group(2) == stream, line
-
-
-@pytest.mark.parametrize("cut", range(1, 60))
-def test_joiner_rebuilds_each_ranks_lines_wherever_reads_split_them(cut):
-    """Open MPI's --tag-output stream of two ranks writing half lines (as measured), read in two
-    pieces split at every position, including inside a tag."""
-    stream = (b"[1,1]<stdout>:r1-a-[1,0]<stdout>:r0-a-[1,0]<stdout>:b0\n[1,1]<stdout>:b1\n"
-              b"mpirun: a line of its own\n[1,0]<stdout>:last")
-    out = []
-    joiner = lines.Joiner(out.append)
-    joiner.feed(stream[:cut])
-    joiner.feed(stream[cut:])
-    joiner.close()
-    assert all(line.endswith(b"\n") for line in out)
-    assert sorted(line.rstrip(b"\n") for line in out) == sorted([
-        b"[1,0]<stdout>:r0-a-b0", b"[1,1]<stdout>:r1-a-b1", b"mpirun: a line of its own", b"[1,0]<stdout>:last"])
-
-
 @pytest.mark.slow
 def test_launcher_flags_reach_the_launcher():
     proc = run([*HVDKIT, "-np", "2", "--launcher", "mpirun", "--display-map", "-mca", "btl", "tcp,self", "--",
@@ -402,19 +179,6 @@ def test_launcher_flags_reach_the_launcher():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "JOB MAP" in proc.stdout + proc.stderr  # what --display-map prints
     assert selftest.check(selftest.parse_results(proc.stdout)) == []
-
-
-def test_list_hosts_for_elastic_discovery(tmp_path):
-    hostfile = tmp_path / "hosts"
-    hostfile.write_text("node1 slots=2\nnode2:1\n")
-    proc = run([*HVDKIT, "--list-hosts", "--hostfile", str(hostfile)])
-    assert proc.returncode == 0 and proc.stdout == "node1:2\nnode2:1\n"
-    slurm_env = dict(os.environ, SLURM_JOB_NODELIST="gpu[01-02]", SLURM_TASKS_PER_NODE="4(x2)")
-    proc = run([*HVDKIT, "--list-hosts", "--hosts-format", "openmpi"], env=slurm_env)
-    assert proc.returncode == 0 and proc.stdout == "gpu01 slots=4\ngpu02 slots=4\n"
-    script = REPO / "launchers" / "discover_hosts.sh"
-    proc = run([str(script)], env=dict(os.environ, HVDKIT_HOSTS_FILE=str(hostfile)))
-    assert proc.returncode == 0 and proc.stdout == "node1:2\nnode2:1\n", proc.stderr
 
 
 @pytest.mark.parametrize("script", ["horovodrun.sh", "mpirun.sh", "srun.sh"])

@@ -1,0 +1,97 @@
+"""The network between hosts (hvdkit.launch.network): the interface MPI and NCCL are pinned to,
+a host that does not resolve, a host that stops answering."""
+
+import re
+import sys
+import time
+
+import pytest
+
+from conftest import MPICH, OPENMPI, run
+from hvdkit.launch import cli as launch
+from hvdkit.launch import network
+from hvdkit.launch.hostfile import LaunchError
+from hvdkit.launch.network import NetworkError
+
+WORKER = ["python", "train.py"]
+
+INTERFACES = {"lo": [("127.0.0.1", "255.0.0.0")], "eth0": [("10.1.0.11", "255.255.255.0")],
+              "docker0": [("172.17.0.1", "255.255.0.0")]}
+ADDRESSES = {"h1": "10.1.0.11", "h2": "10.1.0.12", "h3": "10.1.0.13", "localhost": "127.0.0.1"}
+
+
+def _resolve(name):
+    if name not in ADDRESSES:
+        raise OSError(-2, "Name or service not known")
+    return ADDRESSES[name]
+
+
+def _network(names, source=lambda address: "10.1.0.11"):
+    return network.routable_network(names.split(","), _resolve, source, lambda: INTERFACES)
+
+
+def test_the_network_is_this_hosts_route_to_the_others():
+    assert _network("h1,h2,h3") == network.Network("eth0", "10.1.0.0/24", ("h2", "h3"))
+    assert _network("h1,localhost") is None, "one machine: nothing to pin"
+    with pytest.raises(NetworkError, match=r"^host h9 does not resolve on this host \(check /etc/hosts or DNS\)$"):
+        _network("h1,h9")
+
+    def unreachable(address):
+        raise OSError(101, "Network is unreachable")
+    with pytest.raises(NetworkError, match=r"^no route from this host to h2 \(10.1.0.12\): Network is unreachable$"):
+        _network("h1,h2", unreachable)
+
+
+def _pinned_plan(argv, environ=None, mpi=OPENMPI):
+    args = launch.parser().parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    which = lambda name: f"/opt/bin/{name}"  # noqa: E731
+    own = argv[argv.index("--") + 1:] if "--" in argv else []
+    return launch.plan(args, WORKER, environ or {}, which, lambda _: mpi, False, 2, own,
+                       network=lambda names: network.Network("eth0", "10.1.0.0/24", ("h2", "h3")))
+
+
+def test_mpirun_across_hosts_is_pinned_to_that_network_unless_the_user_chose():
+    result = _pinned_plan(["-np", "3", "-H", "h1:1,h2:1,h3:1", "--launcher", "mpirun"])
+    pinned = result.command.index("btl_tcp_if_include") - 1
+    assert result.command[pinned:pinned + 6] == ["-mca", "btl_tcp_if_include", "10.1.0.0/24",
+                                                 "-mca", "oob_tcp_if_include", "10.1.0.0/24"]
+    assert "NCCL_SOCKET_IFNAME=eth0" in result.command
+    assert result.notes == ["network: eth0 (10.1.0.0/24), this host's route to h2, h3; MPI and NCCL pinned to it"]
+    hydra = _pinned_plan(["-np", "3", "-H", "h1:1,h2:1,h3:1", "--launcher", "mpirun"], mpi=MPICH).command
+    assert hydra[hydra.index("-iface") + 1] == "eth0"
+    for chose in (_pinned_plan(["-np", "3", "-H", "h1:1,h2:1,h3:1", "--", "-mca", "btl_tcp_if_exclude", "docker0"]),
+                  _pinned_plan(["-np", "3", "-H", "h1:1,h2:1,h3:1"], {"OMPI_MCA_btl_tcp_if_include": "ib0"})):
+        assert "btl_tcp_if_include" not in chose.command and not chose.notes
+    horovodrun = _pinned_plan(["-np", "3", "-H", "h1:1,h2:1,h3:1", "--launcher", "horovodrun"]).command
+    assert "-mca" not in horovodrun, "horovodrun tests the hosts' interfaces itself"
+    assert "btl_tcp_if_include" not in _pinned_plan(["-np", "2", "--launcher", "mpirun"]).command
+    assert result.watch == ["h1", "h2", "h3"] and _pinned_plan(["-np", "2", "--launcher", "mpirun"]).watch == []
+
+
+def test_a_host_that_does_not_resolve_is_one_line_before_the_job():
+    args = launch.parser().parse_args(["-np", "2", "-H", "h1:1,nosuchhost:1", "--launcher", "mpirun"])
+
+    def lookup(names):
+        return network.routable_network(names, _resolve, lambda a: "10.1.0.11", lambda: INTERFACES)
+    with pytest.raises(LaunchError, match="^host nosuchhost does not resolve"):
+        launch.plan(args, WORKER, {}, lambda name: f"/opt/bin/{name}", lambda _: OPENMPI, False, 2, network=lookup)
+    proc = run([sys.executable, "-m", "hvdkit", "launch", "-np", "2", "-H", "localhost:1,nosuchhost.invalid:1",
+                "--launcher", "horovodrun", "--", "true"])
+    assert proc.returncode == 2
+    assert proc.stderr == ("hvdkit launch: host nosuchhost.invalid does not resolve on this host "
+                           "(check /etc/hosts or DNS)\n")
+
+
+def test_host_watch_names_a_host_that_stopped_answering():
+    answering = {"10.1.0.12": True, "10.1.0.13": True}
+    watch = network.HostWatch({"h2": "10.1.0.12", "h3": "10.1.0.13"}, lost_after=0.3,
+                              probe=answering.__getitem__, every=0.05)
+    time.sleep(0.5)
+    assert watch.lost is None
+    answering["10.1.0.13"] = False
+    deadline = time.monotonic() + 5
+    while watch.lost is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    watch.stop()
+    assert re.fullmatch(r"host h3 \(10\.1\.0\.13\) has not answered on the network for \d+ s; ending the job",
+                        watch.lost or "")

@@ -1,0 +1,106 @@
+"""hvdkit.launch.supervise on real processes, with shell scripts standing in for a launcher and
+its ranks. supervise.run makes its caller the subreaper of what it starts and ends every process
+below it, so it runs in a small Python process of its own here, never in the pytest worker."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+from conftest import REPO, run
+from hvdkit import job
+from hvdkit.launch import supervise
+
+SUPERVISE = ("import json, os, sys\n"
+             "from hvdkit.launch import supervise\n"
+             "sys.exit(supervise.run(json.loads(sys.argv[1]), dict(os.environ)))\n")
+
+
+def supervised(script, **kwargs):
+    """`supervise.run(["sh", "-c", script])` in a process of its own, to its end."""
+    return run([sys.executable, "-c", SUPERVISE, json.dumps(["sh", "-c", script])], timeout=60, **kwargs)
+
+
+def gone(pid):
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_the_launchers_exit_code_is_the_jobs_and_a_signal_is_128_plus_it():
+    assert supervised("exit 3").returncode == 3
+    assert supervised("kill -KILL $$").returncode == job.stopped_by(signal.SIGKILL)
+
+
+def test_a_code_a_rank_recorded_replaces_the_launchers_own():
+    """mpirun and horovodrun exit 1 whatever a rank exited with; the rank's record says 75."""
+    proc = supervised('echo "75 rank 1 made no progress for 30 s" > "$HVDKIT_JOB_DIR/exit-123"; exit 1')
+    assert proc.returncode == job.STALLED
+    assert proc.stderr == "hvdkit launch: rank 1 made no progress for 30 s\n"
+
+
+def test_what_the_launcher_leaves_running_is_ended_by_pid(tmp_path):
+    """One child left in the launcher's process group, one orphaned into a session of its own:
+    both are ended, named, when the launcher exits."""
+    pids = tmp_path / "pids"
+    proc = supervised(f"sleep 300 & echo $! >> {pids}; (setsid sleep 301 & echo $! >> {pids}); exit 0")
+    left = [int(pid) for pid in pids.read_text().split()]
+    assert proc.returncode == 0
+    assert proc.stderr.startswith("hvdkit launch: the launcher exited and left 2 processes running; ending them")
+    assert all(str(pid) in proc.stderr for pid in left) and all(gone(pid) for pid in left)
+
+
+def test_a_stop_reaches_the_ranks_and_a_rank_that_does_not_end_is_killed_after_the_grace(tmp_path):
+    """The rank (it has HOROVOD_RANK) is signalled directly, not through its launcher; it notes the
+    SIGTERM and goes on, so the job is killed stop_grace() + KILL_AFTER_GRACE seconds later."""
+    got, pid = tmp_path / "got-sigterm", tmp_path / "rank-pid"
+    rank = tmp_path / "rank.sh"
+    rank.write_text(f"echo $$ > {pid}; trap 'touch {got}' TERM; while :; do sleep 0.05; done\n")
+    env = dict(os.environ, HVDKIT_STOP_GRACE="0.2")
+    caller = subprocess.Popen([sys.executable, "-c", SUPERVISE, json.dumps(["sh", "-c", f"HOROVOD_RANK=0 sh {rank}"])],
+                              cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not pid.exists() or not pid.read_text().strip():
+            assert caller.poll() is None and time.monotonic() < deadline, "the rank did not start"
+            time.sleep(0.02)
+        caller.send_signal(signal.SIGTERM)
+        _, stderr = caller.communicate(timeout=30)
+    finally:
+        supervise.end_processes(supervise.tree(caller.pid), grace=0)
+    assert got.exists(), "the rank got the stop signal itself"
+    assert caller.returncode == job.stopped_by(signal.SIGKILL)
+    assert stderr.splitlines()[-1] == (f"hvdkit launch: the job did not end within {0.2 + job.KILL_AFTER_GRACE:g} s "
+                                       "of SIGTERM; killing what is left")
+    assert gone(int(pid.read_text()))
+
+
+def test_srun_gets_sigint_as_sigterm_and_the_others_as_sent():
+    """A single Ctrl-C makes srun print its tasks' status instead of passing it on."""
+    assert supervise.translate(signal.SIGINT, "srun") == signal.SIGTERM
+    assert supervise.translate(signal.SIGINT, "mpirun") == signal.SIGINT
+    assert supervise.translate(signal.SIGUSR1, "srun") == signal.SIGUSR1
+
+
+def test_end_processes_kills_what_ignores_sigterm_after_the_grace():
+    proc = subprocess.Popen(["sh", "-c", "trap '' TERM; sleep 300 & wait"])
+    try:
+        deadline = time.monotonic() + 10
+        while len(supervise.tree(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        processes = supervise.tree(proc.pid)
+        assert [p.pid for p in processes][-1] == proc.pid and len(processes) == 2, "the child, then the top"
+        started = time.monotonic()
+        supervise.end_processes(processes, grace=0.3)
+        assert time.monotonic() - started >= 0.3, "SIGTERM is ignored: they are killed once the grace is over"
+        proc.wait(timeout=5)
+        assert all(gone(p.pid) for p in processes)
+    finally:
+        supervise.end_processes(supervise.tree(proc.pid), grace=0)
+    assert supervise.tree(proc.pid) == []

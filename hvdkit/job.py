@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,19 @@ GRACE_SECONDS = 10.0  # as Slurm's KillWait and Kubernetes' grace period, shorte
 KILL_AFTER_GRACE = 3.0  # the ranks' own count ends them first, each saying where it was
 PROBE_SECONDS = 2.0  # how often a host (hvdkit launch) or a launcher (a rank's lifeline) is probed
 LOST_SECONDS = 15.0  # no answer for this long: it is gone (a link flap shorter than this is not)
+
+
+def probe(address: str, port: int, timeout: float = PROBE_SECONDS) -> Optional[bool]:
+    """One TCP connection to ``address:port``: True if accepted, False if refused (the host is
+    up, nothing listens there), None if nothing answered within ``timeout``. A rank probes its
+    launcher's server this way (hvdkit.rank.lifeline), `hvdkit launch` the other hosts."""
+    try:
+        with socket.create_connection((address, port), timeout=timeout):
+            return True
+    except ConnectionRefusedError:
+        return False
+    except OSError:  # timed out, unreachable
+        return None
 
 
 def stop_grace(environ: Mapping[str, str] = os.environ) -> float:

@@ -95,3 +95,18 @@ def test_host_watch_names_a_host_that_stopped_answering():
     watch.stop()
     assert re.fullmatch(r"host h3 \(10\.1\.0\.13\) has not answered on the network for \d+ s; ending the job",
                         watch.lost or "")
+
+
+def test_a_probe_tells_a_listener_from_a_refusal():
+    """A rank's lifeline needs its launcher's server (accepted); a host watch only the host (refused
+    will do). Silence (None) needs a host that drops packets: test_multihost's lost host."""
+    import socket
+
+    from hvdkit import job
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert job.probe("127.0.0.1", port) is True
+    assert job.probe("127.0.0.1", port) is False and network.answers("127.0.0.1", port)

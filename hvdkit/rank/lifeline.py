@@ -3,21 +3,12 @@ launcher is gone (hvdkit.rank.orphan watches launchers on the rank's own host)."
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from typing import Callable, Optional
 
 from hvdkit import job
 from hvdkit.job import LOST_SECONDS, PROBE_SECONDS
-
-
-def listening(address: str, port: int, timeout: float = PROBE_SECONDS) -> bool:
-    try:
-        with socket.create_connection((address, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 class Lifeline:
@@ -45,7 +36,7 @@ class Lifeline:
     def _watch(self) -> None:
         seen = time.monotonic()
         while not self._stop.wait(self.every):
-            if listening(self.address, self.port, timeout=self.every):
+            if job.probe(self.address, self.port, timeout=self.every):
                 seen = time.monotonic()
             elif time.monotonic() - seen >= self.lost_after:
                 self.on_lost(f"rank {self.rank}: its launcher (horovodrun, rendezvous {self.address}:{self.port}) "

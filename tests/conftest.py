@@ -167,12 +167,16 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` skip, saying why, where torch sees no CUDA device. Under
     pytest-xdist (`make test` runs two workers), the tests of a module that use a fixture it
     makes once for all of them (a Slurm cluster, namespace hosts, a reference run) are one
-    group, run by one worker, so that the fixture is made once; the rest go where a worker is free."""
+    group, run by one worker, so that the fixture is made once; the rest go where a worker is free.
+    The slow tests go first (pytest-xdist hands them out in this order): quick tests left for
+    the end fill the gaps, where a minute-long test started last kept one worker busy while the
+    other sat idle."""
     import torch
 
     for item in items:
         if any(_made_once_for_the_module(item, name) for name in item.fixturenames):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="marked gpu and torch.cuda.is_available() is False here: "

@@ -130,9 +130,10 @@ def test_a_caller_ended_by_a_scheduler_or_killed_takes_its_job_with_it(tmp_path,
     (SIGTERM: with their checkpoint, then the caller ends by the signal) and nothing of the job
     runs 20 s later."""
     mark = uuid.uuid4().hex
-    ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
+    ckpt, logs, tmp = tmp_path / "ckpt", tmp_path / "logs", tmp_path / "tmp"
+    tmp.mkdir()
     caller = subprocess.Popen([sys.executable, str(CALLER), "forever", "gloo", str(ckpt), str(logs)],
-                              env=dict(os.environ, HVDKIT_TEST_MARK=mark), stdout=subprocess.PIPE,
+                              env=dict(os.environ, HVDKIT_TEST_MARK=mark, TMPDIR=str(tmp)), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: (logs / "metrics.jsonl").exists() and '"train"' in (logs / "metrics.jsonl").read_text(),
@@ -148,6 +149,7 @@ def test_a_caller_ended_by_a_scheduler_or_killed_takes_its_job_with_it(tmp_path,
         if ending == signal.SIGTERM:
             assert "hvdkit.run: SIGTERM passed to every rank" in err, err[-3000:]
             assert checkpoint.existing(str(ckpt)), err[-3000:]
+            assert list(tmp.glob(".hvdkit-run-*")) == [], "the call's directory goes before the caller does"
     finally:
         for process in _marked(mark):
             process.kill()

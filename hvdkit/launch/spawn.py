@@ -107,6 +107,7 @@ def run(fn: Callable, *args: Any, np: int = 2, launcher: str = "horovodrun", hos
             raise
         except _Ended as ended:
             _stop(proc, ended.signum, signal.Signals(ended.signum).name)
+            shutil.rmtree(directory, ignore_errors=True)  # the default action ends the caller before `finally`
             _end_by(ended.signum, previous)
         finally:
             _restore(previous)

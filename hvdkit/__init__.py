@@ -10,16 +10,11 @@ __version__ = "0.1.0"
 _LAZY = {"Trainer": "hvdkit.trainer", "TrainConfig": "hvdkit.config", "Session": "hvdkit.session",
          "sync_batch_norm": "hvdkit.models", "run": "hvdkit.launch.spawn",
          "RunError": "hvdkit.launch.spawn"}
-_TRAINING = ("Trainer", "Session")  # a rank's: torch and Horovod are loaded quickly first (hvdkit.rank.imports)
 
 
 def __getattr__(name):
     if name in _LAZY:
         import importlib
 
-        if name in _TRAINING:
-            from hvdkit.rank import imports
-
-            imports.load_for_training()
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'hvdkit' has no attribute {name!r}")

@@ -67,13 +67,9 @@ def train(args: argparse.Namespace) -> int:
         print("models:  ", " ".join(models.names()))
         print("datasets:", " ".join(data.DATASETS))
         return 0
-    from hvdkit.rank import imports
-
-    imports.load_for_training()  # torch, which only training needs, loaded quickly
-    with imports.collector_paused():
-        from hvdkit.data import UnreadableSample, one_line
-        from hvdkit.session import OWN_ERRORS
-        from hvdkit.trainer import Trainer, failure_hint
+    from hvdkit.data import UnreadableSample, one_line  # imports torch, which only training needs
+    from hvdkit.session import OWN_ERRORS
+    from hvdkit.trainer import Trainer, failure_hint
 
     try:
         cfg = config.from_args(args)

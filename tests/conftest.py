@@ -19,7 +19,14 @@ def run(cmd, timeout=300, env=None, raw=False, **kwargs):
     horovodrun print it) is joined into whole lines and untagged, as a user reads one rank."""
     full_env = selftest.mpi_root_env(env if env is not None else os.environ)
     full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, **kwargs)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
+                          **kwargs) as started:
+        try:
+            stdout, stderr = started.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(started)  # subprocess.run killed the launcher alone, and its ranks ran on as orphans
+            raise
+    proc = subprocess.CompletedProcess(started.args, started.returncode, stdout, stderr)
     if not raw:
         proc.stdout, proc.stderr = untagged(proc.stdout), untagged(proc.stderr)
     return proc

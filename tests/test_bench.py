@@ -22,7 +22,7 @@ from hvdkit.launch.cli import local_command
 from hvdkit.launch.rank_output import TAG
 
 HVDKIT = [sys.executable, "-m", "hvdkit.cli", "bench"]
-TINY = ["--model", "resnet18", "--batch-size", "4", "--image-size", "32", "--num-classes", "10",
+TINY = ["--model", "cnn", "--batch-size", "4", "--image-size", "32", "--num-classes", "10",
         "--num-warmup-batches", "1", "--num-batches-per-iter", "2", "--num-iters", "3"]
 
 
@@ -212,9 +212,9 @@ def test_compare_runs_each_implementation_and_reports_ratios(hvd_built):
     assert record["knobs"]["hvdkit"]["HOROVOD_CYCLE_TIME"] == "0.1"
     assert record["knobs"]["own-loop"]["HOROVOD_CYCLE_TIME"] == "0.1", "the Session applies the same settings"
     assert record["knobs"]["hvdkit HOROVOD_CYCLE_TIME=1"]["HOROVOD_CYCLE_TIME"] == "1"
-    # what the scaling estimate needs: compute alone (timed, so only > 0) and resnet18's gradients with 10 classes
-    assert record["compute_ms"] > 0 and record["gradient_bytes"] == 4 * 11_181_642
-    assert (f"hvdkit bench estimate --compute-ms {record['compute_ms']:.1f} --gradient-bytes 44726568 "
+    # what the scaling estimate needs: compute alone (timed, so only > 0) and the cnn's gradients at 32x32, 10 classes
+    assert record["compute_ms"] > 0 and record["gradient_bytes"] == 4 * 2_117_962
+    assert (f"hvdkit bench estimate --compute-ms {record['compute_ms']:.1f} --gradient-bytes 8471848 "
             "--batch-size 4") in proc.stdout
 
 

@@ -161,10 +161,13 @@ def test_an_elastic_job_stopped_by_sigterm_saves_its_step_and_resumes_bitwise(tm
                             start_new_session=True)
     tree = wait_for_training(proc, logs, step=20)
     proc.send_signal(signal.SIGTERM)
+    signalled, logged = time.monotonic(), max(r["step"] for r in _train_records(logs))
     out, err = finish(proc, tree, seconds=60)
     assert proc.returncode in code, err[-3000:]
     stopped = [line for line in err.splitlines() if "hvdkit: stopped by" in line]
-    assert len(stopped) == 1, err[-3000:]
+    # once in a full suite run horovodrun exited 0 after all its steps: no stop had reached the ranks
+    assert len(stopped) == 1, (f"exit {proc.returncode} {time.monotonic() - signalled:.1f} s after the SIGTERM at "
+                               f"step {logged}: {err[:1500]} ... {err[-1500:]}")
     step = int(stopped[0].split(" at step ")[1].split(";")[0])
     assert 20 <= step < 200
     assert f"stopped by SIGTERM at step {step}; checkpoint of step {step} saved in {ckpt}" in stopped[0]

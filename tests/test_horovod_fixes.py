@@ -92,6 +92,16 @@ def _still_there(processes):
     return found
 
 
+def _signal_state(pid):
+    """Blocked, ignored and caught signals (hex masks, /proc/PID/status): a mask or an ignored
+    disposition is inherited by every child, so a polluted test process would show here."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return "status (gone)"
+    return " ".join(line.replace("\t", "") for line in lines if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+
+
 @pytest.mark.parametrize("mode, sig, code, ranks_got", [
     ("--mpi", signal.SIGTERM, 143, "SIGTERM"),  # to the ranks directly: mpirun would send SIGCONT first
     ("--mpi", signal.SIGINT, 130, "SIGINT"),
@@ -126,7 +136,8 @@ def test_horovodrun_forwards_stop_signals_and_ends_what_it_started(tmp_path, mod
         except subprocess.TimeoutExpired:  # seen once in a full suite run: say what was still there
             pytest.fail(f"horovodrun still running 15 s after the signal; the ranks logged "
                         f"{[(log.name, log.read_text()) for log in sorted(tmp_path.glob('rank-*'))]}; "
-                        f"below it: {_still_there(below)}")
+                        f"below it: {_still_there(below)}; horovodrun's {_signal_state(proc.pid)}, this "
+                        f"process's {_signal_state(os.getpid())}")
         assert ended == code, proc.stderr.read()[-3000:]
         _, alive = psutil.wait_procs(below, timeout=15)
         assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], [(p.pid, p.name()) for p in alive]

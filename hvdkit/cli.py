@@ -25,6 +25,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("slurm", add_help=False, help="render or submit an sbatch script from the templates in slurm/")
     sub.add_parser("rehearse", add_help=False,
                    help="run a multi-node job (launch line or sbatch) on hosts made on this machine, then remove them")
+    sub.add_parser("image", add_help=False,
+                   help="build hvdkit's container image (podman or docker), or the local Debian base it starts from")
+    sub.add_parser("mpijob", add_help=False, help="print a Kubeflow MPIJob manifest that runs a command in hvdkit's image")
     sub.add_parser("bench", add_help=False,
                    help="benchmarks: synthetic (--compare ddp), allreduce bandwidth, scaling")
 
@@ -124,6 +127,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv[:1] == ["rehearse"]:
         from hvdkit.rehearse import cli as rehearse
         return rehearse.main(argv[1:])
+    if argv[:1] == ["image"]:
+        from hvdkit.container import cli as image
+        return image.main(argv[1:])
+    if argv[:1] == ["mpijob"]:
+        from hvdkit.container import mpijob
+        return mpijob.main(argv[1:])
     if argv[:1] == ["bench"]:
         from hvdkit import bench
         return bench.main(argv[1:])

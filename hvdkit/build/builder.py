@@ -422,6 +422,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     parser.add_argument("--force", action="store_true", help="rebuild even if a cached wheel exists")
     parser.add_argument("--cpu-only", action="store_true", help="build without NCCL even if CUDA is found")
+    parser.add_argument("--gpu", action="store_true",
+                        help="require NCCL: stop with the reason when the machine cannot build it (a GPU image)")
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="wheel cache (default: $HVDKIT_CACHE_DIR or ~/.cache/hvdkit)")
     parser.add_argument("--mpi", choices=MPI_CHOICES, default="auto",
@@ -445,6 +447,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         plan = plan_build(detect_toolchain(mpi=args.mpi), cpu_only=args.cpu_only)
         for line in plan.describe():
             print(f"hvdkit.build: {line}", flush=True)
+        if args.gpu and plan.gpu_operations is None:
+            raise BuildError(f"--gpu: Horovod cannot be built with NCCL here: {plan.gpu_reason}")
         if args.dry_run:
             return 0
         started = time.monotonic()

@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="run a multi-node job (launch line or sbatch) on hosts made on this machine, then remove them")
     sub.add_parser("image", add_help=False,
                    help="build hvdkit's container image (podman or docker), or the local Debian base it starts from")
-    sub.add_parser("mpijob", add_help=False, help="print a Kubeflow MPIJob manifest that runs a command in hvdkit's image")
+    sub.add_parser("mpijob", add_help=False,
+                   help="print a Kubeflow MPIJob manifest for hvdkit's image, or run it here (--run)")
     sub.add_parser("bench", add_help=False,
                    help="benchmarks: synthetic (--compare ddp), allreduce bandwidth, scaling")
 

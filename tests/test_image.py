@@ -31,8 +31,9 @@ def commands() -> dict:
     made = {}
     for name, engine in ENGINES.items():
         made[name] = {
-            "build": engine.build(Path("/src/hvdkit"), "localhost/hvdkit:0.1.0-cpu", dockerfile=Path("/src/hvdkit/Dockerfile"),
-                                  target="hvdkit", build_args={"BASE": "debian:bookworm", "PIP_FIND_LINKS": "/opt/wheels"},
+            "build": engine.build(Path("/src/hvdkit"), "localhost/hvdkit:0.1.0-cpu",
+                                  dockerfile=Path("/src/hvdkit/Dockerfile"), target="hvdkit",
+                                  build_args={"BASE": "debian:bookworm", "PIP_FIND_LINKS": "/opt/wheels"},
                                   mounts=[Mount("/opt/wheels", "/opt/wheels", read_only=True)]),
             "run": engine.run("localhost/hvdkit:0.1.0-cpu", ["hvdkit", "doctor", "--selftest"], name="hvdkit-w0",
                               detach=True, network="hvdkit-net", hostname="worker-0",

@@ -127,8 +127,8 @@ class PodJob:
         waiting = list(range(self.workers))
         while waiting:
             listening = ["bash", "-c", f"exec 3<>/dev/tcp/127.0.0.1/{mpijob.SSH_PORT}"]
-            waiting = [i for i in waiting
-                       if subprocess.run(self.engine.exec(self.worker_name(i), listening), capture_output=True).returncode]
+            waiting = [i for i in waiting if subprocess.run(self.engine.exec(self.worker_name(i), listening),
+                                                            capture_output=True).returncode]
             if waiting and time.monotonic() > deadline:
                 raise PodJobError(f"{self.worker_name(waiting[0])}: sshd did not answer within {READY_SECONDS:.0f} s")
             if waiting:

@@ -37,6 +37,7 @@ from hvdkit.launch.hostfile import (
     format_hostfile,
     host_list,
     parse_hosts,
+    ranks_by_host,
     read_hostfile,
     slurm_hosts,
 )
@@ -162,6 +163,7 @@ class Plan:
     notes: list = field(default_factory=list)
     tagged: bool = False  # output tagged per chunk with the rank ([1,0]<stdout>:), joined into lines
     watch: list = field(default_factory=list)  # hosts (-H, --hostfile) that supervise.run ends the job without
+    ranks: dict = field(default_factory=dict)  # {host: the ranks it runs}, to name them when it is lost
 
     def render(self) -> str:
         """Copy-pasteable: `env NAME=VALUE ... launcher args`."""
@@ -222,11 +224,12 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
                       as_root=as_root, srun_mpi=args.srun_mpi, program=program, launcher_args=list(launcher_args))
     oversubscribed = check_slots(spec, local_slots)
     listed = [h.name for h in hosts] if args.hosts or args.hostfile or rehearsed else []  # srun: Slurm watches
+    placed = ranks_by_host(hosts, args.np) if listed else {}
     if launcher == "horovodrun":
         env = dict(set_env)
         if as_root and args.controller != "gloo":  # its mpirun refuses root without these
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-        return Plan(launcher, reason, horovodrun_command(spec), env, tagged=True, watch=listed)
+        return Plan(launcher, reason, horovodrun_command(spec), env, tagged=True, watch=listed, ranks=placed)
     if launcher == "srun":
         return Plan(launcher, reason, srun_command(spec), {})
 
@@ -247,7 +250,7 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
                          f"{', '.join(spec.network.peers)}; MPI and NCCL pinned to it")
     spec.forward = forwarded_names(environ, [*extra, *([job.JOB_DIR] if supervised else [])])
     return Plan(launcher, f"{reason}; {flavor}", MPIRUN_BUILDERS[flavor](spec), {}, notes,
-                tagged=flavor == "openmpi", watch=listed)
+                tagged=flavor == "openmpi", watch=listed, ranks=placed)
 
 
 def local_command(how: str, np: int, command: Sequence[str], hosts: Optional[str] = None) -> list[str]:
@@ -299,7 +302,8 @@ def main(argv: Sequence[str]) -> int:
         print(result.render(), flush=True)
         if args.dry_run:
             return 0
-    return supervise.run(result.command, dict(os.environ, **result.env), join_lines=result.tagged, watch=watched)
+    return supervise.run(result.command, dict(os.environ, **result.env), join_lines=result.tagged, watch=watched,
+                         ranks=result.ranks)
 
 
 def _previewed(names: Sequence[str]) -> Optional[Network]:

@@ -92,3 +92,15 @@ def host_list(hosts: Sequence[Host]) -> str:
 
 # ---------------------------------------------------------------------------
 # Which launcher and which MPI.
+
+
+def ranks_by_host(hosts: Sequence[Host], np: int) -> dict[str, list[int]]:
+    """The ranks each host runs when the launcher fills the hosts' slots in order (mpirun's
+    default by-slot mapping, and horovodrun's): to name the ranks a lost host took with it."""
+    placed: dict[str, list[int]] = {}
+    rank = 0
+    for host in hosts:
+        take = min(host.slots, np - rank)
+        placed.setdefault(host.name, []).extend(range(rank, rank + take))
+        rank += take
+    return placed

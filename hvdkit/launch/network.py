@@ -100,8 +100,10 @@ class HostWatch:
     line naming a host that has not answered for ``lost_after`` seconds."""
 
     def __init__(self, hosts: dict[str, str], lost_after: float = LOST_SECONDS,
-                 probe: Callable[[str], bool] = answers, every: float = PROBE_SECONDS) -> None:
+                 probe: Callable[[str], bool] = answers, every: float = PROBE_SECONDS,
+                 ranks: Optional[dict[str, list[int]]] = None) -> None:
         self.hosts, self.lost_after, self.probe, self.every = hosts, lost_after, probe, every
+        self.ranks = ranks or {}
         self.lost: Optional[str] = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hvdkit-hostwatch", daemon=True)
@@ -115,9 +117,28 @@ class HostWatch:
                 if self.probe(address):
                     last_answer[name] = time.monotonic()
                 elif time.monotonic() - last_answer[name] >= self.lost_after:
-                    self.lost = (f"host {name} ({address}) has not answered on the network for "
+                    self.lost = (f"host {name} ({self._where(name)}) has not answered on the network for "
                                  f"{time.monotonic() - last_answer[name]:.0f} s; ending the job")
                     return
+
+    def _where(self, name: str) -> str:
+        ranks = self.ranks.get(name)
+        if not ranks:
+            return self.hosts[name]
+        return f"{self.hosts[name]}, rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+    def confirm(self) -> Optional[str]:
+        """Probe every host once, now: after the launcher failed sooner than ``lost_after`` (Open
+        MPI ends a job within a second of losing a host's daemon), whether a host went with it."""
+        if self.lost or not self.hosts:
+            return self.lost
+        self.stop()
+        for name, address in self.hosts.items():
+            if not self.probe(address):
+                self.lost = (f"host {name} ({self._where(name)}) does not answer on the network; "
+                             f"the job ended without it")
+                break
+        return self.lost
 
     def stop(self) -> None:
         self._stop.set()

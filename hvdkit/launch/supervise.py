@@ -99,10 +99,10 @@ def translate(signum: int, forwarder: str) -> int:
 
 
 def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False,
-        watch: Optional[Mapping[str, str]] = None) -> int:
+        watch: Optional[Mapping[str, str]] = None, ranks: Optional[Mapping[str, list]] = None) -> int:
     """Run ``command`` (a launcher) to its end as described above; its exit code. With
     ``join_lines``, its output (tagged by rank) is passed on as whole lines (hvdkit.launch.rank_output);
-    ``watch``: {host: address} of the other hosts of the job."""
+    ``watch``: {host: address} of the other hosts of the job; ``ranks``: {host: the ranks it runs}."""
     import psutil  # here: `hvdkit doctor` imports this module where psutil may be missing
 
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
@@ -130,9 +130,11 @@ def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False
                     pass
 
         previous = {sig: signal.signal(sig, forward) for sig in unless_nohup(FORWARDED)}
-        hosts = network.HostWatch(dict(watch or {}))
+        hosts = network.HostWatch(dict(watch or {}), ranks=dict(ranks or {}))
         try:
             code = _wait(child, hosts, stopped)
+            if code != 0 and not stopped and hosts.confirm():
+                print(f"hvdkit launch: {hosts.lost}", file=sys.stderr, flush=True)
         finally:
             hosts.stop()
             for sig, handler in previous.items():

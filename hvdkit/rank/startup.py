@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from hvdkit import env
-from hvdkit.config import TrainConfig
+from hvdkit.config import ConfigError, TrainConfig
 from hvdkit.rank.lock import DirectoryInUse, DirectoryLock
 
 
@@ -171,14 +171,18 @@ def new_run_dir(root: str = "runs") -> str:
     """runs/<date>-<time>[-N], made here: a directory no other run uses, so runs never share
     metrics, also two started in the same second from one directory (a Slurm job array)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    Path(root).mkdir(parents=True, exist_ok=True)
-    for n in itertools.count(1):
-        candidate = Path(root) / (stamp if n == 1 else f"{stamp}-{n}")
-        try:
-            candidate.mkdir()
-        except FileExistsError:
-            continue
-        return str(candidate)
+    try:
+        Path(root).mkdir(parents=True, exist_ok=True)
+        for n in itertools.count(1):
+            candidate = Path(root) / (stamp if n == 1 else f"{stamp}-{n}")
+            try:
+                candidate.mkdir()
+            except FileExistsError:
+                continue
+            return str(candidate)
+    except OSError as exc:  # e.g. a container's user in a folder it cannot write
+        raise ConfigError(f"config: cannot make the run directory under {Path(root).resolve()}: {exc.strerror}; "
+                          f"start where you can write, or pass --log-dir and --checkpoint-dir") from None
 
 
 def run_dir(cfg: TrainConfig, hvd) -> str:

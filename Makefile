@@ -7,7 +7,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMPS := .make
 APT_PACKAGES := openmpi-bin libopenmpi-dev mpich libmpich-dev cmake g++ patch slurm-wlm munge \
-    openssh-server openssh-client iproute2
+    openssh-server openssh-client iproute2 podman runc mmdebstrap
 PYTEST_ARGS ?=
 # pytest-xdist workers: the suite waits on launches, timeouts and daemons a third of the time
 # when run in one process (measured: 36% of 2 cores idle); two workers keep both cores busy.
@@ -23,7 +23,7 @@ endif
 # horovodrun and mpirun from the virtual environment come first.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup system-packages horovod bytecode train train-lm doctor test test-fast lint gpu-check clean
+.PHONY: setup system-packages horovod bytecode train train-lm doctor image test test-fast lint gpu-check clean
 
 setup: system-packages $(STAMPS)/python-packages horovod bytecode
 
@@ -70,6 +70,13 @@ bytecode: $(STAMPS)/python-packages horovod
 
 doctor: setup
 	$(VENV)/bin/hvdkit doctor --selftest
+
+# hvdkit's container image (Dockerfile), built by podman or docker; its tag is the last line.
+# IMAGE_BASE=local: a Debian base made here with mmdebstrap, for machines that reach no registry.
+IMAGE_BASE ?= debian:bookworm
+IMAGE_ARGS ?=
+image: setup
+	$(VENV)/bin/hvdkit image build --base $(IMAGE_BASE) $(IMAGE_ARGS)
 
 # The main job: 2 ranks on this machine, the embedded digits dataset, the default config.
 train: setup

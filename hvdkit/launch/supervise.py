@@ -43,6 +43,7 @@ from hvdkit.job import (
     SRUN,
     rank_exit_code,
     stop_grace,
+    stopped_by,
     unless_nohup,
 )
 from hvdkit.launch import network, rank_output
@@ -145,7 +146,12 @@ def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False
                 pump.join(timeout=5)
         if hosts.lost:
             return LOST
-        return rank_exit_code(Path(env[JOB_DIR])) or _shell_code(code)
+        recorded = rank_exit_code(Path(env[JOB_DIR]))
+        if recorded is None and stopped and code != 0:
+            # Ranks on hosts that do not share this job directory (containers, machines without a
+            # shared /tmp) leave no record; a stopped job still exits as the signal says.
+            return stopped_by(stopped[0])
+        return recorded or _shell_code(code)
 
 
 def _wait(child: subprocess.Popen, hosts: network.HostWatch, stopped: list) -> int:

@@ -1,0 +1,183 @@
+"""hvdkit's image, built and run for real with podman (docs/containers.md).
+
+One image for the module, built by `hvdkit image build --base local` from a Debian base made
+here with mmdebstrap (no registry is reachable): the build ends with `hvdkit doctor --selftest`
+inside, so a built image has passed it once; it is run again here, as users run it. Then the
+MPIJob shape on this machine (`hvdkit mpijob --run`): a launcher and two worker containers on one
+network, mpirun over ssh as the non-root user. The layers are cached between runs on a machine;
+what changed in the checkout rebuilds only the last ones (hvdkit and a cached Horovod wheel).
+Every container, network and key a test makes is removed, also when it fails.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import REPO, TWO_RANK_TRAIN, _missing, final_weights
+from hvdkit.container.engine import find_engine
+
+pytestmark = pytest.mark.slow
+HVDKIT = [sys.executable, "-m", "hvdkit"]
+
+
+def _require_podman():
+    missing = [tool for tool in ("podman", "mmdebstrap") if shutil.which(tool) is None]
+    if missing:
+        _missing(f"CI must run the container tests, but {', '.join(missing)} is missing (make setup installs it)",
+                 f"{', '.join(missing)} not installed here: run `make setup`")
+
+
+@pytest.fixture(scope="module")
+def image():
+    _require_podman()
+    began = time.monotonic()
+    done = subprocess.run([*HVDKIT, "image", "build", "--base", "local"], capture_output=True, text=True, cwd=REPO,
+                          timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    tag = done.stdout.strip().splitlines()[-1]
+    print(f"image {tag} built in {time.monotonic() - began:.0f} s", file=sys.stderr)
+    return tag
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    """The volume: a folder the image's user (uid 1000) owns, as a claim mounted with fsGroup is."""
+    folder = tmp_path / "workspace"
+    folder.mkdir()
+    os.chown(folder, 1000, 1000)
+    return folder
+
+
+def engine_run(image, command, workspace, **kwargs):
+    engine = find_engine("podman")
+    from hvdkit.container.engine import Mount
+    cmd = engine.run(image, command, mounts=[Mount(str(workspace), "/workspace")], **kwargs)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+def summary(text):
+    return json.loads(next(line[line.index("{"):] for line in text.splitlines() if '"event": "summary"' in line))
+
+
+def ours():
+    """Containers and networks this module's jobs made (their names start with the job's name)."""
+    listed = subprocess.run(["podman", "ps", "-a", "--filter", "label=hvdkit.mpijob", "--format", "{{.Names}}"],
+                            capture_output=True, text=True).stdout.split()
+    networks = subprocess.run(["podman", "network", "ls", "--format", "{{.Name}}"], capture_output=True,
+                              text=True).stdout.split()
+    return [name for name in listed + networks if name.startswith("ctest-")]
+
+
+def test_the_image_runs_as_a_user_passes_the_selftest_and_trains_to_make_trains_accuracy(image, workspace):
+    who = engine_run(image, ["id", "-u", "-n"], workspace)
+    assert who.stdout.strip() == "hvdkit", who.stderr
+    doctor = engine_run(image, ["hvdkit", "doctor", "--selftest"], workspace)
+    assert doctor.returncode == 0, doctor.stdout[-2000:] + doctor.stderr[-2000:]
+    assert "selftest mpi:         PASS" in doctor.stdout and "selftest gloo:        PASS" in doctor.stdout
+    trained = engine_run(image, ["hvdkit", "launch", "-np", "2", "--", "hvdkit", "train"], workspace)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    result = summary(trained.stdout)
+    assert result["world_size"] == 2 and result["test_accuracy"] >= 0.98, result  # make train: about 99%
+    assert list((workspace / "runs").iterdir()), "the run went to the mounted volume"
+
+
+def test_a_folder_the_user_cannot_write_is_one_line(image, tmp_path):
+    root_only = tmp_path / "root-only"
+    root_only.mkdir(mode=0o755)
+    os.chmod(root_only, 0o755)  # whatever the umask: owned by root, not writable by uid 1000
+    done = engine_run(image, ["hvdkit", "launch", "-np", "2", "--", "hvdkit", "train", "--epochs", "1"], root_only)
+    assert done.returncode != 0, done.stderr[-3000:]  # mpirun's code: the first rank to end (rank 1, 1)
+    said = [line for line in done.stderr.splitlines() if "cannot make the run directory" in line]
+    assert len(said) == 1 and "Permission denied" in said[0], done.stderr[-3000:]
+
+
+def mpijob(image, workspace, *command, name="ctest", workers=2, grace=30):
+    return [*HVDKIT, "mpijob", "--run", "--name", name, "--workers", str(workers), "--image", image,
+            "--workspace", str(workspace), "--grace", str(grace), "--", *command]
+
+
+def test_launcher_and_two_workers_train_as_two_ranks_on_one_host(image, workspace, two_ranks_trained):
+    done = subprocess.run(mpijob(image, workspace, "hvdkit", "train", *TWO_RANK_TRAIN), capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = summary(done.stdout)
+    hosts = [rank["host"] for rank in result["per_rank"]]
+    assert [host.split("-", 2)[0] for host in hosts] == ["ctest"] * 2, hosts
+    assert [host.rsplit("-", 2)[1:] for host in hosts] == [["worker", "0"], ["worker", "1"]], hosts
+    # Close, not bitwise: each worker's rank has the container's two cores to itself, and torch's
+    # kernels sum in another order with two threads than with the one each of two ranks on one host has.
+    trained = final_weights(workspace / "runs" / "ctest" / "checkpoints")
+    assert trained.keys() == two_ranks_trained.keys()
+    for name, value in two_ranks_trained.items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    assert ours() == []
+
+
+def _wait_for_steps(proc, metrics, steps, seconds=240):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the job ended before it trained"
+        if metrics.exists() and any('"step"' in line for line in metrics.read_text().splitlines()):
+            records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+            if max((r.get("step", 0) for r in records), default=0) >= steps:
+                return
+        time.sleep(0.5)
+    pytest.fail(f"no step {steps} within {seconds} s")
+
+
+def _container(suffix_end):
+    names = subprocess.run(["podman", "ps", "--filter", "label=hvdkit.mpijob", "--format", "{{.Names}}"],
+                           capture_output=True, text=True).stdout.split()
+    [name] = [n for n in names if n.startswith("ctest-") and n.endswith(suffix_end)]
+    return name
+
+
+def test_podman_stop_of_the_launcher_saves_on_the_volume_leaves_nothing_and_the_rerun_resumes(image, workspace):
+    command = ["hvdkit", "train", "--model", "mlp", "--max-steps", "120", "--log-interval", "5"]
+    proc = subprocess.Popen(mpijob(image, workspace, *command), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        _wait_for_steps(proc, workspace / "runs" / "ctest" / "metrics.jsonl", 20)
+        stopped = subprocess.run(["podman", "stop", "-t", "30", _container("-launcher")], capture_output=True,
+                                 text=True, timeout=120)
+        assert stopped.returncode == 0, stopped.stderr
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 143, err[-3000:]
+    saved = [line for line in err.splitlines() if "hvdkit: stopped by SIGTERM at step" in line]
+    assert saved and "saved in /workspace/runs/ctest/checkpoints" in saved[0], err[-3000:]
+    assert list((workspace / "runs" / "ctest" / "checkpoints").iterdir()), err[-3000:]
+    assert ours() == []
+    rerun = subprocess.run(mpijob(image, workspace, *command), capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "resum" in rerun.stderr.lower(), rerun.stderr[-3000:]
+    assert summary(rerun.stdout)["steps"] == 120
+    assert ours() == []
+
+
+def test_a_killed_worker_ends_the_job_naming_its_rank(image, workspace):
+    command = ["hvdkit", "train", "--model", "mlp", "--max-steps", "5000", "--log-interval", "5"]
+    proc = subprocess.Popen(mpijob(image, workspace, *command), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        _wait_for_steps(proc, workspace / "runs" / "ctest" / "metrics.jsonl", 10)
+        worker = _container("-worker-1")
+        subprocess.run(["podman", "kill", worker], capture_output=True, timeout=60)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 76, err[-3000:]  # hvdkit.job.LOST
+    assert f"hvdkit launch: host {worker} (" in err and ", rank 1) does not answer" in err, err[-3000:]
+    assert ours() == []

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,36 @@ def _missing(in_ci, elsewhere):
     if os.environ.get("CI"):
         pytest.fail(in_ci)
     pytest.skip(elsewhere)
+
+
+def require_podman():
+    """Skip, saying why, where podman or mmdebstrap is missing; in CI that is a failure."""
+    import shutil
+
+    missing = [tool for tool in ("podman", "mmdebstrap") if shutil.which(tool) is None]
+    if missing:
+        _missing(f"CI must run the container tests, but {', '.join(missing)} is missing (make setup installs it)",
+                 f"{', '.join(missing)} not installed here: run `make setup`")
+
+
+@pytest.fixture(scope="session")
+def hvdkit_image(tmp_path_factory):
+    """hvdkit's image, built by `hvdkit image build --base local` once per machine and checkout
+    state: podman caches the layers, so a worker that comes second (under a lock: two builds of
+    one context at once broke podman's storage here) finds them all and takes seconds."""
+    import fcntl
+    import time
+
+    require_podman()
+    with open(Path(tempfile.gettempdir()) / "hvdkit-image-build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        began = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "hvdkit", "image", "build", "--base", "local"],
+                              capture_output=True, text=True, cwd=REPO, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    tag = done.stdout.strip().splitlines()[-1]
+    print(f"image {tag} built in {time.monotonic() - began:.0f} s", file=sys.stderr)
+    return tag
 
 
 def elastic_on_this_host(hostfile, command, launcher="horovodrun"):

@@ -11,7 +11,6 @@ Every container, network and key a test makes is removed, also when it fails.
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,30 +19,16 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, TWO_RANK_TRAIN, _missing, final_weights
+from conftest import TWO_RANK_TRAIN, final_weights
 from hvdkit.container.engine import find_engine
 
 pytestmark = pytest.mark.slow
 HVDKIT = [sys.executable, "-m", "hvdkit"]
 
 
-def _require_podman():
-    missing = [tool for tool in ("podman", "mmdebstrap") if shutil.which(tool) is None]
-    if missing:
-        _missing(f"CI must run the container tests, but {', '.join(missing)} is missing (make setup installs it)",
-                 f"{', '.join(missing)} not installed here: run `make setup`")
-
-
 @pytest.fixture(scope="module")
-def image():
-    _require_podman()
-    began = time.monotonic()
-    done = subprocess.run([*HVDKIT, "image", "build", "--base", "local"], capture_output=True, text=True, cwd=REPO,
-                          timeout=1800)
-    assert done.returncode == 0, done.stderr[-3000:]
-    tag = done.stdout.strip().splitlines()[-1]
-    print(f"image {tag} built in {time.monotonic() - began:.0f} s", file=sys.stderr)
-    return tag
+def image(hvdkit_image):
+    return hvdkit_image
 
 
 @pytest.fixture

@@ -103,7 +103,7 @@ def test_a_host_whose_link_goes_down_ends_the_job_naming_it(hosts, launcher, tmp
         text = "".join(err)
         assert code == job.LOST, text[-3000:]
         assert ended_after < 60
-        assert "hvdkit launch: host h3 (10.231.0.13) has not answered on the network for" in text, text[-3000:]
+        assert "hvdkit launch: host h3 (10.231.0.13, rank 2) has not answered on the network for" in text, text[-3000:]
         # Nothing left running on the hosts still reachable: only their sshd.
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and any(set(hosts.commands(h)) != {"sshd"} for h in ("h1", "h2")):

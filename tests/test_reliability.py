@@ -443,6 +443,19 @@ def test_requeues_are_bounded(tmp_path):
     assert not stops.will_requeue(signal.SIGTERM, dict(stopped, SLURM_RESTART_COUNT="0"), 3)
 
 
+def test_without_scontrol_every_rank_exits_138_for_the_job_script_to_requeue(monkeypatch, tmp_path):
+    """In a container under Slurm (slurm/container.sbatch) the ranks see the job but not Slurm's
+    commands: no rank takes the stop for a requeue, and the script outside requeues on 138."""
+    from hvdkit.rank import stops
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    job = {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "0"}
+    said, code = stops.after_stop(signal.SIGUSR1, job, 3)
+    assert code == 138 and said == ("not requeued from here: no scontrol on PATH (a container?); every rank exits "
+                                    "138 for the job script to requeue job 7")
+    assert not stops.will_requeue(signal.SIGUSR1, job, 3)
+
+
 def test_a_killed_save_leaves_no_temporary_file(tmp_path):
     """A save killed mid-write leaves .ckpt-step….pt.*.tmp; the next save removes it."""
     stale = tmp_path / f".{checkpoint.path_for(str(tmp_path), 5).name}.abc123.tmp"

@@ -14,6 +14,7 @@ import pytest
 from conftest import REPO, assert_bitwise_equal, final_weights, require_slurm_on_namespaces, run
 from hvdkit import checkpoint
 from hvdkit.checks import selftest
+from hvdkit.container.engine import Limits
 from hvdkit.launch import cli as launch
 from hvdkit.rehearse import namespaces as namespace_hosts
 from hvdkit.rehearse import slurm_cluster
@@ -197,6 +198,35 @@ def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(cluster
     assert any(s.get("stopped") for s in summaries), "the stopped run reported its summary too"
     assert_bitwise_equal(final_weights(tmp_path / "run" / "checkpoints"), preempt_reference)
     assert_nothing_left(tmp_path)
+
+
+def test_the_container_template_with_podman_completes_and_requeues_on_usr1(cluster, tmp_path, preempt_reference,
+                                                                          hvdkit_image):
+    """slurm/container.sbatch as Apptainer runs it (srun --mpi=pmix, a container per rank), with
+    podman as the runtime: the ranks join Slurm's PMIx from their containers, SIGUSR1 stops them
+    with a checkpoint on the mounted run directory, the script outside requeues (the container
+    has no scontrol), and the restart resumes to an uninterrupted run's weights."""
+    limits = " ".join(Limits.of_this_process().args())
+    job = submit(cluster, tmp_path, "container.sbatch", args=PREEMPT_ARGS,
+                 extra_env={"HVDKIT_IMAGE": hvdkit_image, "HVDKIT_RUNTIME": "podman",
+                            "HVDKIT_COMMAND": "hvdkit train", "HVDKIT_CONTAINER_ARGS": limits})
+    wait_for_training(cluster, job, tmp_path)
+    first_node = cluster.job(job)["NodeList"]
+    assert cluster.run(["scancel", "--signal=USR1", job]).returncode == 0
+    cluster.release_requeued(job, exclude=first_node)  # the restart on the other node, as preempted jobs often go
+    info = cluster.wait(job, timeout=300)
+    log = job_log(tmp_path, job)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, log[-3000:])
+    assert info["NodeList"] != first_node, info
+    assert f"requeueing job {job} (restart 1)" in log, log[-3000:]
+    rank0 = (tmp_path / "run" / "rank-0.log").read_text()
+    assert "not requeued from here: no scontrol on PATH (a container?)" in rank0, rank0[-3000:]
+    summaries = selftest.parse_records(log, "summary")
+    assert summaries[-1]["epochs"] == 2 and not summaries[-1].get("stopped"), log[-3000:]
+    assert_bitwise_equal(final_weights(tmp_path / "run" / "checkpoints"), preempt_reference)
+    assert_nothing_left(tmp_path)
+    containers = run(["podman", "ps", "-a", "--filter", f"label=hvdkit.slurm-job={job}", "--format", "{{.Names}}"])
+    assert containers.stdout.split() == [], "every rank's container was removed"
 
 
 def test_plain_scancel_saves_the_step_it_stopped_at_and_a_resubmitted_job_finishes(cluster, tmp_path,

@@ -134,7 +134,7 @@ def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False
         hosts = network.HostWatch(dict(watch or {}), ranks=dict(ranks or {}))
         try:
             code = _wait(child, hosts, stopped)
-            if code != 0 and not stopped and hosts.confirm():
+            if code != 0 and not stopped and not hosts.lost and hosts.confirm():
                 print(f"hvdkit launch: {hosts.lost}", file=sys.stderr, flush=True)
         finally:
             hosts.stop()
@@ -147,7 +147,7 @@ def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False
         if hosts.lost:
             return LOST
         recorded = rank_exit_code(Path(env[JOB_DIR]))
-        if recorded is None and stopped and code != 0:
+        if recorded is None and stopped and code > 0:  # it exited by itself, not killed after the grace
             # Ranks on hosts that do not share this job directory (containers, machines without a
             # shared /tmp) leave no record; a stopped job still exits as the signal says.
             return stopped_by(stopped[0])

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -133,21 +134,25 @@ class StopSignal:
 
 def requeue(environ: Mapping[str, str], max_requeues: int) -> str:
     """Requeue this Slurm job unless it has been requeued max_requeues times; say what happened."""
-    job = environ.get("SLURM_JOB_ID")
-    if not job:
+    stopped = job.stopped_by(REQUEUE_SIGNAL)
+    job_id = environ.get("SLURM_JOB_ID")
+    if not job_id:
         return "not a Slurm job: rerun the same command to resume"
     restarts = int(environ.get("SLURM_RESTART_COUNT", "0"))
     if restarts >= max_requeues:
-        return f"not requeued: job {job} was restarted {restarts} times already (--max-requeues {max_requeues})"
-    result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+        return f"not requeued: job {job_id} was restarted {restarts} times already (--max-requeues {max_requeues})"
+    if shutil.which("scontrol") is None:
+        return (f"not requeued from here: no scontrol on PATH (a container?); every rank exits {stopped} for "
+                f"the job script to requeue job {job_id}")
+    result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
     if result.returncode != 0:
-        return f"requeue of job {job} failed: {result.stderr.strip() or result.stdout.strip()}"
-    return f"requeued job {job} (restart {restarts + 1} of at most {max_requeues})"
+        return f"requeue of job {job_id} failed: {result.stderr.strip() or result.stdout.strip()}"
+    return f"requeued job {job_id} (restart {restarts + 1} of at most {max_requeues})"
 
 
 def will_requeue(signum: int, environ: Mapping[str, str], max_requeues: int) -> bool:
     return (signum == REQUEUE_SIGNAL and "SLURM_JOB_ID" in environ
-            and int(environ.get("SLURM_RESTART_COUNT", "0")) < max_requeues)
+            and int(environ.get("SLURM_RESTART_COUNT", "0")) < max_requeues and shutil.which("scontrol") is not None)
 
 
 def after_stop(signum: int, environ: Mapping[str, str], max_requeues: int) -> tuple[str, int]:

@@ -164,15 +164,18 @@ PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE St
         out = self.run(["scontrol", "-o", "show", "job", *([job_id] if job_id else [])])
         return [dict(re.findall(r"(\w+)=(\S*)", line)) for line in out.stdout.splitlines() if line.startswith("JobId=")]
 
-    def release_requeued(self, job_id: str, timeout: float = 120) -> dict:
+    def release_requeued(self, job_id: str, timeout: float = 120, exclude: Optional[str] = None) -> dict:
         """Once a requeued job waits for its begin time (Slurm holds a requeued batch job back about
         2 minutes), let it start now, as an administrator may: its requeue and restart are real,
-        only the wait is cut. The job's record when it was released (or ended)."""
+        only the wait is cut. ``exclude``: nodes the restart may not use (slurmd 22.05 took a job
+        relaunched on its node within a second of the requeue for one it had killed, and reported
+        it complete without running it). The job's record when it was released (or ended)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             info = self.job(job_id)
             if info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime":
-                self.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
+                self.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now",
+                          *([f"ExcNodeList={exclude}"] if exclude else [])])
                 return info
             if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
                 return info

@@ -101,20 +101,26 @@ def require_podman():
                  f"{', '.join(missing)} not installed here: run `make setup`")
 
 
-@pytest.fixture(scope="session")
-def hvdkit_image(tmp_path_factory):
-    """hvdkit's image, built by `hvdkit image build --base local` once per machine and checkout
-    state: podman caches the layers, so a worker that comes second (under a lock: two builds of
-    one context at once broke podman's storage here) finds them all and takes seconds."""
+def build_image(*args, timeout=1800):
+    """`hvdkit image build ARGS`, one at a time on this machine: two builds of one context at once
+    broke podman's storage here ("Stale file handle" in a RUN step)."""
     import fcntl
-    import time
 
     require_podman()
     with open(Path(tempfile.gettempdir()) / "hvdkit-image-build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        began = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "hvdkit", "image", "build", "--base", "local"],
-                              capture_output=True, text=True, cwd=REPO, timeout=1800)
+        return subprocess.run([sys.executable, "-m", "hvdkit", "image", "build", *args], capture_output=True,
+                              text=True, cwd=REPO, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def hvdkit_image():
+    """hvdkit's image, built by `hvdkit image build --base local`: podman caches the layers, so a
+    second build of the same checkout (another worker's, the next run's) takes seconds."""
+    import time
+
+    began = time.monotonic()
+    done = build_image("--base", "local")
     assert done.returncode == 0, done.stderr[-3000:]
     tag = done.stdout.strip().splitlines()[-1]
     print(f"image {tag} built in {time.monotonic() - began:.0f} s", file=sys.stderr)

@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from conftest import TWO_RANK_TRAIN, final_weights
+from conftest import TWO_RANK_TRAIN, build_image, final_weights
 from hvdkit.container.engine import find_engine
 
 pytestmark = pytest.mark.slow
@@ -124,21 +124,28 @@ def _container(suffix_end):
     return name
 
 
-def test_podman_stop_of_the_launcher_saves_on_the_volume_leaves_nothing_and_the_rerun_resumes(image, workspace):
-    command = ["hvdkit", "train", "--model", "mlp", "--max-steps", "120", "--log-interval", "5"]
+def _interrupted(image, workspace, command, after_steps, interrupt):
+    """Run the job, call ``interrupt()`` once it has trained ``after_steps`` steps, and wait for
+    its end: (exit code, stderr, what interrupt returned). The job is killed if the test fails."""
     proc = subprocess.Popen(mpijob(image, workspace, *command), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
-        _wait_for_steps(proc, workspace / "runs" / "ctest" / "metrics.jsonl", 20)
-        stopped = subprocess.run(["podman", "stop", "-t", "30", _container("-launcher")], capture_output=True,
-                                 text=True, timeout=120)
-        assert stopped.returncode == 0, stopped.stderr
-        out, err = proc.communicate(timeout=120)
+        _wait_for_steps(proc, workspace / "runs" / "ctest" / "metrics.jsonl", after_steps)
+        done = interrupt()
+        _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode == 143, err[-3000:]
+    return proc.returncode, err, done
+
+
+def test_podman_stop_of_the_launcher_saves_on_the_volume_leaves_nothing_and_the_rerun_resumes(image, workspace):
+    command = ["hvdkit", "train", "--model", "mlp", "--max-steps", "120", "--log-interval", "5"]
+    code, err, stopped = _interrupted(image, workspace, command, 20, lambda: subprocess.run(
+        ["podman", "stop", "-t", "30", _container("-launcher")], capture_output=True, text=True, timeout=120))
+    assert stopped.returncode == 0, stopped.stderr
+    assert code == 143, err[-3000:]
     saved = [line for line in err.splitlines() if "hvdkit: stopped by SIGTERM at step" in line]
     assert saved and "saved in /workspace/runs/ctest/checkpoints" in saved[0], err[-3000:]
     assert list((workspace / "runs" / "ctest" / "checkpoints").iterdir()), err[-3000:]
@@ -151,18 +158,39 @@ def test_podman_stop_of_the_launcher_saves_on_the_volume_leaves_nothing_and_the_
 
 
 def test_a_killed_worker_ends_the_job_naming_its_rank(image, workspace):
-    command = ["hvdkit", "train", "--model", "mlp", "--max-steps", "5000", "--log-interval", "5"]
-    proc = subprocess.Popen(mpijob(image, workspace, *command), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        _wait_for_steps(proc, workspace / "runs" / "ctest" / "metrics.jsonl", 10)
+    def kill_worker_1():
         worker = _container("-worker-1")
         subprocess.run(["podman", "kill", worker], capture_output=True, timeout=60)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 76, err[-3000:]  # hvdkit.job.LOST
+        return worker
+
+    command = ["hvdkit", "train", "--model", "mlp", "--max-steps", "5000", "--log-interval", "5"]
+    code, err, worker = _interrupted(image, workspace, command, 10, kill_worker_1)
+    assert code == 76, err[-3000:]  # hvdkit.job.LOST
     assert f"hvdkit launch: host {worker} (" in err and ", rank 1) does not answer" in err, err[-3000:]
     assert ours() == []
+
+
+def _tags():
+    return subprocess.run(["podman", "images", "--format", "{{.Repository}}:{{.Tag}}"], capture_output=True,
+                          text=True).stdout.split()
+
+
+def test_a_base_image_that_does_not_exist_is_one_line_and_tags_nothing(image):
+    tag = "localhost/hvdkit:test-no-base"
+    done = build_image("--base", "localhost/no-such-base:1", "--tag", tag, timeout=300)
+    assert done.returncode == 1 and done.stdout == "", done.stderr
+    assert done.stderr.startswith("hvdkit image: the base image localhost/no-such-base:1 does not exist here and "
+                                  "could not be pulled: ") and len(done.stderr.splitlines()) == 1, done.stderr
+    assert tag not in _tags()
+
+
+def test_a_gpu_image_on_a_base_without_cuda_stops_with_the_builders_reason_and_tags_nothing(image):
+    """The local Debian base has no CUDA toolkit (a CUDA base without NCCL fails the same way, at
+    the same check): --gpu stops the build instead of making a CPU image under a GPU tag."""
+    tag = "localhost/hvdkit:test-gpu-no-cuda"
+    done = build_image("--base", "local", "--gpu", "--tag", tag, timeout=900)
+    assert done.returncode == 1, done.stderr[-2000:]
+    said = done.stderr.strip().splitlines()[-1]
+    assert said.startswith("hvdkit image: the image build failed (hvdkit.build: error: --gpu: Horovod cannot be "
+                           "built with NCCL here: no CUDA toolkit"), said
+    assert tag not in _tags()

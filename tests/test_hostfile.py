@@ -56,3 +56,9 @@ def test_list_hosts_for_elastic_discovery(tmp_path):
     script = REPO / "launchers" / "discover_hosts.sh"
     proc = run([str(script)], env=dict(os.environ, HVDKIT_HOSTS_FILE=str(hostfile)))
     assert proc.returncode == 0 and proc.stdout == "node1:2\nnode2:1\n", proc.stderr
+
+
+def test_ranks_fill_the_hosts_slots_in_order():
+    hosts = [Host("a", 2), Host("b", 2), Host("c", 4)]
+    assert hostfile.ranks_by_host(hosts, 5) == {"a": [0, 1], "b": [2, 3], "c": [4]}
+    assert hostfile.ranks_by_host(hosts, 2) == {"a": [0, 1], "b": [], "c": []}

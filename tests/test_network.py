@@ -110,3 +110,15 @@ def test_a_probe_tells_a_listener_from_a_refusal():
         port = server.getsockname()[1]
         assert job.probe("127.0.0.1", port) is True
     assert job.probe("127.0.0.1", port) is False and network.answers("127.0.0.1", port)
+
+
+def test_a_host_gone_when_the_launcher_failed_is_named_with_its_ranks_at_once():
+    """Open MPI ends a job within a second of losing a host's daemon, before the watch's 15 s:
+    one probe then tells which host went, and which ranks with it."""
+    answering = {"10.1.0.12": True, "10.1.0.13": False}
+    watch = network.HostWatch({"h2": "10.1.0.12", "h3": "10.1.0.13"}, probe=answering.__getitem__,
+                              ranks={"h2": [1], "h3": [2, 3]})
+    assert watch.confirm() == ("host h3 (10.1.0.13, ranks 2, 3) does not answer on the network; "
+                               "the job ended without it")
+    everyone = network.HostWatch({"h2": "10.1.0.12"}, probe=answering.__getitem__)
+    assert everyone.confirm() is None, "a job that failed with every host answering: the launcher's own code"

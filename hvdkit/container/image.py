@@ -278,7 +278,7 @@ def build(engine: Engine, request: BuildRequest, say: Callable[[str], None] = pr
 def _failure(log_text: str) -> str:
     """The line of a build log that says why: hvdkit's own error lines first, else the last line."""
     for pattern in (r"hvdkit[\w. ]*: error: .*", r"hvdkit[\w. ]*: .*(failed|not|no ).*", r"Error: .*"):
-        found = re.findall(pattern, log_text)
+        found = [match.group(0) for match in re.finditer(pattern, log_text)]
         if found:
             return found[-1].strip()
     return _last_line(log_text)

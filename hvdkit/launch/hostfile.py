@@ -90,10 +90,6 @@ def host_list(hosts: Sequence[Host]) -> str:
     return ",".join(f"{h.name}:{h.slots}" for h in hosts)
 
 
-# ---------------------------------------------------------------------------
-# Which launcher and which MPI.
-
-
 def ranks_by_host(hosts: Sequence[Host], np: int) -> dict[str, list[int]]:
     """The ranks each host runs when the launcher fills the hosts' slots in order (mpirun's
     default by-slot mapping, and horovodrun's): to name the ranks a lost host took with it."""

@@ -129,8 +129,9 @@ class Engine:
     def image_exists(self, image: str) -> list[str]:
         return [*self._global(), "image", "inspect", "--format", "{{.Id}}", image]
 
-    def image_remove(self, image: str) -> list[str]:
-        return [*self._global(), "rmi", "-f", image]
+    def image_remove(self, image: str, only_untagged: bool = False) -> list[str]:
+        """Without -f when ``only_untagged``: the engine refuses an image that still has a tag or a container."""
+        return [*self._global(), "rmi", *([] if only_untagged else ["-f"]), image]
 
     def image_import(self, tarball: Path, tag: str) -> list[str]:
         return [*self._global(), "import", str(tarball), tag]

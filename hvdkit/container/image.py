@@ -264,6 +264,7 @@ def build(engine: Engine, request: BuildRequest, say: Callable[[str], None] = pr
                        build_args=build_args, mounts=mounts)
     say(f"hvdkit image: building {request.tag} from {base} with {engine.name} ({files} files of Horovod's build "
         f"cache handed over)")
+    replaced = _image_id(engine, request.tag)
     log = cache / "logs" / f"image-{request.tag.replace('/', '_').replace(':', '_')}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
@@ -272,7 +273,16 @@ def build(engine: Engine, request: BuildRequest, say: Callable[[str], None] = pr
         raise EngineError(f"the image build failed ({_failure(log.read_text())}); the whole log: {log}")
     for kept in keep_built_wheels(engine, request.tag, cache):
         say(f"hvdkit image: the Horovod wheel the image built is cached for the next build: {kept}")
+    if replaced and replaced != _image_id(engine, request.tag):
+        # The image this build replaced under its tag, now untagged: each rebuild would otherwise
+        # leave one behind (a layer of hvdkit and Horovod each). Kept where it still has a tag.
+        _quiet(engine.image_remove(replaced, only_untagged=True))
     return request.tag
+
+
+def _image_id(engine: Engine, image: str) -> Optional[str]:
+    done = _quiet(engine.image_exists(image))
+    return done.stdout.strip() if done.returncode == 0 else None
 
 
 def _failure(log_text: str) -> str:

@@ -31,6 +31,15 @@ def image(hvdkit_image):
     return hvdkit_image
 
 
+@pytest.fixture(autouse=True)
+def nothing_left_behind():
+    """Whatever a test's jobs leave (a job killed when the test failed cannot clean up) is removed."""
+    yield
+    for name in ours():
+        subprocess.run(["podman", "rm", "-f", name], capture_output=True)
+        subprocess.run(["podman", "network", "rm", "-f", name], capture_output=True)
+
+
 @pytest.fixture
 def workspace(tmp_path):
     """The volume: a folder the image's user (uid 1000) owns, as a claim mounted with fsGroup is."""
@@ -108,7 +117,7 @@ def test_launcher_and_two_workers_train_as_two_ranks_on_one_host(image, workspac
 def _wait_for_steps(proc, metrics, steps, seconds=240):
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        assert proc.poll() is None, "the job ended before it trained"
+        assert proc.poll() is None, f"the job ended before it trained: {proc.stderr.read()[-3000:]}"
         if metrics.exists() and any('"step"' in line for line in metrics.read_text().splitlines()):
             records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
             if max((r.get("step", 0) for r in records), default=0) >= steps:
@@ -134,9 +143,13 @@ def _interrupted(image, workspace, command, after_steps, interrupt):
         done = interrupt()
         _, err = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        if proc.poll() is None:  # the test failed: a stop first, which removes the containers
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     return proc.returncode, err, done
 
 

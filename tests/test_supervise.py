@@ -104,3 +104,11 @@ def test_end_processes_kills_what_ignores_sigterm_after_the_grace():
     finally:
         supervise.end_processes(supervise.tree(proc.pid), grace=0)
     assert supervise.tree(proc.pid) == []
+
+
+def test_a_stop_arriving_as_the_launcher_exits_is_no_traceback():
+    """The launcher gone (and reaped) when the signal handler runs: nothing to pass on, no error."""
+    child = subprocess.Popen(["true"])
+    gone = psutil.Process(child.pid)
+    child.wait()
+    supervise.pass_on(signal.SIGTERM, gone)

@@ -135,8 +135,8 @@ class PodJob:
                 time.sleep(0.2)
 
     def __exit__(self, *exc) -> None:
-        if self.made:
-            subprocess.run(self.engine.remove([*self.made, self.launcher_name]), capture_output=True)
+        for name in [*self.made, self.launcher_name] if self.made else []:  # one by one: one already gone
+            subprocess.run(self.engine.remove([name]), capture_output=True)  # must not keep the rest
         if self.network:
             subprocess.run(self.engine.network_remove(self.network), capture_output=True)
         if self.secrets:

@@ -76,6 +76,23 @@ def signal_targets(launcher: "psutil.Process") -> list[tuple["psutil.Process", b
     return [(p, True) for p in below if _name(p) in FORWARDERS] + [(p, False) for p in below if _is_rank(p)]
 
 
+def pass_on(signum: int, launcher: "psutil.Process") -> None:
+    """Send a stop signal to what delivers it to the ranks. A launcher that has just exited (a
+    signal arriving while its exit is handled) leaves nothing to tell: seen as a traceback from
+    the signal handler, which ended `hvdkit launch` with 1 instead of its own code."""
+    import psutil
+
+    try:
+        targets = signal_targets(launcher)
+    except psutil.Error:
+        return
+    for process, forwarder in targets:
+        try:
+            process.send_signal(translate(signum, _name(process)) if forwarder else signum)
+        except psutil.Error:
+            pass
+
+
 def _name(process: "psutil.Process") -> str:
     import psutil
 
@@ -124,11 +141,7 @@ def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False
             if not stopped:
                 stopped.append(signum)
                 stopped.append(time.monotonic() + stop_grace() + KILL_AFTER_GRACE)
-            for process, forwarder in signal_targets(launcher):
-                try:
-                    process.send_signal(translate(signum, _name(process)) if forwarder else signum)
-                except psutil.Error:
-                    pass
+            pass_on(signum, launcher)
 
         previous = {sig: signal.signal(sig, forward) for sig in unless_nohup(FORWARDED)}
         hosts = network.HostWatch(dict(watch or {}), ranks=dict(ranks or {}))

@@ -152,24 +152,27 @@ def _checked(cmd: Sequence[str], what: str) -> None:
 
 def run(pods: PodJob) -> int:
     """Start the job, relay the launcher's output, and end it as a pod's deletion would on a stop
-    signal; the launcher's exit code."""
-    with pods:
-        # Its own session: a Ctrl-C reaches the launcher as the pod's deletion, not also by podman's proxy.
-        launcher = subprocess.Popen(pods.launcher_command(), stdin=subprocess.DEVNULL, start_new_session=True)
-        stopping = []
+    signal; the launcher's exit code. The handlers come first: a stop while the workers start
+    still removes them, and starts no launcher."""
+    stopping: list = []
 
-        def delete_the_launcher(signum, frame) -> None:
-            if not stopping:
-                stopping.append(signum)
-                subprocess.Popen(pods.engine.stop([pods.launcher_name], timeout=pods.grace),
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def delete_the_launcher(signum, frame) -> None:
+        if not stopping:
+            stopping.append(signum)
+            subprocess.Popen(pods.engine.stop([pods.launcher_name], timeout=pods.grace),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-        previous = {s: signal.signal(s, delete_the_launcher) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-        try:
+    previous = {s: signal.signal(s, delete_the_launcher) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        with pods:
+            if stopping:
+                return job.stopped_by(stopping[0])
+            # Its own session: a Ctrl-C reaches the launcher as the pod's deletion, not also by podman's proxy.
+            launcher = subprocess.Popen(pods.launcher_command(), stdin=subprocess.DEVNULL, start_new_session=True)
             code = launcher.wait()
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     print(f"hvdkit mpijob: launcher exited {code}" + (f" after {signal.Signals(stopping[0]).name}" if stopping else ""),
           file=sys.stderr, flush=True)
     return code if code >= 0 else job.stopped_by(-code)

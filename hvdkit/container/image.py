@@ -27,7 +27,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from hvdkit import __version__
 from hvdkit.build.builder import cache_dir
-from hvdkit.build.toolchain import HOROVOD_VERSION
+from hvdkit.build.toolchain import HOROVOD_VERSION, last_line
 from hvdkit.container.engine import Engine, EngineError, Mount
 
 CPU_BASE = "debian:bookworm"
@@ -150,13 +150,8 @@ def _quiet(cmd: Sequence[str]) -> subprocess.CompletedProcess:
     return subprocess.run(list(cmd), capture_output=True, text=True)
 
 
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else "(no output)"
-
-
 def image_exists(engine: Engine, image: str) -> bool:
-    return _quiet(engine.image_exists(image)).returncode == 0
+    return _image_id(engine, image) is not None
 
 
 def make_base(engine: Engine, plan: Optional[BasePlan] = None, cache: Optional[Path] = None,
@@ -180,11 +175,11 @@ def make_base(engine: Engine, plan: Optional[BasePlan] = None, cache: Optional[P
             partial = Path(tmp) / "base.tar"
             done = _quiet(plan.mmdebstrap(partial, sources))
             if done.returncode != 0:
-                raise EngineError(f"mmdebstrap failed: {_last_line(done.stderr + done.stdout)}")
+                raise EngineError(f"mmdebstrap failed: {last_line(done.stderr + done.stdout)}")
             shutil.move(str(partial), tarball)  # whole or not at all: the cache holds only finished rootfs
     imported = _quiet(engine.image_import(tarball, plan.tag))
     if imported.returncode != 0:
-        raise EngineError(f"{engine.name} import {tarball} failed: {_last_line(imported.stderr)}")
+        raise EngineError(f"{engine.name} import {tarball} failed: {last_line(imported.stderr)}")
     return plan.tag
 
 
@@ -252,7 +247,7 @@ def build(engine: Engine, request: BuildRequest, say: Callable[[str], None] = pr
         pulled = _quiet([engine.path, "pull", base])
         if pulled.returncode != 0:
             raise EngineError(f"the base image {base} does not exist here and could not be pulled: "
-                              f"{_last_line(pulled.stderr)}")
+                              f"{last_line(pulled.stderr)}")
     files = fill_context_cache(context, cache)
     if pip_listing is None:
         pip_listing = _quiet([sys.executable, "-m", "pip", "config", "list"]).stdout
@@ -291,7 +286,7 @@ def _failure(log_text: str) -> str:
         found = [match.group(0) for match in re.finditer(pattern, log_text)]
         if found:
             return found[-1].strip()
-    return _last_line(log_text)
+    return last_line(log_text)
 
 
 def save(engine: Engine, name: str, output: Path) -> Path:
@@ -304,6 +299,6 @@ def save(engine: Engine, name: str, output: Path) -> Path:
     done = _quiet(engine.save(name, partial))
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
-        raise EngineError(f"{engine.name} save failed: {_last_line(done.stderr)}")
+        raise EngineError(f"{engine.name} save failed: {last_line(done.stderr)}")
     partial.rename(output)
     return output

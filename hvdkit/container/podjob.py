@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from hvdkit import job
+from hvdkit.build.toolchain import last_line
 from hvdkit.container import mpijob
 from hvdkit.container.engine import Engine, EngineError, Mount
 
@@ -146,8 +147,7 @@ class PodJob:
 def _checked(cmd: Sequence[str], what: str) -> None:
     done = subprocess.run(list(cmd), capture_output=True, text=True)
     if done.returncode != 0:
-        said = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise PodJobError(f"{what} failed: {said}")
+        raise PodJobError(f"{what} failed: {last_line(done.stderr)}")
 
 
 def run(pods: PodJob) -> int:

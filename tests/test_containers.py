@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 import torch
@@ -31,13 +32,15 @@ def image(hvdkit_image):
     return hvdkit_image
 
 
-@pytest.fixture(autouse=True)
-def nothing_left_behind():
-    """Whatever a test's jobs leave (a job killed when the test failed cannot clean up) is removed."""
-    yield
-    for name in ours():
-        subprocess.run(["podman", "rm", "-f", name], capture_output=True)
-        subprocess.run(["podman", "network", "rm", "-f", name], capture_output=True)
+@pytest.fixture
+def job():
+    """The test's own job name: the suite runs tests side by side, and a test removes and counts
+    only the containers and networks its jobs made (their names start with it)."""
+    name = f"ctest-{uuid.uuid4().hex[:6]}"
+    yield name
+    for leftover in ours(name):  # a job killed when the test failed cannot clean up
+        subprocess.run(["podman", "rm", "-f", leftover], capture_output=True)
+        subprocess.run(["podman", "network", "rm", "-f", leftover], capture_output=True)
 
 
 @pytest.fixture
@@ -60,13 +63,13 @@ def summary(text):
     return json.loads(next(line[line.index("{"):] for line in text.splitlines() if '"event": "summary"' in line))
 
 
-def ours():
-    """Containers and networks this module's jobs made (their names start with the job's name)."""
+def ours(job):
+    """Containers and networks the job ``job`` made (their names start with the job's name)."""
     listed = subprocess.run(["podman", "ps", "-a", "--filter", "label=hvdkit.mpijob", "--format", "{{.Names}}"],
                             capture_output=True, text=True).stdout.split()
     networks = subprocess.run(["podman", "network", "ls", "--format", "{{.Name}}"], capture_output=True,
                               text=True).stdout.split()
-    return [name for name in listed + networks if name.startswith("ctest-")]
+    return [name for name in listed + networks if name.startswith(f"{job}-")]
 
 
 def test_the_image_runs_as_a_user_passes_the_selftest_and_trains_to_make_trains_accuracy(image, workspace):
@@ -92,26 +95,26 @@ def test_a_folder_the_user_cannot_write_is_one_line(image, tmp_path):
     assert len(said) == 1 and "Permission denied" in said[0], done.stderr[-3000:]
 
 
-def mpijob(image, workspace, *command, name="ctest", workers=2, grace=30):
+def mpijob(image, workspace, name, *command, workers=2, grace=30):
     return [*HVDKIT, "mpijob", "--run", "--name", name, "--workers", str(workers), "--image", image,
             "--workspace", str(workspace), "--grace", str(grace), "--", *command]
 
 
-def test_launcher_and_two_workers_train_as_two_ranks_on_one_host(image, workspace, two_ranks_trained):
-    done = subprocess.run(mpijob(image, workspace, "hvdkit", "train", *TWO_RANK_TRAIN), capture_output=True,
+def test_launcher_and_two_workers_train_as_two_ranks_on_one_host(image, workspace, job, two_ranks_trained):
+    done = subprocess.run(mpijob(image, workspace, job, "hvdkit", "train", *TWO_RANK_TRAIN), capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = summary(done.stdout)
     hosts = [rank["host"] for rank in result["per_rank"]]
-    assert [host.split("-", 2)[0] for host in hosts] == ["ctest"] * 2, hosts
+    assert all(host.startswith(f"{job}-") for host in hosts), hosts
     assert [host.rsplit("-", 2)[1:] for host in hosts] == [["worker", "0"], ["worker", "1"]], hosts
     # Close, not bitwise: each worker's rank has the container's two cores to itself, and torch's
     # kernels sum in another order with two threads than with the one each of two ranks on one host has.
-    trained = final_weights(workspace / "runs" / "ctest" / "checkpoints")
+    trained = final_weights(workspace / "runs" / job / "checkpoints")
     assert trained.keys() == two_ranks_trained.keys()
     for name, value in two_ranks_trained.items():
         torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-5, msg=name)
-    assert ours() == []
+    assert ours(job) == []
 
 
 def _wait_for_steps(proc, metrics, steps, seconds=240):
@@ -126,20 +129,20 @@ def _wait_for_steps(proc, metrics, steps, seconds=240):
     pytest.fail(f"no step {steps} within {seconds} s")
 
 
-def _container(suffix_end):
+def _container(job, suffix_end):
     names = subprocess.run(["podman", "ps", "--filter", "label=hvdkit.mpijob", "--format", "{{.Names}}"],
                            capture_output=True, text=True).stdout.split()
-    [name] = [n for n in names if n.startswith("ctest-") and n.endswith(suffix_end)]
+    [name] = [n for n in names if n.startswith(f"{job}-") and n.endswith(suffix_end)]
     return name
 
 
-def _interrupted(image, workspace, command, after_steps, interrupt):
+def _interrupted(image, workspace, job, command, after_steps, interrupt):
     """Run the job, call ``interrupt()`` once it has trained ``after_steps`` steps, and wait for
     its end: (exit code, stderr, what interrupt returned). The job is killed if the test fails."""
-    proc = subprocess.Popen(mpijob(image, workspace, *command), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(mpijob(image, workspace, job, *command), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
-        _wait_for_steps(proc, workspace / "runs" / "ctest" / "metrics.jsonl", after_steps)
+        _wait_for_steps(proc, workspace / "runs" / job / "metrics.jsonl", after_steps)
         done = interrupt()
         _, err = proc.communicate(timeout=120)
     finally:
@@ -153,34 +156,37 @@ def _interrupted(image, workspace, command, after_steps, interrupt):
     return proc.returncode, err, done
 
 
-def test_podman_stop_of_the_launcher_saves_on_the_volume_leaves_nothing_and_the_rerun_resumes(image, workspace):
+def test_podman_stop_of_the_launcher_saves_on_the_volume_leaves_nothing_and_the_rerun_resumes(image, workspace, job):
     command = ["hvdkit", "train", "--model", "mlp", "--max-steps", "120", "--log-interval", "5"]
-    code, err, stopped = _interrupted(image, workspace, command, 20, lambda: subprocess.run(
-        ["podman", "stop", "-t", "30", _container("-launcher")], capture_output=True, text=True, timeout=120))
+    code, err, stopped = _interrupted(image, workspace, job, command, 20, lambda: subprocess.run(
+        ["podman", "stop", "-t", "30", _container(job, "-launcher")], capture_output=True, text=True, timeout=120))
     assert stopped.returncode == 0, stopped.stderr
     assert code == 143, err[-3000:]
     saved = [line for line in err.splitlines() if "hvdkit: stopped by SIGTERM at step" in line]
-    assert saved and "saved in /workspace/runs/ctest/checkpoints" in saved[0], err[-3000:]
-    assert list((workspace / "runs" / "ctest" / "checkpoints").iterdir()), err[-3000:]
-    assert ours() == []
-    rerun = subprocess.run(mpijob(image, workspace, *command), capture_output=True, text=True, timeout=600)
+    assert saved and f"saved in /workspace/runs/{job}/checkpoints" in saved[0], err[-3000:]
+    assert list((workspace / "runs" / job / "checkpoints").iterdir()), err[-3000:]
+    assert ours(job) == []
+    rerun = subprocess.run(mpijob(image, workspace, job, *command), capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "resum" in rerun.stderr.lower(), rerun.stderr[-3000:]
     assert summary(rerun.stdout)["steps"] == 120
-    assert ours() == []
+    assert ours(job) == []
 
 
-def test_a_killed_worker_ends_the_job_naming_its_rank(image, workspace):
-    def kill_worker_1():
-        worker = _container("-worker-1")
-        subprocess.run(["podman", "kill", worker], capture_output=True, timeout=60)
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_killed_or_stopped_worker_ends_the_job_naming_its_rank(image, workspace, job, how):
+    """A pod deleted (stop: SIGTERM to its sshd, which ends its container and the rank in it) or
+    lost (kill) ends the job the same way."""
+    def end_worker_1():
+        worker = _container(job, "-worker-1")
+        subprocess.run(["podman", how, worker], capture_output=True, timeout=60)
         return worker
 
     command = ["hvdkit", "train", "--model", "mlp", "--max-steps", "5000", "--log-interval", "5"]
-    code, err, worker = _interrupted(image, workspace, command, 10, kill_worker_1)
+    code, err, worker = _interrupted(image, workspace, job, command, 10, end_worker_1)
     assert code == 76, err[-3000:]  # hvdkit.job.LOST
     assert f"hvdkit launch: host {worker} (" in err and ", rank 1) does not answer" in err, err[-3000:]
-    assert ours() == []
+    assert ours(job) == []
 
 
 def _tags():

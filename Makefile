@@ -7,7 +7,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMPS := .make
 APT_PACKAGES := openmpi-bin libopenmpi-dev mpich libmpich-dev cmake g++ patch slurm-wlm munge \
-    openssh-server openssh-client iproute2 podman runc mmdebstrap
+    openssh-server openssh-client iproute2 podman runc mmdebstrap libfaketime
 PYTEST_ARGS ?=
 # pytest-xdist workers: the suite waits on launches, timeouts and daemons a third of the time
 # when run in one process (measured: 36% of 2 cores idle); two workers keep both cores busy.

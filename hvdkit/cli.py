@@ -17,6 +17,13 @@ def _parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="report Python, torch, MPI, Horovod and the launch environment")
     doctor.add_argument("--selftest", action="store_true",
                         help="also run a real 2-process allreduce/broadcast/training check per controller")
+    where = doctor.add_mutually_exclusive_group()  # hosts: only the comparison, which takes seconds
+    where.add_argument("-H", "--hosts", help="also compare these hosts with this one (host1:4,host2:4), reached "
+                                             "by ssh as the launcher reaches them; in a multi-node Slurm "
+                                             "allocation the default is its nodes, reached by srun")
+    where.add_argument("--hostfile", help="the hosts to compare, from a hostfile (host:N or host slots=N)")
+    doctor.add_argument("--dir", help="the directory that must be shared between the hosts (default: "
+                                      "$HVDKIT_CHECKPOINT_DIR, $HVDKIT_LOG_DIR or ./runs)")
 
     sub.add_parser("build", add_help=False,
                    help="build Horovod against the installed torch (same as python -m hvdkit.build)")
@@ -45,6 +52,30 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--debug", action="store_true", help="show the traceback of any error")
     config.add_arguments(train)
     return parser
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    """This machine's report; or, given hosts (or in a multi-node allocation), theirs compared with
+    this one's, in seconds (--selftest runs on this machine, before a job: not with hosts)."""
+    import os
+
+    from hvdkit.checks import doctor, hosts
+    from hvdkit.launch.hostfile import LaunchError, parse_hosts, read_hostfile, slurm_hosts
+
+    try:
+        listed = (parse_hosts(args.hosts) if args.hosts else read_hostfile(args.hostfile) if args.hostfile else
+                  slurm_hosts(os.environ) if "SLURM_JOB_NODELIST" in os.environ else [])
+    except LaunchError as exc:
+        print(f"hvdkit doctor: {exc}", file=sys.stderr)
+        return job.BAD_INPUT
+    if args.selftest and (args.hosts or args.hostfile):
+        print("hvdkit doctor: --selftest runs on this machine; run it without --hosts or --hostfile", file=sys.stderr)
+        return job.BAD_INPUT
+    in_allocation = not (args.hosts or args.hostfile) and len(listed) > 1
+    if not (args.hosts or args.hostfile or in_allocation):
+        return doctor.main(selftest_wanted=args.selftest)
+    directory = args.dir or os.environ.get("HVDKIT_CHECKPOINT_DIR") or os.environ.get("HVDKIT_LOG_DIR") or "runs"
+    return hosts.main(listed, directory, in_allocation)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -139,8 +170,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return bench.main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "doctor":
-        from hvdkit.checks import doctor
-        return doctor.main(selftest_wanted=args.selftest)
+        return run_doctor(args)
     if args.command == "checkpoint":
         return export_checkpoint(args)
     if args.command == "train":

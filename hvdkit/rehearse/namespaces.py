@@ -78,9 +78,13 @@ def unavailable() -> Optional[str]:
 
 class Hosts:
     def __init__(self, count: int, docker0: bool = False, rate: Optional[str] = None, own_tmp: bool = False,
-                 cpus: bool = False, delay: Optional[str] = None, names: Optional[Sequence[str]] = None) -> None:
-        """``count`` hosts named h1..hN, or ``names``; ``rate`` and ``delay`` shape what each sends."""
+                 cpus: bool = False, delay: Optional[str] = None, names: Optional[Sequence[str]] = None,
+                 interfaces: Optional[dict] = None) -> None:
+        """``count`` hosts named h1..hN, or ``names``; ``rate`` and ``delay`` shape what each sends;
+        ``interfaces`` names a host's link other than eth0 ({"h2": "ens5"}), as hosts of another
+        make name the same network differently."""
         self.names = list(names) if names else [f"h{i}" for i in range(1, count + 1)]
+        self.interfaces = dict(interfaces or {})
         self.prefix = f"hvdk{os.getpid()}x{next(_made)}"
         self.docker0, self.rate, self.delay, self.own_tmp, self.cpus = docker0, rate, delay, own_tmp, cpus
         self.dir: Optional[Path] = None
@@ -93,6 +97,10 @@ class Hosts:
     @property
     def switch(self) -> str:
         return f"{self.prefix}-sw"
+
+    def interface(self, name: str) -> str:
+        """Host ``name``'s name for the hosts' network."""
+        return self.interfaces.get(name, "eth0")
 
     def address(self, name: str) -> str:
         return f"{SUBNET}.{10 + self.names.index(name) + 1}"
@@ -172,10 +180,11 @@ class Hosts:
             Path(f"/etc/netns/{ns}").mkdir(parents=True, exist_ok=True)
             Path(f"/etc/netns/{ns}/hosts").write_text(table)
             _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", self.switch, "link", "add", name, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            link = self.interface(name)
+            _ip("-n", self.switch, "link", "add", name, "type", "veth", "peer", "name", link, "netns", ns)
             _ip("-n", self.switch, "link", "set", name, "master", "br0", "up")
-            _ip("-n", ns, "addr", "add", f"{self.address(name)}/24", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "addr", "add", f"{self.address(name)}/24", "dev", link)
+            _ip("-n", ns, "link", "set", link, "up")
             if self.docker0:  # up, with carrier (a container's veth attached), routing nowhere
                 _ip("-n", ns, "link", "add", "docker0", "type", "veth", "peer", "name", "vethc0")
                 _ip("-n", ns, "addr", "add", DOCKER0, "dev", "docker0")
@@ -194,7 +203,7 @@ class Hosts:
         else:
             qdisc = ["tbf", "rate", rate, "burst", str(max(256 * 1024, int(bits_per_second(rate) / 8 * 0.004))),
                      "latency", "50ms"]
-        proc = subprocess.run(["ip", "netns", "exec", self.ns(name), "tc", "qdisc", "replace", "dev", "eth0", "root",
+        proc = subprocess.run(["ip", "netns", "exec", self.ns(name), "tc", "qdisc", "replace", "dev", self.interface(name), "root",
                                *qdisc], capture_output=True, text=True)
         if proc.returncode != 0 and delay and "unknown" in proc.stderr:
             raise HostsUnavailable(f"a delay of {delay} needs tc's netem queue (kernel module sch_netem), "
@@ -204,12 +213,21 @@ class Hosts:
 
     def unshape(self, name: str) -> None:
         """Host ``name``'s link at full speed again (nothing to do if it is not shaped)."""
-        subprocess.run(["ip", "netns", "exec", self.ns(name), "tc", "qdisc", "del", "dev", "eth0", "root"],
+        subprocess.run(["ip", "netns", "exec", self.ns(name), "tc", "qdisc", "del", "dev", self.interface(name), "root"],
                        capture_output=True)
+
+    def rename(self, name: str, interface: str) -> None:
+        """Host ``name``'s link renamed, its address kept (a host of another make, or another
+        udev naming scheme)."""
+        old, ns = self.interface(name), self.ns(name)
+        _ip("-n", ns, "link", "set", old, "down")
+        _ip("-n", ns, "link", "set", old, "name", interface)
+        _ip("-n", ns, "link", "set", interface, "up")
+        self.interfaces[name] = interface
 
     def link(self, name: str, up: bool) -> None:
         """Take host ``name``'s link down (a pulled cable, a dead switch port) or up again."""
-        _ip("-n", self.ns(name), "link", "set", "eth0", "up" if up else "down")
+        _ip("-n", self.ns(name), "link", "set", self.interface(name), "up" if up else "down")
 
     def _ssh(self) -> None:
         d = self.dir
@@ -226,24 +244,56 @@ class Hosts:
         wrapper.chmod(0o755)
         Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
         for name in self.names:
-            config = d / f"sshd_{name}"
-            config.write_text(
-                f"ListenAddress {self.address(name)}\nHostKey {d / 'host'}\n"
-                f"AuthorizedKeysFile {d / 'authorized_keys'}\n"
-                "PermitRootLogin prohibit-password\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
-                f"UsePAM no\nStrictModes no\nPidFile {d / f'sshd_{name}.pid'}\nMaxStartups 200\nMaxSessions 200\n")
-            log = open(d / f"sshd_{name}.log", "w")
+            self._start_sshd(name)
+        self._await_sshd(self.names)
+
+    def _start_sshd(self, name: str, env: Optional[dict] = None) -> None:
+        """Host ``name``'s sshd; ``env``: variables every session there gets (sshd's SetEnv), as a
+        host's own profile would set them."""
+        d = self.dir
+        config = d / f"sshd_{name}"
+        config.write_text(
+            f"ListenAddress {self.address(name)}\nHostKey {d / 'host'}\n"
+            f"AuthorizedKeysFile {d / 'authorized_keys'}\n"
+            "PermitRootLogin prohibit-password\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
+            f"UsePAM no\nStrictModes no\nPidFile {d / f'sshd_{name}.pid'}\nMaxStartups 200\nMaxSessions 200\n"
+            # One SetEnv line: sshd obeys the first of several.
+            + ("SetEnv " + " ".join(f'{key}="{value}"' for key, value in env.items()) + "\n" if env else ""))
+        with open(d / f"sshd_{name}.log", "w") as log:
             self.sshd[name] = subprocess.Popen(self.on(name, [SSHD, "-D", "-e", "-f", str(config)]),
                                                stdout=log, stderr=subprocess.STDOUT)
-            log.close()
+
+    def _await_sshd(self, names: Sequence[str]) -> None:
         deadline = time.monotonic() + 20
-        for name in self.names:
+        for name in names:
             while subprocess.run(self.on(self.names[0], ["ssh", name, "true"]), env=self.env(),
                                  capture_output=True).returncode != 0:
                 if self.sshd[name].poll() is not None or time.monotonic() > deadline:
-                    log = (d / f"sshd_{name}.log").read_text()[-1000:]
+                    log = (self.dir / f"sshd_{name}.log").read_text()[-1000:]
                     raise RuntimeError(f"sshd on {name} is not reachable: {log}")
                 time.sleep(0.2)
+
+    def stop_sshd(self, name: str) -> None:
+        """Host ``name`` refuses ssh (its sshd ended; the host stays up)."""
+        self.sshd[name].terminate()
+        self.sshd[name].wait(timeout=10)
+
+    def restart_sshd(self, name: str, env: Optional[dict] = None) -> None:
+        """Host ``name``'s sshd anew, with ``env`` for its sessions (or none)."""
+        if self.sshd[name].poll() is None:
+            self.stop_sshd(name)
+        self._start_sshd(name, env)
+        self._await_sshd([name])
+
+    def bind(self, name: str, source: str, target: str) -> None:
+        """Host ``name`` sees the file ``source`` at ``target`` (another version installed there):
+        a bind mount in its sshd's mount namespace, which every session there inherits."""
+        subprocess.run(["nsenter", f"--target={self.sshd[name].pid}", "--mount", "mount", "--bind", source, target],
+                       check=True, capture_output=True)
+
+    def unbind(self, name: str, target: str) -> None:
+        subprocess.run(["nsenter", f"--target={self.sshd[name].pid}", "--mount", "umount", target],
+                       check=True, capture_output=True)
 
     def lose(self, name: str) -> None:
         """Host ``name`` fails: every process on it is killed, its sshd too, and once they are gone

@@ -1,0 +1,302 @@
+"""`hvdkit doctor --hosts`: the job's hosts compared before a multi-host job starts.
+
+The multi-host failures users meet most show only once the job runs, or never: a host with
+another torch or MPI, interfaces named differently on each host, a checkpoint directory that is
+not shared, ssh asking for a password. Each host is reached the way the launcher will reach it
+(ssh, or srun inside a Slurm allocation) and runs `hvdkit.checks.host_facts`; its facts are
+compared with this host's. One row per host, then one `doctor: HOST: problem; fix` line per
+problem and exit 1, or exit 0: in seconds, the hosts probed at once.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+from hvdkit import job
+from hvdkit.launch.hostfile import Host
+from hvdkit.launch.network import NetworkError, remote_hosts, routable_network
+
+CLOCK_LIMIT = 1.0  # seconds: logs, checkpoints' times and timeouts stop lining up beyond this
+CLOCK_PROBES = 3  # the least round trip of these gives the offset
+CONNECT_SECONDS = 10
+SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=5")  # a prompt is a failure, not a wait
+NAMES = {"python": "Python", "torch": "torch", "torchvision": "torchvision", "horovod": "Horovod",
+         "hvdkit": "hvdkit", "mpi4py": "mpi4py"}
+
+
+def facts_command(python: str, seen: str) -> list[str]:
+    return [python, "-m", "hvdkit.checks.host_facts", "--seen", seen]
+
+
+def ssh_command(host: str, remote: Sequence[str]) -> list[str]:
+    """horovodrun's and mpirun's way in: ssh from PATH, never a prompt."""
+    return ["ssh", *SSH_OPTIONS, host, shlex.join(remote)]
+
+
+def srun_command(host: str, remote: Sequence[str]) -> list[str]:
+    """Inside an allocation: one task on that node, as the job's own steps start there."""
+    return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--overlap", "--quiet", *remote]
+
+
+@dataclass
+class Probe:
+    """One host's facts and clock offset, or why it could not be reached."""
+    host: str
+    facts: Optional[dict] = None
+    offset: Optional[float] = None  # its clock minus this host's, seconds
+    error: Optional[str] = None
+
+
+def probe(host: str, command: Sequence[str]) -> Probe:
+    """Run the facts command; read its JSON line, then time CLOCK_PROBES echoes of its clock."""
+    try:
+        proc = subprocess.Popen(list(command), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, bufsize=1)
+    except OSError as exc:
+        return Probe(host, error=f"{command[0]}: {exc.strerror}")
+    timer = threading.Timer(CONNECT_SECONDS * 3, proc.kill)  # a host that takes the connection and hangs
+    timer.start()
+    try:
+        line = proc.stdout.readline()
+        try:
+            facts = json.loads(line)
+        except ValueError:
+            proc.stdin.close()
+            proc.wait()
+            said = [s for s in proc.stderr.read().splitlines() if s.strip()]
+            return Probe(host, error=said[-1].strip() if said else f"exit {proc.returncode}, no answer")
+        best = None
+        for _ in range(CLOCK_PROBES):
+            sent = time.time()
+            proc.stdin.write("t\n")
+            answer = float(proc.stdout.readline())
+            back = time.time()
+            if best is None or back - sent < best[0]:
+                best = (back - sent, answer - (sent + back) / 2)
+        proc.stdin.close()
+        proc.wait()
+        return Probe(host, facts, best[1])
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@dataclass
+class Finding:
+    host: str
+    problem: str
+    fix: str
+
+    def line(self) -> str:
+        return f"doctor: {self.host}: {self.problem}; {self.fix}"
+
+
+@dataclass
+class Comparison:
+    here: Probe
+    hosts: list  # [Host]
+    probes: dict  # name -> Probe
+    network: Optional[object] = None  # this host's route to the others (hvdkit.launch.network.Network)
+    dir: Optional[str] = None
+    environ: Mapping[str, str] = field(default_factory=dict)
+    findings: list = field(default_factory=list)
+
+    def add(self, host: str, problem: str, fix: str) -> None:
+        self.findings.append(Finding(host, problem, fix))
+
+
+def compare(c: Comparison) -> list[Finding]:
+    """Every host's facts against this host's: one Finding per problem."""
+    ours = c.here.facts
+    for host in c.hosts:
+        got = c.probes[host.name]
+        if got.facts is None:
+            c.add(host.name, f"not reachable without a prompt ({got.error})",
+                  "the launcher reaches it the same way: set up passwordless ssh to it (ssh-copy-id), "
+                  "and check that it is up")
+            continue
+        theirs = got.facts
+        _versions(c, host.name, ours, theirs)
+        _network(c, host.name, theirs)
+        if c.dir and not theirs["seen"]:
+            c.add(host.name, f"{c.dir} is not shared: a file written there on this host is not there",
+                  "ranks there would save and resume from another directory: put the run and checkpoint "
+                  "directory on a filesystem every host mounts (HVDKIT_LOG_DIR, HVDKIT_CHECKPOINT_DIR)")
+        if got.offset is not None and abs(got.offset) > CLOCK_LIMIT:
+            c.add(host.name, f"its clock is {abs(got.offset):.1f} s {'ahead of' if got.offset > 0 else 'behind'} "
+                             f"this host's", "synchronise the clocks (chrony or systemd-timesyncd)")
+        _slots(c, host, theirs)
+    return c.findings
+
+
+def _versions(c: Comparison, name: str, ours: dict, theirs: dict) -> None:
+    pairs = [("python", ours["python"], theirs["python"])]
+    pairs += [(key, ours["packages"][key], theirs["packages"][key]) for key in NAMES if key != "python"]
+    for key, here, there in pairs:
+        if here != there:
+            c.add(name, f"{NAMES[key]} {there or 'not installed'}, this host {here or 'not installed'}",
+                  "every rank must run the same build: install the same versions on every host (a shared "
+                  "environment, or one image)")
+    if ours["horovod_build"] != theirs["horovod_build"] and ours["packages"]["horovod"] == \
+            theirs["packages"]["horovod"]:
+        c.add(name, f"Horovod built with {_build(theirs)}, this host {_build(ours)}",
+              "rebuild it the same way on every host (python -m hvdkit.build --force)")
+    if ours["mpi"] != theirs["mpi"]:
+        c.add(name, f"MPI {theirs['mpi'] or 'not found'}, this host {ours['mpi'] or 'not found'}",
+              "mpirun starts every rank with the same MPI: install the same one, or put it first on PATH there")
+    if ours["gpus"] and theirs["gpus"] and ours["gpus"][0]["driver"] != theirs["gpus"][0]["driver"]:
+        c.add(name, f"GPU driver {theirs['gpus'][0]['driver']}, this host {ours['gpus'][0]['driver']}",
+              "install the same driver on every host")
+    if ours["nccl"] != theirs["nccl"] and (ours["gpus"] or theirs["gpus"]):
+        c.add(name, f"NCCL {theirs['nccl']}, this host {ours['nccl']}", "install the same torch (it brings NCCL)")
+
+
+def _build(facts: dict) -> str:
+    build = facts["horovod_build"] or {}
+    return "+".join(build.get("controllers", [])) + (" and NCCL" if build.get("nccl") else "")
+
+
+def interface_in(facts: dict, cidr: str) -> Optional[str]:
+    """The host's name for its interface on the network ``cidr``."""
+    network = ipaddress.ip_network(cidr)
+    for interface, addresses in facts["interfaces"].items():
+        if any(ipaddress.ip_address(address) in network for address, _ in addresses):
+            return interface
+    return None
+
+
+def _network(c: Comparison, name: str, theirs: dict) -> None:
+    if c.network is None:
+        return
+    there = interface_in(theirs, c.network.cidr)
+    if there is None:
+        c.add(name, f"no interface on {c.network.cidr}, the network this host reaches the others by",
+              "give it an address on that network, or launch from a host that shares one with every host")
+        return
+    if there != c.network.interface:
+        c.add(name, f"the job's network {c.network.cidr} is {there} there, {c.network.interface} here",
+              "Gloo (HOROVOD_GLOO_IFACE) and NCCL (NCCL_SOCKET_IFNAME) take one interface name for every "
+              f"rank: give the interface the same name on every host, or set NCCL_SOCKET_IFNAME="
+              f"{c.network.interface},{there} and launch with mpirun, which takes the network's CIDR")
+    for variable, value in c.environ.items():
+        if variable in ("NCCL_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE"):
+            wanted = [part.lstrip("=^") for part in value.split(",") if part]
+            if wanted and not any(part in theirs["interfaces"] for part in wanted) and \
+                    not any(i.startswith(tuple(wanted)) for i in theirs["interfaces"]):
+                c.add(name, f"{variable}={value} names no interface there (it has "
+                            f"{', '.join(sorted(theirs['interfaces']))})",
+                      f"set {variable} to the job network's names ({there} there)")
+
+
+def _slots(c: Comparison, host: Host, theirs: dict) -> None:
+    if host.slots > theirs["cores"]:
+        c.add(host.name, f"{host.slots} slots but {theirs['cores']} cores",
+              f"ranks would share cores and every step waits for the slowest: give it at most "
+              f"{theirs['cores']} slots ({host.name}:{theirs['cores']})")
+    gpus = len(theirs["gpus"])
+    if gpus and host.slots > gpus:
+        c.add(host.name, f"{host.slots} slots but {gpus} GPUs", f"one rank per GPU: {host.name}:{gpus}")
+
+
+def row(host: str, slots: Optional[int], got: Probe, c: Comparison) -> list[str]:
+    if got.facts is None:
+        return [host, "unreachable", *[""] * (len(HEADER) - 2)]
+    f = got.facts
+    net = ""
+    if c is not None and c.network is not None:
+        net = f"{interface_in(f, c.network.cidr) or 'none'} {c.network.cidr}"
+    gpus = f"{len(f['gpus'])} {f['gpus'][0]['name']} ({f['gpus'][0]['driver']})" if f["gpus"] else "none"
+    return [host, "ok", f["python"], f["packages"]["torch"] or "-", f["packages"]["horovod"] or "-",
+            f["mpi"] or "-", net or "-",
+            "-" if f["seen"] is None else ("shared" if f["seen"] else "NOT shared"),
+            f"{got.offset:+.3f} s" if got.offset is not None else "-",
+            f"{slots if slots is not None else '-'}/{f['cores']}", gpus]
+
+
+HEADER = ["HOST", "REACH", "PYTHON", "TORCH", "HOROVOD", "MPI", "NETWORK", "DIR", "CLOCK", "SLOTS/CORES", "GPUS"]
+
+
+def table(rows: Sequence[Sequence[str]]) -> str:
+    rows = [HEADER, *rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(r, widths)).rstrip() for r in rows)
+
+
+def marker_directory(directory: str) -> Path:
+    """Where the shared-directory test file goes: the directory, or its nearest existing parent
+    (a run directory is made by the first run)."""
+    path = Path(directory).resolve()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def check(hosts: Sequence[Host], *, directory: Optional[str], environ: Mapping[str, str],
+          in_allocation: bool = False, python: str = sys.executable) -> tuple[str, list[Finding]]:
+    """Probe this host and ``hosts`` at once and compare: (the table, the findings)."""
+    marker = None
+    if directory:
+        marker = tempfile.NamedTemporaryFile(prefix=".hvdkit-doctor-", dir=marker_directory(directory))
+    seen = marker.name if marker else os.devnull
+    unresolved = []
+    try:
+        reach = srun_command if in_allocation else ssh_command
+        commands = {"(this host)": facts_command(python, seen)}
+        for h in hosts:
+            try:
+                remote = bool(remote_hosts([h.name]))
+            except NetworkError as exc:
+                unresolved.append(Finding(h.name, str(exc), "fix the name or the route before launching"))
+                continue
+            # The launcher starts a local host's ranks without ssh (or srun: a node of the allocation).
+            commands[h.name] = reach(h.name, facts_command(python, seen)) if remote or in_allocation \
+                else facts_command(python, seen)
+        results: dict[str, Probe] = {}
+        threads = [threading.Thread(target=lambda n=n, cmd=cmd: results.__setitem__(n, probe(n, cmd)))
+                   for n, cmd in commands.items()]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        if marker:
+            marker.close()
+    here = results.pop("(this host)")
+    if here.facts is None:
+        raise RuntimeError(f"this host's own facts could not be read: {here.error}")
+    if unresolved:
+        return table([row(f"{here.facts['host']} (here)", None, here, None)]), unresolved
+    try:
+        network = routable_network([h.name for h in hosts])
+    except NetworkError as exc:  # no route to one of them
+        return table([row(f"{here.facts['host']} (here)", None, here, None)]), \
+            [Finding("(this host)", str(exc), "fix the route before launching")]
+    comparison = Comparison(here, list(hosts), results, network, directory if marker else None, environ)
+    findings = compare(comparison)
+    rows = [row(f"{here.facts['host']} (here)", None, here, comparison)]
+    rows += [row(h.name, h.slots, results[h.name], comparison) for h in hosts]
+    return table(rows), findings
+
+
+def main(hosts: Sequence[Host], directory: Optional[str], in_allocation: bool) -> int:
+    started = time.monotonic()
+    text, findings = check(hosts, directory=directory, environ=os.environ, in_allocation=in_allocation)
+    print(text, flush=True)
+    for finding in findings:
+        print(finding.line(), file=sys.stderr)
+    verdict = f"{len(findings)} problem{'s' if len(findings) != 1 else ''}" if findings else "all hosts agree"
+    print(f"doctor: {len(hosts)} host{'s' if len(hosts) != 1 else ''} checked in {time.monotonic() - started:.1f} s: {verdict}", flush=True)
+    return job.FAILED if findings else job.OK

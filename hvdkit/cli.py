@@ -74,8 +74,7 @@ def run_doctor(args: argparse.Namespace) -> int:
     in_allocation = not (args.hosts or args.hostfile) and len(listed) > 1
     if not (args.hosts or args.hostfile or in_allocation):
         return doctor.main(selftest_wanted=args.selftest)
-    directory = args.dir or os.environ.get("HVDKIT_CHECKPOINT_DIR") or os.environ.get("HVDKIT_LOG_DIR") or "runs"
-    return hosts.main(listed, directory, in_allocation)
+    return hosts.main(listed, args.dir or hosts.default_directory(os.environ), in_allocation)
 
 
 class OneLineParser(argparse.ArgumentParser):

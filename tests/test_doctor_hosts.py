@@ -6,15 +6,18 @@ undone after its test, so the hosts are made once.
 """
 
 import importlib.metadata
+import importlib.util
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
 
 from conftest import require_namespaces
 from hvdkit import job
+from hvdkit.checks import selftest
 from hvdkit.launch.cli import find_program
 from hvdkit.rehearse import namespaces as namespace_hosts
 
@@ -80,9 +83,22 @@ def plant_no_ssh(hosts, tmp_path):
     return lambda: hosts.restart_sshd("h2")
 
 
-def plant_renamed_interface(hosts, tmp_path):
+def plant_renamed_interface_and_stock_horovod(hosts, tmp_path):
+    """h2 names the network ens5 and has Horovod's own basics.py (PyPI's 0.28.1), whose ranks take
+    the launching host's name: hvdkit's Horovod takes care of the first, not with the second."""
+    from hvdkit.build import builder
+
+    with tarfile.open(builder.cache_dir() / "sdist" / "horovod-0.28.1.tar.gz") as sdist:
+        stock = sdist.extractfile("horovod-0.28.1/horovod/common/basics.py").read()
+    (tmp_path / "basics.py").write_bytes(stock)
+    installed = str(Path(importlib.util.find_spec("horovod").submodule_search_locations[0]) / "common" / "basics.py")
     hosts.rename("h2", "ens5")
-    return lambda: hosts.rename("h2", "eth0")
+    hosts.bind("h2", str(tmp_path / "basics.py"), installed)
+
+    def undo():
+        hosts.unbind("h2", installed)
+        hosts.rename("h2", "eth0")
+    return undo
 
 
 def plant_unshared_directory(hosts, tmp_path):
@@ -109,8 +125,9 @@ PLANTS = {  # what is planted on h2, and the line the doctor must print about it
     "another torch": (plant_torch_version, "h2:1", "doctor: h2: torch 2.13.0, this host "
                                                    f"{importlib.metadata.version('torch')}; every rank must run"),
     "another MPI": (plant_mpi_version, "h2:1", "doctor: h2: MPI Open MPI 4.0.7, this host Open MPI "),
-    "interface renamed": (plant_renamed_interface, "h2:1", "doctor: h2: the job's network 10.231.0.0/24 is ens5 "
-                                                           "there, eth0 here; "),
+    "interface renamed, stock Horovod": (plant_renamed_interface_and_stock_horovod, "h2:1",
+                                         "doctor: h2: the job's network 10.231.0.0/24 is ens5 there, eth0 here, and "
+                                         "its Horovod gives every rank one name; build Horovod with hvdkit"),
     "directory not shared": (plant_unshared_directory, "h2:1", "doctor: h2: {runs} is not shared: a file written "
                                                                "there on this host is not there; "),
     "clock ahead": (plant_clock_offset, "h2:1", "doctor: h2: its clock is 30."),
@@ -135,6 +152,19 @@ def test_a_mismatch_on_one_host_is_one_line_naming_it_and_exit_1(hosts, tmp_path
     assert "problem" in done.stdout.splitlines()[-1], done.stdout
 
 
+def test_a_host_naming_the_network_otherwise_is_a_note_with_hvdkits_horovod(hosts, tmp_path):
+    """Its ranks take their own name (hvdkit/build/patches/0006; test_multihost trains so)."""
+    hosts.rename("h2", "ens5")
+    try:
+        done = doctor(hosts, "-H", "h1:1,h2:1,h3:1", "--dir", str(tmp_path))
+    finally:
+        hosts.rename("h2", "eth0")
+    assert done.returncode == job.OK and findings(done) == [], done.stdout + done.stderr
+    assert "doctor: note: h2 names the job's network 10.231.0.0/24 ens5 (eth0 here): its ranks take their own " \
+           "name (hvdkit's Horovod)" in done.stdout, done.stdout
+    assert " ens5 10.231.0.0/24 " in [r for r in done.stdout.splitlines() if r.startswith("h2 ")][0], done.stdout
+
+
 def test_gpus_on_a_host_are_compared_with_a_stand_in_nvidia_smi(hosts, tmp_path):
     """No GPU here: nvidia-smi is a script (the only stand-in in this file) that lists one GPU with
     another driver on h2 than on this host, as after a partial driver upgrade."""
@@ -156,6 +186,32 @@ def test_gpus_on_a_host_are_compared_with_a_stand_in_nvidia_smi(hosts, tmp_path)
                        "host"), said
     assert said[1] == "doctor: h2: 2 slots but 1 GPUs; one rank per GPU: h2:1", said
     assert "1 NVIDIA H100 80GB HBM3 (575.57.08)" in done.stdout, done.stdout
+
+
+def test_hvdkit_launch_compares_the_hosts_first_and_starts_nothing_when_they_differ(hosts, tmp_path):
+    """The same checks before a multi-host start; --no-preflight starts anyway (h2's torch differs
+    only in its metadata here, so the job runs)."""
+    started = tmp_path / "started"
+    command = [sys.executable, "-c", f"import socket; open('{started}-' + socket.gethostname(), 'w')"]
+    undo = plant_torch_version(hosts, tmp_path)
+    try:
+        refused = subprocess.run(hosts.on("h1", [sys.executable, "-m", "hvdkit", "launch", "-np", "2", "-H",
+                                                 "h1:1,h2:1", "--", *command]),
+                                 env=hosts.env(), capture_output=True, text=True, timeout=120)
+        nothing_started = list(tmp_path.glob("started-*")) == []
+        forced = subprocess.run(hosts.on("h1", [sys.executable, "-m", "hvdkit", "launch", "--no-preflight", "-np",
+                                                "2", "-H", "h1:1,h2:1", "--", *command]),
+                                env=selftest.mpi_root_env(hosts.env()), capture_output=True, text=True, timeout=120)
+    finally:
+        undo()
+    assert refused.returncode == job.BAD_INPUT, refused.stderr
+    assert refused.stderr.splitlines() == [
+        f"hvdkit launch: h2: torch 2.13.0, this host {importlib.metadata.version('torch')}; every rank must run the "
+        "same build: install the same versions on every host (a shared environment, or one image)",
+        "hvdkit launch: not started: the hosts differ as above (--no-preflight starts anyway)"], refused.stderr
+    assert nothing_started
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("started-*")) == ["started-h1", "started-h2"]
 
 
 def test_bad_host_lists_and_selftest_with_hosts_are_one_line(hosts):

@@ -17,7 +17,17 @@ import psutil
 import pytest
 import torch
 
-from conftest import REPO, final_weights, kill_tree, metrics_records, require_namespaces, run, untagged, wait_for
+from conftest import (
+    REPO,
+    TWO_RANK_TRAIN,
+    final_weights,
+    kill_tree,
+    metrics_records,
+    require_namespaces,
+    run,
+    untagged,
+    wait_for,
+)
 from hvdkit import job
 from hvdkit.checks import selftest
 from hvdkit.launch import cli as launch
@@ -75,6 +85,34 @@ def test_three_hosts_equal_one_rank_with_three_times_the_batch(hosts, launcher, 
     three_hosts = final_weights(ckpt)
     for name, value in three_hosts.items():
         torch.testing.assert_close(value, one_rank_three_times_the_batch[name], atol=1e-5, rtol=0)
+
+
+PAIR = ["-np", "2", "-H", "h1:1,h2:1"]
+RENAMED = {  # plain horovodrun as users type it, and mpirun through hvdkit launch (as the templates run it)
+    "horovodrun --gloo": lambda: [launch.find_program("horovodrun"), "--gloo", *PAIR, sys.executable],
+    "horovodrun --mpi": lambda: [launch.find_program("horovodrun"), "--mpi", *PAIR, sys.executable],
+    "hvdkit launch mpirun": lambda: [*HVDKIT, "launch", "--launcher", "mpirun", *PAIR, "--", sys.executable],
+}
+
+
+@pytest.mark.parametrize("launcher", list(RENAMED))
+def test_a_host_naming_the_network_otherwise_trains_as_one_host_does(hosts, launcher, tmp_path, two_ranks_trained):
+    """h2 calls the hosts' network ens5, h1 eth0 (and both have a docker0 that routes nowhere):
+    each rank takes its own name for it (hvdkit/build/patches/0006), where Horovod gave every rank
+    h1's (Gloo: "Unable to find address for: eth0"; --mpi: SIGSEGV in MPI_Comm_dup)."""
+    ckpt = tmp_path / "ckpt"
+    train = ["-m", "hvdkit", "train", *TWO_RANK_TRAIN, "--checkpoint-dir", str(ckpt), "--log-dir", str(tmp_path)]
+    hosts.rename("h2", "ens5")
+    try:
+        proc = run(hosts.on("h1", [*RENAMED[launcher](), *train]), env=hosts.env(), timeout=300,
+                   cwd=REPO)
+    finally:
+        hosts.rename("h2", "eth0")
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    (summary,) = selftest.parse_records(proc.stdout, "summary")
+    assert summary["world_size"] == 2 and [r["host"] for r in summary["per_rank"]] == ["h1", "h2"], summary
+    for name, value in final_weights(ckpt).items():
+        torch.testing.assert_close(value, two_ranks_trained[name], atol=1e-6, rtol=0, msg=name)
 
 
 @pytest.mark.parametrize("launcher", ["horovodrun --gloo", "horovodrun --mpi", "mpirun"])

@@ -71,8 +71,10 @@ def test_template_runs_to_completion(cluster, tmp_path, template, nodes, tasks, 
     log = job_log(tmp_path, job)
     assert info["JobState"] == "COMPLETED", log[-3000:]
     assert info["NumNodes"] == str(nodes) and info["NumTasks"] == str(tasks)
-    head = log.splitlines()[:3]
+    head = log.splitlines()[:10]  # before training: the multi-node templates' doctor table, then the command
     assert any(f"{VENV_BIN / 'hvdkit'} train --epochs 1" in line for line in head), f"no resolved command in {head}"
+    if nodes > 1:
+        assert f"doctor: {nodes} hosts checked in " in log and ": all hosts agree" in log, log[:3000]
     summary = selftest.parse_records(log, "summary")
     assert len(summary) == 1 and summary[0]["world_size"] == tasks and summary[0]["steps"] == 8, log[-3000:]
     assert (tmp_path / "run" / "metrics.jsonl").exists()
@@ -80,6 +82,24 @@ def test_template_runs_to_completion(cluster, tmp_path, template, nodes, tasks, 
     if "--zero" in flags:
         shards = tmp_path / "ckpt" / "ckpt-step000000008.pt.shards"
         assert sorted(p.name for p in shards.iterdir()) == ["rank-00000-of-00002.pt", "rank-00001-of-00002.pt"]
+
+
+def test_a_run_directory_the_nodes_do_not_share_ends_the_job_before_any_rank_starts(cluster, tmp_path):
+    """HVDKIT_RUN_DIR on /tmp, which is each node's own here as on a cluster: the template's
+    `hvdkit doctor` names the node that does not see it, and the job ends before training, where
+    each node would otherwise have kept checkpoints the other cannot resume from."""
+    local = f"/tmp/hvdkit-{tmp_path.name}"
+    job = submit(cluster, tmp_path, "multi-node-mpirun.sbatch", extra_env={"HVDKIT_RUN_DIR": local})
+    info = cluster.wait(job)
+    log = job_log(tmp_path, job)
+    assert info["JobState"] == "FAILED", log[-3000:]
+    batch_node = info["BatchHost"]
+    said = [line for line in log.splitlines() if line.startswith("doctor: ") and "checked in" not in line]
+    assert len(said) == 1 and said[0].endswith(f": {local} is not shared: a file written there on this host is not "
+                                                "there; ranks there would save and resume from another directory: put "
+                                                "the run and checkpoint directory on a filesystem every host mounts "
+                                                "(HVDKIT_LOG_DIR, HVDKIT_CHECKPOINT_DIR)"), log[-3000:]
+    assert said[0].split(":")[1].strip() != batch_node and "[train]" not in log, log[-3000:]
 
 
 def test_array_runs_one_training_per_index(cluster, tmp_path):

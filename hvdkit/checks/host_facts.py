@@ -38,7 +38,8 @@ def _version(dist: str) -> Optional[str]:
 
 
 def horovod_build() -> Optional[dict]:
-    """{"controllers": [...], "nccl": bool} of the installed Horovod, without importing it."""
+    """{"controllers": [...], "nccl": bool, "own_interface": bool} of the installed Horovod,
+    without importing it."""
     spec = importlib.util.find_spec("horovod")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -48,15 +49,20 @@ def horovod_build() -> Optional[dict]:
     except (OSError, ValueError):
         built = {}
     controllers = [name for name in ("mpi", "gloo") if built.get(f"{name}_built")]
-    return {"controllers": controllers, "nccl": any(_has(lib, b"NCCLAllreduce")
-                                                    for lib in (package / "torch").glob("mpi_lib_v2*.so"))}
+    return {"controllers": controllers,
+            "nccl": any(_has(lib, b"NCCLAllreduce") for lib in (package / "torch").glob("mpi_lib_v2*.so")),
+            # hvdkit/build/patches/0006: each rank takes its own name for the job's network
+            "own_interface": _has(package / "common" / "basics.py", b"_interfaces_of_this_host")}
 
 
 def _has(path: Path, name: bytes) -> bool:
-    """Whether a library holds a symbol name: Horovod's NCCL operations exist only in an NCCL build
+    """Whether a file holds a name: Horovod's NCCL operations exist only in an NCCL build's library
     (its dependencies, which torch's CUDA wheels bring, would say nothing)."""
-    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        return data.find(name) >= 0
+    try:
+        with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return data.find(name) >= 0
+    except (OSError, ValueError):  # missing, or empty
+        return False
 
 
 def mpi() -> Optional[str]:

@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, NamedTuple, Optional, Sequence
 
 from hvdkit import job
 from hvdkit.launch.hostfile import Host
@@ -99,6 +99,7 @@ class Finding:
     host: str
     problem: str
     fix: str
+    kind: str = ""  # "slots": more ranks than cores, which `hvdkit launch --oversubscribe` accepts
 
     def line(self) -> str:
         return f"doctor: {self.host}: {self.problem}; {self.fix}"
@@ -111,11 +112,11 @@ class Comparison:
     probes: dict  # name -> Probe
     network: Optional[object] = None  # this host's route to the others (hvdkit.launch.network.Network)
     dir: Optional[str] = None
-    environ: Mapping[str, str] = field(default_factory=dict)
     findings: list = field(default_factory=list)
+    notes: list = field(default_factory=list)  # differences hvdkit takes care of
 
-    def add(self, host: str, problem: str, fix: str) -> None:
-        self.findings.append(Finding(host, problem, fix))
+    def add(self, host: str, problem: str, fix: str, kind: str = "") -> None:
+        self.findings.append(Finding(host, problem, fix, kind))
 
 
 def compare(c: Comparison) -> list[Finding]:
@@ -150,8 +151,7 @@ def _versions(c: Comparison, name: str, ours: dict, theirs: dict) -> None:
             c.add(name, f"{NAMES[key]} {there or 'not installed'}, this host {here or 'not installed'}",
                   "every rank must run the same build: install the same versions on every host (a shared "
                   "environment, or one image)")
-    if ours["horovod_build"] != theirs["horovod_build"] and ours["packages"]["horovod"] == \
-            theirs["packages"]["horovod"]:
+    if _build(ours) != _build(theirs) and ours["packages"]["horovod"] == theirs["packages"]["horovod"]:
         c.add(name, f"Horovod built with {_build(theirs)}, this host {_build(ours)}",
               "rebuild it the same way on every host (python -m hvdkit.build --force)")
     if ours["mpi"] != theirs["mpi"]:
@@ -187,25 +187,25 @@ def _network(c: Comparison, name: str, theirs: dict) -> None:
               "give it an address on that network, or launch from a host that shares one with every host")
         return
     if there != c.network.interface:
-        c.add(name, f"the job's network {c.network.cidr} is {there} there, {c.network.interface} here",
-              "Gloo (HOROVOD_GLOO_IFACE) and NCCL (NCCL_SOCKET_IFNAME) take one interface name for every "
-              f"rank: give the interface the same name on every host, or set NCCL_SOCKET_IFNAME="
-              f"{c.network.interface},{there} and launch with mpirun, which takes the network's CIDR")
-    for variable, value in c.environ.items():
-        if variable in ("NCCL_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE"):
-            wanted = [part.lstrip("=^") for part in value.split(",") if part]
-            if wanted and not any(part in theirs["interfaces"] for part in wanted) and \
-                    not any(i.startswith(tuple(wanted)) for i in theirs["interfaces"]):
-                c.add(name, f"{variable}={value} names no interface there (it has "
-                            f"{', '.join(sorted(theirs['interfaces']))})",
-                      f"set {variable} to the job network's names ({there} there)")
+        theirs_adapt = (theirs["horovod_build"] or {}).get("own_interface")
+        ours_adapt = (c.here.facts["horovod_build"] or {}).get("own_interface")
+        if theirs_adapt and ours_adapt:
+            c.notes.append(f"{name} names the job's network {c.network.cidr} {there} ({c.network.interface} here): "
+                           f"its ranks take their own name (hvdkit's Horovod); a name you set yourself "
+                           f"(NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME) must list both")
+        else:
+            whose = "its" if not theirs_adapt else "this host's"
+            c.add(name, f"the job's network {c.network.cidr} is {there} there, {c.network.interface} here, and "
+                        f"{whose} Horovod gives every rank one name",
+                  "build Horovod with hvdkit on every host (python -m hvdkit.build), whose ranks take their own "
+                  "name, or give the interface the same name on every host")
 
 
 def _slots(c: Comparison, host: Host, theirs: dict) -> None:
     if host.slots > theirs["cores"]:
         c.add(host.name, f"{host.slots} slots but {theirs['cores']} cores",
               f"ranks would share cores and every step waits for the slowest: give it at most "
-              f"{theirs['cores']} slots ({host.name}:{theirs['cores']})")
+              f"{theirs['cores']} slots ({host.name}:{theirs['cores']})", kind="slots")
     gpus = len(theirs["gpus"])
     if gpus and host.slots > gpus:
         c.add(host.name, f"{host.slots} slots but {gpus} GPUs", f"one rank per GPU: {host.name}:{gpus}")
@@ -232,7 +232,13 @@ HEADER = ["HOST", "REACH", "PYTHON", "TORCH", "HOROVOD", "MPI", "NETWORK", "DIR"
 def table(rows: Sequence[Sequence[str]]) -> str:
     rows = [HEADER, *rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(r, widths)).rstrip() for r in rows)
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def default_directory(environ: Mapping[str, str]) -> str:
+    """The directory a job's ranks write to, which every host must see: hvdkit's checkpoint or
+    log directory, else ./runs."""
+    return environ.get("HVDKIT_CHECKPOINT_DIR") or environ.get("HVDKIT_LOG_DIR") or "runs"
 
 
 def marker_directory(directory: str) -> Path:
@@ -244,59 +250,75 @@ def marker_directory(directory: str) -> Path:
     return path
 
 
-def check(hosts: Sequence[Host], *, directory: Optional[str], environ: Mapping[str, str],
-          in_allocation: bool = False, python: str = sys.executable) -> tuple[str, list[Finding]]:
-    """Probe this host and ``hosts`` at once and compare: (the table, the findings)."""
-    marker = None
-    if directory:
-        marker = tempfile.NamedTemporaryFile(prefix=".hvdkit-doctor-", dir=marker_directory(directory))
-    seen = marker.name if marker else os.devnull
-    unresolved = []
-    try:
-        reach = srun_command if in_allocation else ssh_command
-        commands = {"(this host)": facts_command(python, seen)}
-        for h in hosts:
-            try:
-                remote = bool(remote_hosts([h.name]))
-            except NetworkError as exc:
-                unresolved.append(Finding(h.name, str(exc), "fix the name or the route before launching"))
-                continue
-            # The launcher starts a local host's ranks without ssh (or srun: a node of the allocation).
-            commands[h.name] = reach(h.name, facts_command(python, seen)) if remote or in_allocation \
-                else facts_command(python, seen)
-        results: dict[str, Probe] = {}
-        threads = [threading.Thread(target=lambda n=n, cmd=cmd: results.__setitem__(n, probe(n, cmd)))
-                   for n, cmd in commands.items()]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        if marker:
-            marker.close()
+class Checked(NamedTuple):
+    table: str
+    findings: list  # [Finding]: problems, each with its fix
+    notes: list  # [str]: differences hvdkit takes care of
+
+
+def probe_all(hosts: Sequence[Host], seen: str, in_allocation: bool,
+              python: str) -> tuple[Probe, dict[str, Probe], list[Finding]]:
+    """This host's probe, each resolvable host's (at once, in threads), and a finding for each
+    host that does not resolve."""
+    reach = srun_command if in_allocation else ssh_command
+    commands, unresolved = {"(this host)": facts_command(python, seen)}, []
+    for h in hosts:
+        try:
+            remote = bool(remote_hosts([h.name]))
+        except NetworkError as exc:
+            unresolved.append(Finding(h.name, str(exc), "fix the name or the route before launching"))
+            continue
+        # The launcher starts a local host's ranks without ssh (srun: on a node of the allocation).
+        commands[h.name] = reach(h.name, facts_command(python, seen)) if remote or in_allocation \
+            else facts_command(python, seen)
+    results: dict[str, Probe] = {}
+    threads = [threading.Thread(target=lambda n=n, cmd=cmd: results.__setitem__(n, probe(n, cmd)))
+               for n, cmd in commands.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
     here = results.pop("(this host)")
     if here.facts is None:
         raise RuntimeError(f"this host's own facts could not be read: {here.error}")
+    return here, results, unresolved
+
+
+def check(hosts: Sequence[Host], *, directory: Optional[str], in_allocation: bool = False,
+          python: str = sys.executable) -> Checked:
+    """Probe this host and ``hosts`` and compare them; ``directory`` must be shared."""
+    marker = None
+    if directory:
+        marker = tempfile.NamedTemporaryFile(prefix=".hvdkit-doctor-", dir=marker_directory(directory))
+    try:
+        here, results, unresolved = probe_all(hosts, marker.name if marker else os.devnull, in_allocation, python)
+    finally:
+        if marker:
+            marker.close()
+    alone = table([row(f"{here.facts['host']} (here)", None, here, None)])
     if unresolved:
-        return table([row(f"{here.facts['host']} (here)", None, here, None)]), unresolved
+        return Checked(alone, unresolved, [])
     try:
         network = routable_network([h.name for h in hosts])
     except NetworkError as exc:  # no route to one of them
-        return table([row(f"{here.facts['host']} (here)", None, here, None)]), \
-            [Finding("(this host)", str(exc), "fix the route before launching")]
-    comparison = Comparison(here, list(hosts), results, network, directory if marker else None, environ)
+        return Checked(alone, [Finding("(this host)", str(exc), "fix the route before launching")], [])
+    comparison = Comparison(here, list(hosts), results, network, directory if marker else None)
     findings = compare(comparison)
     rows = [row(f"{here.facts['host']} (here)", None, here, comparison)]
     rows += [row(h.name, h.slots, results[h.name], comparison) for h in hosts]
-    return table(rows), findings
+    return Checked(table(rows), findings, comparison.notes)
 
 
 def main(hosts: Sequence[Host], directory: Optional[str], in_allocation: bool) -> int:
     started = time.monotonic()
-    text, findings = check(hosts, directory=directory, environ=os.environ, in_allocation=in_allocation)
-    print(text, flush=True)
-    for finding in findings:
+    checked = check(hosts, directory=directory, in_allocation=in_allocation)
+    print(checked.table, flush=True)
+    for note in checked.notes:
+        print(f"doctor: note: {note}", flush=True)
+    for finding in checked.findings:
         print(finding.line(), file=sys.stderr)
-    verdict = f"{len(findings)} problem{'s' if len(findings) != 1 else ''}" if findings else "all hosts agree"
-    print(f"doctor: {len(hosts)} host{'s' if len(hosts) != 1 else ''} checked in {time.monotonic() - started:.1f} s: {verdict}", flush=True)
-    return job.FAILED if findings else job.OK
+    count = len(checked.findings)
+    verdict = f"{count} problem{'s' if count != 1 else ''}" if count else "all hosts agree"
+    print(f"doctor: {len(hosts)} host{'s' if len(hosts) != 1 else ''} checked in "
+          f"{time.monotonic() - started:.1f} s: {verdict}", flush=True)
+    return job.FAILED if checked.findings else job.OK

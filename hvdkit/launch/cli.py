@@ -144,6 +144,8 @@ def parser() -> argparse.ArgumentParser:
                    help="forward VAR, or set it to VAL, in every rank (repeatable)")
     p.add_argument("--oversubscribe", action="store_true", help="allow more ranks than slots")
     p.add_argument("--srun-mpi", default="pmix", help="srun's --mpi plugin (default: pmix)")
+    p.add_argument("--no-preflight", action="store_true",
+                   help="start on several hosts without comparing them first (what `hvdkit doctor -H` checks)")
     p.add_argument("--dry-run", action="store_true", help="print the launcher, the reason and the command")
     p.add_argument("--verbose", action="store_true", help="print what --dry-run prints, then run")
     p.add_argument("--list-hosts", action="store_true",
@@ -164,6 +166,7 @@ class Plan:
     tagged: bool = False  # output tagged per chunk with the rank ([1,0]<stdout>:), joined into lines
     watch: list = field(default_factory=list)  # hosts (-H, --hostfile) that supervise.run ends the job without
     ranks: dict = field(default_factory=dict)  # {host: the ranks it runs}, to name them when it is lost
+    hosts: list = field(default_factory=list)  # the listed hosts (-H, --hostfile, a rehearsal), compared first
 
     def render(self) -> str:
         """Copy-pasteable: `env NAME=VALUE ... launcher args`."""
@@ -229,7 +232,8 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
         env = dict(set_env)
         if as_root and args.controller != "gloo":  # its mpirun refuses root without these
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-        return Plan(launcher, reason, horovodrun_command(spec), env, tagged=True, watch=listed, ranks=placed)
+        return Plan(launcher, reason, horovodrun_command(spec), env, tagged=True, watch=listed, ranks=placed,
+                    hosts=hosts if listed else [])
     if launcher == "srun":
         return Plan(launcher, reason, srun_command(spec), {})
 
@@ -250,7 +254,7 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
                          f"{', '.join(spec.network.peers)}; MPI and NCCL pinned to it")
     spec.forward = forwarded_names(environ, [*extra, *([job.JOB_DIR] if supervised else [])])
     return Plan(launcher, f"{reason}; {flavor}", MPIRUN_BUILDERS[flavor](spec), {}, notes,
-                tagged=flavor == "openmpi", watch=listed, ranks=placed)
+                tagged=flavor == "openmpi", watch=listed, ranks=placed, hosts=hosts if listed else [])
 
 
 def local_command(how: str, np: int, command: Sequence[str], hosts: Optional[str] = None) -> list[str]:
@@ -295,6 +299,10 @@ def main(argv: Sequence[str]) -> int:
     except (LaunchError, NetworkError, ValueError) as exc:
         print(f"hvdkit launch: {exc}", file=sys.stderr)
         return job.BAD_INPUT
+    if watched and not args.no_preflight:
+        refused = preflight(result.hosts, os.environ, args.oversubscribe, args.verbose)
+        if refused:
+            return refused
     if args.dry_run or args.verbose:
         print(f"# launcher: {result.launcher} ({result.reason})")
         for note in result.notes:
@@ -304,6 +312,24 @@ def main(argv: Sequence[str]) -> int:
             return 0
     return supervise.run(result.command, dict(os.environ, **result.env), join_lines=result.tagged, watch=watched,
                          ranks=result.ranks)
+
+
+def preflight(hosts: Sequence[Host], environ: Mapping[str, str], oversubscribe: bool, verbose: bool) -> int:
+    """The checks of `hvdkit doctor -H` before a multi-host start: a problem is one line each, and
+    nothing starts (BAD_INPUT); --oversubscribe accepts more slots than cores."""
+    from hvdkit.checks import hosts as compare
+
+    checked = compare.check(hosts, directory=compare.default_directory(environ))
+    problems = [f for f in checked.findings if not (oversubscribe and f.kind == "slots")]
+    for note in checked.notes if verbose else []:
+        print(f"# note: {note}")
+    for finding in problems:
+        print(f"hvdkit launch: {finding.line().removeprefix('doctor: ')}", file=sys.stderr)
+    if problems:
+        print("hvdkit launch: not started: the hosts differ as above (--no-preflight starts anyway)",
+              file=sys.stderr)
+        return job.BAD_INPUT
+    return job.OK
 
 
 def _previewed(names: Sequence[str]) -> Optional[Network]:

@@ -203,8 +203,8 @@ class Hosts:
         else:
             qdisc = ["tbf", "rate", rate, "burst", str(max(256 * 1024, int(bits_per_second(rate) / 8 * 0.004))),
                      "latency", "50ms"]
-        proc = subprocess.run(["ip", "netns", "exec", self.ns(name), "tc", "qdisc", "replace", "dev", self.interface(name), "root",
-                               *qdisc], capture_output=True, text=True)
+        proc = subprocess.run(["ip", "netns", "exec", self.ns(name), "tc", "qdisc", "replace", "dev",
+                               self.interface(name), "root", *qdisc], capture_output=True, text=True)
         if proc.returncode != 0 and delay and "unknown" in proc.stderr:
             raise HostsUnavailable(f"a delay of {delay} needs tc's netem queue (kernel module sch_netem), "
                                    "which this machine's kernel lacks")
@@ -213,8 +213,8 @@ class Hosts:
 
     def unshape(self, name: str) -> None:
         """Host ``name``'s link at full speed again (nothing to do if it is not shaped)."""
-        subprocess.run(["ip", "netns", "exec", self.ns(name), "tc", "qdisc", "del", "dev", self.interface(name), "root"],
-                       capture_output=True)
+        subprocess.run(["ip", "netns", "exec", self.ns(name), "tc", "qdisc", "del", "dev", self.interface(name),
+                        "root"], capture_output=True)
 
     def rename(self, name: str, interface: str) -> None:
         """Host ``name``'s link renamed, its address kept (a host of another make, or another

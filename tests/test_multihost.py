@@ -88,9 +88,13 @@ def test_three_hosts_equal_one_rank_with_three_times_the_batch(hosts, launcher, 
 
 
 PAIR = ["-np", "2", "-H", "h1:1,h2:1"]
-RENAMED = {  # plain horovodrun as users type it, and mpirun through hvdkit launch (as the templates run it)
-    "horovodrun --gloo": lambda: [launch.find_program("horovodrun"), "--gloo", *PAIR, sys.executable],
-    "horovodrun --mpi": lambda: [launch.find_program("horovodrun"), "--mpi", *PAIR, sys.executable],
+# Plain horovodrun as users type it (its cache of the interfaces it found, ~/.horovod, off: each
+# run finds them), and mpirun through hvdkit launch.
+RENAMED = {
+    "horovodrun --gloo": lambda: [launch.find_program("horovodrun"), "--gloo", "--disable-cache", *PAIR,
+                                  sys.executable],
+    "horovodrun --mpi": lambda: [launch.find_program("horovodrun"), "--mpi", "--disable-cache", *PAIR,
+                                 sys.executable],
     "hvdkit launch mpirun": lambda: [*HVDKIT, "launch", "--launcher", "mpirun", *PAIR, "--", sys.executable],
 }
 
@@ -102,12 +106,18 @@ def test_a_host_naming_the_network_otherwise_trains_as_one_host_does(hosts, laun
     h1's (Gloo: "Unable to find address for: eth0"; --mpi: SIGSEGV in MPI_Comm_dup)."""
     ckpt = tmp_path / "ckpt"
     train = ["-m", "hvdkit", "train", *TWO_RANK_TRAIN, "--checkpoint-dir", str(ckpt), "--log-dir", str(tmp_path)]
+    names = ["-c", "import os, socket, horovod.torch as hvd; hvd.init(); print('names', socket.gethostname(), "
+                   "os.environ.get('NCCL_SOCKET_IFNAME'), os.environ.get('HOROVOD_GLOO_IFACE'))"]
     hosts.rename("h2", "ens5")
     try:
-        proc = run(hosts.on("h1", [*RENAMED[launcher](), *train]), env=hosts.env(), timeout=300,
-                   cwd=REPO)
+        # NCCL_SOCKET_IFNAME as each rank holds it after hvd.init() (no GPU here to use it)
+        seen = run(hosts.on("h1", [*RENAMED[launcher](), *names]), env=hosts.env(), timeout=120, cwd=REPO)
+        proc = run(hosts.on("h1", [*RENAMED[launcher](), *train]), env=hosts.env(), timeout=300, cwd=REPO)
     finally:
         hosts.rename("h2", "eth0")
+    held = sorted(line.split()[1:] for line in seen.stdout.splitlines() if line.startswith("names "))
+    gloo = "ens5" if launcher == "horovodrun --gloo" else "None"
+    assert held == [["h1", "eth0", "eth0" if gloo != "None" else "None"], ["h2", "ens5", gloo]], seen.stdout[-3000:]
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     (summary,) = selftest.parse_records(proc.stdout, "summary")
     assert summary["world_size"] == 2 and [r["host"] for r in summary["per_rank"]] == ["h1", "h2"], summary

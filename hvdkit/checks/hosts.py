@@ -25,7 +25,7 @@ from typing import Mapping, NamedTuple, Optional, Sequence
 
 from hvdkit import job
 from hvdkit.launch.hostfile import Host
-from hvdkit.launch.network import NetworkError, remote_hosts, routable_network
+from hvdkit.launch.network import Network, NetworkError, remote_hosts, routable_network
 
 CLOCK_LIMIT = 1.0  # seconds: logs, checkpoints' times and timeouts stop lining up beyond this
 CLOCK_PROBES = 3  # the least round trip of these gives the offset
@@ -79,8 +79,11 @@ def probe(host: str, command: Sequence[str]) -> Probe:
         best = None
         for _ in range(CLOCK_PROBES):
             sent = time.time()
-            proc.stdin.write("t\n")
-            answer = float(proc.stdout.readline())
+            try:
+                proc.stdin.write("t\n")
+                answer = float(proc.stdout.readline())
+            except (OSError, ValueError):  # it stopped answering: no offset, the facts stand
+                return Probe(host, facts)
             back = time.time()
             if best is None or back - sent < best[0]:
                 best = (back - sent, answer - (sent + back) / 2)
@@ -110,8 +113,9 @@ class Comparison:
     here: Probe
     hosts: list  # [Host]
     probes: dict  # name -> Probe
-    network: Optional[object] = None  # this host's route to the others (hvdkit.launch.network.Network)
+    network: Optional[Network] = None  # this host's route to the others
     dir: Optional[str] = None
+    srun: bool = False  # reached by srun in an allocation, not ssh
     findings: list = field(default_factory=list)
     notes: list = field(default_factory=list)  # differences hvdkit takes care of
 
@@ -125,7 +129,8 @@ def compare(c: Comparison) -> list[Finding]:
     for host in c.hosts:
         got = c.probes[host.name]
         if got.facts is None:
-            c.add(host.name, f"not reachable without a prompt ({got.error})",
+            c.add(host.name, f"not reachable {'by srun' if c.srun else 'without a prompt'} ({got.error})",
+                  "check the node (scontrol show node)" if c.srun else
                   "the launcher reaches it the same way: set up passwordless ssh to it (ssh-copy-id), "
                   "and check that it is up")
             continue
@@ -302,7 +307,7 @@ def check(hosts: Sequence[Host], *, directory: Optional[str], in_allocation: boo
         network = routable_network([h.name for h in hosts])
     except NetworkError as exc:  # no route to one of them
         return Checked(alone, [Finding("(this host)", str(exc), "fix the route before launching")], [])
-    comparison = Comparison(here, list(hosts), results, network, directory if marker else None)
+    comparison = Comparison(here, list(hosts), results, network, directory if marker else None, in_allocation)
     findings = compare(comparison)
     rows = [row(f"{here.facts['host']} (here)", None, here, comparison)]
     rows += [row(h.name, h.slots, results[h.name], comparison) for h in hosts]

@@ -118,10 +118,21 @@ def test_horovodrun_forwards_stop_signals_and_ends_what_it_started(tmp_path, mod
     script = tmp_path / "rank.py"
     script.write_text(SIGNALLED_RANK)
     nohup = sig == "nohup"
+
+    def as_a_shell_starts_it():
+        """The dispositions a shell gives a command it starts: the stop signals at their defaults
+        (nohup: SIGHUP ignored). This process's may not be: one full-suite run had SIGINT and
+        SIGQUIT ignored here (as system(3) does while it waits), so horovodrun kept them ignored
+        and the SIGINT case waited out its 15 s."""
+        for signum in (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_DFL)
+        if nohup:
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
     proc = subprocess.Popen([launch.find_program("horovodrun"), "-np", "2", mode, sys.executable, str(script),
                              str(tmp_path)], env=selftest.mpi_root_env(), start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None)
+                            preexec_fn=as_a_shell_starts_it)
     try:
         deadline = time.monotonic() + 60
         while not all((tmp_path / f"rank-{r}").exists() for r in (0, 1)):

@@ -18,7 +18,7 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--selftest", action="store_true",
                         help="also run a real 2-process allreduce/broadcast/training check per controller")
     where = doctor.add_mutually_exclusive_group()  # hosts: only the comparison, which takes seconds
-    where.add_argument("-H", "--hosts", help="also compare these hosts with this one (host1:4,host2:4), reached "
+    where.add_argument("-H", "--hosts", help="compare these hosts with this one (host1:4,host2:4), reached "
                                              "by ssh as the launcher reaches them; in a multi-node Slurm "
                                              "allocation the default is its nodes, reached by srun")
     where.add_argument("--hostfile", help="the hosts to compare, from a hostfile (host:N or host slots=N)")

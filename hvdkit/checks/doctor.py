@@ -7,7 +7,6 @@ ends the report with one `doctor: missing ...` line that says how to fix it, and
 
 from __future__ import annotations
 
-import importlib.metadata
 import platform
 import subprocess
 import sys
@@ -16,17 +15,11 @@ from typing import Optional
 
 from hvdkit import env, job
 from hvdkit.checks import selftest
+from hvdkit.checks.host_facts import package_version
 from hvdkit.launch import cli as launch
 from hvdkit.launch.cli import describe_mpi, find_program, mpi_flavor, mpirun_version
 
 SETUP_HINT = "run `make setup` in the hvdkit checkout, or `python -m hvdkit.build`"
-
-
-def _version(dist: str) -> Optional[str]:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _mark(flag) -> str:
@@ -62,7 +55,7 @@ def report_python_and_torch(report: Report) -> None:
         except Exception:  # noqa: BLE001 - NCCL is optional in a torch build
             pass
     report.line("torch", f"{torch.__version__} ({', '.join(extras)})")
-    report.line("torchvision", _version("torchvision") or "not installed")
+    report.line("torchvision", package_version("torchvision") or "not installed")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     names = [torch.cuda.get_device_name(i) for i in range(gpus)]
     report.line("GPUs visible", f"{gpus}" + (f" ({', '.join(names)})" if names else ""))
@@ -81,12 +74,12 @@ def report_mpi(report: Report) -> None:
         report.require("mpi4py is missing", "apt-get install libopenmpi-dev, then pip install mpi4py")
         return
     library = MPI.Get_library_version().strip().splitlines()[0]
-    report.line("mpi4py", f"{_version('mpi4py')} (linked to: {library})")
+    report.line("mpi4py", f"{package_version('mpi4py')} (linked to: {library})")
 
 
 def report_horovod(report: Report) -> list[str]:
     """Print what `horovodrun --check-build` shows; return the controllers built."""
-    version = _version("horovod")
+    version = package_version("horovod")
     if version is None:
         report.line("Horovod", "not installed")
         report.require("Horovod is not installed", SETUP_HINT)

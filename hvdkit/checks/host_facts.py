@@ -30,7 +30,7 @@ from typing import Optional
 PACKAGES = ("torch", "torchvision", "horovod", "hvdkit", "mpi4py")
 
 
-def _version(dist: str) -> Optional[str]:
+def package_version(dist: str) -> Optional[str]:
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
@@ -101,7 +101,7 @@ def facts(seen: Optional[str]) -> dict:
         "host": socket.gethostname(),
         "python": platform.python_version(),
         "executable": sys.executable,
-        "packages": {name: _version(name) for name in PACKAGES},
+        "packages": {name: package_version(name) for name in PACKAGES},
         "horovod_build": horovod_build(),
         "mpi": mpi(),
         "interfaces": interfaces(),

@@ -164,9 +164,13 @@ class Plan:
     env: dict  # set in the launcher's own environment
     notes: list = field(default_factory=list)
     tagged: bool = False  # output tagged per chunk with the rank ([1,0]<stdout>:), joined into lines
-    watch: list = field(default_factory=list)  # hosts (-H, --hostfile) that supervise.run ends the job without
     ranks: dict = field(default_factory=dict)  # {host: the ranks it runs}, to name them when it is lost
     hosts: list = field(default_factory=list)  # the listed hosts (-H, --hostfile, a rehearsal), compared first
+
+    @property
+    def watch(self) -> list[str]:
+        """The hosts that supervise.run ends the job without (srun's are Slurm's to watch)."""
+        return [h.name for h in self.hosts]
 
     def render(self) -> str:
         """Copy-pasteable: `env NAME=VALUE ... launcher args`."""
@@ -232,7 +236,7 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
         env = dict(set_env)
         if as_root and args.controller != "gloo":  # its mpirun refuses root without these
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-        return Plan(launcher, reason, horovodrun_command(spec), env, tagged=True, watch=listed, ranks=placed,
+        return Plan(launcher, reason, horovodrun_command(spec), env, tagged=True, ranks=placed,
                     hosts=hosts if listed else [])
     if launcher == "srun":
         return Plan(launcher, reason, srun_command(spec), {})
@@ -254,7 +258,7 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
                          f"{', '.join(spec.network.peers)}; MPI and NCCL pinned to it")
     spec.forward = forwarded_names(environ, [*extra, *([job.JOB_DIR] if supervised else [])])
     return Plan(launcher, f"{reason}; {flavor}", MPIRUN_BUILDERS[flavor](spec), {}, notes,
-                tagged=flavor == "openmpi", watch=listed, ranks=placed, hosts=hosts if listed else [])
+                tagged=flavor == "openmpi", ranks=placed, hosts=hosts if listed else [])
 
 
 def local_command(how: str, np: int, command: Sequence[str], hosts: Optional[str] = None) -> list[str]:

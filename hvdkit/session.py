@@ -367,6 +367,7 @@ class Session:
         except HorovodInternalError:
             if self.cfg.elastic:
                 raise
+            self._lockstep.read_after_shutdown()
             raise RankEnded(f"Horovod shut down while rank {self.rank} waited in {where(call, self.global_step)}: "
                             f"another rank ended (it raised, returned early or was killed) or Horovod's stall "
                             f"inspector ended the job; the lines above say which") from None

@@ -16,6 +16,7 @@ DIR/SHAPE-I.pt. Shapes:
   rank0-save        `if session.rank == 0: session.save()`             (cannot work)
   rank0-report      a report on rank 0 only                             (cannot work)
   uneven-steps      rank 1 takes 10 steps fewer                         (cannot work)
+  uneven-steps-slow the same, the others slow in the backward after rank 1's last step
   raise-on-rank1    an exception in the loop body on rank 1             (cannot work)
   stuck-collective  rank 1 waits in an allreduce no other rank joins    (a stop cannot reach a step)
   sleep-in-step     every step sleeps 1 s, for stop signals to arrive part-way
@@ -168,16 +169,39 @@ def rank0_report(args):
     return until_it_fails(args, report_on_rank_0)
 
 
-def uneven_steps(args):
+def uneven_steps(args, slow_after=None):
     session, loader, model, optimizer = start(args)
     batches = itertools.chain.from_iterable(_epochs(loader))
-    for _ in range(STEPS - 10 * (session.rank == 1)):
+    for step in range(STEPS - 10 * (session.rank == 1)):
         optimizer.zero_grad()
-        session.backward(loss_of(model, next(batches)))
+        loss = loss_of(model, next(batches))
+        if step == slow_after:
+            loss = SlowBackward.apply(loss)
+        session.backward(loss)
         session.step()
     if session.rank == 1:
         mark("rank 1 took its last step")
     return session, model
+
+
+class SlowBackward(torch.autograd.Function):
+    """Its backward takes 2 s, before any gradient reaches the model."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(2)
+        return grad
+
+
+def uneven_steps_slow(args):
+    """Rank 1 takes 10 steps fewer; the others' backward of the step after its last is slow, so
+    that rank 1 has left (and Horovod shut down) before they start that step's allreduces: the
+    race in which rank 0 said "Horovod shut down" instead of why (CI, stop 47)."""
+    return uneven_steps(args, slow_after=STEPS - 10)
 
 
 def raise_on_rank1(args):
@@ -212,7 +236,7 @@ def sleep_in_step(args):
 
 SHAPES = {fn.__name__.replace("_", "-"): fn for fn in (
     canonical, no_should_stop, plain_range, own_backward, eval_in_epoch, rank0_save, rank0_report, uneven_steps,
-    raise_on_rank1, stuck_collective, sleep_in_step)}
+    uneven_steps_slow, raise_on_rank1, stuck_collective, sleep_in_step)}
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--shape", action="append", choices=SHAPES, required=True)

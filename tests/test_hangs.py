@@ -78,11 +78,12 @@ ONE_LINE = {
                        "raised, returned early or was killed) or Horovod's stall inspector ended the job; the lines "
                        "above say which", 1),
 }
+ONE_LINE["uneven-steps-slow"] = ONE_LINE["uneven-steps"]  # also when rank 1 left before rank 0's allreduces began
+CASES = [(shape, np) for shape in ONE_LINE for np in (2, 3) if (shape, np) != ("uneven-steps-slow", 3)]
 
 
-@pytest.mark.parametrize("np", [2, 3])
 @pytest.mark.parametrize("how", PLAIN)
-@pytest.mark.parametrize("shape", list(ONE_LINE))
+@pytest.mark.parametrize("shape, np", CASES)
 def test_a_shape_that_cannot_work_ends_in_seconds_with_one_line(tmp_path, shape, how, np):
     proc = start(how, np, ["--shape", shape, "--log-dir", str(tmp_path / "logs"),
                            "--checkpoint-dir", str(tmp_path / "ckpt")])

@@ -112,3 +112,36 @@ def test_a_stop_arriving_as_the_launcher_exits_is_no_traceback():
     gone = psutil.Process(child.pid)
     child.wait()
     supervise.pass_on(signal.SIGTERM, gone)
+
+
+WRITER = ("import os, sys, time\n"
+          "path = sys.argv[1]\n"
+          "while not os.path.exists(path): time.sleep(0.01)\n"
+          "directory = open(path).read().strip()\n"
+          "end = time.monotonic() + 4\n"
+          "while time.monotonic() < end:\n"
+          "    try:\n"
+          "        tmp = os.path.join(directory, f'heartbeat.{time.monotonic_ns()}.tmp')\n"
+          "        open(tmp, 'w').write('{}')\n"
+          "        os.replace(tmp, os.path.join(directory, 'heartbeat-rank-1.json'))\n"
+          "    except OSError:\n"
+          "        pass\n"
+          "    time.sleep(0.002)\n")
+
+
+def test_the_job_directory_is_removed_while_a_rank_elsewhere_still_writes_into_it(tmp_path):
+    """A rank on another host that shares /tmp is not below the launcher and goes on writing
+    heartbeats after the job ended here (CI: a link-down job exited with a traceback, 'Directory
+    not empty', instead of its code). The writer here is started beside the job, not below it."""
+    for round in range(2):
+        named = tmp_path / f"job-dir-{round}"
+        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(named)])
+        try:
+            proc = supervised(f'echo "$HVDKIT_JOB_DIR" > {named}.tmp; mv {named}.tmp {named}; '
+                              'until [ -e "$HVDKIT_JOB_DIR/heartbeat-rank-1.json" ]; do sleep 0.01; done; exit 3')
+        finally:
+            writer.kill()
+            writer.wait()
+        assert (proc.returncode, proc.stderr) == (3, "")
+        directory = named.read_text().strip()
+        assert not os.path.exists(directory) and not os.path.exists(f"{directory}.ended")

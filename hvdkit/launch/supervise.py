@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -124,7 +125,8 @@ def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False
     import psutil  # here: `hvdkit doctor` imports this module where psutil may be missing
 
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
-    with tempfile.TemporaryDirectory(prefix="hvdkit-job-") as job_dir:
+    job_dir = tempfile.mkdtemp(prefix="hvdkit-job-")
+    try:
         env = {JOB_DIR: job_dir, **env}
         pipe = subprocess.PIPE if join_lines else None
         child = subprocess.Popen(list(command), env=env, start_new_session=True, preexec_fn=end_with_parent,
@@ -165,6 +167,8 @@ def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False
             # shared /tmp) leave no record; a stopped job still exits as the signal says.
             return stopped_by(stopped[0])
         return recorded or _shell_code(code)
+    finally:
+        remove_job_dir(job_dir)
 
 
 def _wait(child: subprocess.Popen, hosts: network.HostWatch, stopped: list) -> int:
@@ -186,6 +190,22 @@ def _wait(child: subprocess.Popen, hosts: network.HostWatch, stopped: list) -> i
             except ProcessLookupError:
                 pass
             return child.wait()
+
+
+def remove_job_dir(directory: str) -> None:
+    """Remove the job directory. Ranks on other hosts that share this /tmp (a shared filesystem,
+    namespace hosts) may still write heartbeats into it after the job ended here, so that a removal
+    finds it not empty: it is renamed first, which no later write by its old name can enter, and
+    then removed, again if a write in flight landed."""
+    ended = f"{directory}.ended"
+    with contextlib.suppress(OSError):
+        os.rename(directory, ended)
+    for path in (directory, ended):
+        for _ in range(20):
+            shutil.rmtree(path, ignore_errors=True)
+            if not os.path.exists(path):
+                break
+            time.sleep(0.05)
 
 
 def _shell_code(code: int) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from horovod.common.exceptions import HorovodInternalError
 
 from hvdkit import job
 
@@ -78,6 +79,16 @@ class Lockstep:
             raise LockstepError(problem)
         self.signum = self.signum or int(rows[:, 2].max().item())
         return self.signum
+
+    def read_after_shutdown(self) -> None:
+        """Horovod shut down while a meeting was submitted: the LockstepError of a meeting that
+        completed first, which is why another rank ended. A rank taking fewer steps leaves as soon as
+        its meeting shows the mismatch, while this one may still be starting its gradients'
+        allreduces, which then fail; its meeting had already completed and says why."""
+        try:
+            self.collect()
+        except HorovodInternalError:  # it did not complete: the shutdown is all there is to say
+            pass
 
     def meet(self, call: str, steps: int, signum: int) -> int:
         self.submit(call, steps, signum)

@@ -48,6 +48,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from hvdkit.bench.workers import _init_torch_distributed
     from hvdkit.models import TinyGPT
+    from hvdkit.rank.memory import PhasePeaks
     from hvdkit.rank.startup import place_process
     from hvdkit.zero import optimizer as zero
 
@@ -75,19 +76,23 @@ def worker(args: argparse.Namespace) -> None:
         gather = hvd.allgather_object
     tokens = torch.randint(0, 256, (args.batch_size, args.seq_len + 1), generator=torch.Generator().manual_seed(rank))
 
-    def step() -> None:
-        optimizer.zero_grad()
-        logits = model(tokens[:, :-1])
-        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        optimizer.step()
+    peaks = PhasePeaks()
 
-    for _ in range(args.warmup):
-        step()
+    def step(when: str) -> None:
+        with peaks.phase(f"{when}: forward and backward"):
+            optimizer.zero_grad()
+            logits = model(tokens[:, :-1])
+            F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        with peaks.phase(f"{when}: optimizer step"):
+            optimizer.step()
+
+    for n in range(args.warmup):
+        step("first step" if n == 0 else "steady")
     start = time.perf_counter()
     for _ in range(args.steps):
-        step()
+        step("steady")
     rate = args.batch_size * args.steps / (time.perf_counter() - start)
-    held = _held(model, optimizer, zero)
+    held = {**_held(model, optimizer, zero), "phases": peaks.summary()}
     rows = gather({"samples_per_sec": rate, **held})
     if rank == 0:
         print(json.dumps({"event": "bench.zero", "impl": args.impl, "world_size": size,
@@ -96,11 +101,13 @@ def worker(args: argparse.Namespace) -> None:
 
 def _held(model, optimizer, zero) -> dict:
     """This rank's bytes after a step, counted from the tensors, and its peak resident memory."""
+    from hvdkit.rank.memory import peak_rss
+
     if isinstance(optimizer, zero.ShardedOptimizer):
         return zero.memory_of(optimizer)
     local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer steps its shard with this
     params = list(model.parameters())
-    return {**zero.held_bytes(params, params, local.state.values()), "peak_rss": zero.peak_rss()}
+    return {**zero.held_bytes(params, params, local.state.values()), "peak_rss": peak_rss()}
 
 
 def _torch_gather(value):

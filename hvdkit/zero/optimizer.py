@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import resource
 from dataclasses import dataclass
 from typing import Optional
 
@@ -36,6 +35,7 @@ import torch
 from torch import nn
 
 from hvdkit.config import ConfigError
+from hvdkit.rank.memory import peak_rss, return_freed_memory
 
 BUCKET_BYTES = 32 * 1024 * 1024
 GATHER_AHEAD = 1  # buckets whose allgather is under way while one is copied into the weights
@@ -130,7 +130,11 @@ class ShardedOptimizer:
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.group_sizes = [len(group["params"]) for group in optimizer.param_groups]  # frozen ones too
         self.buckets = layout(optimizer.param_groups, bucket_bytes)
-        self.slices = [self._new_slice(b) for b in self.buckets]
+        return_freed_memory()
+        # Each bucket's weights live in one flat vector from the start, and this rank's slice of
+        # it is what the optimizer steps: the weights are never held twice, not even at step 1.
+        self._whole = [self._flatten_weights(n) for n in range(len(self.buckets))]
+        self.slices = [self._own_part(whole) for whole in self._whole]
         for g, group in enumerate(optimizer.param_groups):
             group["params"] = [s for s, b in zip(self.slices, self.buckets, strict=True) if b.group == g]
         self._shard_state(dict(optimizer.state))  # state you loaded before setup(): this rank keeps its slices'
@@ -141,19 +145,29 @@ class ShardedOptimizer:
         self._ready: list[set] = [set() for _ in self.buckets]
         self._counts = [0] * len(self.params)
         self._synchronized = False
-        self._whole: list[Optional[torch.Tensor]] = [None] * len(self.buckets)  # the last gather's
-        # Stage 1 keeps whole gradients anyway: each .grad is a view into its bucket's flat
-        # gradient, which is reduce-scattered as it is (no copy), as DDP's gradient_as_bucket_view.
-        self._flat = [self._new_flat(b) for b in self.buckets] if stage == 1 else None
+        # Each .grad is a view into its bucket's flat gradient, which is reduce-scattered as it
+        # is (no copy), as DDP's gradient_as_bucket_view. Stage 1 keeps them all; stage 2 makes a
+        # bucket's when its first gradient arrives and lets it go once it is sent.
+        self._flat: list[Optional[torch.Tensor]] = [None] * len(self.buckets)
         self._attach_gradients()
         self._hooks = [self.params[i].register_post_accumulate_grad_hook(self._hook(i)) for i in self._bucket_of]
 
-    def _new_slice(self, bucket: Bucket, ranks: int = 1) -> torch.Tensor:
-        first = self.params[bucket.params[0]]
-        return torch.zeros(bucket.slice_length(self.size) * ranks, dtype=first.dtype, device=first.device)
-
     def _new_flat(self, bucket: Bucket) -> torch.Tensor:
-        return self._new_slice(bucket, self.size)
+        """A zeroed flat vector of ``bucket``, padded to a multiple of the world size."""
+        first = self.params[bucket.params[0]]
+        return torch.zeros(bucket.slice_length(self.size) * self.size, dtype=first.dtype, device=first.device)
+
+    def _own_part(self, whole: torch.Tensor) -> torch.Tensor:
+        width = len(whole) // self.size
+        return whole[self.rank * width:(self.rank + 1) * width]
+
+    def _flatten_weights(self, n: int) -> torch.Tensor:
+        """Bucket ``n``'s weights moved into one flat vector, each parameter a view of it."""
+        whole = self._new_flat(self.buckets[n])
+        for param, lo, hi, shape in self._views(n):
+            whole[lo:hi].copy_(param.detach().reshape(-1))
+            param.data = whole[lo:hi].view(shape)
+        return whole
 
     def _views(self, n: int):
         """(parameter, start, end, shape): where each parameter of bucket ``n`` lies in its flat vector."""
@@ -163,10 +177,22 @@ class ShardedOptimizer:
 
     def _attach_gradients(self) -> None:
         """Stage 1: every .grad a zeroed view into its bucket's flat gradient."""
-        for n, flat in enumerate(self._flat or ()):
-            flat.zero_()
-            for param, lo, hi, shape in self._views(n):
-                param.grad = flat[lo:hi].view(shape)
+        if self.stage == 1:
+            for n in range(len(self.buckets)):
+                self._attach_bucket(n)
+
+    def _attach_bucket(self, n: int) -> None:
+        """Bucket ``n``'s .grads become views into its zeroed flat gradient (made if it has none);
+        a gradient already there is copied in first."""
+        if self._flat[n] is None:
+            self._flat[n] = self._new_flat(self.buckets[n])
+        else:
+            self._flat[n].zero_()
+        flat = self._flat[n]
+        for param, lo, hi, shape in self._views(n):
+            if param.grad is not None:
+                flat[lo:hi].copy_(param.grad.reshape(-1))
+            param.grad = flat[lo:hi].view(shape)
 
     def _overlaps(self, bucket: Bucket, length: int):
         """(parameter index, range in this rank's slice, range in the flat parameter) of each
@@ -207,22 +233,23 @@ class ShardedOptimizer:
             if self.stage == 1 and self._counts[index] < self.passes:
                 return  # stage 1 sums the K micro-batches in .grad and reduces once
             n, _ = self._bucket_of[index]
+            if self._flat[n] is None:  # stage 2: the bucket's first gradient of this pass
+                self._attach_bucket(n)
             self._ready[n].add(index)
             if len(self._ready[n]) == len(self.buckets[n].params):
                 self._send(n)
         return ready
 
     def _flat_gradient(self, n: int) -> torch.Tensor:
-        """Bucket ``n``'s gradients as one flat vector: stage 1's own, stage 2 a copy."""
-        piece = self.slices[n]
-        flat = self._flat[n] if self.stage == 1 else piece.new_empty(len(piece) * self.size)
-        if self.stage == 2:
-            flat[self.buckets[n].length:].zero_()
+        """Bucket ``n``'s gradients as one flat vector: the one its .grads are views of."""
+        if self._flat[n] is None:  # stage 2, a bucket none of whose parameters had a gradient
+            self._attach_bucket(n)
+        flat = self._flat[n]
         for param, lo, hi, _ in self._views(n):
             grad = param.grad
-            if grad is None:  # unused this step: it sends zeros, as Horovod does
+            if grad is None:  # set to None since: it sends zeros, as Horovod does for an unused one
                 flat[lo:hi].zero_()
-            elif grad.data_ptr() != flat[lo:].data_ptr():  # stage 2, or a .grad replaced since zero_grad()
+            elif grad.data_ptr() != flat[lo:].data_ptr():  # a .grad replaced since zero_grad()
                 flat[lo:hi].copy_(grad.reshape(-1))
         return flat
 
@@ -240,9 +267,10 @@ class ShardedOptimizer:
         self._handles[n] = (handle, context)
         self._sent.add(n)
         self._ready[n].clear()
-        if self.stage == 2:
+        if self.stage == 2:  # Horovod holds the flat gradient until it is received
             for i in self.buckets[n].params:
                 self.params[i].grad = None
+            self._flat[n] = None
         for done in [m for m, (h, _) in self._handles.items() if m != n and self.hvd.poll(h)]:
             self._receive(done)  # as soon as it is done, so that its buffers go
         if self.stage == 2 and len(self._handles) > MAX_IN_FLIGHT:  # each holds a copy: bound them
@@ -251,7 +279,9 @@ class ShardedOptimizer:
     def _receive(self, n: int) -> None:
         handle, context = self._handles.pop(n)
         part = self.compression.decompress(self.hvd.synchronize(handle), context)
-        if self.reduced[n] is None or self.stage == 1:
+        if self.stage == 1:  # into this rank's part of the flat gradient, which nothing reads again
+            self.reduced[n] = self._own_part(self._flat[n]).copy_(part)
+        elif self.reduced[n] is None:
             self.reduced[n] = part
         else:
             self.reduced[n].add_(part)
@@ -312,11 +342,10 @@ class ShardedOptimizer:
         self._synchronized = False
 
     def _aliased(self, n: int) -> bool:
-        """Since the last gather, this rank's slice of bucket ``n`` is its part of the parameters'
-        own storage, and no parameter has been given another."""
+        """This rank's slice of bucket ``n`` is still its part of the parameters' own storage: no
+        parameter has been given another (a load_state_dict with assign=True, a .data set)."""
         whole = self._whole[n]
-        return whole is not None and all(param.data_ptr() == whole[lo:].data_ptr()
-                                         for param, lo, _, _ in self._views(n))
+        return all(param.data_ptr() == whole[lo:].data_ptr() for param, lo, _, _ in self._views(n))
 
     def _read_slice(self, piece: torch.Tensor, bucket: Bucket) -> None:
         for i, mine, theirs in self._overlaps(bucket, len(piece)):
@@ -339,14 +368,14 @@ class ShardedOptimizer:
         whole = self._whole[n] = self.hvd.synchronize(handle)
         for param, lo, hi, shape in self._views(n):
             param.data = whole[lo:hi].view(shape)
-        width = len(self.slices[n])
-        self.slices[n].data = whole[self.rank * width:(self.rank + 1) * width]
+        self.slices[n].data = self._own_part(whole)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for n in sorted(self._handles):  # a step abandoned mid-way: let its collectives finish
             self._receive(n)
         for p in self.params:
             p.grad = None
+        self._flat = [None] * len(self.buckets) if self.stage == 2 else self._flat
         self._attach_gradients()
         for piece in self.slices:
             piece.grad = None
@@ -390,14 +419,20 @@ class ShardedOptimizer:
 
 
 def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+    """Bytes of the distinct storages behind ``tensors`` (views of one flat vector count once)."""
+    storages = {}
+    for t in tensors:
+        if torch.is_tensor(t):
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def held_bytes(params, grad_holders, states) -> dict:
     """Bytes of ``params``, of the gradients the ``grad_holders`` hold, and of the optimizer
-    ``states`` (per-parameter dicts), counted from the tensors themselves."""
+    ``states`` (per-parameter dicts), counted from the tensors' storages."""
     return {"params": _nbytes(params), "grads": _nbytes(p.grad for p in grad_holders),
-            "optimizer_state": sum(_nbytes(state.values()) for state in states)}
+            "optimizer_state": _nbytes(v for state in states for v in state.values())}
 
 
 def memory_of(optimizer) -> dict:
@@ -409,8 +444,3 @@ def memory_of(optimizer) -> dict:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         held = held_bytes(params, params, optimizer.state.values())
     return {**held, "peak_rss": peak_rss()}
-
-
-def peak_rss() -> int:
-    """This process's peak resident memory, in bytes."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,98 @@
+"""Peak memory per phase of training: where in a step a rank's memory peaks.
+
+What decides whether a model fits is the peak, not the bytes held after a step, and the peak
+moves between phases (the first step, which creates the optimizer state; the backward pass;
+the optimizer step; a checkpoint's save; a resume). A phase's peak on the CPU is the largest
+resident set size while it ran: Linux keeps a high-water mark (VmHWM) that writing "5" to
+/proc/self/clear_refs lowers to the current size, so each phase starts from where it begins.
+On a GPU it is the CUDA allocator's peak, reset the same way. Where the high-water mark cannot
+be reset, a phase's peak is the process's peak so far (still an upper bound)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import resource
+from typing import Iterator, Optional
+
+import torch
+
+CLEAR_REFS = "/proc/self/clear_refs"
+STATUS = "/proc/self/status"
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+LARGE = 4 * 1024 * 1024  # allocations from this size up are mapped alone, and unmapped when freed
+
+
+def return_freed_memory(threshold: int = LARGE) -> bool:
+    """Have glibc map each allocation of ``threshold`` bytes or more on its own, so that freeing
+    it gives the memory back at once. By default glibc raises that threshold (up to 32 MiB) after
+    the first large free, and keeps later tensors up to that size in its heaps, one per thread:
+    the buckets the Horovod thread allocates and the main thread frees stay resident, and a rank's
+    peak grew by a bucket per heap (measured with the sharded optimizer, docs/zero.md). Whether
+    it was set (glibc only)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold))
+    except (OSError, AttributeError):
+        return False
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory since its start, in bytes."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _high_water_mark() -> Optional[int]:
+    """The resident high-water mark since the last reset, in bytes; None off Linux."""
+    try:
+        with open(STATUS) as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_high_water_mark() -> bool:
+    try:
+        with open(CLEAR_REFS, "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class PhasePeaks:
+    """The largest peak seen in each named phase, in bytes: RSS on the CPU, the CUDA allocator's
+    on a GPU (``device``)."""
+
+    def __init__(self, device: torch.device = torch.device("cpu")) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.peaks: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        resettable = self._reset()
+        try:
+            yield
+        finally:
+            peak = self._read() if resettable else peak_rss()
+            self.peaks[name] = max(self.peaks.get(name, 0), peak)
+
+    def _reset(self) -> bool:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return True
+        return _reset_high_water_mark()
+
+    def _read(self) -> int:
+        if self.cuda:
+            return torch.cuda.max_memory_allocated(self.device)
+        return _high_water_mark() or peak_rss()
+
+    def summary(self) -> dict:
+        """{phase: peak bytes}, and the unit they are in."""
+        return {"unit": "cuda_allocated" if self.cuda else "rss", **self.peaks}

@@ -286,7 +286,12 @@ def test_zero_runs_each_loop_and_reports_the_bytes_each_rank_holds(tmp_path, hvd
     for sharded in ("zero1", "zero2", "torch-zero"):  # each rank holds half the Adam state
         assert table[sharded]["optimizer_state"] == pytest.approx(whole["optimizer_state"] / 2, rel=0.05)
     assert table["zero2"]["grads"] == pytest.approx(whole["grads"] / 2, rel=0.05)
+    assert table["zero1"]["grads"] <= whole["grads"] * 1.01  # its reduced slices live in its own gradients
     assert all(row["peak_rss"] > row["params"] > 0 and row["samples_per_sec"] > 0 for row in table.values())
+    phases = ["first step: forward and backward", "first step: optimizer step", "steady: forward and backward",
+              "steady: optimizer step"]
+    for row in table.values():  # each phase's peak, none above the process's
+        assert list(row["phases"]) == phases and all(0 < row["phases"][p] <= row["peak_rss"] for p in phases)
     for name, ratio in record["ratios"].items():
         a, b = name.split("/")
         assert ratio == pytest.approx(record["runs"][a][0] / record["runs"][b][0])

@@ -136,6 +136,9 @@ def compare(args: argparse.Namespace) -> int:
                     **{key: max(rank[key] for rank in results[-1]["ranks"])
                        for key in ("params", "grads", "optimizer_state", "peak_rss")}}
              for impl, results in runs.items()}
+    for impl, results in runs.items():  # each phase's peak, the largest rank's, in the last round
+        table[impl]["phases"] = {phase: max(rank["phases"][phase] for rank in results[-1]["ranks"])
+                                 for phase in results[-1]["ranks"][0]["phases"] if phase != "unit"}
     whole = table["horovod"]["optimizer_state"]
     print(f"\n{'implementation':<12} {'samples/sec':>12} {'optimizer MB':>13} {'x unsharded':>12} {'grads MB':>9} "
           f"{'weights MB':>11} {'peak RSS MB':>12}   (bytes: the largest rank)")
@@ -143,6 +146,10 @@ def compare(args: argparse.Namespace) -> int:
         print(f"{impl:<12} {row['samples_per_sec']:>12.2f} {row['optimizer_state'] / 2**20:>13.1f} "
               f"{row['optimizer_state'] / whole:>12.2f} {row['grads'] / 2**20:>9.1f} {row['params'] / 2**20:>11.1f} "
               f"{row['peak_rss'] / 2**20:>12.0f}")
+    phases = list(table["horovod"]["phases"])
+    print(f"\npeak RSS MB per phase (the largest rank): {' | '.join(phases)}")
+    for impl, row in table.items():
+        print(f"{impl:<12} " + " ".join(f"{row['phases'][phase] / 2**20:>8.0f}" for phase in phases))
     print("\nthroughput, median of per-round ratios: "
           + ", ".join(f"{name} {value:.3f}" for name, value in ratios.items()))
     out = out_dir(args, "zero")

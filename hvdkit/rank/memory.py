@@ -11,8 +11,6 @@ be reset, a phase's peak is the process's peak so far (still an upper bound)."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import resource
 from typing import Iterator, Optional
 
@@ -20,27 +18,14 @@ import torch
 
 CLEAR_REFS = "/proc/self/clear_refs"
 STATUS = "/proc/self/status"
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-LARGE = 4 * 1024 * 1024  # allocations from this size up are mapped alone, and unmapped when freed
 
 
-def return_freed_memory(threshold: int = LARGE) -> bool:
-    """Have glibc map each allocation of ``threshold`` bytes or more on its own, so that freeing
-    it gives the memory back at once. By default glibc raises that threshold (up to 32 MiB) after
-    the first large free, and keeps later tensors up to that size in its heaps, one per thread:
-    the buckets the Horovod thread allocates and the main thread frees stay resident, and a rank's
-    peak grew by a bucket per heap (measured with the sharded optimizer, docs/zero.md). Whether
-    it was set (glibc only)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold))
-    except (OSError, AttributeError):
-        return False
+_highest = 0  # the largest high-water mark read before a reset: the reset lowers ru_maxrss too
 
 
 def peak_rss() -> int:
     """This process's peak resident memory since its start, in bytes."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return max(_highest, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
 def _high_water_mark() -> Optional[int]:
@@ -55,7 +40,13 @@ def _high_water_mark() -> Optional[int]:
     return None
 
 
+def _note(peak: int) -> None:
+    global _highest
+    _highest = max(_highest, peak)
+
+
 def _reset_high_water_mark() -> bool:
+    _note(peak_rss())
     try:
         with open(CLEAR_REFS, "w") as refs:
             refs.write("5")
@@ -81,6 +72,8 @@ class PhasePeaks:
         finally:
             peak = self._read() if resettable else peak_rss()
             self.peaks[name] = max(self.peaks.get(name, 0), peak)
+            if not self.cuda:
+                _note(peak)
 
     def _reset(self) -> bool:
         if self.cuda:

@@ -9,10 +9,11 @@ checkpoint re-partitions to any world size (hvdkit.zero.shards).
 A step, on every rank:
 1. When a bucket's last gradient is ready, its flat gradient is reduce-scattered (averaged)
    asynchronously, overlapping the rest of the backward pass; each rank receives the averaged
-   gradient of its slice. Stage 1 keeps whole gradients: each ``.grad`` is a view into its
-   bucket's flat vector, reduced once after the K-th micro-batch. Stage 2 copies a bucket's
-   gradients into a flat vector and frees them, so a rank holds only its gradient slices, and
-   with K micro-batches reduces each one and sums the slices (more traffic, less memory, as
+   gradient of its slice. Each ``.grad`` is a view into its bucket's flat gradient. Stage 1
+   keeps them all, reduces once after the K-th micro-batch, and receives its slice into its own
+   part of the flat gradient. Stage 2 makes a bucket's flat gradient when its first gradient
+   arrives and lets it go once sent, so a rank holds only its gradient slices, and with K
+   micro-batches reduces each one and sums the slices (more traffic, less memory, as
    DeepSpeed's stage 2).
 2. The wrapped optimizer steps on this rank's slices: its param groups keep their options (an
    LR scheduler built on it works as before) and hold one flat slice per bucket instead of the
@@ -20,6 +21,9 @@ A step, on every rank:
    element by element, the only ones accepted (``check``).
 3. The updated slices are allgathered, bucket by bucket with the next one under way, into
    every rank's weights.
+
+Each bucket's weights are one flat vector from the start (the parameters are views of it) and
+this rank's slice is its part of that storage, so the weights are never held twice.
 
 The padding of each bucket is zeros in the gradient, so it leaves norms and updates alone.
 """
@@ -35,9 +39,9 @@ import torch
 from torch import nn
 
 from hvdkit.config import ConfigError
-from hvdkit.rank.memory import peak_rss, return_freed_memory
+from hvdkit.rank.memory import peak_rss
 
-BUCKET_BYTES = 32 * 1024 * 1024
+BUCKET_BYTES = 8 * 1024 * 1024  # than 32 MiB: a lower peak, and faster on CPUs (docs/zero.md)
 GATHER_AHEAD = 1  # buckets whose allgather is under way while one is copied into the weights
 MAX_IN_FLIGHT = 2  # stage 2: buckets being reduce-scattered at once
 
@@ -130,11 +134,12 @@ class ShardedOptimizer:
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.group_sizes = [len(group["params"]) for group in optimizer.param_groups]  # frozen ones too
         self.buckets = layout(optimizer.param_groups, bucket_bytes)
-        return_freed_memory()
         # Each bucket's weights live in one flat vector from the start, and this rank's slice of
         # it is what the optimizer steps: the weights are never held twice, not even at step 1.
         self._whole = [self._flatten_weights(n) for n in range(len(self.buckets))]
-        self.slices = [self._own_part(whole) for whole in self._whole]
+        self.slices = [whole.new_empty(0) for whole in self._whole]
+        for n, piece in enumerate(self.slices):
+            self._alias(piece, self._whole[n])
         for g, group in enumerate(optimizer.param_groups):
             group["params"] = [s for s, b in zip(self.slices, self.buckets, strict=True) if b.group == g]
         self._shard_state(dict(optimizer.state))  # state you loaded before setup(): this rank keeps its slices'
@@ -160,6 +165,13 @@ class ShardedOptimizer:
     def _own_part(self, whole: torch.Tensor) -> torch.Tensor:
         width = len(whole) // self.size
         return whole[self.rank * width:(self.rank + 1) * width]
+
+    def _alias(self, piece: torch.Tensor, whole: torch.Tensor) -> None:
+        """``piece`` becomes this rank's part of ``whole``'s storage; it is not made a view of it,
+        which would keep that ``whole`` alive after the next gather replaces it."""
+        width = len(whole) // self.size
+        with torch.no_grad():
+            piece.set_(whole.untyped_storage(), whole.storage_offset() + self.rank * width, (width,))
 
     def _flatten_weights(self, n: int) -> torch.Tensor:
         """Bucket ``n``'s weights moved into one flat vector, each parameter a view of it."""
@@ -368,7 +380,7 @@ class ShardedOptimizer:
         whole = self._whole[n] = self.hvd.synchronize(handle)
         for param, lo, hi, shape in self._views(n):
             param.data = whole[lo:hi].view(shape)
-        self.slices[n].data = self._own_part(whole)
+        self._alias(self.slices[n], whole)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for n in sorted(self._handles):  # a step abandoned mid-way: let its collectives finish

@@ -51,6 +51,7 @@ from hvdkit.rank import orphan, startup, stops
 from hvdkit.rank.consistency import Consistency, DivergenceError
 from hvdkit.rank.lifeline import Lifeline
 from hvdkit.rank.loaders import Loaders
+from hvdkit.rank.memory import PhasePeaks
 from hvdkit.rank.lockstep import CALLS, Lockstep, LockstepError, RankEnded, where
 from hvdkit.rank.metrics import Metrics
 from hvdkit.rank.reports import Reports
@@ -93,7 +94,8 @@ class Session:
         self.amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
         # fp16 needs loss scaling, bf16 does not.
         self._state = state = RunState(
-            scaler=torch.amp.GradScaler("cuda") if cfg.amp and device.type == "cuda" else None)
+            scaler=torch.amp.GradScaler("cuda") if cfg.amp and device.type == "cuda" else None,
+            peaks=PhasePeaks(device))
         # Elastic: a stop signal on the driver's host ends the job (with a checkpoint); elsewhere
         # it ends that worker alone, as Horovod has it (a node drained or preempted), and the job goes on.
         try:
@@ -180,15 +182,16 @@ class Session:
             # the optimizer when the step it wrapped (yours) was not called; Horovod's is instead.
             self.optimizer.state = optimizer.state
             optimizer._opt_called = True
-        if cfg.elastic:
-            self._checkpoints.read_elastic()
-        else:
-            state = self._checkpoints.restore()
-            if state is None:
-                hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        with self._state.peaks.phase("setup and resume"):
+            if cfg.elastic:
+                self._checkpoints.read_elastic()
             else:
-                self._signal.step = self.global_step
-                self._loaders.resumed_batches = state.get("loader_batches")
+                state = self._checkpoints.restore()
+                if state is None:
+                    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+                else:
+                    self._signal.step = self.global_step
+                    self._loaders.resumed_batches = state.get("loader_batches")
         # Heartbeats for naming a stalled rank, once the run is accepted: a refused resume
         # leaves the log directory as it was.
         job_dir = os.environ.get(job.JOB_DIR)
@@ -266,14 +269,16 @@ class Session:
         first starts its meeting (hvdkit.rank.lockstep), ahead of the gradients."""
         with self._waiting(CALLS[0]):  # the gradients' allreduces start here
             self._start_step()
-            self._step.backward(loss)
+            with self._state.peaks.phase("backward"):
+                self._step.backward(loss)
 
     def step(self) -> None:
         """The optimizer step (see hvdkit.rank.step), once every rank is at this step (and has agreed
         on a stop: see should_stop); then a checkpoint every ``checkpoint_steps``."""
         self.watchdog.beat(f"training step {self.global_step + 1}")
         self._start_step()
-        with self._waiting(CALLS[0]):
+        phase = "optimizer step" if "first optimizer step" in self._state.peaks.peaks else "first optimizer step"
+        with self._waiting(CALLS[0]), self._state.peaks.phase(phase):
             self._times.waiting()  # for a rank late to the step, the others wait here (hvdkit.rank.stragglers)
             self._lockstep.collect()
             self._times.waited()

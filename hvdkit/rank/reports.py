@@ -114,8 +114,8 @@ class Reports:
     def summary(self, extra: Optional[dict], skipped_steps: int) -> dict:
         """The run's summary record: written, printed by rank 0 as one JSON line, returned."""
         state = self.state
-        memory = None if state.optimizer is None else self.hvd.allgather_object(
-            zero.memory_of(state.optimizer), name="hvdkit.memory")  # bytes per rank, in rank order
+        memory = None if state.optimizer is None else self.hvd.allgather_object(  # per rank, in rank order
+            {**zero.memory_of(state.optimizer), "phases": state.peaks.summary()}, name="hvdkit.memory")
         summary = {"event": "summary", "epochs": state.epoch, "steps": state.global_step,
                    "world_size": self.hvd.size(), **(extra or {}), "memory": memory,
                    "per_rank": self.times.table(self._hosts or []), "stragglers": self.times.named,

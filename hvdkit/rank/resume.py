@@ -170,9 +170,13 @@ class Checkpoints:
 
     def save(self) -> None:
         """Write a checkpoint of this step (all ranks call it; rank 0 writes)."""
-        run = self.state
         if not self.cfg.checkpoint_dir:
             return
+        with self.state.peaks.phase("checkpoint save"):
+            self._save()
+
+    def _save(self) -> None:
+        run = self.state
         if self.cfg.elastic:  # its collective could wait on a leaving worker; the file lacks the position
             raise RuntimeError("hvdkit: an elastic run writes its checkpoints with save_elastic(sampler), "
                                "where it commits its state; save() is for runs without --elastic")

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
+from hvdkit.rank.memory import PhasePeaks
+
 @dataclass
 class RunState:
     global_step: int = 0  # optimizer steps taken
@@ -24,6 +26,7 @@ class RunState:
     scaler: Any = None  # fp16's GradScaler
     extra: dict = field(default_factory=dict)  # the user's own picklable state, in every checkpoint
     resumed_config: Optional[dict] = None  # the config keys of the checkpoint resumed from
+    peaks: PhasePeaks = field(default_factory=PhasePeaks)  # peak memory per phase, for the summary
 
 
 def say(hvd, message: str) -> None:

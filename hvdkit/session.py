@@ -51,8 +51,8 @@ from hvdkit.rank import orphan, startup, stops
 from hvdkit.rank.consistency import Consistency, DivergenceError
 from hvdkit.rank.lifeline import Lifeline
 from hvdkit.rank.loaders import Loaders
-from hvdkit.rank.memory import PhasePeaks
 from hvdkit.rank.lockstep import CALLS, Lockstep, LockstepError, RankEnded, where
+from hvdkit.rank.memory import PhasePeaks
 from hvdkit.rank.metrics import Metrics
 from hvdkit.rank.reports import Reports
 from hvdkit.rank.resume import Checkpoints

@@ -59,9 +59,9 @@ class PhasePeaks:
     """The largest peak seen in each named phase, in bytes: RSS on the CPU, the CUDA allocator's
     on a GPU (``device``)."""
 
-    def __init__(self, device: torch.device = torch.device("cpu")) -> None:
-        self.cuda = device.type == "cuda"
-        self.device = device
+    def __init__(self, device: Optional[torch.device] = None) -> None:
+        self.device = device or torch.device("cpu")
+        self.cuda = self.device.type == "cuda"
         self.peaks: dict[str, int] = {}
 
     @contextlib.contextmanager

@@ -8,8 +8,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-
 from hvdkit.rank.memory import PhasePeaks
+
 
 @dataclass
 class RunState:

@@ -43,7 +43,7 @@ from hvdkit.rank.memory import peak_rss
 
 BUCKET_BYTES = 8 * 1024 * 1024  # than 32 MiB: a lower peak, and faster on CPUs (docs/zero.md)
 GATHER_AHEAD = 1  # buckets whose allgather is under way while one is copied into the weights
-MAX_IN_FLIGHT = 2  # stage 2: buckets being reduce-scattered at once
+MAX_IN_FLIGHT = 1  # stage 2: buckets being reduce-scattered at once
 
 # Optimizers whose update of an element depends on that element's gradient and state alone, so
 # that stepping a slice is stepping the parameter. Adafactor (factored rows and columns), Muon
@@ -154,6 +154,8 @@ class ShardedOptimizer:
         # is (no copy), as DDP's gradient_as_bucket_view. Stage 1 keeps them all; stage 2 makes a
         # bucket's when its first gradient arrives and lets it go once it is sent.
         self._flat: list[Optional[torch.Tensor]] = [None] * len(self.buckets)
+        self._spare: list[torch.Tensor] = []  # stage 2: flat gradients sent and received, for the next buckets
+        self._received: list[Optional[torch.Tensor]] = [None] * len(self.buckets)  # stage 2: where slices land
         self._attach_gradients()
         self._hooks = [self.params[i].register_post_accumulate_grad_hook(self._hook(i)) for i in self._bucket_of]
 
@@ -162,13 +164,23 @@ class ShardedOptimizer:
         first = self.params[bucket.params[0]]
         return torch.zeros(bucket.slice_length(self.size) * self.size, dtype=first.dtype, device=first.device)
 
+    def _spare_flat(self, n: int) -> torch.Tensor:
+        """Stage 2: a zeroed flat gradient for bucket ``n``, the front of a buffer that a received
+        bucket gave back (or a new one, as long as the longest bucket): a few such buffers serve
+        every bucket of every step, rather than one allocation each."""
+        length = self.buckets[n].slice_length(self.size) * self.size
+        if not self._spare:
+            longest = max(self.buckets, key=lambda b: b.length)
+            return self._new_flat(longest)[:length]
+        return self._spare.pop()[:length].zero_()
+
     def _own_part(self, whole: torch.Tensor) -> torch.Tensor:
         width = len(whole) // self.size
         return whole[self.rank * width:(self.rank + 1) * width]
 
     def _alias(self, piece: torch.Tensor, whole: torch.Tensor) -> None:
-        """``piece`` becomes this rank's part of ``whole``'s storage; it is not made a view of it,
-        which would keep that ``whole`` alive after the next gather replaces it."""
+        """``piece`` becomes this rank's part of ``whole``'s storage, a tensor of its own (not a
+        view) as the optimizer's parameters are."""
         width = len(whole) // self.size
         with torch.no_grad():
             piece.set_(whole.untyped_storage(), whole.storage_offset() + self.rank * width, (width,))
@@ -194,9 +206,11 @@ class ShardedOptimizer:
                 self._attach_bucket(n)
 
     def _attach_bucket(self, n: int) -> None:
-        """Bucket ``n``'s .grads become views into its zeroed flat gradient (made if it has none);
-        a gradient already there is copied in first."""
-        if self._flat[n] is None:
+        """Bucket ``n``'s .grads become views into its zeroed flat gradient (made if it has none:
+        stage 2 reuses one whose bucket was sent); a gradient already there is copied in first."""
+        if self._flat[n] is None and self.stage == 2:
+            self._flat[n] = self._spare_flat(n)
+        elif self._flat[n] is None:
             self._flat[n] = self._new_flat(self.buckets[n])
         else:
             self._flat[n].zero_()
@@ -269,28 +283,41 @@ class ShardedOptimizer:
         """Reduce-scatter bucket ``n`` now; stage 2 then lets go of its parameters' gradients."""
         if n in self._handles:  # stage 2: this bucket's previous micro-batch is still on its way
             self._receive(n)
-        compressed, context = self.compression.compress(self._flat_gradient(n))
-        if self.predivide == 1.0:
-            handle = self.hvd.reducescatter_async(compressed, name=f"hvdkit.zero.{n}", op=self.hvd.Average)
-        else:  # as Horovod's gradient_predivide_factor: divide before the sum, the rest after
-            handle = self.hvd.reducescatter_async(compressed, name=f"hvdkit.zero.{n}", op=self.hvd.Sum,
-                                                  prescale_factor=1.0 / self.predivide,
-                                                  postscale_factor=self.predivide / self.size)
-        self._handles[n] = (handle, context)
+        flat = self._flat_gradient(n)
+        compressed, context = self.compression.compress(flat)
+        op, scales = self.hvd.Average, (1.0, 1.0)
+        if self.predivide != 1.0:  # as Horovod's gradient_predivide_factor: divide before the sum, the rest after
+            op, scales = self.hvd.Sum, (1.0 / self.predivide, self.predivide / self.size)
+        handle = self.hvd.mpi_ops._reducescatter_async(compressed, self._output(n, compressed), f"hvdkit.zero.{n}", op,
+                                                       self.hvd.global_process_set, *scales)
+        self._handles[n] = (handle, context, flat if self.stage == 2 else None)
         self._sent.add(n)
         self._ready[n].clear()
         if self.stage == 2:  # Horovod holds the flat gradient until it is received
             for i in self.buckets[n].params:
                 self.params[i].grad = None
             self._flat[n] = None
-        for done in [m for m, (h, _) in self._handles.items() if m != n and self.hvd.poll(h)]:
+        for done in [m for m, (h, *_) in self._handles.items() if m != n and self.hvd.poll(h)]:
             self._receive(done)  # as soon as it is done, so that its buffers go
         if self.stage == 2 and len(self._handles) > MAX_IN_FLIGHT:  # each holds a copy: bound them
             self._receive(next(iter(self._handles)))
 
+    def _output(self, n: int, sent: torch.Tensor) -> torch.Tensor:
+        """Where bucket ``n``'s reduced slice is to land. Stage 2 receives its first one of a step
+        in place, into a slice it keeps from step to step, so no collective allocates (and leaves
+        the allocator's heap in pieces); the rest land in a new tensor, added to it."""
+        if self.stage == 1 or self.reduced[n] is not None:
+            return sent.new_empty(0)
+        out = self._received[n]
+        if out is None or out.dtype != sent.dtype:
+            out = self._received[n] = sent.new_empty(len(sent) // self.size)
+        return out
+
     def _receive(self, n: int) -> None:
-        handle, context = self._handles.pop(n)
+        handle, context, sent = self._handles.pop(n)
         part = self.compression.decompress(self.hvd.synchronize(handle), context)
+        if sent is not None:  # stage 2: the flat gradient's buffer is free again
+            self._spare.append(sent if sent._base is None else sent._base)
         if self.stage == 1:  # into this rank's part of the flat gradient, which nothing reads again
             self.reduced[n] = self._own_part(self._flat[n]).copy_(part)
         elif self.reduced[n] is None:
@@ -364,23 +391,27 @@ class ShardedOptimizer:
             piece[mine].copy_(self.params[i].detach().reshape(-1)[theirs])
 
     def _gather(self) -> None:
-        """Every rank's updated slices into every rank's weights, a bucket at a time with the next
-        ones on their way."""
+        """Every rank's updated slices into every rank's weights, in place: each bucket's slice is
+        already its part of the flat weights, which are the allgather's output. A bucket at a
+        time with the next on its way (more at once would fuse them through Horovod's fusion
+        buffer, touching more of it)."""
         pending = []
         for n, piece in enumerate(self.slices):
-            pending.append((n, self.hvd.allgather_async(piece.detach(), name=f"hvdkit.zero.weights.{n}")))
+            pending.append((n, self.hvd.mpi_ops._allgather_async(piece.detach(), self._whole[n],
+                                                                 f"hvdkit.zero.weights.{n}",
+                                                                 self.hvd.global_process_set)))
             if len(pending) > GATHER_AHEAD:
                 self._unpack(*pending.pop(0))
         for n, handle in pending:
             self._unpack(n, handle)
 
     def _unpack(self, n: int, handle) -> None:
-        """The gathered bucket becomes its parameters' storage, and this rank's slice of it the
-        one the optimizer steps in place: the weights are not copied, nor held twice."""
-        whole = self._whole[n] = self.hvd.synchronize(handle)
-        for param, lo, hi, shape in self._views(n):
-            param.data = whole[lo:hi].view(shape)
-        self._alias(self.slices[n], whole)
+        """Wait for bucket ``n``'s weights; parameters given other storage since the last step
+        (loaded with assign=True, a .data set) become views of the flat weights again."""
+        self.hvd.synchronize(handle)
+        if not self._aliased(n):
+            for param, lo, hi, shape in self._views(n):
+                param.data = self._whole[n][lo:hi].view(shape)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for n in sorted(self._handles):  # a step abandoned mid-way: let its collectives finish

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from conftest import run
-from hvdkit.bench import estimate, figures
+from hvdkit.bench import estimate, figures, sharded
 from hvdkit.checks.selftest import parse_records
 from hvdkit.launch.cli import local_command
 from hvdkit.launch.rank_output import TAG
@@ -136,12 +136,49 @@ def test_estimate_prints_each_link_and_world_size():
     (["synthetic", "--compare", "torchrun"], "unknown implementation 'torchrun'"),
     (["synthetic", "--batch-size", "0"], "expected a whole number >= 1"),
     (["synthetic", "--knob", "HOROVOD_CYCLE_TIME"], "expected NAME=VALUE"),
+    (["zero", "--max-model"], "needs --memory-cap SIZE"),
+    (["zero", "--memory-cap", "2G"], "--memory-cap goes with --max-model"),
+    (["zero", "--max-model", "--memory-cap", "2G", "--model", "resnet50"], "grows a GPT"),
+    (["zero", "--max-model", "--memory-cap", "2X"], "size '2X'"),
 ])
 def test_bad_input_is_one_line(argv, message):
     proc = run(HVDKIT + argv, timeout=60)
     assert proc.returncode == 2
     assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert message in proc.stderr
+
+
+@pytest.mark.parametrize("threshold", [-1, 0, 5, 17, 39])
+@pytest.mark.parametrize("first", [-3, 0, 9, 25, 39, 60])
+def test_the_max_model_search_finds_the_last_size_that_fits_wherever_it_starts(threshold, first):
+    probed = []
+
+    def fits(index):
+        probed.append(index)
+        return index <= threshold
+
+    assert sharded.largest(fits, 40, first) == threshold
+    assert len(probed) == len(set(probed)) <= 12 and all(0 <= i < 40 for i in probed)
+
+
+def test_the_max_model_ladder_grows_by_steps_up_to_what_stage_2_could_fit():
+    rungs = sharded.ladder(3 * 2**30, 3, 32)
+    counts = [count for count, _, _ in rungs]
+    assert counts == sorted(counts) and all(b >= a * sharded.LADDER_STEP for a, b in zip(counts, counts[1:]))
+    assert counts[-1] <= 3 * 2**30 / (4 + 12 / 3) and counts[-1] > 0.9 * 3 * 2**30 / (4 + 12 / 3)
+    assert {width for _, width, _ in rungs} == set(sharded.LADDER_WIDTHS)
+
+
+@pytest.mark.slow
+def test_max_model_under_a_cap_no_model_fits_ends_the_run_at_once_in_one_line(tmp_path, hvd_built):
+    """The rank that passes the cap ends its launch (its watch thread), so the search moves on
+    without training the model; here not even the smallest GPT fits in 300 MB."""
+    proc = run(HVDKIT + ["zero", "--max-model", "--memory-cap", "300M", "--out", str(tmp_path)], timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "zero1: 3.4M parameters (width 512 x 1 layers): over the cap" in proc.stdout
+    assert proc.stderr.strip().splitlines() == [
+        "hvdkit bench: zero1: not even the smallest GPT (3.4M parameters) trains under 300 MB per rank"]
+    assert not list(tmp_path.iterdir())
 
 
 def test_drivers_refuse_to_run_under_a_launcher():
@@ -274,16 +311,22 @@ def test_scaling_table_and_plot(tmp_path, hvd_built):
 
 
 @pytest.mark.slow
-def test_zero_runs_each_loop_and_reports_the_bytes_each_rank_holds(tmp_path, hvd_built):
+@pytest.mark.parametrize("model", [["--width", "64", "--layers", "2"], ["--model", "cnn", "--optimizer", "adamw"]],
+                         ids=["gpt-adam", "cnn-adamw"])
+def test_zero_runs_each_loop_and_reports_the_bytes_each_rank_holds(tmp_path, hvd_built, model):
     out = tmp_path / "zero"
-    proc = run(HVDKIT + ["zero", "--width", "64", "--layers", "2", "--steps", "2", "--warmup", "1", "--repeats", "1",
-                         "--out", str(out)], timeout=600)
+    proc = run(HVDKIT + ["zero", *model, "--steps", "2", "--warmup", "1", "--repeats", "1", "--out", str(out)],
+               timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     record = json.loads((out / "zero.json").read_text())
     table = record["table"]
     assert list(table) == ["zero1", "zero2", "horovod", "torch-zero"]
     whole = table["horovod"]
-    for sharded in ("zero1", "zero2", "torch-zero"):  # each rank holds half the Adam state
+    assert whole["params"] == 4 * record["parameters"]
+    # Each rank holds half the optimizer state; torch's partitions whole parameters, so the
+    # cnn's one large layer (all but 1% of it) puts nearly all the state on one rank.
+    halved = ("zero1", "zero2", "torch-zero") if "--width" in model else ("zero1", "zero2")
+    for sharded in halved:
         assert table[sharded]["optimizer_state"] == pytest.approx(whole["optimizer_state"] / 2, rel=0.05)
     assert table["zero2"]["grads"] == pytest.approx(whole["grads"] / 2, rel=0.05)
     assert table["zero1"]["grads"] <= whole["grads"] * 1.01  # its reduced slices live in its own gradients
@@ -295,6 +338,11 @@ def test_zero_runs_each_loop_and_reports_the_bytes_each_rank_holds(tmp_path, hvd
     for name, ratio in record["ratios"].items():
         a, b = name.split("/")
         assert ratio == pytest.approx(record["runs"][a][0] / record["runs"][b][0])
+    for impl, per_parameter in (("zero1", 4), ("zero2", 6)):  # 8(1 - 1/N) and 12(1 - 1/N) bytes at N=2
+        saving = record["peak_saving"][impl]
+        assert saving["formula"] == pytest.approx(per_parameter * record["parameters"])
+        assert saving["measured"] == whole["peak_rss"] - table[impl]["peak_rss"]
+        assert f"{impl} {saving['measured'] / 2**20:.0f} MB of {saving['formula'] / 2**20:.0f} MB" in proc.stdout
     assert (out / "zero.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -173,7 +173,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if args.impl:
                 sharded.worker(args)
                 return 0
-            return sharded.compare(args)
+            return sharded.run(args)
         if args.bench == "scaling":
             if under_launcher:
                 raise BenchError("scaling launches its own ranks: run it without a launcher, with --np 1,2")

@@ -1,27 +1,49 @@
 """`hvdkit bench zero`: the sharded optimizer beside its peers, on a model whose Adam state dominates.
 
-Four loops train the same GPT with Adam on the same random tokens, each launched by `hvdkit
-launch` in turn, in alternating order over rounds: hvdkit's ShardedOptimizer at stage 1 and 2,
-Horovod's DistributedOptimizer (Horovod's own loop), and torch's ZeroRedundancyOptimizer under
-DistributedDataParallel. Each rank reports its samples per second, the bytes of weights,
-gradients and optimizer state it holds (from the tensors) and its peak resident memory.
+Four loops train the same model (a GPT on random tokens, or a torchvision model on random
+images) with Adam or AdamW, each launched by `hvdkit launch` in turn, in alternating order over
+rounds: hvdkit's ShardedOptimizer at stage 1 and 2, Horovod's DistributedOptimizer (Horovod's
+own loop), and torch's ZeroRedundancyOptimizer under DistributedDataParallel. Each rank reports
+its samples per second, the bytes of weights, gradients and optimizer state it holds (from the
+tensors) and its peak resident memory, per phase of a step.
+
+``--max-model --memory-cap SIZE`` asks what a user buys ZeRO for: the largest GPT each loop
+trains with every rank's peak resident memory under SIZE. It bisects a ladder of GPT widths and
+depths per loop; a rank that passes the cap ends its run at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
+import os
 import statistics
+import subprocess
 import time
+from typing import Optional
 
 from hvdkit import env
-from hvdkit.bench.drivers import launch_command, out_dir, run_launch
-from hvdkit.bench.figures import BenchError
+from hvdkit.bench.drivers import RunFailed, launch_command, out_dir, run_launch
+from hvdkit.checks.selftest import mpi_root_env, parse_records
+from hvdkit.bench.figures import BenchError, parse_size
 
 IMPLS = ("zero1", "zero2", "horovod", "torch-zero")
+OVER_CAP = 75  # a rank's exit code when its resident memory passed --memory-cap
+LADDER_WIDTHS = (512, 640, 768, 896, 1024, 1152, 1280, 1536)
+LADDER_STEP = 1.03
+BASELINE_RSS = 1100 * 2**20  # a rank's resident memory before its model: torch, Horovod, MPI  # neighbouring models of the ladder differ by at least 3% of parameters
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="gpt", help="gpt (default), or a torchvision model such as resnet50, on "
+                                                  "random images")
+    p.add_argument("--optimizer", choices=("adam", "adamw"), default="adam", help="the optimizer (default adam)")
+    p.add_argument("--image-size", type=int, default=32, help="image side for a torchvision model (default 32)")
+    p.add_argument("--num-classes", type=int, default=10, help="classes of a torchvision model (default 10)")
+    p.add_argument("--max-model", action="store_true", help="the largest GPT each loop trains under --memory-cap")
+    p.add_argument("--memory-cap", type=_size, help="with --max-model: every rank's peak resident memory "
+                                                         "must stay below this (e.g. 3584M)")
     p.add_argument("--width", type=int, default=512, help="GPT width (default 512)")
     p.add_argument("--layers", type=int, default=12, help="GPT blocks (default 12: 38M parameters, 300 MB of Adam "
                                                           "state unsharded)")
@@ -34,20 +56,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impl", choices=IMPLS, help=argparse.SUPPRESS)
 
 
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except BenchError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _worker_args(args: argparse.Namespace, impl: str) -> list[str]:
-    return ["zero", "--impl", impl, "--width", str(args.width), "--layers", str(args.layers), "--seq-len",
-            str(args.seq_len), "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup",
-            str(args.warmup)]
+    cap = ["--memory-cap", str(args.memory_cap)] if args.memory_cap else []
+    return ["zero", "--impl", impl, "--model", args.model, "--optimizer", args.optimizer, "--image-size",
+            str(args.image_size), "--num-classes", str(args.num_classes), "--width", str(args.width), "--layers",
+            str(args.layers), "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--steps",
+            str(args.steps), "--warmup", str(args.warmup), *cap]
 
 
 def worker(args: argparse.Namespace) -> None:
     """One rank of one loop: warm up, time the steps, report rates and bytes on rank 0."""
     import horovod.torch as hvd
     import torch
-    import torch.nn.functional as F
 
     from hvdkit.bench.workers import _init_torch_distributed
-    from hvdkit.models import TinyGPT
     from hvdkit.rank.memory import PhasePeaks
     from hvdkit.rank.startup import place_process
     from hvdkit.zero import optimizer as zero
@@ -55,7 +84,10 @@ def worker(args: argparse.Namespace) -> None:
     launch = env.detect()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = TinyGPT(256, args.seq_len, args.width, args.layers, heads=8)
+    if args.memory_cap:
+        _end_above(args.memory_cap)
+    model, inputs, loss_of = _model(args)
+    optimizer_class = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[args.optimizer]
     if args.impl == "torch-zero":
         import torch.distributed as dist
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -64,25 +96,24 @@ def worker(args: argparse.Namespace) -> None:
         _init_torch_distributed("gloo")
         rank, size = dist.get_rank(), dist.get_world_size()
         model = torch.nn.parallel.DistributedDataParallel(model)
-        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4)
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class, lr=1e-4)
         gather = _torch_gather
     else:
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        adam = torch.optim.Adam(model.parameters(), lr=1e-4)
-        optimizer = (hvd.DistributedOptimizer(adam, named_parameters=model.named_parameters())
-                     if args.impl == "horovod" else zero.ShardedOptimizer(adam, hvd, int(args.impl[-1])))
+        inner = optimizer_class(model.parameters(), lr=1e-4)
+        optimizer = (hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
+                     if args.impl == "horovod" else zero.ShardedOptimizer(inner, hvd, int(args.impl[-1])))
         gather = hvd.allgather_object
-    tokens = torch.randint(0, 256, (args.batch_size, args.seq_len + 1), generator=torch.Generator().manual_seed(rank))
+    batch = inputs(torch.Generator().manual_seed(rank))
 
     peaks = PhasePeaks()
 
     def step(when: str) -> None:
         with peaks.phase(f"{when}: forward and backward"):
             optimizer.zero_grad()
-            logits = model(tokens[:, :-1])
-            F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+            loss_of(model, batch).backward()
         with peaks.phase(f"{when}: optimizer step"):
             optimizer.step()
 
@@ -95,8 +126,63 @@ def worker(args: argparse.Namespace) -> None:
     held = {**_held(model, optimizer, zero), "phases": peaks.summary()}
     rows = gather({"samples_per_sec": rate, **held})
     if rank == 0:
-        print(json.dumps({"event": "bench.zero", "impl": args.impl, "world_size": size,
+        print(json.dumps({"event": "bench.zero", "impl": args.impl, "world_size": size, "model": args.model,
+                          "parameters": sum(p.numel() for p in model.parameters()),
                           "samples_per_sec": sum(r["samples_per_sec"] for r in rows), "ranks": rows}), flush=True)
+
+
+def _model(args: argparse.Namespace):
+    """(model, inputs, loss_of): the model, a function of a generator giving one rank's batch,
+    and the loss of a batch."""
+    import torch
+    import torch.nn.functional as F
+
+    from hvdkit import models
+
+    if args.model == "gpt":
+        def tokens(generator):
+            return torch.randint(0, 256, (args.batch_size, args.seq_len + 1), generator=generator)
+
+        def next_token_loss(model, batch):
+            return F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+
+        return gpt(args.width, args.layers, args.seq_len), tokens, next_token_loss
+
+    def images(generator):
+        return (torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=generator),
+                torch.randint(0, args.num_classes, (args.batch_size,), generator=generator))
+
+    def class_loss(model, batch):
+        return F.cross_entropy(model(batch[0]), batch[1])
+
+    return models.build(args.model, 3, args.image_size, args.num_classes), images, class_loss
+
+
+def gpt(width: int, layers: int, seq_len: int):
+    """The bench's GPT: bytes in, 8 heads."""
+    from hvdkit.models import TinyGPT
+
+    return TinyGPT(256, seq_len, width, layers, heads=8)
+
+
+def _end_above(cap: int) -> None:
+    """Watch this rank's resident memory from a thread; past ``cap``, say so and end the process
+    (its launcher then ends the others): a model that does not fit need not finish its steps."""
+    import threading
+
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def watch() -> None:
+        with open("/proc/self/statm") as statm:
+            while True:
+                statm.seek(0)
+                resident = int(statm.read().split()[1]) * page
+                if resident > cap:
+                    print(json.dumps({"event": "bench.zero.over", "rss": resident, "cap": cap}), flush=True)
+                    os._exit(OVER_CAP)
+                time.sleep(0.01)
+
+    threading.Thread(target=watch, name="hvdkit-memory-cap", daemon=True).start()
 
 
 def _held(model, optimizer, zero) -> dict:
@@ -118,10 +204,21 @@ def _torch_gather(value):
     return rows
 
 
-def compare(args: argparse.Namespace) -> int:
-    """Every implementation in each round, order alternating; medians of per-round ratios."""
+def run(args: argparse.Namespace) -> int:
+    """The comparison, or with --max-model the search; bad flags end in one line first."""
     if env.detect().rank is not None:
         raise BenchError("zero launches its own ranks: run it without a launcher, with -np N")
+    if args.max_model and not args.memory_cap:
+        raise BenchError("zero --max-model needs --memory-cap SIZE: the peak resident memory each rank may reach")
+    if args.memory_cap and not args.max_model:
+        raise BenchError("zero: --memory-cap goes with --max-model")
+    if args.max_model and args.model != "gpt":
+        raise BenchError(f"zero --max-model grows a GPT; it does not take --model {args.model}")
+    return max_model(args) if args.max_model else compare(args)
+
+
+def compare(args: argparse.Namespace) -> int:
+    """Every implementation in each round, order alternating; medians of per-round ratios."""
     runs: dict[str, list[dict]] = {impl: [] for impl in IMPLS}
     for round_index in range(args.repeats):
         for impl in IMPLS if round_index % 2 == 0 else IMPLS[::-1]:
@@ -152,15 +249,152 @@ def compare(args: argparse.Namespace) -> int:
         print(f"{impl:<12} " + " ".join(f"{row['phases'][phase] / 2**20:>8.0f}" for phase in phases))
     print("\nthroughput, median of per-round ratios: "
           + ", ".join(f"{name} {value:.3f}" for name, value in ratios.items()))
+    saving = peak_saving(table, args.np)
+    print("peak RSS below DistributedOptimizer's (the largest rank), of what the formula saves: "
+          + ", ".join(f"{impl} {row['measured'] / 2**20:.0f} MB of {row['formula'] / 2**20:.0f} MB "
+                      f"({row['ratio']:.2f})" for impl, row in saving.items()))
     out = out_dir(args, "zero")
-    record = {"event": "bench.zero.compare", "np": args.np, "width": args.width, "layers": args.layers,
+    record = {"event": "bench.zero.compare", "np": args.np, "model": args.model, "optimizer": args.optimizer,
+              "parameters": runs["horovod"][-1]["parameters"], "width": args.width, "layers": args.layers,
               "batch_size": args.batch_size, "seq_len": args.seq_len, "repeats": args.repeats, "table": table,
-              "ratios": ratios, "runs": {impl: [r["samples_per_sec"] for r in rs] for impl, rs in runs.items()}}
+              "ratios": ratios, "peak_saving": saving, "runs": {impl: [r["samples_per_sec"] for r in rs] for impl, rs in runs.items()}}
     (out / "zero.json").write_text(json.dumps(record, indent=1) + "\n")
     _plot(table, out / "zero.png")
     print(f"wrote {out}/zero.json and zero.png")
     print(json.dumps(record), flush=True)
     return 0
+
+
+def peak_saving(table: dict, size: int) -> dict:
+    """Each stage's peak RSS below DistributedOptimizer's, beside what DeepSpeed's formula says
+    sharding saves for fp32 Adam (16 bytes a parameter unsharded): 8(1 - 1/N) bytes a parameter
+    at stage 1, 12(1 - 1/N) at stage 2."""
+    parameters = table["horovod"]["params"] / 4
+    rows = {}
+    for impl, per_parameter in (("zero1", 8), ("zero2", 12)):
+        measured = table["horovod"]["peak_rss"] - table[impl]["peak_rss"]
+        formula = per_parameter * (1 - 1 / size) * parameters
+        rows[impl] = {"measured": measured, "formula": formula, "ratio": measured / formula}
+    return rows
+
+
+def ladder(cap: int, size: int, seq_len: int) -> list[tuple[int, int, int]]:
+    """(parameters, width, layers) of GPTs in increasing size, neighbours at least LADDER_STEP
+    apart, up to the largest that the formula lets any loop fit in ``cap`` (stage 2's 4 + 12/N
+    bytes a parameter)."""
+    import torch
+
+    most = cap / (4 + 12 / size)
+    found = []
+    for width in LADDER_WIDTHS:
+        for layers in range(1, 97):
+            with torch.device("meta"):
+                count = sum(p.numel() for p in gpt(width, layers, seq_len).parameters())
+            if count > most:
+                break
+            found.append((count, width, layers))
+    rungs: list[tuple[int, int, int]] = []
+    for rung in sorted(found):
+        if not rungs or rung[0] >= rungs[-1][0] * LADDER_STEP:
+            rungs.append(rung)
+    return rungs
+
+
+def largest(fits, count: int, first: int) -> int:
+    """The largest index below ``count`` for which ``fits`` (true up to some index, false after)
+    holds, -1 if none: probing from ``first`` outwards in growing steps, then bisecting."""
+    low, high, step = -1, count, 1
+    probe = min(max(first, 0), count - 1)
+    if fits(probe):
+        low = probe
+        while low + step < high and fits(low + step):
+            low, step = low + step, step * 2
+        high = min(high, low + step)
+    else:
+        high = probe
+        while high - step > low and not fits(high - step):
+            high, step = high - step, step * 2
+        low = max(low, high - step)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+# Bytes a parameter each loop is expected to need with fp32 Adam (weights, gradients, state and
+# the optimizer's temporaries): where the search for each starts, nothing more.
+def _guess(impl: str, size: int) -> float:
+    return {"horovod": 20, "torch-zero": 12 + 12 / size, "zero1": 8 + 12 / size, "zero2": 4 + 16 / size}[impl]
+
+
+def max_model(args: argparse.Namespace) -> int:
+    """The largest GPT each loop trains under the memory cap, at -np ranks."""
+    rungs = ladder(args.memory_cap, args.np, args.seq_len)
+    found: dict[str, dict] = {}
+    for impl in IMPLS:
+        results: dict[int, Optional[dict]] = {}
+
+        def fits(index: int) -> bool:
+            count, width, layers = rungs[index]
+            results[index] = _probe(args, impl, width, layers)
+            peak = max(r["peak_rss"] for r in results[index]["ranks"]) if results[index] else None
+            print(f"  {impl}: {count / 1e6:.1f}M parameters (width {width} x {layers} layers): "
+                  + (f"peak RSS {peak / 2**20:.0f} MB, fits" if peak else "over the cap"), flush=True)
+            return results[index] is not None
+
+        first = bisect.bisect(rungs, ((args.memory_cap - BASELINE_RSS) / _guess(impl, args.np),)) - 1
+        print(f"== {impl}: np={args.np}, cap {args.memory_cap / 2**20:.0f} MB per rank", flush=True)
+        index = largest(fits, len(rungs), first)
+        if index < 0:
+            raise BenchError(f"{impl}: not even the smallest GPT ({rungs[0][0] / 1e6:.1f}M parameters) trains "
+                             f"under {args.memory_cap / 2**20:.0f} MB per rank")
+        count, width, layers = rungs[index]
+        record = results[index]
+        found[impl] = {"parameters": count, "width": width, "layers": layers,
+                       "peak_rss": max(r["peak_rss"] for r in record["ranks"]),
+                       "phases": {phase: max(r["phases"][phase] for r in record["ranks"])
+                                  for phase in record["ranks"][0]["phases"] if phase != "unit"},
+                       "probes": len(results)}
+    whole = found["horovod"]["parameters"]
+    print(f"\nthe largest GPT under {args.memory_cap / 2**20:.0f} MB per rank, np={args.np}:")
+    print(f"{'implementation':<12} {'parameters':>11} {'x horovod':>10} {'width x layers':>15} {'peak RSS MB':>12}")
+    for impl, row in found.items():
+        print(f"{impl:<12} {row['parameters'] / 1e6:>10.1f}M {row['parameters'] / whole:>10.2f} "
+              f"{row['width']:>8} x {row['layers']:<4} {row['peak_rss'] / 2**20:>12.0f}")
+    phases = list(found["horovod"]["phases"])
+    print(f"\npeak RSS MB per phase of those models: {' | '.join(phases)}")
+    for impl, row in found.items():
+        print(f"{impl:<12} " + " ".join(f"{row['phases'][phase] / 2**20:>8.0f}" for phase in phases))
+    out = out_dir(args, "zero")
+    record = {"event": "bench.zero.max_model", "np": args.np, "memory_cap": args.memory_cap,
+              "optimizer": args.optimizer, "seq_len": args.seq_len, "batch_size": args.batch_size,
+              "largest": found, "ratios": {impl: row["parameters"] / whole for impl, row in found.items()}}
+    path = out / f"zero-max-model-np{args.np}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {path}")
+    print(json.dumps(record), flush=True)
+    return 0
+
+
+def _probe(args: argparse.Namespace, impl: str, width: int, layers: int) -> Optional[dict]:
+    """One run of ``impl`` on a GPT of that size, a warm-up step and one timed: its record if
+    every rank stayed under the cap, None if one passed it."""
+    sized = argparse.Namespace(**{**vars(args), "width": width, "layers": layers, "warmup": 2, "steps": 1,
+                                  "model": "gpt"})
+    command = launch_command(args, args.np, _worker_args(sized, impl))
+    try:
+        proc = subprocess.run(command, env=mpi_root_env(), capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        raise RunFailed(f"{impl}: no result within {args.timeout:.0f} s") from None
+    if parse_records(proc.stdout, "bench.zero.over"):
+        return None
+    records = parse_records(proc.stdout, "bench.zero")
+    if proc.returncode != 0 or not records:
+        tail = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()][-3:]
+        raise RunFailed(f"{impl} failed (exit code {proc.returncode}): {' | '.join(tail)}")
+    if max(r["peak_rss"] for r in records[0]["ranks"]) > args.memory_cap:  # a peak the watch missed
+        return None
+    return records[0]
 
 
 def _plot(table: dict, path) -> None:

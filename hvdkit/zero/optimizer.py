@@ -303,10 +303,14 @@ class ShardedOptimizer:
             self._receive(next(iter(self._handles)))
 
     def _output(self, n: int, sent: torch.Tensor) -> torch.Tensor:
-        """Where bucket ``n``'s reduced slice is to land. Stage 2 receives its first one of a step
-        in place, into a slice it keeps from step to step, so no collective allocates (and leaves
-        the allocator's heap in pieces); the rest land in a new tensor, added to it."""
-        if self.stage == 1 or self.reduced[n] is not None:
+        """Where bucket ``n``'s reduced slice is to land, so that no collective allocates (and
+        leaves the allocator's heaps in pieces): stage 1 reduces in place, into this rank's block
+        of the flat gradient sent (Horovod patch 0007); stage 2 receives its first one of a step
+        into a slice it keeps from step to step, the rest into a new tensor, added to it. A
+        compressed gradient lands in a new tensor."""
+        if self.stage == 1:  # its own block of the flat gradient, which nothing reads again
+            return self._own_part(sent) if sent is self._flat[n] else sent.new_empty(0)
+        if self.reduced[n] is not None:
             return sent.new_empty(0)
         out = self._received[n]
         if out is None or out.dtype != sent.dtype:
@@ -318,8 +322,9 @@ class ShardedOptimizer:
         part = self.compression.decompress(self.hvd.synchronize(handle), context)
         if sent is not None:  # stage 2: the flat gradient's buffer is free again
             self._spare.append(sent if sent._base is None else sent._base)
-        if self.stage == 1:  # into this rank's part of the flat gradient, which nothing reads again
-            self.reduced[n] = self._own_part(self._flat[n]).copy_(part)
+        if self.stage == 1:  # in this rank's block of the flat gradient, where it landed unless compressed
+            own = self._own_part(self._flat[n])
+            self.reduced[n] = own if part.data_ptr() == own.data_ptr() else own.copy_(part)
         elif self.reduced[n] is None:
             self.reduced[n] = part
         else:

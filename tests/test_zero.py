@@ -190,6 +190,29 @@ def test_optimizers_that_cannot_be_sharded_are_refused_in_one_line(make, words):
     assert "\n" not in str(caught.value)
 
 
+class Controller:
+    """Which of Horovod's operations a job runs: what the check reads of ``hvd``. A Horovod
+    built elsewhere cannot be installed beside hvdkit's here, so its version string stands in."""
+
+    def __init__(self, mpi: bool) -> None:
+        self.mpi = mpi
+
+    def mpi_enabled(self) -> bool:
+        return self.mpi
+
+    def gloo_enabled(self) -> bool:
+        return not self.mpi
+
+
+def test_mpi_operations_of_a_horovod_not_built_by_hvdkit_are_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"^zero: this Horovod \(0.28.1\) was not built by hvdkit.*"
+                                          r"horovodrun --gloo\)$") as caught:
+        zero.check_collectives(Controller(mpi=True), "0.28.1")
+    assert "\n" not in str(caught.value)
+    zero.check_collectives(Controller(mpi=False), "0.28.1")  # Gloo takes aliased buffers as they are
+    zero.check_collectives(Controller(mpi=True), "0.28.1+hvdkit.6a3c993f27a8")
+
+
 def test_sparse_gradients_are_refused_in_one_line():
     model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
     with pytest.raises(ConfigError, match=r"sparse gradients of 0 \(Embedding with sparse=True\)"):

@@ -321,10 +321,10 @@ def largest(fits, count: int, first: int) -> int:
     return low
 
 
-# Bytes a parameter each loop is expected to need with fp32 Adam (weights, gradients, state and
-# the optimizer's temporaries): where the search for each starts, nothing more.
+# Bytes a parameter each loop needed with fp32 Adam at the peak, measured at np=2 (weights,
+# gradients, state, the optimizer's temporaries): where the search for each starts, nothing more.
 def _guess(impl: str, size: int) -> float:
-    return {"horovod": 20, "torch-zero": 12 + 12 / size, "zero1": 8 + 12 / size, "zero2": 4 + 16 / size}[impl]
+    return {"horovod": 17.5, "torch-zero": 12 + 8 / size, "zero1": 8 + 10 / size, "zero2": 4 + 13 / size}[impl]
 
 
 def max_model(args: argparse.Namespace) -> int:

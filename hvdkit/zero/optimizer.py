@@ -10,20 +10,23 @@ A step, on every rank:
 1. When a bucket's last gradient is ready, its flat gradient is reduce-scattered (averaged)
    asynchronously, overlapping the rest of the backward pass; each rank receives the averaged
    gradient of its slice. Each ``.grad`` is a view into its bucket's flat gradient. Stage 1
-   keeps them all, reduces once after the K-th micro-batch, and receives its slice into its own
-   part of the flat gradient. Stage 2 makes a bucket's flat gradient when its first gradient
-   arrives and lets it go once sent, so a rank holds only its gradient slices, and with K
-   micro-batches reduces each one and sums the slices (more traffic, less memory, as
-   DeepSpeed's stage 2).
+   keeps them all, reduces once after the K-th micro-batch, in place: the slice lands in this
+   rank's own block of the flat gradient. Stage 2 takes a bucket's flat gradient from a few
+   reused buffers when its first gradient arrives and gives it back once sent, so a rank holds
+   only its gradient slices (in vectors kept from step to step), and with K micro-batches
+   reduces each one and sums the slices (more traffic, less memory, as DeepSpeed's stage 2).
 2. The wrapped optimizer steps on this rank's slices: its param groups keep their options (an
    LR scheduler built on it works as before) and hold one flat slice per bucket instead of the
    parameters. That is the same update as on the whole parameters for optimizers that work
    element by element, the only ones accepted (``check``).
-3. The updated slices are allgathered, bucket by bucket with the next one under way, into
-   every rank's weights.
+3. The updated slices are allgathered in place, bucket by bucket with the next one under way:
+   each bucket's weights are one flat vector from the start (the parameters are views of it)
+   and this rank's slice is its part of that storage, so the weights are never held twice.
 
-Each bucket's weights are one flat vector from the start (the parameters are views of it) and
-this rank's slice is its part of that storage, so the weights are never held twice.
+No collective allocates its output, and the buffers a step needs are made in the first step and
+kept: buffers that Horovod's thread allocated and the training thread freed, every step, left
+glibc's heaps in pieces, and the peak far above the bytes held (docs/zero.md). Under MPI the
+in-place collectives need hvdkit's Horovod patch 0007 (``check_collectives``).
 
 The padding of each bucket is zeros in the gradient, so it leaves norms and updates alone.
 """
@@ -31,6 +34,7 @@ The padding of each bucket is zeros in the gradient, so it leaves norms and upda
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -67,6 +71,16 @@ def check(optimizer: torch.optim.Optimizer, model: nn.Module, stage: int) -> Non
         raise ConfigError(f"zero: stage {stage} cannot shard the sparse gradients of {sparse} "
                           f"({type(model.get_submodule(sparse)).__name__} with sparse=True); set sparse=False, "
                           f"or zero 0")
+
+
+def check_collectives(hvd, version: Optional[str]) -> None:
+    """ConfigError, in one line, where Horovod's MPI operations would be handed aliased buffers:
+    the in-place allgather and reduce-scatter need hvdkit's patch 0007 under MPI (Gloo and NCCL
+    take them as they are). ``version`` is the installed Horovod's, "+hvdkit." in an hvdkit build."""
+    if hvd.mpi_enabled() and not hvd.gloo_enabled() and "+hvdkit." not in (version or ""):
+        raise ConfigError(f"zero: this Horovod ({version}) was not built by hvdkit, and its MPI operations cannot "
+                          f"gather and reduce in place; run `python -m hvdkit.build`, or launch with Gloo "
+                          f"(horovodrun --gloo)")
 
 
 @dataclass
@@ -126,6 +140,7 @@ class ShardedOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, hvd, stage: int, compression=None,
                  backward_passes_per_step: int = 1, gradient_predivide_factor: float = 1.0,
                  bucket_bytes: int = BUCKET_BYTES) -> None:
+        check_collectives(hvd, importlib.metadata.version("horovod"))
         self.inner, self.hvd, self.stage = optimizer, hvd, stage
         self.size, self.rank = hvd.size(), hvd.rank()
         self.compression = compression or hvd.Compression.none

@@ -25,14 +25,14 @@ from typing import Optional
 
 from hvdkit import env
 from hvdkit.bench.drivers import RunFailed, launch_command, out_dir, run_launch
-from hvdkit.checks.selftest import mpi_root_env, parse_records
 from hvdkit.bench.figures import BenchError, parse_size
+from hvdkit.checks.selftest import mpi_root_env, parse_records
 
 IMPLS = ("zero1", "zero2", "horovod", "torch-zero")
 OVER_CAP = 75  # a rank's exit code when its resident memory passed --memory-cap
 LADDER_WIDTHS = (512, 640, 768, 896, 1024, 1152, 1280, 1536)
-LADDER_STEP = 1.03
-BASELINE_RSS = 1100 * 2**20  # a rank's resident memory before its model: torch, Horovod, MPI  # neighbouring models of the ladder differ by at least 3% of parameters
+LADDER_STEP = 1.03  # neighbouring models of the ladder differ by at least 3% of parameters
+BASELINE_RSS = 1100 * 2**20  # a rank's resident memory before its model: torch, Horovod, MPI
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -158,6 +158,12 @@ def _model(args: argparse.Namespace):
     return models.build(args.model, 3, args.image_size, args.num_classes), images, class_loss
 
 
+def _model_name(args: argparse.Namespace) -> str:
+    if args.model == "gpt":
+        return f"gpt width {args.width} x {args.layers} layers"
+    return f"{args.model} on {args.image_size} px images, {args.num_classes} classes, {args.optimizer}"
+
+
 def gpt(width: int, layers: int, seq_len: int):
     """The bench's GPT: bytes in, 8 heads."""
     from hvdkit.models import TinyGPT
@@ -222,42 +228,47 @@ def compare(args: argparse.Namespace) -> int:
     runs: dict[str, list[dict]] = {impl: [] for impl in IMPLS}
     for round_index in range(args.repeats):
         for impl in IMPLS if round_index % 2 == 0 else IMPLS[::-1]:
-            print(f"== {impl}: np={args.np}, gpt width {args.width} x {args.layers} layers, batch {args.batch_size} "
+            print(f"== {impl}: np={args.np}, {_model_name(args)}, batch {args.batch_size} "
                   f"(round {round_index + 1} of {args.repeats})", flush=True)
             runs[impl].append(run_launch(launch_command(args, args.np, _worker_args(args, impl)), "bench.zero", impl,
                                          args.timeout))
     ratios = {f"{a}/{b}": statistics.median(x["samples_per_sec"] / y["samples_per_sec"]
                                             for x, y in zip(runs[a], runs[b], strict=True))
               for a in ("zero1", "zero2") for b in ("horovod", "torch-zero")}
+    # Bytes held: the largest rank's, the same every round. Peaks: the largest rank's, median over
+    # the rounds, as a rank's peak moves by tens of MB from run to run with the allocator's luck.
     table = {impl: {"samples_per_sec": statistics.median(r["samples_per_sec"] for r in results),
                     **{key: max(rank[key] for rank in results[-1]["ranks"])
-                       for key in ("params", "grads", "optimizer_state", "peak_rss")}}
+                       for key in ("params", "grads", "optimizer_state")},
+                    "peak_rss": statistics.median(max(rank["peak_rss"] for rank in r["ranks"]) for r in results)}
              for impl, results in runs.items()}
-    for impl, results in runs.items():  # each phase's peak, the largest rank's, in the last round
-        table[impl]["phases"] = {phase: max(rank["phases"][phase] for rank in results[-1]["ranks"])
+    for impl, results in runs.items():
+        table[impl]["phases"] = {phase: statistics.median(max(rank["phases"][phase] for rank in r["ranks"])
+                                                          for r in results)
                                  for phase in results[-1]["ranks"][0]["phases"] if phase != "unit"}
     whole = table["horovod"]["optimizer_state"]
     print(f"\n{'implementation':<12} {'samples/sec':>12} {'optimizer MB':>13} {'x unsharded':>12} {'grads MB':>9} "
-          f"{'weights MB':>11} {'peak RSS MB':>12}   (bytes: the largest rank)")
+          f"{'weights MB':>11} {'peak RSS MB':>12}   (bytes: the largest rank; peaks: its median over rounds)")
     for impl, row in table.items():
         print(f"{impl:<12} {row['samples_per_sec']:>12.2f} {row['optimizer_state'] / 2**20:>13.1f} "
               f"{row['optimizer_state'] / whole:>12.2f} {row['grads'] / 2**20:>9.1f} {row['params'] / 2**20:>11.1f} "
               f"{row['peak_rss'] / 2**20:>12.0f}")
     phases = list(table["horovod"]["phases"])
-    print(f"\npeak RSS MB per phase (the largest rank): {' | '.join(phases)}")
+    print(f"\npeak RSS MB per phase (the largest rank, median over rounds): {' | '.join(phases)}")
     for impl, row in table.items():
         print(f"{impl:<12} " + " ".join(f"{row['phases'][phase] / 2**20:>8.0f}" for phase in phases))
     print("\nthroughput, median of per-round ratios: "
           + ", ".join(f"{name} {value:.3f}" for name, value in ratios.items()))
     saving = peak_saving(table, args.np)
-    print("peak RSS below DistributedOptimizer's (the largest rank), of what the formula saves: "
+    print("peak RSS below DistributedOptimizer's (medians), of what the formula saves: "
           + ", ".join(f"{impl} {row['measured'] / 2**20:.0f} MB of {row['formula'] / 2**20:.0f} MB "
                       f"({row['ratio']:.2f})" for impl, row in saving.items()))
     out = out_dir(args, "zero")
     record = {"event": "bench.zero.compare", "np": args.np, "model": args.model, "optimizer": args.optimizer,
               "parameters": runs["horovod"][-1]["parameters"], "width": args.width, "layers": args.layers,
               "batch_size": args.batch_size, "seq_len": args.seq_len, "repeats": args.repeats, "table": table,
-              "ratios": ratios, "peak_saving": saving, "runs": {impl: [r["samples_per_sec"] for r in rs] for impl, rs in runs.items()}}
+              "ratios": ratios, "peak_saving": saving,
+              "runs": {impl: [r["samples_per_sec"] for r in rs] for impl, rs in runs.items()}}
     (out / "zero.json").write_text(json.dumps(record, indent=1) + "\n")
     _plot(table, out / "zero.png")
     print(f"wrote {out}/zero.json and zero.png")
@@ -330,31 +341,7 @@ def _guess(impl: str, size: int) -> float:
 def max_model(args: argparse.Namespace) -> int:
     """The largest GPT each loop trains under the memory cap, at -np ranks."""
     rungs = ladder(args.memory_cap, args.np, args.seq_len)
-    found: dict[str, dict] = {}
-    for impl in IMPLS:
-        results: dict[int, Optional[dict]] = {}
-
-        def fits(index: int) -> bool:
-            count, width, layers = rungs[index]
-            results[index] = _probe(args, impl, width, layers)
-            peak = max(r["peak_rss"] for r in results[index]["ranks"]) if results[index] else None
-            print(f"  {impl}: {count / 1e6:.1f}M parameters (width {width} x {layers} layers): "
-                  + (f"peak RSS {peak / 2**20:.0f} MB, fits" if peak else "over the cap"), flush=True)
-            return results[index] is not None
-
-        first = bisect.bisect(rungs, ((args.memory_cap - BASELINE_RSS) / _guess(impl, args.np),)) - 1
-        print(f"== {impl}: np={args.np}, cap {args.memory_cap / 2**20:.0f} MB per rank", flush=True)
-        index = largest(fits, len(rungs), first)
-        if index < 0:
-            raise BenchError(f"{impl}: not even the smallest GPT ({rungs[0][0] / 1e6:.1f}M parameters) trains "
-                             f"under {args.memory_cap / 2**20:.0f} MB per rank")
-        count, width, layers = rungs[index]
-        record = results[index]
-        found[impl] = {"parameters": count, "width": width, "layers": layers,
-                       "peak_rss": max(r["peak_rss"] for r in record["ranks"]),
-                       "phases": {phase: max(r["phases"][phase] for r in record["ranks"])
-                                  for phase in record["ranks"][0]["phases"] if phase != "unit"},
-                       "probes": len(results)}
+    found = {impl: _search(args, impl, rungs) for impl in IMPLS}
     whole = found["horovod"]["parameters"]
     print(f"\nthe largest GPT under {args.memory_cap / 2**20:.0f} MB per rank, np={args.np}:")
     print(f"{'implementation':<12} {'parameters':>11} {'x horovod':>10} {'width x layers':>15} {'peak RSS MB':>12}")
@@ -374,6 +361,31 @@ def max_model(args: argparse.Namespace) -> int:
     print(f"wrote {path}")
     print(json.dumps(record), flush=True)
     return 0
+
+
+def _search(args: argparse.Namespace, impl: str, rungs: list[tuple[int, int, int]]) -> dict:
+    """The largest rung of the ladder ``impl`` trains under the cap, and its peaks."""
+    results: dict[int, Optional[dict]] = {}
+
+    def fits(index: int) -> bool:
+        count, width, layers = rungs[index]
+        results[index] = _probe(args, impl, width, layers)
+        peak = max(r["peak_rss"] for r in results[index]["ranks"]) if results[index] else None
+        print(f"  {impl}: {count / 1e6:.1f}M parameters (width {width} x {layers} layers): "
+              + (f"peak RSS {peak / 2**20:.0f} MB, fits" if peak else "over the cap"), flush=True)
+        return results[index] is not None
+
+    first = bisect.bisect(rungs, ((args.memory_cap - BASELINE_RSS) / _guess(impl, args.np),)) - 1
+    print(f"== {impl}: np={args.np}, cap {args.memory_cap / 2**20:.0f} MB per rank", flush=True)
+    index = largest(fits, len(rungs), first)
+    if index < 0:
+        raise BenchError(f"{impl}: not even the smallest GPT ({rungs[0][0] / 1e6:.1f}M parameters) trains "
+                         f"under {args.memory_cap / 2**20:.0f} MB per rank")
+    count, width, layers = rungs[index]
+    ranks = results[index]["ranks"]
+    phases = [phase for phase in ranks[0]["phases"] if phase != "unit"]
+    return {"parameters": count, "width": width, "layers": layers, "peak_rss": max(r["peak_rss"] for r in ranks),
+            "phases": {phase: max(r["phases"][phase] for r in ranks) for phase in phases}, "probes": len(results)}
 
 
 def _probe(args: argparse.Namespace, impl: str, width: int, layers: int) -> Optional[dict]:

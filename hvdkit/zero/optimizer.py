@@ -19,9 +19,9 @@ A step, on every rank:
    LR scheduler built on it works as before) and hold one flat slice per bucket instead of the
    parameters. That is the same update as on the whole parameters for optimizers that work
    element by element, the only ones accepted (``check``).
-3. The updated slices are allgathered in place, bucket by bucket with the next one under way:
-   each bucket's weights are one flat vector from the start (the parameters are views of it)
-   and this rank's slice is its part of that storage, so the weights are never held twice.
+3. The updated slices are allgathered in place, bucket by bucket: each bucket's weights are
+   one flat vector from the start (the parameters are views of it) and this rank's slice is its
+   part of that storage, so the weights are never held twice.
 
 No collective allocates its output, and the buffers a step needs are made in the first step and
 kept: buffers that Horovod's thread allocated and the training thread freed, every step, left
@@ -73,8 +73,9 @@ def check(optimizer: torch.optim.Optimizer, model: nn.Module, stage: int) -> Non
 
 def check_collectives(hvd, version: Optional[str]) -> None:
     """ConfigError, in one line, where Horovod's MPI operations would be handed aliased buffers:
-    the in-place allgather and reduce-scatter need hvdkit's patch 0007 under MPI (Gloo and NCCL
-    take them as they are). ``version`` is the installed Horovod's, "+hvdkit." in an hvdkit build."""
+    the in-place allgather and reduce-scatter need hvdkit's patch 0007 under MPI (Gloo takes them
+    as they are; NCCL has in-place forms of both). ``version`` is the installed Horovod's,
+    "+hvdkit." in an hvdkit build."""
     if hvd.mpi_enabled() and not hvd.gloo_enabled() and "+hvdkit." not in (version or ""):
         raise ConfigError(f"zero: this Horovod ({version}) was not built by hvdkit, and its MPI operations cannot "
                           f"gather and reduce in place; run `python -m hvdkit.build`, or launch with Gloo "
@@ -164,8 +165,8 @@ class ShardedOptimizer:
         self._counts = [0] * len(self.params)
         self._synchronized = False
         # Each .grad is a view into its bucket's flat gradient, which is reduce-scattered as it
-        # is (no copy), as DDP's gradient_as_bucket_view. Stage 1 keeps them all; stage 2 makes a
-        # bucket's when its first gradient arrives and lets it go once it is sent.
+        # is (no copy), as DDP's gradient_as_bucket_view. Stage 1 keeps them all; stage 2 takes a
+        # bucket's from _spare when its first gradient arrives and gives it back once received.
         self._flat: list[Optional[torch.Tensor]] = [None] * len(self.buckets)
         self._spare: list[torch.Tensor] = []  # stage 2: flat gradients sent and received, for the next buckets
         self._received: list[Optional[torch.Tensor]] = [None] * len(self.buckets)  # stage 2: where slices land

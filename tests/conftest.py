@@ -1,5 +1,6 @@
 """Shared helpers: run real commands from the environment the suite runs in."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -176,11 +177,21 @@ def wait_for(predicate, proc, what, seconds=120):
 
 
 def kill_tree(proc):
-    """SIGKILL a launcher and every process it started (by PID, ours only), as hvdkit.run does."""
+    """SIGKILL a launcher and every process it started (by PID, ours only), as hvdkit.run does,
+    and remove the job directory its ranks were given: a launcher killed cannot."""
+    import psutil
+
     from hvdkit.launch import supervise
 
-    supervise.end_processes(supervise.tree(proc.pid), grace=0)
+    processes = supervise.tree(proc.pid)
+    job_dirs = set()
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            job_dirs.add(process.environ().get(supervise.JOB_DIR))
+    supervise.end_processes(processes, grace=0)
     proc.wait(timeout=30)
+    for job_dir in job_dirs - {None}:
+        supervise.remove_job_dir(job_dir)
 
 
 def pytest_configure(config):

@@ -56,12 +56,16 @@ def launch_command(args: argparse.Namespace, np: int, worker: Sequence[str],
     return cmd + ["--", sys.executable, "-m", "hvdkit.bench", *worker]
 
 
-def run_launch(command: Sequence[str], event: str, label: str, timeout: float) -> dict:
-    """Run one launch; echo rank 0's human lines; return its ``event`` record."""
+def run_launch(command: Sequence[str], event: str, label: str, timeout: float,
+               declined: Optional[str] = None) -> Optional[dict]:
+    """Run one launch; echo rank 0's human lines; return its ``event`` record, or None where a
+    rank printed a ``declined`` record (and ended the launch on purpose)."""
     try:
         proc = subprocess.run(command, env=mpi_root_env(), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise RunFailed(f"{label}: no result within {timeout:.0f} s") from None
+    if declined and parse_records(proc.stdout, declined):
+        return None
     records = parse_records(proc.stdout, event)
     if proc.returncode != 0 or not records:
         tail = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()][-3:]

@@ -19,14 +19,12 @@ import bisect
 import json
 import os
 import statistics
-import subprocess
 import time
 from typing import Optional
 
 from hvdkit import env
-from hvdkit.bench.drivers import RunFailed, launch_command, out_dir, run_launch
+from hvdkit.bench.drivers import launch_command, out_dir, run_launch
 from hvdkit.bench.figures import BenchError, parse_size
-from hvdkit.checks.selftest import mpi_root_env, parse_records
 
 IMPLS = ("zero1", "zero2", "horovod", "torch-zero")
 OVER_CAP = 75  # a rank's exit code when its resident memory passed --memory-cap
@@ -389,24 +387,15 @@ def _search(args: argparse.Namespace, impl: str, rungs: list[tuple[int, int, int
 
 
 def _probe(args: argparse.Namespace, impl: str, width: int, layers: int) -> Optional[dict]:
-    """One run of ``impl`` on a GPT of that size, a warm-up step and one timed: its record if
-    every rank stayed under the cap, None if one passed it."""
+    """One run of ``impl`` on a GPT of that size, the first and a steady step untimed and one
+    timed: its record if every rank stayed under the cap, None if one passed it."""
     sized = argparse.Namespace(**{**vars(args), "width": width, "layers": layers, "warmup": 2, "steps": 1,
                                   "model": "gpt"})
-    command = launch_command(args, args.np, _worker_args(sized, impl))
-    try:
-        proc = subprocess.run(command, env=mpi_root_env(), capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        raise RunFailed(f"{impl}: no result within {args.timeout:.0f} s") from None
-    if parse_records(proc.stdout, "bench.zero.over"):
+    record = run_launch(launch_command(args, args.np, _worker_args(sized, impl)), "bench.zero", impl, args.timeout,
+                        declined="bench.zero.over")
+    if record is None or max(r["peak_rss"] for r in record["ranks"]) > args.memory_cap:  # a peak the watch missed
         return None
-    records = parse_records(proc.stdout, "bench.zero")
-    if proc.returncode != 0 or not records:
-        tail = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()][-3:]
-        raise RunFailed(f"{impl} failed (exit code {proc.returncode}): {' | '.join(tail)}")
-    if max(r["peak_rss"] for r in records[0]["ranks"]) > args.memory_cap:  # a peak the watch missed
-        return None
-    return records[0]
+    return record
 
 
 def _plot(table: dict, path) -> None:

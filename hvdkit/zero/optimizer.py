@@ -391,11 +391,11 @@ class ShardedOptimizer:
             raise ConfigError("zero: a sharded optimizer steps without a closure")
         if not self._synchronized:
             self.synchronize()
-        for n, piece in enumerate(self.slices):
-            if not self._aliased(n):  # the weights are the truth: loaded, broadcast or stepped
-                self._read_slice(piece, self.buckets[n])
+        moved = [n for n in range(len(self.buckets)) if not self._aliased(n)]
+        for n in moved:  # the weights are the truth: loaded, broadcast or stepped
+            self._read_slice(self.slices[n], self.buckets[n])
         self.inner.step()
-        self._gather()
+        self._gather(moved)
         self._synchronized = False
 
     def _aliased(self, n: int) -> bool:
@@ -408,20 +408,16 @@ class ShardedOptimizer:
         for i, mine, theirs in self._overlaps(bucket, len(piece)):
             piece[mine].copy_(self.params[i].detach().reshape(-1)[theirs])
 
-    def _gather(self) -> None:
+    def _gather(self, moved: list[int]) -> None:
         """Every rank's updated slices into every rank's weights, in place: each bucket's slice is
         already its part of the flat weights, which are the allgather's output. One bucket at a
-        time, as the reduce-scatters (``_send``)."""
+        time, as the reduce-scatters (``_send``). The parameters of the ``moved`` buckets, given
+        other storage since the last step, become views of the flat weights again."""
         for n, piece in enumerate(self.slices):
             handle = self.hvd.mpi_ops._allgather_async(piece.detach(), self._whole[n], f"hvdkit.zero.weights.{n}",
                                                        self.hvd.global_process_set)
-            self._unpack(n, handle)
-
-    def _unpack(self, n: int, handle) -> None:
-        """Wait for bucket ``n``'s weights; parameters given other storage since the last step
-        (loaded with assign=True, a .data set) become views of the flat weights again."""
-        self.hvd.synchronize(handle)
-        if not self._aliased(n):
+            self.hvd.synchronize(handle)
+        for n in moved:
             for param, lo, hi, shape in self._views(n):
                 param.data = self._whole[n][lo:hi].view(shape)
 

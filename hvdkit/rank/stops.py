@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Callable, Mapping, Optional
@@ -185,11 +186,20 @@ def conclude(signum: int, rank: int, step: int, checkpoint_dir: Optional[str], m
     return code
 
 
+SPEAKER_GRACE = 5.0  # seconds another rank leaves rank 0 to say why the job ends
+
+
 def exit_on_own_errors(rank: int, own: tuple, bad_input: tuple, end: Callable[[], None]) -> Callable[[], None]:
     """From now on, an exception of the ``own`` types that nothing caught ends this rank with
     its message once (rank 0's, as one line) instead of a traceback on every rank: ``end()``
     (a bound method: Horovod's shutdown), then exit with the exception's ``exit_code``, else 2
-    for ``bad_input`` types, else 1. Returns the undo."""
+    for ``bad_input`` types, else 1. Returns the undo.
+
+    The ranks mostly meet such an error together (a bad config, a lockstep mistake, Horovod shut
+    down by a rank that raised), and horovodrun and mpirun end every rank as soon as the first
+    exits non-zero: the other ranks leaving first would cut rank 0's line off. So they wait up
+    to SPEAKER_GRACE seconds after Horovod's shutdown, with the stop signals' defaults back, for
+    the launcher to end them once rank 0 has spoken and exited."""
     previous = sys.excepthook
     end = weakref.WeakMethod(end)  # the hook must not keep a Session (its loaders' workers) alive
 
@@ -206,6 +216,10 @@ def exit_on_own_errors(rank: int, own: tuple, bad_input: tuple, end: Callable[[]
         if shutdown is not None:
             shutdown()
         sys.stdout.flush()
+        if rank != 0:
+            for signum in SIGNALS:
+                signal.signal(signum, signal.SIG_DFL)
+            time.sleep(SPEAKER_GRACE)
         os._exit(code)
 
     sys.excepthook = hook

@@ -53,6 +53,17 @@ def test_reads_the_benchmark_ratios_and_prints_one_verdict():
     assert gpucheck.summary("H100", [gpucheck.Step("build", False, "no NCCL")])[-1] == "gpu-check: FAIL"
 
 
+def test_the_sharded_bench_passes_only_with_the_cuda_allocators_peaks():
+    def record(unit):
+        table = {impl: {"peak": mb * 2**20} for impl, mb in (("zero1", 700), ("zero2", 650), ("horovod", 720))}
+        return "== zero1\n" + json.dumps({"event": "bench.zero.compare", "peak_unit": unit, "table": table}) + "\n"
+
+    step = gpucheck.zero_step(record("cuda_allocated"))
+    assert step.ok and step.detail == "peak (cuda_allocated) zero1 700 MB, zero2 650 MB, horovod 720 MB"
+    assert not gpucheck.zero_step(record("rss")).ok, "resident memory on a GPU machine: the bench missed the GPU"
+    assert not gpucheck.zero_step("Traceback ...\n").ok
+
+
 def test_a_node_without_mpicxx_builds_gloo_only(monkeypatch):
     assert gpucheck.mpi_for_build("auto") == "auto", "this machine has Open MPI's mpicxx (make setup)"
     monkeypatch.setenv("PATH", "/nonexistent")

@@ -68,7 +68,8 @@ def run_launch(command: Sequence[str], event: str, label: str, timeout: float,
         return None
     records = parse_records(proc.stdout, event)
     if proc.returncode != 0 or not records:
-        tail = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()][-3:]
+        # The ranks' errors go to stderr; a run that printed none there says what it did on stdout.
+        tail = [line for line in (proc.stderr.strip() or proc.stdout).splitlines() if line.strip()][-3:]
         raise RunFailed(f"{label} failed (exit code {proc.returncode}): {' | '.join(tail)}")
     for line in untagged(proc.stdout).splitlines():  # rank 0's lines, as from one process
         if '{"event": "bench.' not in line and line.strip():

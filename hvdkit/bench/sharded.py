@@ -5,11 +5,13 @@ images) with Adam or AdamW, each launched by `hvdkit launch` in turn, in alterna
 rounds: hvdkit's ShardedOptimizer at stage 1 and 2, Horovod's DistributedOptimizer (Horovod's
 own loop), and torch's ZeroRedundancyOptimizer under DistributedDataParallel. Each rank reports
 its samples per second, the bytes of weights, gradients and optimizer state it holds (from the
-tensors) and its peak resident memory, per phase of a step.
+tensors) and its peak memory per phase of a step: resident memory on CPUs, the CUDA allocator's
+peak on GPUs (one GPU per rank).
 
 ``--max-model --memory-cap SIZE`` asks what a user buys ZeRO for: the largest GPT each loop
-trains with every rank's peak resident memory under SIZE. It bisects a ladder of GPT widths and
-depths per loop; a rank that passes the cap ends its run at once.
+trains with every rank's peak memory under SIZE. It bisects a ladder of GPT widths and depths
+per loop; a rank that passes the cap ends its run at once (on a GPU the allocator refuses what
+would pass it: torch.cuda.set_per_process_memory_fraction).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ IMPLS = ("zero1", "zero2", "horovod", "torch-zero")
 OVER_CAP = 75  # a rank's exit code when its resident memory passed --memory-cap
 LADDER_WIDTHS = (512, 640, 768, 896, 1024, 1152, 1280, 1536)
 LADDER_STEP = 1.03  # neighbouring models of the ladder differ by at least 3% of parameters
-BASELINE_RSS = 1100 * 2**20  # a rank's resident memory before its model: torch, Horovod, MPI
+BASELINE_RSS = 1100 * 2**20  # a rank's resident memory before its model: torch, Horovod, MPI (none on a GPU)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,8 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image-size", type=int, default=32, help="image side for a torchvision model (default 32)")
     p.add_argument("--num-classes", type=int, default=10, help="classes of a torchvision model (default 10)")
     p.add_argument("--max-model", action="store_true", help="the largest GPT each loop trains under --memory-cap")
-    p.add_argument("--memory-cap", type=_size, help="with --max-model: every rank's peak resident memory "
-                                                         "must stay below this (e.g. 3584M)")
+    p.add_argument("--memory-cap", type=_size, help="with --max-model: every rank's peak memory (resident; on a "
+                                                         "GPU the allocator's) must stay below this (e.g. 3584M)")
     p.add_argument("--width", type=int, default=512, help="GPT width (default 512)")
     p.add_argument("--layers", type=int, default=12, help="GPT blocks (default 12: 38M parameters, 300 MB of Adam "
                                                           "state unsharded)")
@@ -82,18 +84,22 @@ def worker(args: argparse.Namespace) -> None:
     launch = env.detect()
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    device = torch.device("cuda", launch.local_rank or 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if args.memory_cap:
-        _end_above(args.memory_cap)
+        _end_above(args.memory_cap, device)
     model, inputs, loss_of = _model(args)
+    model.to(device)
     optimizer_class = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[args.optimizer]
     if args.impl == "torch-zero":
         import torch.distributed as dist
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         place_process(launch.local_rank or 0, launch.local_size or 1)
-        _init_torch_distributed("gloo")
+        _init_torch_distributed("nccl" if device.type == "cuda" else "gloo")
         rank, size = dist.get_rank(), dist.get_world_size()
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
         optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class, lr=1e-4)
         gather = _torch_gather
     else:
@@ -104,9 +110,9 @@ def worker(args: argparse.Namespace) -> None:
         optimizer = (hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
                      if args.impl == "horovod" else zero.ShardedOptimizer(inner, hvd, int(args.impl[-1])))
         gather = hvd.allgather_object
-    batch = inputs(torch.Generator().manual_seed(rank))
+    batch = [part.to(device) for part in inputs(torch.Generator().manual_seed(rank))]
 
-    peaks = PhasePeaks()
+    peaks = PhasePeaks(device)
 
     def step(when: str) -> None:
         with peaks.phase(f"{when}: forward and backward"):
@@ -114,14 +120,24 @@ def worker(args: argparse.Namespace) -> None:
             loss_of(model, batch).backward()
         with peaks.phase(f"{when}: optimizer step"):
             optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
-    for n in range(args.warmup):
-        step("first step" if n == 0 else "steady")
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        step("steady")
+    try:
+        for n in range(args.warmup):
+            step("first step" if n == 0 else "steady")
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step("steady")
+    except torch.cuda.OutOfMemoryError:  # past --memory-cap on a GPU
+        print(json.dumps({"event": "bench.zero.over", "cuda_allocated": torch.cuda.max_memory_allocated(device),
+                          "cap": args.memory_cap}), flush=True)
+        os._exit(OVER_CAP)
     rate = args.batch_size * args.steps / (time.perf_counter() - start)
-    held = {**_held(model, optimizer, zero), "phases": peaks.summary()}
+    phases = peaks.summary()
+    held = {**_held(model, optimizer, zero), "phases": phases}
+    # The peak the cap and the table speak of: resident memory on a CPU, the allocator's on a GPU.
+    held["peak"] = held["peak_rss"] if device.type == "cpu" else max(v for k, v in phases.items() if k != "unit")
     rows = gather({"samples_per_sec": rate, **held})
     if rank == 0:
         print(json.dumps({"event": "bench.zero", "impl": args.impl, "world_size": size, "model": args.model,
@@ -139,16 +155,17 @@ def _model(args: argparse.Namespace):
 
     if args.model == "gpt":
         def tokens(generator):
-            return torch.randint(0, 256, (args.batch_size, args.seq_len + 1), generator=generator)
+            return [torch.randint(0, 256, (args.batch_size, args.seq_len + 1), generator=generator)]
 
         def next_token_loss(model, batch):
-            return F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+            (tokens,) = batch
+            return F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
 
         return gpt(args.width, args.layers, args.seq_len), tokens, next_token_loss
 
     def images(generator):
-        return (torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=generator),
-                torch.randint(0, args.num_classes, (args.batch_size,), generator=generator))
+        return [torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=generator),
+                torch.randint(0, args.num_classes, (args.batch_size,), generator=generator)]
 
     def class_loss(model, batch):
         return F.cross_entropy(model(batch[0]), batch[1])
@@ -169,11 +186,17 @@ def gpt(width: int, layers: int, seq_len: int):
     return TinyGPT(256, seq_len, width, layers, heads=8)
 
 
-def _end_above(cap: int) -> None:
+def _end_above(cap: int, device) -> None:
     """Watch this rank's resident memory from a thread; past ``cap``, say so and end the process
-    (its launcher then ends the others): a model that does not fit need not finish its steps."""
+    (its launcher then ends the others): a model that does not fit need not finish its steps.
+    On a GPU the allocator itself refuses to pass the cap (the worker ends on its error)."""
     import threading
 
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(device).total_memory, device)
+        return
     page = os.sysconf("SC_PAGE_SIZE")
 
     def watch() -> None:
@@ -213,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
     if env.detect().rank is not None:
         raise BenchError("zero launches its own ranks: run it without a launcher, with -np N")
     if args.max_model and not args.memory_cap:
-        raise BenchError("zero --max-model needs --memory-cap SIZE: the peak resident memory each rank may reach")
+        raise BenchError("zero --max-model needs --memory-cap SIZE: the peak memory each rank may reach")
     if args.memory_cap and not args.max_model:
         raise BenchError("zero: --memory-cap goes with --max-model")
     if args.max_model and args.model != "gpt":
@@ -238,34 +261,37 @@ def compare(args: argparse.Namespace) -> int:
     table = {impl: {"samples_per_sec": statistics.median(r["samples_per_sec"] for r in results),
                     **{key: max(rank[key] for rank in results[-1]["ranks"])
                        for key in ("params", "grads", "optimizer_state")},
-                    "peak_rss": statistics.median(max(rank["peak_rss"] for rank in r["ranks"]) for r in results)}
+                    "peak": statistics.median(max(rank["peak"] for rank in r["ranks"]) for r in results)}
              for impl, results in runs.items()}
     for impl, results in runs.items():
         table[impl]["phases"] = {phase: statistics.median(max(rank["phases"][phase] for rank in r["ranks"])
                                                           for r in results)
                                  for phase in results[-1]["ranks"][0]["phases"] if phase != "unit"}
     whole = table["horovod"]["optimizer_state"]
+    peak_name = _peak_name(runs["horovod"][-1])
     print(f"\n{'implementation':<12} {'samples/sec':>12} {'optimizer MB':>13} {'x unsharded':>12} {'grads MB':>9} "
-          f"{'weights MB':>11} {'peak RSS MB':>12}   (bytes: the largest rank; peaks: its median over rounds)")
+          f"{'weights MB':>11} {'peak MB':>12}   (peak: {peak_name}; bytes: the largest rank; peaks: its median "
+          "over rounds)")
     for impl, row in table.items():
         print(f"{impl:<12} {row['samples_per_sec']:>12.2f} {row['optimizer_state'] / 2**20:>13.1f} "
               f"{row['optimizer_state'] / whole:>12.2f} {row['grads'] / 2**20:>9.1f} {row['params'] / 2**20:>11.1f} "
-              f"{row['peak_rss'] / 2**20:>12.0f}")
+              f"{row['peak'] / 2**20:>12.0f}")
     phases = list(table["horovod"]["phases"])
-    print(f"\npeak RSS MB per phase (the largest rank, median over rounds): {' | '.join(phases)}")
+    print(f"\npeak MB ({peak_name}) per phase (the largest rank, median over rounds): {' | '.join(phases)}")
     for impl, row in table.items():
         print(f"{impl:<12} " + " ".join(f"{row['phases'][phase] / 2**20:>8.0f}" for phase in phases))
     print("\nthroughput, median of per-round ratios: "
           + ", ".join(f"{name} {value:.3f}" for name, value in ratios.items()))
     saving = peak_saving(table, args.np)
-    print("peak RSS below DistributedOptimizer's (medians), of what the formula saves: "
+    print(f"peak ({peak_name}) below DistributedOptimizer's (medians), of what the formula saves: "
           + ", ".join(f"{impl} {row['measured'] / 2**20:.0f} MB of {row['formula'] / 2**20:.0f} MB "
-                      f"({row['ratio']:.2f})" for impl, row in saving.items()))
+                      + (f"({row['ratio']:.2f})" if row["ratio"] is not None else "(one rank shards nothing)")
+                      for impl, row in saving.items()))
     out = out_dir(args, "zero")
     record = {"event": "bench.zero.compare", "np": args.np, "model": args.model, "optimizer": args.optimizer,
               "parameters": runs["horovod"][-1]["parameters"], "width": args.width, "layers": args.layers,
               "batch_size": args.batch_size, "seq_len": args.seq_len, "repeats": args.repeats, "table": table,
-              "ratios": ratios, "peak_saving": saving,
+              "peak_unit": peak_name, "ratios": ratios, "peak_saving": saving,
               "runs": {impl: [r["samples_per_sec"] for r in rs] for impl, rs in runs.items()}}
     (out / "zero.json").write_text(json.dumps(record, indent=1) + "\n")
     _plot(table, out / "zero.png")
@@ -275,15 +301,15 @@ def compare(args: argparse.Namespace) -> int:
 
 
 def peak_saving(table: dict, size: int) -> dict:
-    """Each stage's peak RSS below DistributedOptimizer's, beside what DeepSpeed's formula says
+    """Each stage's peak below DistributedOptimizer's, beside what DeepSpeed's formula says
     sharding saves for fp32 Adam (16 bytes a parameter unsharded): 8(1 - 1/N) bytes a parameter
     at stage 1, 12(1 - 1/N) at stage 2."""
     parameters = table["horovod"]["params"] / 4
     rows = {}
     for impl, per_parameter in (("zero1", 8), ("zero2", 12)):
-        measured = table["horovod"]["peak_rss"] - table[impl]["peak_rss"]
+        measured = table["horovod"]["peak"] - table[impl]["peak"]
         formula = per_parameter * (1 - 1 / size) * parameters
-        rows[impl] = {"measured": measured, "formula": formula, "ratio": measured / formula}
+        rows[impl] = {"measured": measured, "formula": formula, "ratio": measured / formula if formula else None}
     return rows
 
 
@@ -342,12 +368,12 @@ def max_model(args: argparse.Namespace) -> int:
     found = {impl: _search(args, impl, rungs) for impl in IMPLS}
     whole = found["horovod"]["parameters"]
     print(f"\nthe largest GPT under {args.memory_cap / 2**20:.0f} MB per rank, np={args.np}:")
-    print(f"{'implementation':<12} {'parameters':>11} {'x horovod':>10} {'width x layers':>15} {'peak RSS MB':>12}")
+    print(f"{'implementation':<12} {'parameters':>11} {'x horovod':>10} {'width x layers':>15} {'peak MB':>12}")
     for impl, row in found.items():
         print(f"{impl:<12} {row['parameters'] / 1e6:>10.1f}M {row['parameters'] / whole:>10.2f} "
-              f"{row['width']:>8} x {row['layers']:<4} {row['peak_rss'] / 2**20:>12.0f}")
+              f"{row['width']:>8} x {row['layers']:<4} {row['peak'] / 2**20:>12.0f}")
     phases = list(found["horovod"]["phases"])
-    print(f"\npeak RSS MB per phase of those models: {' | '.join(phases)}")
+    print(f"\npeak MB per phase of those models: {' | '.join(phases)}")
     for impl, row in found.items():
         print(f"{impl:<12} " + " ".join(f"{row['phases'][phase] / 2**20:>8.0f}" for phase in phases))
     out = out_dir(args, "zero")
@@ -368,12 +394,15 @@ def _search(args: argparse.Namespace, impl: str, rungs: list[tuple[int, int, int
     def fits(index: int) -> bool:
         count, width, layers = rungs[index]
         results[index] = _probe(args, impl, width, layers)
-        peak = max(r["peak_rss"] for r in results[index]["ranks"]) if results[index] else None
+        peak = max(r["peak"] for r in results[index]["ranks"]) if results[index] else None
         print(f"  {impl}: {count / 1e6:.1f}M parameters (width {width} x {layers} layers): "
-              + (f"peak RSS {peak / 2**20:.0f} MB, fits" if peak else "over the cap"), flush=True)
+              + (f"peak {peak / 2**20:.0f} MB, fits" if peak else "over the cap"), flush=True)
         return results[index] is not None
 
-    first = bisect.bisect(rungs, ((args.memory_cap - BASELINE_RSS) / _guess(impl, args.np),)) - 1
+    import torch
+
+    baseline = 0 if torch.cuda.is_available() else BASELINE_RSS
+    first = bisect.bisect(rungs, ((args.memory_cap - baseline) / _guess(impl, args.np),)) - 1
     print(f"== {impl}: np={args.np}, cap {args.memory_cap / 2**20:.0f} MB per rank", flush=True)
     index = largest(fits, len(rungs), first)
     if index < 0:
@@ -382,7 +411,7 @@ def _search(args: argparse.Namespace, impl: str, rungs: list[tuple[int, int, int
     count, width, layers = rungs[index]
     ranks = results[index]["ranks"]
     phases = [phase for phase in ranks[0]["phases"] if phase != "unit"]
-    return {"parameters": count, "width": width, "layers": layers, "peak_rss": max(r["peak_rss"] for r in ranks),
+    return {"parameters": count, "width": width, "layers": layers, "peak": max(r["peak"] for r in ranks),
             "phases": {phase: max(r["phases"][phase] for r in ranks) for phase in phases}, "probes": len(results)}
 
 
@@ -393,9 +422,14 @@ def _probe(args: argparse.Namespace, impl: str, width: int, layers: int) -> Opti
                                   "model": "gpt"})
     record = run_launch(launch_command(args, args.np, _worker_args(sized, impl)), "bench.zero", impl, args.timeout,
                         declined="bench.zero.over")
-    if record is None or max(r["peak_rss"] for r in record["ranks"]) > args.memory_cap:  # a peak the watch missed
+    if record is None or max(r["peak"] for r in record["ranks"]) > args.memory_cap:  # a peak the watch missed
         return None
     return record
+
+
+def _peak_name(record: dict) -> str:
+    """What a run's peaks are: "rss" on CPUs, "cuda_allocated" on GPUs (hvdkit.rank.memory)."""
+    return record["ranks"][0]["phases"]["unit"]
 
 
 def _plot(table: dict, path) -> None:

@@ -326,6 +326,8 @@ def build_wheel(plan: BuildPlan, cache: Path, sdist: Path) -> Path:
         if wrappers:
             env["PATH"] = f"{wrappers}{os.pathsep}{env.get('PATH', '')}"
         env.setdefault("MAKEFLAGS", f"-j{os.cpu_count() or 1}")
+        # CMake 4 refuses the cmake_minimum_required(< 3.5) of Horovod's third-party Gloo and others.
+        env.setdefault("CMAKE_POLICY_VERSION_MINIMUM", "3.5")
         if "HOROVOD_NCCL_LIB" in env:
             # CMake's find_library wants libnccl.so; torch's wheel ships only libnccl.so.2.
             libdir = tmp_path / "nccl-lib"

@@ -36,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="build hvdkit's container image (podman or docker), or the local Debian base it starts from")
     sub.add_parser("mpijob", add_help=False,
                    help="print a Kubeflow MPIJob manifest for hvdkit's image, or run it here (--run)")
+    sub.add_parser("plot", add_help=False, help="PNGs of one run or several from their metrics.jsonl: metrics, "
+                                                "throughput, each rank's compute and wait")
     sub.add_parser("bench", add_help=False,
                    help="benchmarks: synthetic (--compare ddp), allreduce bandwidth, scaling")
 
@@ -113,6 +115,9 @@ def train(args: argparse.Namespace) -> int:
         if args.debug:
             raise
         _say_once(f"hvdkit train: {exc}")
+        from hvdkit.rank.stops import leave_rank0_the_word
+
+        leave_rank0_the_word(env.detect().rank)
         return job.code_for(exc, (config.ConfigError,))
     except UnreadableSample as exc:  # on the rank that read it: the others wait for it, or for the launcher
         if args.debug:
@@ -167,6 +172,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv[:1] == ["bench"]:
         from hvdkit import bench
         return bench.main(argv[1:])
+    if argv[:1] == ["plot"]:
+        from hvdkit import plot
+        return plot.main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "doctor":
         return run_doctor(args)

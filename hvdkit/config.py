@@ -67,6 +67,11 @@ class TrainConfig:
     seed: int = field(default=42, metadata={"help": "random seed (each rank adds its rank)"})
     num_workers: int = field(default=0, metadata={"help": "data loader worker processes per rank"})
     log_interval: int = field(default=10, metadata={"help": "optimizer steps between metric reports"})
+    logger: str = field(default="tensorboard", metadata={
+        "help": "where rank 0's reports go besides metrics.jsonl, comma-separated: tensorboard, csv, mlflow, wandb; "
+                "none for metrics.jsonl alone"})
+    tracking_uri: Optional[str] = field(default=None, metadata={
+        "help": "MLflow's tracking URI (default: $MLFLOW_TRACKING_URI, else a file store ./mlruns)"})
     log_dir: Optional[str] = field(default=None, metadata={
         "help": "metrics.jsonl and TensorBoard events (default: a new runs/<date>-<time> per run)"})
     checkpoint_dir: Optional[str] = field(default=None, metadata={"help": "where rank 0 writes checkpoints"})
@@ -98,7 +103,8 @@ class TrainConfig:
 # What a resume may change: how long to train, and how the run is logged, checkpointed and
 # watched. Anything else would make the resumed run a different run than the one checkpointed
 # (batch size moves the data position, base_lr is restored from the checkpoint, ...).
-RESUME_MAY_CHANGE = ("epochs", "max_steps", "data_dir", "num_workers", "log_interval", "log_dir", "checkpoint_dir",
+RESUME_MAY_CHANGE = ("epochs", "max_steps", "data_dir", "num_workers", "log_interval", "log_dir", "logger",
+                     "tracking_uri", "checkpoint_dir",
                      "checkpoint_steps", "keep_checkpoints", "stall_timeout", "max_requeues", "resume", "compile",
                      "commit_steps", "on_nonfinite", "skip_bad_samples", "check_consistency_steps",
                      "straggler_threshold")
@@ -173,6 +179,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError("config: gradient_predivide_factor must be 1.0 with use_adasum (Horovod averages only)")
     for name in ("log_dir", "checkpoint_dir"):
         _check_writable(name, getattr(cfg, name))
+    from hvdkit.rank import loggers
+
+    try:
+        problem = loggers.missing_extra(loggers.names(cfg.logger))
+    except ValueError as exc:
+        problem = str(exc)
+    if problem:
+        raise ConfigError(f"config: logger {cfg.logger!r}: {problem}")
     return cfg
 
 
@@ -252,7 +266,7 @@ GROUPS = {
     "distributed": ("batches_per_allreduce", "zero", "fp16_allreduce", "use_adasum", "gradient_predivide_factor",
                     "stall_timeout", "elastic", "commit_steps"),
     "checkpoints": ("checkpoint_dir", "checkpoint_steps", "keep_checkpoints", "resume", "max_requeues"),
-    "logging": ("log_dir", "log_interval"),
+    "logging": ("log_dir", "log_interval", "logger", "tracking_uri"),
     "checks": ("check_consistency_steps", "straggler_threshold"),
 }
 ALIASES = {"base_lr": ("--lr",)}  # Horovod's examples say --lr

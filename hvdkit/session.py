@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from horovod.common.exceptions import HorovodInternalError
@@ -52,6 +52,7 @@ from hvdkit.rank.consistency import Consistency, DivergenceError
 from hvdkit.rank.lifeline import Lifeline
 from hvdkit.rank.loaders import Loaders
 from hvdkit.rank.lockstep import CALLS, Lockstep, LockstepError, RankEnded, where
+from hvdkit.rank.loggers import LoggerError
 from hvdkit.rank.memory import PhasePeaks
 from hvdkit.rank.metrics import Metrics
 from hvdkit.rank.reports import Reports
@@ -63,7 +64,7 @@ from hvdkit.rank.watchdog import Watchdog
 from hvdkit.zero import optimizer as zero
 
 # hvdkit's own errors: each ends every rank with one line instead of a traceback per rank.
-OWN_ERRORS = (ConfigError, CheckpointError, NonFiniteError, DivergenceError, LockstepError, RankEnded)
+OWN_ERRORS = (ConfigError, CheckpointError, NonFiniteError, DivergenceError, LockstepError, RankEnded, LoggerError)
 
 
 def _state_field(name: str, doc: str) -> property:
@@ -82,11 +83,21 @@ class Session:
     method that communicates must be called by every rank at the same point of the loop, as
     with Horovod itself. hvdkit's own errors that your loop does not catch end every rank with
     one line (see hvdkit.rank.stops).
+
+    ``loggers``: where rank 0's reports go besides metrics.jsonl (hvdkit.rank.loggers): names
+    (``"mlflow,csv"`` or a list, as ``--logger``) and Logger objects of your own, such as
+    ``MLflow(tracking_uri=...)``.
     """
 
-    def __init__(self, config: Optional[TrainConfig] = None, **keys) -> None:
+    def __init__(self, config: Optional[TrainConfig] = None, loggers: Union[str, Sequence, None] = None,
+                 **keys) -> None:
         if config is None:  # your own loop: HVDKIT_<KEY> variables, then your keywords
             config = from_mapping(from_environ(os.environ))
+        if isinstance(loggers, str):
+            loggers = [loggers]
+        own_loggers = [logger for logger in loggers or () if not isinstance(logger, str)]
+        if loggers is not None:
+            keys["logger"] = ",".join(name for name in loggers if isinstance(name, str)) or "none"
         self.cfg = cfg = validate(from_mapping(keys, base=config))
         self.hvd, self.device = hvd, device = startup.start(cfg)
         self.watchdog = Watchdog(0 if cfg.elastic else cfg.stall_timeout, self.rank)
@@ -106,7 +117,7 @@ class Session:
         self._lockstep = Lockstep(self.hvd, strict=not cfg.elastic)
         self._unread_step = False  # a step's agreement that should_stop() has not read yet
         self._times = StepTimes(self.rank, self.size, cfg.straggler_threshold)
-        self._reports = Reports(cfg, hvd, device, state, self._times)
+        self._reports = Reports(cfg, hvd, device, state, self._times, own_loggers)
         self._consistency = Consistency(cfg, hvd, device, state)
         self._loaders = Loaders(cfg, hvd, device, state)
         self._checkpoints = Checkpoints(cfg, hvd, state, self._loaders, self._consistency, self.watchdog)
@@ -192,6 +203,7 @@ class Session:
                 else:
                     self._signal.step = self.global_step
                     self._loaders.resumed_batches = state.get("loader_batches")
+        self._reports.metrics()  # the trackers start, continuing the runs of a checkpoint resumed
         # Heartbeats for naming a stalled rank, once the run is accepted: a refused resume
         # leaves the log directory as it was.
         job_dir = os.environ.get(job.JOB_DIR)

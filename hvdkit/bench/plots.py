@@ -18,7 +18,8 @@ def write_allreduce_csv(record: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib's pyplot drawing to files (bench figures, `hvdkit plot`)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display on a cluster node
@@ -27,7 +28,7 @@ def _pyplot():
 
 
 def plot_allreduce(record: dict, path: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, (bw_ax, time_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     sizes = [row["bytes"] for row in record["rows"]]
     for name in record["implementations"]:
@@ -48,7 +49,7 @@ def plot_allreduce(record: dict, path: Path) -> None:
 
 
 def plot_scaling(table: list[dict], args: argparse.Namespace, path: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4.5))
     nps = [row["np"] for row in table]
     base = table[0]["total_img_sec"] / table[0]["np"]

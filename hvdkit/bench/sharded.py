@@ -433,9 +433,9 @@ def _peak_name(record: dict) -> str:
 
 
 def _plot(table: dict, path) -> None:
-    from hvdkit.bench.plots import _pyplot
+    from hvdkit.bench.plots import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, (rate_ax, bytes_ax) = plt.subplots(1, 2, figsize=(11, 4))
     names = list(table)
     rate_ax.bar(names, [table[n]["samples_per_sec"] for n in names])

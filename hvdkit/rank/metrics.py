@@ -1,4 +1,5 @@
-"""Where rank 0's metrics go: a progress bar or plain lines, metrics.jsonl, TensorBoard.
+"""Where rank 0's metrics go: a progress bar or plain lines, metrics.jsonl, and the trackers
+chosen with --logger (TensorBoard by default; hvdkit.rank.loggers).
 
 Other ranks get a sink that drops everything, so the loop calls it unconditionally and
 only rank 0 prints or writes.
@@ -6,6 +7,7 @@ only rank 0 prints or writes.
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import sys
@@ -13,30 +15,35 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from hvdkit.rank.loggers import Trackers, scalars
+
 
 class Metrics:
-    def __init__(self, log_dir: Optional[str], total_steps: int, enabled: bool) -> None:
+    """``trackers``: rank 0's loggers, already started (hvdkit.rank.loggers); other ranks' are empty."""
+
+    def __init__(self, log_dir: Optional[str], total_steps: int, enabled: bool, trackers: Trackers) -> None:
         self.enabled = enabled
         self.total_steps = total_steps
         self.started: Optional[tuple] = None  # (time, step) of the first report: the rate and ETA count from it
         self.bar = None
         self.jsonl = None
-        self.tensorboard = None
+        self.trackers = trackers
+        self.closed = False
         if not enabled:
             return
+        # A loop that never calls session.finish() still ends its trackers' runs (W&B's files,
+        # MLflow's status) when the process exits.
+        atexit.register(self.close)
         if sys.stderr.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
         if log_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
             Path(log_dir).mkdir(parents=True, exist_ok=True)
             self.jsonl = open(Path(log_dir) / "metrics.jsonl", "a")
-            self.tensorboard = SummaryWriter(log_dir)
 
     def record(self, event: str, step: int, values: dict, position: Optional[int] = None) -> None:
-        """One report: to the bar (or a plain line), one JSONL line, one TensorBoard scalar each."""
+        """One report: to the bar (or a plain line), one JSONL line, each tracker's ``event/key`` scalars."""
         if not self.enabled:
             return
         values = finite_or_none(values)
@@ -51,10 +58,13 @@ class Metrics:
             where = progress_text(step, self.total_steps, now - self.started[0], step - self.started[1])
             print(f"[{event}] {where} {shown}", file=sys.stderr, flush=True)
         self.write({"event": event, "step": step, **values})
-        if self.tensorboard is not None:
-            for key, value in values.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "epoch":
-                    self.tensorboard.add_scalar(f"{event}/{key}", value, step)
+        self.trackers.log(step, scalars(event, {key: value for key, value in values.items() if key != "epoch"}))
+
+    def finish(self, record: dict) -> None:
+        """The run's summary: its JSONL line, and each tracker's summary."""
+        self.write(record)
+        if self.enabled:
+            self.trackers.finish(record["steps"], finite_or_none(record))
 
     def write(self, record: dict) -> None:
         """One JSONL line, stamped with the wall time (elastic changes are timed from it)."""
@@ -64,12 +74,15 @@ class Metrics:
             self.jsonl.flush()
 
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        atexit.unregister(self.close)
         if self.bar is not None:
             self.bar.close()
         if self.jsonl is not None:
             self.jsonl.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        self.trackers.close()
 
 
 _SHOWN = ("epoch", "loss", "accuracy", "bits_per_byte", "lr", "samples_per_sec", "tokens_per_sec")

@@ -3,7 +3,8 @@ shown and written by rank 0; evaluation over every sample once; the run's summar
 
 ``log()`` adds a micro-batch's means, weighted by its samples, to sums that stay on the device:
 no communication until ``report()``, whose one allreduce carries every metric and the count.
-Rank 0's sink (hvdkit.rank.metrics) shows progress and writes metrics.jsonl and TensorBoard.
+Rank 0's sink (hvdkit.rank.metrics) shows progress and writes metrics.jsonl and the trackers
+(hvdkit.rank.loggers), which it starts when the Session is set up.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.utils.data import DataLoader
 
 from hvdkit.config import to_dict
+from hvdkit.rank import loggers
 from hvdkit.rank.metrics import Metrics, finite_or_none, world_size_changes
 from hvdkit.rank.state import RunState
 from hvdkit.rank.step import to_device
@@ -29,8 +31,10 @@ from hvdkit.zero import optimizer as zero
 class Reports:
     """The metrics of one run, at the state's step, with each rank's step ``times``."""
 
-    def __init__(self, cfg, hvd, device, state: RunState, times: StepTimes) -> None:
+    def __init__(self, cfg, hvd, device, state: RunState, times: StepTimes, loggers: Sequence = ()) -> None:
+        """``loggers``: Logger objects of your own making, beside those ``cfg.logger`` names."""
         self.cfg, self.hvd, self.device, self.state, self.times = cfg, hvd, device, state, times
+        self.own_loggers = list(loggers)
         self.sums: dict[str, torch.Tensor] = {}
         self.count = torch.zeros((), device=device)
         self.last_count = 0.0
@@ -102,11 +106,31 @@ class Reports:
         return {**result, "samples": int(self.last_count)}
 
     def metrics(self) -> Metrics:
-        """Rank 0's sink, made at first use; other ranks' drops everything."""
+        """Rank 0's sink, its trackers started (continuing the runs a resumed checkpoint names),
+        made at first use; other ranks' drops everything. LoggerError if a tracker cannot start."""
         if self.sink is None:
-            self.sink = Metrics(self.state.log_dir, self.state.total_steps, enabled=self.hvd.rank() == 0)
+            main = self.hvd.rank() == 0
+            trackers = loggers.Trackers(
+                [*loggers.make(loggers.names(self.cfg.logger), self.cfg.tracking_uri), *self.own_loggers]
+                if main else [])
+            if main:
+                log_dir = self.state.log_dir
+                self.state.trackers.update(trackers.start(loggers.RunInfo(
+                    log_dir, Path(log_dir).name, self.params(), dict(self.state.trackers))))
+            self.sink = Metrics(self.state.log_dir, self.state.total_steps, enabled=main, trackers=trackers)
             self.sink.write({"event": "config", "world_size": self.hvd.size(), **to_dict(self.cfg)})
         return self.sink
+
+    def params(self) -> dict:
+        """What a tracker records of the run: its config, world size and versions."""
+        import importlib.metadata
+
+        import hvdkit
+
+        config = {key: (",".join(map(str, value)) if isinstance(value, list) else value)
+                  for key, value in to_dict(self.cfg).items()}
+        return {**config, "world_size": self.hvd.size(), "hvdkit_version": hvdkit.__version__,
+                "horovod_version": importlib.metadata.version("horovod"), "torch_version": torch.__version__}
 
     def throughput(self) -> float:
         return self.samples / self.seconds if self.seconds else 0.0
@@ -121,7 +145,7 @@ class Reports:
                    "per_rank": self.times.table(self._hosts or []), "stragglers": self.times.named,
                    "wall_seconds": time.perf_counter() - self.wall_start, "stopped": state.stopped,
                    "exit_code": state.exit_code, "skipped_steps": skipped_steps}
-        self.metrics().write(summary)
+        self.metrics().finish(summary)
         self.metrics().close()
         if self.hvd.rank() == 0:
             print(json.dumps(finite_or_none(summary)), flush=True)

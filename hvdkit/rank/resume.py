@@ -111,6 +111,7 @@ class Checkpoints:
         run.epoch, run.global_step = state["epoch"], state["step"]
         run.resumed_config = state["config"]
         run.extra.update(state.get("extra") or {})
+        run.trackers.update(state.get("trackers") or {})
 
     def read(self) -> Optional[dict]:
         """The newest valid checkpoint, if this run may continue it; ConfigError if not."""
@@ -197,7 +198,7 @@ class Checkpoints:
             "model": self.module().state_dict(),
             "optimizer": run.optimizer.state_dict() if optimizer_state is None else optimizer_state,
             "scheduler": run.scheduler.state_dict() if run.scheduler is not None else None,
-            "scaler": run.scaler.state_dict() if run.scaler else None, "extra": run.extra,
+            "scaler": run.scaler.state_dict() if run.scaler else None, "extra": run.extra, "trackers": run.trackers,
             "epoch": run.epoch, "step": run.global_step, "world_size": self.hvd.size(),
             "config": to_dict(self.cfg), **position,
         }, keep=self.cfg.keep_checkpoints)

@@ -25,6 +25,7 @@ class RunState:
     scheduler: Any = None
     scaler: Any = None  # fp16's GradScaler
     extra: dict = field(default_factory=dict)  # the user's own picklable state, in every checkpoint
+    trackers: dict = field(default_factory=dict)  # logger name: its run's id, kept in checkpoints (resumes go on)
     resumed_config: Optional[dict] = None  # the config keys of the checkpoint resumed from
     peaks: PhasePeaks = field(default_factory=PhasePeaks)  # peak memory per phase, for the summary
 

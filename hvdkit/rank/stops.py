@@ -189,17 +189,27 @@ def conclude(signum: int, rank: int, step: int, checkpoint_dir: Optional[str], m
 SPEAKER_GRACE = 5.0  # seconds another rank leaves rank 0 to say why the job ends
 
 
+def leave_rank0_the_word(rank: Optional[int]) -> None:
+    """Before a rank other than 0 exits with one of hvdkit's errors, which rank 0 says: the ranks
+    mostly meet such an error together (a bad config, a lockstep mistake, Horovod shut down by a
+    rank that raised), and horovodrun and mpirun end every rank as soon as the first exits
+    non-zero, so another rank leaving first would cut rank 0's line off. It waits up to
+    SPEAKER_GRACE seconds, with the stop signals' defaults back, for the launcher to end it once
+    rank 0 has spoken and exited."""
+    if not rank:
+        return
+    for signum in SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
+    time.sleep(SPEAKER_GRACE)
+
+
 def exit_on_own_errors(rank: int, own: tuple, bad_input: tuple, end: Callable[[], None]) -> Callable[[], None]:
     """From now on, an exception of the ``own`` types that nothing caught ends this rank with
     its message once (rank 0's, as one line) instead of a traceback on every rank: ``end()``
     (a bound method: Horovod's shutdown), then exit with the exception's ``exit_code``, else 2
     for ``bad_input`` types, else 1. Returns the undo.
 
-    The ranks mostly meet such an error together (a bad config, a lockstep mistake, Horovod shut
-    down by a rank that raised), and horovodrun and mpirun end every rank as soon as the first
-    exits non-zero: the other ranks leaving first would cut rank 0's line off. So they wait up
-    to SPEAKER_GRACE seconds after Horovod's shutdown, with the stop signals' defaults back, for
-    the launcher to end them once rank 0 has spoken and exited."""
+    The other ranks leave rank 0 the word (``leave_rank0_the_word``) after Horovod's shutdown."""
     previous = sys.excepthook
     end = weakref.WeakMethod(end)  # the hook must not keep a Session (its loaders' workers) alive
 
@@ -216,10 +226,7 @@ def exit_on_own_errors(rank: int, own: tuple, bad_input: tuple, end: Callable[[]
         if shutdown is not None:
             shutdown()
         sys.stdout.flush()
-        if rank != 0:
-            for signum in SIGNALS:
-                signal.signal(signum, signal.SIG_DFL)
-            time.sleep(SPEAKER_GRACE)
+        leave_rank0_the_word(rank)
         os._exit(code)
 
     sys.excepthook = hook

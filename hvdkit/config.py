@@ -73,7 +73,8 @@ class TrainConfig:
     tracking_uri: Optional[str] = field(default=None, metadata={
         "help": "MLflow's tracking URI (default: $MLFLOW_TRACKING_URI, else a file store ./mlruns)"})
     log_dir: Optional[str] = field(default=None, metadata={
-        "help": "metrics.jsonl and TensorBoard events (default: a new runs/<date>-<time> per run)"})
+        "help": "metrics.jsonl and the trackers' files: TensorBoard events, csv/, wandb/ (default: a new "
+                "runs/<date>-<time> per run)"})
     checkpoint_dir: Optional[str] = field(default=None, metadata={"help": "where rank 0 writes checkpoints"})
     checkpoint_steps: Optional[int] = field(default=None,
                                             metadata={"help": "also checkpoint every N steps (default: per epoch)"})

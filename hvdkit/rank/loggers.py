@@ -16,6 +16,7 @@ with the others: metrics.jsonl holds everything either way.
 
 from __future__ import annotations
 
+import atexit
 import csv
 import importlib.util
 import json
@@ -294,6 +295,9 @@ class Trackers:
                 raise LoggerError(f"the {logger.name} logger cannot start: {_first_line(exc)}") from None
             if found:
                 self.ids[logger.name] = found
+        # A loop that never calls session.finish() still ends its trackers' runs (W&B's files,
+        # MLflow's status) when the process exits.
+        atexit.register(self.close)
         return self.ids
 
     def log(self, step: int, values: dict[str, float]) -> None:
@@ -304,6 +308,7 @@ class Trackers:
         self._each("summary", step, lambda logger: logger.finish(step, summary, record))
 
     def close(self) -> None:
+        atexit.unregister(self.close)
         self._each("close", None, lambda logger: logger.close())
         self.loggers = []
 

@@ -7,37 +7,35 @@ only rank 0 prints or writes.
 
 from __future__ import annotations
 
-import atexit
 import json
 import math
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from hvdkit.rank.loggers import Trackers, scalars
 
 
 class Metrics:
-    """``trackers``: rank 0's loggers, already started (hvdkit.rank.loggers); other ranks' are empty."""
+    """``trackers``: rank 0's loggers, already started (hvdkit.rank.loggers); other ranks' are empty.
+    ``total_steps``: the run's length as known at each report (the loop's epochs() sets it after
+    the sink is made, at setup)."""
 
-    def __init__(self, log_dir: Optional[str], total_steps: int, enabled: bool, trackers: Trackers) -> None:
+    def __init__(self, log_dir: Optional[str], total_steps: Callable[[], int], enabled: bool,
+                 trackers: Trackers) -> None:
         self.enabled = enabled
         self.total_steps = total_steps
         self.started: Optional[tuple] = None  # (time, step) of the first report: the rate and ETA count from it
         self.bar = None
         self.jsonl = None
         self.trackers = trackers
-        self.closed = False
         if not enabled:
             return
-        # A loop that never calls session.finish() still ends its trackers' runs (W&B's files,
-        # MLflow's status) when the process exits.
-        atexit.register(self.close)
         if sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=total_steps() or None, unit="step", dynamic_ncols=True)
         if log_dir:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
             self.jsonl = open(Path(log_dir) / "metrics.jsonl", "a")
@@ -48,6 +46,8 @@ class Metrics:
             return
         values = finite_or_none(values)
         if self.bar is not None:
+            if self.bar.total != (self.total_steps() or None):
+                self.bar.total = self.total_steps() or None
             if position is not None:
                 self.bar.update(position - self.bar.n)
             self.bar.set_postfix({k: _short(v) for k, v in values.items() if k in _SHOWN})
@@ -55,7 +55,7 @@ class Metrics:
             shown = " ".join(f"{k} {_short(v)}" for k, v in values.items() if k in _SHOWN)
             now = time.monotonic()
             self.started = self.started or (now, step)
-            where = progress_text(step, self.total_steps, now - self.started[0], step - self.started[1])
+            where = progress_text(step, self.total_steps(), now - self.started[0], step - self.started[1])
             print(f"[{event}] {where} {shown}", file=sys.stderr, flush=True)
         self.write({"event": event, "step": step, **values})
         self.trackers.log(step, scalars(event, {key: value for key, value in values.items() if key != "epoch"}))
@@ -74,10 +74,6 @@ class Metrics:
             self.jsonl.flush()
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        atexit.unregister(self.close)
         if self.bar is not None:
             self.bar.close()
         if self.jsonl is not None:

@@ -117,7 +117,8 @@ class Reports:
                 log_dir = self.state.log_dir
                 self.state.trackers.update(trackers.start(loggers.RunInfo(
                     log_dir, Path(log_dir).name, self.params(), dict(self.state.trackers))))
-            self.sink = Metrics(self.state.log_dir, self.state.total_steps, enabled=main, trackers=trackers)
+            self.sink = Metrics(self.state.log_dir, lambda state=self.state: state.total_steps, enabled=main,
+                                trackers=trackers)
             self.sink.write({"event": "config", "world_size": self.hvd.size(), **to_dict(self.cfg)})
         return self.sink
 

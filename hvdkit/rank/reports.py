@@ -31,10 +31,10 @@ from hvdkit.zero import optimizer as zero
 class Reports:
     """The metrics of one run, at the state's step, with each rank's step ``times``."""
 
-    def __init__(self, cfg, hvd, device, state: RunState, times: StepTimes, loggers: Sequence = ()) -> None:
-        """``loggers``: Logger objects of your own making, beside those ``cfg.logger`` names."""
+    def __init__(self, cfg, hvd, device, state: RunState, times: StepTimes, own_loggers: Sequence = ()) -> None:
+        """``own_loggers``: Logger objects of your own making, beside those ``cfg.logger`` names."""
         self.cfg, self.hvd, self.device, self.state, self.times = cfg, hvd, device, state, times
-        self.own_loggers = list(loggers)
+        self.own_loggers = list(own_loggers)
         self.sums: dict[str, torch.Tensor] = {}
         self.count = torch.zeros((), device=device)
         self.last_count = 0.0
@@ -124,14 +124,14 @@ class Reports:
 
     def params(self) -> dict:
         """What a tracker records of the run: its config, world size and versions."""
-        import importlib.metadata
+        import horovod
 
         import hvdkit
 
         config = {key: (",".join(map(str, value)) if isinstance(value, list) else value)
                   for key, value in to_dict(self.cfg).items()}
         return {**config, "world_size": self.hvd.size(), "hvdkit_version": hvdkit.__version__,
-                "horovod_version": importlib.metadata.version("horovod"), "torch_version": torch.__version__}
+                "horovod_version": _horovod_build(horovod), "torch_version": torch.__version__}
 
     def throughput(self) -> float:
         return self.samples / self.seconds if self.seconds else 0.0
@@ -168,3 +168,13 @@ class Reports:
             print(f"hvdkit: elastic: world size {change['from']} -> {change['to']}, going on from step "
                   f"{change['step']}; about {change['lost_seconds']:.1f} s lost", file=sys.stderr, flush=True)
         return changes
+
+
+def _horovod_build(horovod) -> str:
+    """The installed Horovod's version with its build (0.28.1+hvdkit.<digest>), as pip shows it."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("horovod")
+    except importlib.metadata.PackageNotFoundError:  # a source tree on PYTHONPATH
+        return horovod.__version__

@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
@@ -217,8 +218,6 @@ class MLflow(Logger):
         return self.run_id
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        import time
-
         now = int(time.time() * 1000)
         metrics = [self.metric(key, value, now, step) for key, value in values.items()]
         for first in range(0, len(metrics), 1000):

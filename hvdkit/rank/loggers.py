@@ -65,9 +65,13 @@ class RunInfo:
     """What a tracker starts its run with."""
 
     log_dir: str
-    name: str  # the run's name: its log directory's
     params: dict  # flat: the config's keys, world_size, versions
     resume: dict = field(default_factory=dict)  # logger name: the id of the run to continue
+
+    @property
+    def name(self) -> str:
+        """The run's name: its log directory's."""
+        return Path(self.log_dir).name
 
 
 def scalars(prefix: str, values: dict) -> dict[str, float]:
@@ -86,9 +90,10 @@ def scalars(prefix: str, values: dict) -> dict[str, float]:
                 walk(f"{key}/{name}", inner)
         elif isinstance(value, (list, tuple)):
             for index, inner in enumerate(value):
-                rank = inner.get("rank", index) if isinstance(inner, dict) else index
-                walk(f"{key}/rank{rank}" if isinstance(inner, dict) else f"{key}/{index}",
-                     {k: v for k, v in inner.items() if k != "rank"} if isinstance(inner, dict) else inner)
+                if isinstance(inner, dict):  # a row per rank
+                    walk(f"{key}/rank{inner.get('rank', index)}", {k: v for k, v in inner.items() if k != "rank"})
+                else:
+                    walk(f"{key}/{index}", inner)
 
     for name, value in values.items():
         walk(f"{prefix}/{name}" if prefix else name, value)

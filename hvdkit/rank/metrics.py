@@ -46,8 +46,7 @@ class Metrics:
             return
         values = finite_or_none(values)
         if self.bar is not None:
-            if self.bar.total != (self.total_steps() or None):
-                self.bar.total = self.total_steps() or None
+            self.bar.total = self.total_steps() or None  # set by epochs() after the bar was made
             if position is not None:
                 self.bar.update(position - self.bar.n)
             self.bar.set_postfix({k: _short(v) for k, v in values.items() if k in _SHOWN})

@@ -114,9 +114,8 @@ class Reports:
                 [*loggers.make(loggers.names(self.cfg.logger), self.cfg.tracking_uri), *self.own_loggers]
                 if main else [])
             if main:
-                log_dir = self.state.log_dir
                 self.state.trackers.update(trackers.start(loggers.RunInfo(
-                    log_dir, Path(log_dir).name, self.params(), dict(self.state.trackers))))
+                    self.state.log_dir, self.params(), dict(self.state.trackers))))
             self.sink = Metrics(self.state.log_dir, lambda state=self.state: state.total_steps, enabled=main,
                                 trackers=trackers)
             self.sink.write({"event": "config", "world_size": self.hvd.size(), **to_dict(self.cfg)})

@@ -64,6 +64,18 @@ class TrainConfig:
     sync_batch_norm: bool = field(default=False, metadata={
         "help": "replace BatchNorm layers with hvd.SyncBatchNorm (statistics over all ranks' batches)"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the model"})
+    fused_optimizer: bool = field(default=True, metadata={
+        "help": "torch's fused kernel for SGD, Adam and AdamW where the optimizer leaves fused and foreach unset: "
+                "one kernel a step, and a non-finite step skipped on the device without a host sync"})
+    channels_last: bool = field(default=True, metadata={
+        "help": "on GPUs: a model with 2-D convolutions, and its 4-D inputs, in channels-last memory format "
+                "(not with zero)"})
+    cudnn_benchmark: bool = field(default=True, metadata={
+        "help": "on GPUs: cuDNN times its convolution algorithms for each new input shape and keeps the fastest; "
+                "off where shapes change every batch"})
+    tf32: bool = field(default=False, metadata={
+        "help": "on GPUs: TF32 tensor cores for fp32 matmuls and convolutions (changes numerics); off: torch's "
+                "defaults"})
     seed: int = field(default=42, metadata={"help": "random seed (each rank adds its rank)"})
     num_workers: int = field(default=0, metadata={"help": "data loader worker processes per rank"})
     log_interval: int = field(default=10, metadata={"help": "optimizer steps between metric reports"})
@@ -107,6 +119,7 @@ class TrainConfig:
 RESUME_MAY_CHANGE = ("epochs", "max_steps", "data_dir", "num_workers", "log_interval", "log_dir", "logger",
                      "tracking_uri", "checkpoint_dir",
                      "checkpoint_steps", "keep_checkpoints", "stall_timeout", "max_requeues", "resume", "compile",
+                     "fused_optimizer", "channels_last", "cudnn_benchmark", "tf32",
                      "commit_steps", "on_nonfinite", "skip_bad_samples", "check_consistency_steps",
                      "straggler_threshold")
 
@@ -269,6 +282,7 @@ GROUPS = {
     "checkpoints": ("checkpoint_dir", "checkpoint_steps", "keep_checkpoints", "resume", "max_requeues"),
     "logging": ("log_dir", "log_interval", "logger", "tracking_uri"),
     "checks": ("check_consistency_steps", "straggler_threshold"),
+    "speed": ("fused_optimizer", "channels_last", "cudnn_benchmark", "tf32"),
 }
 ALIASES = {"base_lr": ("--lr",)}  # Horovod's examples say --lr
 

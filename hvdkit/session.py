@@ -58,7 +58,7 @@ from hvdkit.rank.metrics import Metrics
 from hvdkit.rank.reports import Reports
 from hvdkit.rank.resume import Checkpoints
 from hvdkit.rank.state import RunState
-from hvdkit.rank.step import NonFiniteError, TrainingStep, lr_multiplier
+from hvdkit.rank.step import NonFiniteError, TrainingStep, lr_multiplier, use_fused_kernels
 from hvdkit.rank.stragglers import StepTimes
 from hvdkit.rank.watchdog import Watchdog
 from hvdkit.zero import optimizer as zero
@@ -175,7 +175,7 @@ class Session:
         """
         cfg, hvd = self.cfg, self.hvd
         self.watchdog.beat("setup()")  # the stall limit counts from here: loading data before it is not a stall
-        model = model.to(self.device)
+        model = model.to(self.device, memory_format=self._memory_format(model))
         self.model, self.scheduler, self._state.inner = model, scheduler, optimizer
         compression = hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none
         if cfg.zero:
@@ -203,6 +203,8 @@ class Session:
                 else:
                     self._signal.step = self.global_step
                     self._loaders.resumed_batches = state.get("loader_batches")
+        if cfg.fused_optimizer:  # after the resume, whose param groups replace these
+            use_fused_kernels(self.optimizer.inner if cfg.zero else self.optimizer)
         self._reports.metrics()  # the trackers start, continuing the runs of a checkpoint resumed
         # Heartbeats for naming a stalled rank, once the run is accepted: a refused resume
         # leaves the log directory as it was.
@@ -210,6 +212,15 @@ class Session:
         self.watchdog.share(job_dir or str(Path(self.log_dir) / "ranks"), own=not job_dir)
         self._reports.restart_window()
         return model, self.optimizer
+
+    def _memory_format(self, model: nn.Module) -> torch.memory_format:
+        """channels_last for a model with 2-D convolutions on a GPU (``channels_last``), whose
+        tensor cores take NHWC without transposing; not with zero, whose flat buckets hold
+        the weights as contiguous views."""
+        convolutional = any(isinstance(m, nn.Conv2d) for m in model.modules())
+        if self.cfg.channels_last and convolutional and self.device.type == "cuda" and not self.cfg.zero:
+            return torch.channels_last
+        return torch.preserve_format
 
     def lr_multiplier(self) -> float:
         """Peak learning rate / base_lr for this world size, by ``lr_scaling``."""
@@ -219,10 +230,12 @@ class Session:
     def save(self) -> None:
         """Write a checkpoint of this step to ``checkpoint_dir`` (all ranks call it; rank 0 writes)."""
         self._meet(CALLS[2])
+        self._step.settle()
         self._checkpoints.save()
 
     def save_elastic(self, sampler) -> None:
         """Elastic: rank 0 writes the state just committed, so that the whole job can be resumed."""
+        self._step.settle()
         self._checkpoints.save_elastic(sampler)
 
     def load_elastic(self, sampler) -> bool:
@@ -269,7 +282,7 @@ class Session:
     # -- the step (hvdkit.rank.step) ------------------------------------------------------------
     def micro_batches(self, batch: Any) -> list:
         """``batch`` on this device, split into the micro-batches of one optimizer step."""
-        return self._step.micro_batches(batch, self._loaders.micro_size)
+        return self._step.micro_batches(batch, self._loaders.micro_size, self._memory_format(self.model))
 
     def autocast(self):
         """Mixed precision when ``amp``: fp16 on GPUs, bf16 on CPUs."""
@@ -298,9 +311,12 @@ class Session:
         self.global_step += 1
         self._unread_step = True
         self._signal.step = self.global_step  # the steps done, for a second Ctrl-C's message
-        if self._consistency.due():
+        consistency, checkpoint = self._consistency.due(), self._checkpoints.due()
+        if consistency or checkpoint:  # the steps' non-finite flags are read here, not in every step
+            self._step.settle()
+        if consistency:
             self._consistency.check()
-        if self._checkpoints.due():
+        if checkpoint:
             self._checkpoints.save()
         self._times.step_ended()
 
@@ -317,6 +333,7 @@ class Session:
         which ends the job with one line and exit code 77 (see hvdkit.rank.consistency). It also runs
         every ``check_consistency_steps`` steps and before every checkpoint."""
         self._meet(CALLS[5])
+        self._step.settle()
         self._consistency.check()
 
     # -- metrics (hvdkit.rank.reports) and stopping (hvdkit.rank.stops) ------------------------------
@@ -333,6 +350,7 @@ class Session:
         ranks, in one allreduce; rank 0 shows and writes them with ``extra`` (e.g. lr) and the
         throughput."""
         self._meet(CALLS[3])
+        self._step.settle()
         return self._reports.report(stage, extra)
 
     def evaluate(self, eval_loader: DataLoader, metrics_of: Callable[[Any], tuple[int, dict]]) -> dict:
@@ -394,6 +412,7 @@ class Session:
         if self.stopped or not self._lockstep.signum:
             return self.stopped
         self.stopped = True
+        self._step.settle()
         if self.cfg.elastic:
             self.save_elastic(self._checkpoints.elastic_sampler)
         else:
@@ -412,6 +431,7 @@ class Session:
         task within milliseconds of scontrol's answer, which must not cut the report short."""
         if not self.cfg.elastic:  # elastic workers may be leaving or joining
             self._meet(CALLS[7])  # before the handlers go: its error is said in one line
+            self._step.settle()
             self._take_stop()
         try:
             self._release()

@@ -19,4 +19,4 @@ def test_cpu_jobs_across_hosts_send_large_allreduces_by_the_ring():
     mine = performance_settings(on_gpu=False, spans_hosts=True,
                                 environ={"OMPI_MCA_coll_tuned_allreduce_algorithm": "3"})
     assert not any(name.startswith("OMPI_MCA_coll_tuned_") for name in mine) and "OMPI_MCA_btl_tcp_links" in mine
-    assert performance_settings(on_gpu=True, spans_hosts=True, environ={}) == {}
+    assert performance_settings(on_gpu=True, spans_hosts=True, environ={}) == {"HOROVOD_ENABLE_ASYNC_COMPLETION": "1"}

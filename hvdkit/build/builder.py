@@ -150,6 +150,8 @@ def plan_build(tc: Toolchain, cpu_only: bool = False) -> BuildPlan:
         gpu_operations = "NCCL"
         reason = f"CUDA {tc.cuda_version} at {tc.cuda_home}, NCCL {tc.nccl_version or '?'}"
         flags["HOROVOD_GPU_OPERATIONS"] = "NCCL"
+        if tc.cuda_archs:  # a flag, not a path: it changes the binary, so the cache key
+            flags["HOROVOD_BUILD_CUDA_CC_LIST"] = tc.cuda_archs
         # CUDA_HOME too: torch's cpp_extension, which Horovod's CMake asks for torch's CUDA
         # libraries, otherwise guesses a wrong home from nvcc on PATH and cudart is NOTFOUND.
         paths.update({

@@ -132,6 +132,17 @@ class Toolchain:
     nccl_version: Optional[str] = None
     mpi: str = "openmpi"  # the flavour of the MPI compiler wrapper the build uses
     mpicxx: Optional[str] = None  # that wrapper
+    cuda_archs: str = ""  # compute capabilities for Horovod's CUDA kernels, as HOROVOD_BUILD_CUDA_CC_LIST: "75,80"
+
+
+def cuda_archs(environ: Mapping[str, str], torch_arch_flags: str) -> str:
+    """The compute capabilities to compile Horovod's CUDA kernels for: HOROVOD_BUILD_CUDA_CC_LIST
+    where set, else those this torch was built for (its ``sm_XX`` flags). Left to itself Horovod
+    compiles for every architecture nvcc knows (twelve with CUDA 13, against torch's six): its
+    kernels could never run where torch's do not."""
+    if environ.get("HOROVOD_BUILD_CUDA_CC_LIST"):
+        return environ["HOROVOD_BUILD_CUDA_CC_LIST"]
+    return ",".join(sorted(set(re.findall(r"sm_(\d+)", torch_arch_flags)), key=int))
 
 
 def detect_toolchain(environ: Mapping[str, str] = os.environ, mpi: str = "auto") -> Toolchain:
@@ -158,6 +169,7 @@ def detect_toolchain(environ: Mapping[str, str] = os.environ, mpi: str = "auto")
     nccl = find_nccl(roots)
     nccl_version = nccl_version_from_header((nccl[0] / "nccl.h").read_text()) if nccl else None
     mpi_flavor, mpicxx = find_mpicxx(mpi, shutil.which, _wrapper_show)
+    arch_flags = torch._C._cuda_getArchFlags() if torch.version.cuda and hasattr(torch._C, "_cuda_getArchFlags") else ""
     return Toolchain(
         torch_version=torch.__version__,
         torch_cuda=torch.version.cuda,
@@ -169,6 +181,7 @@ def detect_toolchain(environ: Mapping[str, str] = os.environ, mpi: str = "auto")
         nccl_version=nccl_version,
         mpi=mpi_flavor,
         mpicxx=mpicxx,
+        cuda_archs=cuda_archs(environ, arch_flags or ""),
     )
 
 

@@ -73,11 +73,11 @@ class Lockstep:
             return self.signum
         handle, call, steps = self.pending
         self.pending = None
-        rows = self.hvd.synchronize(handle)
+        rows = self.hvd.synchronize(handle).numpy()  # host memory on every device: numpy() refuses a GPU tensor
         problem = self.strict and mismatch(rows.tolist())
         if problem:
             raise LockstepError(problem)
-        self.signum = self.signum or int(rows[:, 2].max().item())
+        self.signum = self.signum or int(rows[:, 2].max())
         return self.signum
 
     def read_after_shutdown(self) -> None:

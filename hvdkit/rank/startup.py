@@ -44,9 +44,21 @@ def start(cfg: TrainConfig):
     if problem:
         print(f"hvdkit: warning: {problem}", file=sys.stderr, flush=True)
     device = place_process(hvd.local_rank(), hvd.local_size())
+    if device.type == "cuda":
+        tune_gpu(cfg)
     seed_everything(cfg.seed + hvd.rank())
     atexit.register(exit_quickly)
     return hvd, device
+
+
+def tune_gpu(cfg: TrainConfig) -> None:
+    """cuDNN's autotuner (``cudnn_benchmark``: Horovod's own benchmark sets it too) and, asked for,
+    TF32 for fp32 matmuls and convolutions (``tf32``); without it torch's defaults stand. What
+    each adds: docs/performance.md."""
+    torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
+    if cfg.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
 
 
 def exit_quickly() -> None:
@@ -120,11 +132,14 @@ def performance_settings(on_gpu: bool, spans_hosts: bool = False,
     the small allreduces of Horovod's negotiation keep Open MPI's choice (log2 N hops, not
     2(N-1)); unless ``environ`` already sets a coll_tuned variable of its own. And two TCP
     connections per pair of ranks: with one, a 16 MiB allreduce between two hosts moved
-    0.065-0.118 GB/s on a 1 Gbit/s link, from run to run; with two, 0.112-0.119. GPUs are left at Horovod's
-    defaults: no GPU was available to measure them.
+    0.065-0.118 GB/s on a 1 Gbit/s link, from run to run; with two, 0.112-0.119. On GPUs, asynchronous
+    completion only.
     """
     if on_gpu:
-        return {}
+        # Horovod's finalizer thread marks a GPU collective done once it is queued, and torch's
+        # stream waits for it on the device: synchronize() returns without waiting for the GPU,
+        # so the optimizer's kernels are queued while the allreduce runs (docs/performance.md).
+        return {"HOROVOD_ENABLE_ASYNC_COMPLETION": "1"}
     settings = {"OMPI_MCA_mpi_yield_when_idle": "1", "HOROVOD_CYCLE_TIME": "0.1"}
     environ = os.environ if environ is None else environ
     if not spans_hosts:

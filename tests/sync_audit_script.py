@@ -1,0 +1,68 @@
+"""Steady steps of one loop shape, audited (hvdkit.checks.syncaudit): prints rank 0's counts per
+step as JSON. Run under a launcher: ``python sync_audit_script.py SHAPE LAYERS``.
+
+Shapes: trainer (the Trainer's step and its loop's calls: train_step, report_due, should_stop),
+session (the README's own loop), amp (the own loop with fp16 loss scaling: the Session's
+GradScaler is made for CUDA, so a CPU GradScaler stands in for it here; its found_inf and
+unscale kernels are the same calls), zero1 and zero2 (the own loop with the sharded optimizer
+and Adam). LAYERS: hidden 1024x1024 layers of the MLP, about half a ZeRO bucket each.
+"""
+
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import hvdkit
+from hvdkit.checks.syncaudit import SyncAudit
+from hvdkit.trainer import classification_loss, train_step
+
+WARMUP, AUDITED = 3, 10
+
+
+def main() -> None:
+    shape, layers = sys.argv[1], int(sys.argv[2])
+    zero = {"zero1": 1, "zero2": 2}.get(shape, 0)
+    session = hvdkit.Session(batch_size=8, log_interval=10_000, check_consistency_steps=0, logger="none",
+                             zero=zero, amp=shape == "amp", seed=0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 1024), torch.nn.ReLU(),
+                                *[torch.nn.Linear(1024, 1024) for _ in range(layers)], torch.nn.Linear(1024, 10))
+    inner = torch.optim.Adam(model.parameters(), lr=1e-4) if zero else torch.optim.SGD(model.parameters(), lr=0.01,
+                                                                                       momentum=0.9)
+    model, optimizer = session.setup(model, inner)
+    if shape == "amp":
+        session.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    batch = (torch.randn(8, 32), torch.randint(0, 10, (8,)))
+
+    def step() -> None:
+        if shape == "trainer":
+            train_step(session, model, classification_loss, batch)
+            session.report_due()
+            session.should_stop()
+            return
+        optimizer.zero_grad()
+        for x, y in session.micro_batches(batch):
+            with session.autocast():
+                loss = F.cross_entropy(model(x), y)
+            session.backward(loss)
+            session.log(len(y), loss=loss)
+        session.step()
+        session.should_stop()
+
+    for _ in range(WARMUP):
+        step()
+    per_step = []
+    with SyncAudit() as audit:
+        for _ in range(AUDITED):
+            step()
+            per_step.append(audit.take())
+    buckets = len(optimizer.buckets) if zero else None
+    session.finish()
+    if session.rank == 0:
+        print(json.dumps({"shape": shape, "layers": layers, "buckets": buckets, "steps": per_step}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -3,13 +3,16 @@ step as JSON. Run under a launcher: ``python sync_audit_script.py SHAPE LAYERS``
 
 Shapes: trainer (the Trainer's step and its loop's calls: train_step, report_due, should_stop),
 session (the README's own loop), amp (the own loop with fp16 loss scaling: the Session's
-GradScaler is made for CUDA, so a CPU GradScaler stands in for it here; its found_inf and
+GradScaler is made for CUDA, so on a CPU a CPU GradScaler stands in for it; its found_inf and
 unscale kernels are the same calls), zero1 and zero2 (the own loop with the sharded optimizer
-and Adam). LAYERS: hidden 1024x1024 layers of the MLP, about half a ZeRO bucket each.
+and Adam). LAYERS: hidden 1024x1024 layers of the MLP, about half a ZeRO bucket each. On a GPU
+(`make gpu-check`) the audited steps also run under torch.cuda.set_sync_debug_mode("warn"), whose
+warnings, one per synchronizing CUDA call, are counted per step.
 """
 
 import json
 import sys
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +35,12 @@ def main() -> None:
     inner = torch.optim.Adam(model.parameters(), lr=1e-4) if zero else torch.optim.SGD(model.parameters(), lr=0.01,
                                                                                        momentum=0.9)
     model, optimizer = session.setup(model, inner)
-    if shape == "amp":
+    if shape == "amp" and session.device.type == "cpu":
         session.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    cuda = session.device.type == "cuda"
     batch = (torch.randn(8, 32), torch.randint(0, 10, (8,)))
+    if cuda:  # as a loader with pin_memory gives them: copied to the GPU without a sync
+        batch = tuple(t.pin_memory() for t in batch)
 
     def step() -> None:
         if shape == "trainer":
@@ -54,10 +60,19 @@ def main() -> None:
     for _ in range(WARMUP):
         step()
     per_step = []
-    with SyncAudit() as audit:
+    with SyncAudit() as audit, warnings.catch_warnings(record=True) as syncs:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
         for _ in range(AUDITED):
             step()
-            per_step.append(audit.take())
+            counts = audit.take()
+            counts["cuda_syncs"] = sum("synchroniz" in str(w.message) for w in syncs)
+            counts.pop("wait_seconds")
+            per_step.append(counts)
+            syncs.clear()
+        if cuda:
+            torch.cuda.set_sync_debug_mode("default")
     buckets = len(optimizer.buckets) if zero else None
     session.finish()
     if session.rank == 0:

@@ -42,26 +42,51 @@ def test_reads_pytest_report_and_counts_skips_on_a_gpu_machine_as_failures(tmp_p
     assert gpucheck.tests_step({"passed": 3, "failed": 0, "skipped": 0}).ok
 
 
-def test_reads_the_benchmark_ratios_and_prints_one_verdict():
-    record = {"event": "bench.compare", "np": 1, "total_img_sec": {"hvdkit": 1510.0, "horovod": 1500.0, "ddp": 1400.0},
-              "ratios": {"hvdkit/horovod": 1.0067, "hvdkit/ddp": 1.0786}}
-    step = gpucheck.bench_step("== hvdkit: np=1\n" + json.dumps(record) + "\n")
-    assert step.ok and step.detail == "hvdkit 1510.0 img/s at np=1; hvdkit/ddp 1.079, hvdkit/horovod 1.007"
-    assert not gpucheck.bench_step("Traceback ...\n").ok
+def test_reads_the_benchmark_ratios_against_their_goals_and_prints_one_verdict():
+    def record(rounds):
+        return json.dumps({"event": "bench.compare", "np": 1,
+                           "total_img_sec": {"hvdkit": 1510.0, "horovod": 1500.0, "ddp": 1400.0},
+                           "round_ratios": {"hvdkit/horovod": rounds, "hvdkit/ddp": [1.07, 1.08, 1.09]}})
+
+    step = gpucheck.bench_step("fp32", "== hvdkit: np=1\n" + record([0.99, 1.02, 1.01]) + "\n")
+    assert step.ok and step.detail == ("img/s hvdkit 1510.0, horovod 1500.0, ddp 1400.0; fp32 hvdkit/horovod 1.010 "
+                                       "(goal >= 1.0), fp32 hvdkit/ddp 1.080"), step.detail
+    missed = gpucheck.bench_step("amp", record([0.97, 1.02, 0.98]))
+    assert not missed.ok and "amp hvdkit/horovod 0.980 (goal >= 1.0: MISSED)" in missed.detail, missed.detail
+    assert not gpucheck.bench_step("fp32", "Traceback ...\n").ok
     lines = gpucheck.summary("H100", [gpucheck.Step("build", True, "Horovod 0.28.1 with NCCL, Gloo"), step])
     assert lines[0] == "gpu-check summary (H100)" and lines[-1] == "gpu-check: PASS"
     assert gpucheck.summary("H100", [gpucheck.Step("build", False, "no NCCL")])[-1] == "gpu-check: FAIL"
 
 
-def test_the_sharded_bench_passes_only_with_the_cuda_allocators_peaks():
-    def record(unit):
-        table = {impl: {"peak": mb * 2**20} for impl, mb in (("zero1", 700), ("zero2", 650), ("horovod", 720))}
-        return "== zero1\n" + json.dumps({"event": "bench.zero.compare", "peak_unit": unit, "table": table}) + "\n"
+def test_the_sharded_bench_passes_only_with_the_cuda_allocators_peaks_and_stage_1_at_its_goals():
+    def record(unit, versus_torch=1.05):
+        table = {impl: {"peak": mb * 2**20, "samples_per_sec": rate}
+                 for impl, mb, rate in (("zero1", 700, 190.0), ("zero2", 650, 180.0), ("horovod", 720, 200.0))}
+        ratios = {"zero1/torch-zero": versus_torch, "zero1/horovod": 0.95}
+        return "== zero1\n" + json.dumps({"event": "bench.zero.compare", "peak_unit": unit, "table": table,
+                                          "ratios": ratios}) + "\n"
 
     step = gpucheck.zero_step(record("cuda_allocated"))
-    assert step.ok and step.detail == "peak (cuda_allocated) zero1 700 MB, zero2 650 MB, horovod 720 MB"
+    assert step.ok and step.detail == ("samples/s zero1 190.0, zero2 180.0, horovod 200.0; zero1/torch-zero 1.050 "
+                                       "(goal >= 1.0), zero1/horovod 0.950 (goal >= 0.9); peak (cuda_allocated) "
+                                       "zero1 700 MB, zero2 650 MB, horovod 720 MB"), step.detail
     assert not gpucheck.zero_step(record("rss")).ok, "resident memory on a GPU machine: the bench missed the GPU"
+    assert not gpucheck.zero_step(record("cuda_allocated", versus_torch=0.8)).ok
     assert not gpucheck.zero_step("Traceback ...\n").ok
+
+
+def test_the_audit_passes_only_without_reads_or_cuda_syncs():
+    def output(reads, syncs):
+        steps = [{"reads": reads, "waits": 1, "cuda_syncs": syncs}] * 3
+        return "[0]<stdout>:" + json.dumps({"shape": "session", "steps": steps}) + "\n"
+
+    step = gpucheck.audit_step({"session": output({}, 0), "amp": output({}, 0)})
+    assert step.ok and step.detail == ("per steady step: session 0 reads, 0 CUDA syncs, 1 Horovod waits; "
+                                       "amp 0 reads, 0 CUDA syncs, 1 Horovod waits")
+    assert not gpucheck.audit_step({"session": output({"Tensor.item at x.py:1": 1}, 0)}).ok
+    assert not gpucheck.audit_step({"session": output({}, 2)}).ok
+    assert not gpucheck.audit_step({"session": "Traceback"}).ok
 
 
 def test_a_node_without_mpicxx_builds_gloo_only(monkeypatch):

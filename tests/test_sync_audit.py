@@ -26,7 +26,7 @@ def audited(shape: str, layers: int = 2) -> dict:
 @pytest.mark.parametrize("shape", ["trainer", "session", "amp"])
 def test_a_steady_step_of_distributed_optimizer_reads_nothing_and_waits_once(shape):
     steps = audited(shape)["steps"]
-    assert [step["reads"] for step in steps] == [{}] * len(steps), steps
+    assert [(step["reads"], step["cuda_syncs"]) for step in steps] == [({}, 0)] * len(steps), steps
     assert [step["waits"] for step in steps] == [1] * len(steps), steps
 
 

@@ -95,6 +95,9 @@ def _synthetic_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-iters", type=_positive, default=10, help="default 10")
     p.add_argument("--fp16-allreduce", action="store_true", help="compress gradients to fp16 for the allreduce")
     p.add_argument("--amp", action="store_true", help="mixed precision: bf16 on CPUs, fp16 + GradScaler on GPUs")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps, profile a few: the top CPU and GPU ops, host syncs and Horovod "
+                        "waits per step, per implementation, written to --out")
     p.add_argument("--lr", type=float, default=0.01, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=42, help=argparse.SUPPRESS)
 
@@ -114,7 +117,7 @@ def parser() -> argparse.ArgumentParser:
                           "per --knob; repeatable")
     syn.add_argument("--repeats", type=_positive, default=1, help="rounds over the implementations (default 1)")
     syn.add_argument("--impl", choices=SYNTHETIC_IMPLS, help=argparse.SUPPRESS)
-    _launch_arguments(syn, files=False)
+    _launch_arguments(syn, files=True)
 
     scale = sub.add_parser("scaling", help="throughput and efficiency per world size, same per-rank batch")
     _synthetic_arguments(scale)

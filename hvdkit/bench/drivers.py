@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import socket
 import statistics
 import subprocess
@@ -13,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from hvdkit.bench import estimate
+from hvdkit.bench import estimate, profile
 from hvdkit.bench.environment import print_environment
 from hvdkit.bench.figures import (
     BenchError,
@@ -83,7 +84,7 @@ def synthetic_worker_args(args: argparse.Namespace, impl: str) -> list[str]:
               "--num-warmup-batches", str(args.num_warmup_batches),
               "--num-batches-per-iter", str(args.num_batches_per_iter), "--num-iters", str(args.num_iters),
               "--lr", str(args.lr), "--seed", str(args.seed)]
-    return worker + ["--fp16-allreduce"] * args.fp16_allreduce + ["--amp"] * args.amp
+    return worker + ["--fp16-allreduce"] * args.fp16_allreduce + ["--amp"] * args.amp + ["--profile"] * args.profile
 
 
 def compare_synthetic(args: argparse.Namespace) -> int:
@@ -100,6 +101,8 @@ def compare_synthetic(args: argparse.Namespace) -> int:
                   f"{args.image_size}x{args.image_size} (round {round_index + 1} of {args.repeats})", flush=True)
             command = launch_command(args, np, synthetic_worker_args(args, impl), knob)
             runs[label].append(run_launch(command, "bench.synthetic", label, args.timeout))
+    if args.profile:
+        write_profiles(args, runs)
     print_environment(runs["hvdkit"][-1]["environment"])
     summary = {label: statistics.fmean(r["total_img_sec"] for r in results) for label, results in runs.items()}
     kind = runs["hvdkit"][-1]["device"]
@@ -136,6 +139,19 @@ def compare_synthetic(args: argparse.Namespace) -> int:
                       "knobs": {label: rs[-1]["environment"]["knobs"] for label, rs in runs.items()},
                       "environment": runs["hvdkit"][-1]["environment"]}), flush=True)
     return 0
+
+
+def write_profiles(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
+    """Each implementation's profile of its last round: profile-<label>.json and .txt."""
+    folder = out_dir(args, "synthetic")
+    for label, results in runs.items():
+        summary = results[-1].get("profile")
+        if summary:
+            name = re.sub(r"[^A-Za-z0-9_.=-]+", "_", label)
+            (folder / f"profile-{name}.json").write_text(json.dumps(summary, indent=1) + "\n")
+            (folder / f"profile-{name}.txt").write_text(profile.text(label, summary))
+            print(profile.text(label, summary), end="", flush=True)
+    print(f"profiles written to {folder}", flush=True)
 
 
 def scaling(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ from typing import Callable
 from hvdkit import env
 from hvdkit.bench.drivers import RunFailed
 from hvdkit.bench.environment import environment
+from hvdkit.bench.profile import profile_steps
 from hvdkit.bench.figures import (
     BenchError,
     algbw,
@@ -105,7 +106,8 @@ def synthetic_worker(args: argparse.Namespace) -> None:
         comm = _horovod_comm(session.hvd)
     elif impl == "ddp":
         device = place_process(launch.local_rank or 0, launch.local_size or 1)
-        _init_torch_distributed("nccl" if device.type == "cuda" else "gloo")
+        # NCCL for the gradients, Gloo for the results gathered as CPU tensors (NCCL has no CPU backend).
+        _init_torch_distributed("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
         comm = _torch_comm()
     else:
         import horovod.torch as hvd
@@ -113,6 +115,8 @@ def synthetic_worker(args: argparse.Namespace) -> None:
         hvd.init()
         device = place_process(hvd.local_rank(), hvd.local_size())
         comm = _horovod_comm(hvd)
+        if device.type == "cuda":  # as Horovod's pytorch_synthetic_benchmark.py does
+            torch.backends.cudnn.benchmark = True
 
     torch.manual_seed(args.seed)
     model = models.build(args.model, 3, args.image_size, args.num_classes).to(device)
@@ -209,6 +213,7 @@ def synthetic_worker(args: argparse.Namespace) -> None:
     comm.allgather_rows([0.0])  # every rank starts the compute-only timing together
     compute_ms = max(row[0] for row in comm.allgather_rows([_compute_seconds(args, device, images, labels) * 1e3]))
     per_rank = _per_rank(session, times, steps) if times else []
+    profiled = profile_steps(step, device) if args.profile else None
     if comm.rank == 0:
         print(f"Img/sec per {kind}: {result['img_sec_per_device']:.1f} +-{result['img_sec_per_device_conf']:.1f}")
         print(f"Total img/sec on {comm.size} {kind}(s): {result['total_img_sec']:.1f} "
@@ -223,6 +228,8 @@ def synthetic_worker(args: argparse.Namespace) -> None:
                   "cpu_ms_per_step": statistics.fmean(row[2] for row in rows),
                   "training_thread_cpu_ms_per_step": statistics.fmean(row[3] for row in rows),
                   "per_rank": per_rank, "environment": environment(controller=comm.controller, impl=impl)}
+        if profiled:
+            record["profile"] = profiled
         print(json.dumps(record), flush=True)
 
 

@@ -1,10 +1,11 @@
 """`make gpu-check`: what the CPU-only suite cannot show, on any CUDA machine, in one command.
 
 It builds (or finds) Horovod with NCCL for this torch, runs the tests marked ``gpu`` (NCCL
-collectives, fp16 autocast with GradScaler, pinned memory, the end-of-epoch lockstep), the synthetic
-benchmark beside Horovod's own loop and DDP, and the sharded optimizer's bench (the CUDA
-allocator's peak per phase), then prints one summary whose last line is PASS or
-FAIL. Offline nodes pass ``--sdist`` or ``--find-links`` on to the builder.
+collectives, fp16 autocast with GradScaler, pinned memory, the end-of-epoch lockstep), audits a
+steady step for host syncs, runs the synthetic benchmark beside Horovod's own loop (fp32 with DDP
+and the profile, AMP, then each GPU default turned off) and the sharded optimizer's bench, then
+prints one summary, with the ratios against their goals, whose last line is PASS or FAIL.
+Offline nodes pass ``--sdist`` or ``--find-links`` on to the builder.
 
     python -m hvdkit.checks.gpucheck [--sdist horovod-0.28.1.tar.gz] [--no-build]
 """
@@ -12,7 +13,9 @@ FAIL. Offline nodes pass ``--sdist`` or ``--find-links`` on to the builder.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,8 +30,17 @@ from hvdkit.checks import selftest
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
-BENCH = ["synthetic", "-np", "1", "--compare", "horovod,ddp"]
+ITERS = ["--num-iters", "5"]  # 50 timed steps a run: resnet50 takes ~20 ms a step on an H100
+FP32 = ["synthetic", "-np", "1", "--compare", "horovod,ddp", "--repeats", "3", "--profile", *ITERS]
+AMP = ["synthetic", "-np", "1", "--amp", "--compare", "horovod", "--repeats", "3", *ITERS]
+# What each GPU default adds: hvdkit with one of them turned off (TF32: turned on), one round.
+DEFAULTS = ["synthetic", "-np", "1", "--compare", "horovod", *ITERS,
+            "--knob", "HOROVOD_ENABLE_ASYNC_COMPLETION=0", "--knob", "HVDKIT_FUSED_OPTIMIZER=false",
+            "--knob", "HVDKIT_CHANNELS_LAST=false", "--knob", "HVDKIT_CUDNN_BENCHMARK=false", "--knob", "HVDKIT_TF32=true"]
 ZERO = ["zero", "-np", "1", "--repeats", "1"]  # one GPU: the CUDA allocator's peaks, nothing to shard
+AUDITED = ("session", "amp", "zero1")  # tests/sync_audit_script.py's shapes
+# The goals (issue 49): hvdkit / Horovod's loop, median of the rounds' ratios, fp32 and AMP; ZeRO stage 1's throughput.
+GOALS = {"fp32 hvdkit/horovod": 1.0, "amp hvdkit/horovod": 1.0, "zero1/torch-zero": 1.0, "zero1/horovod": 0.9}
 
 
 @dataclass
@@ -72,14 +84,47 @@ def tests_step(counts: dict) -> Step:
     return Step("tests", counts["failed"] == 0 and counts["skipped"] == 0 and counts["passed"] > 0, detail)
 
 
-def bench_step(output: str) -> Step:
-    """The ratios of the benchmark's bench.compare record."""
+def round_ratio(record: dict, peer: str) -> float:
+    """hvdkit / ``peer``: the median of the rounds' ratios (each round ran both, minutes apart at most)."""
+    return statistics.median(record["round_ratios"][f"hvdkit/{peer}"])
+
+
+def goal_text(name: str, value: float) -> tuple[bool, str]:
+    goal = GOALS.get(name)
+    met = goal is None or value >= goal
+    return met, f"{name} {value:.3f}" + ("" if goal is None else f" (goal >= {goal}{'' if met else ': MISSED'})")
+
+
+def bench_step(name: str, output: str) -> Step:
+    """The img/s and the ratios of a bench.compare record, against their goals."""
     records = selftest.parse_records(output, "bench.compare")
     if not records:
-        return Step("bench", False, "no bench.compare record in its output")
+        return Step(name, False, "no bench.compare record in its output")
     record = records[-1]
-    ratios = ", ".join(f"{name} {value:.3f}" for name, value in sorted(record["ratios"].items()))
-    return Step("bench", True, f"hvdkit {record['total_img_sec']['hvdkit']:.1f} img/s at np={record['np']}; {ratios}")
+    totals = ", ".join(f"{label} {value:.1f}" for label, value in record["total_img_sec"].items())
+    parts, ok = [], True
+    for label in record["total_img_sec"]:
+        if label == "hvdkit":
+            continue
+        met, text = goal_text(f"{name} hvdkit/{label}", round_ratio(record, label))
+        ok, _ = ok and met, parts.append(text)
+    return Step(name, ok, f"img/s {totals}; " + ", ".join(parts))
+
+
+def audit_step(outputs: dict) -> Step:
+    """Blocking reads (hvdkit.checks.syncaudit) and CUDA's synchronizing calls per steady step."""
+    found, ok = [], True
+    for shape, output in outputs.items():
+        lines = [line[line.index("{"):] for line in output.splitlines() if '"shape"' in line]
+        if not lines:
+            return Step("audit", False, f"{shape}: no result")
+        steps = json.loads(lines[-1])["steps"]
+        reads = sum(sum(step["reads"].values()) for step in steps) / len(steps)
+        syncs = sum(step["cuda_syncs"] for step in steps) / len(steps)
+        waits = statistics.median(step["waits"] for step in steps)
+        ok = ok and reads == 0 and syncs == 0
+        found.append(f"{shape} {reads:g} reads, {syncs:g} CUDA syncs, {waits:g} Horovod waits")
+    return Step("audit", ok, "per steady step: " + "; ".join(found))
 
 
 def zero_step(output: str) -> Step:
@@ -89,8 +134,11 @@ def zero_step(output: str) -> Step:
         return Step("zero", False, "no bench.zero.compare record in its output")
     table = records[-1]["table"]
     peaks = ", ".join(f"{impl} {row['peak'] / 2**20:.0f} MB" for impl, row in table.items())
+    rates = ", ".join(f"{impl} {row['samples_per_sec']:.1f}" for impl, row in table.items())
     unit = records[-1]["peak_unit"]
-    return Step("zero", unit == "cuda_allocated", f"peak ({unit}) {peaks}")
+    goals = [goal_text(name, records[-1]["ratios"][name]) for name in ("zero1/torch-zero", "zero1/horovod")]
+    ok = unit == "cuda_allocated" and all(met for met, _ in goals)
+    return Step("zero", ok, f"samples/s {rates}; {', '.join(text for _, text in goals)}; peak ({unit}) {peaks}")
 
 
 def summary(device: str, steps: Sequence[Step]) -> list[str]:
@@ -141,6 +189,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--mpi", choices=MPI_CHOICES, default="auto",
                         help="passed to the builder; auto on a node without mpicxx builds Gloo only (none)")
     parser.add_argument("--no-build", dest="build", action="store_false", help="check the installed Horovod as it is")
+    parser.add_argument("--out", default="runs/gpu-check", help="where the benchmarks' profiles and figures go "
+                                                                "(default runs/gpu-check)")
     args = parser.parse_args(argv)
     problem = no_gpu_problem()
     if problem:
@@ -164,10 +214,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"--junitxml={report}", *modules])
             steps.append(tests_step(junit_counts(report.read_text())) if report.exists()
                          else Step("tests", False, "pytest wrote no report"))
-        for name, args, read in (("bench", BENCH, bench_step), ("zero", ZERO, zero_step)):
-            code, output = _run([sys.executable, "-m", "hvdkit", "bench", *args])
-            steps.append(read(output) if code == 0 else Step(name, False, f"exit {code}: "
-                                                             + (output.strip().splitlines() or ["?"])[-1]))
+        audits = {}
+        for shape in AUDITED:
+            code, audits[shape] = _run([sys.executable, "-m", "hvdkit", "launch", "-np", "1", "--launcher",
+                                        "horovodrun", "--gloo", "--", sys.executable,
+                                        str(TESTS / "sync_audit_script.py"), shape, "2"])
+        steps.append(audit_step(audits))
+        out = Path(args.out)
+        for name, bench, read in (("fp32", [*FP32, "--out", str(out / "fp32")], bench_step),
+                                  ("amp", AMP, bench_step), ("zero", [*ZERO, "--out", str(out / "zero")], zero_step),
+                                  ("defaults", DEFAULTS, bench_step)):
+            code, output = _run([sys.executable, "-m", "hvdkit", "bench", *bench])
+            if code != 0:
+                steps.append(Step(name, False, f"exit {code}: " + (output.strip().splitlines() or ["?"])[-1]))
+            else:
+                steps.append(read(output) if read is zero_step else read(name, output))
+            print(f"gpu-check: {summary(device, steps[-1:])[1].strip()}", flush=True)  # as it comes, if cut short
     print("\n".join(summary(device, steps)), flush=True)
     return 0 if all(step.ok for step in steps) else 1
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import sys
 import threading
+import time
 from typing import Callable
 
 import torch
@@ -42,12 +43,13 @@ class _Submissions(dict):
 
 class SyncAudit:
     """``with SyncAudit() as audit:`` ... ``audit.take()`` gives the counts since the last take:
-    ``{"reads": {"Tensor.item at file:line": n}, "waits": n}``."""
+    ``{"reads": {"Tensor.item at file:line": n}, "waits": n, "wait_seconds": s}``."""
 
     def __init__(self) -> None:
         self.thread = threading.get_ident()
         self.reads: collections.Counter = collections.Counter()
         self.waits = 0
+        self.wait_seconds = 0.0
         self._submitted = False
         self._undo: list[tuple] = []
 
@@ -69,9 +71,9 @@ class SyncAudit:
         self._undo.clear()
 
     def take(self) -> dict:
-        counts = {"reads": dict(self.reads), "waits": self.waits}
+        counts = {"reads": dict(self.reads), "waits": self.waits, "wait_seconds": self.wait_seconds}
         self.reads.clear()
-        self.waits = 0
+        self.waits, self.wait_seconds = 0, 0.0
         return counts
 
     def _patch(self, owner, name: str, replacement) -> None:
@@ -97,10 +99,16 @@ class SyncAudit:
         audit = self
 
         def synchronize(handle):
-            if threading.get_ident() == audit.thread and audit._submitted:
+            if threading.get_ident() != audit.thread:
+                return original(handle)
+            if audit._submitted:
                 audit.waits += 1
                 audit._submitted = False
-            return original(handle)
+            started = time.perf_counter()
+            try:
+                return original(handle)
+            finally:
+                audit.wait_seconds += time.perf_counter() - started
 
         def submitted() -> None:
             if threading.get_ident() == audit.thread:

@@ -68,8 +68,8 @@ class TrainConfig:
         "help": "torch's fused kernel for SGD, Adam and AdamW where the optimizer leaves fused and foreach unset: "
                 "one kernel a step, and a non-finite step skipped on the device without a host sync"})
     channels_last: bool = field(default=True, metadata={
-        "help": "on GPUs: a model with 2-D convolutions, and its 4-D inputs, in channels-last memory format "
-                "(not with zero)"})
+        "help": "on GPUs, for a model with 2-D convolutions: its 4-D inputs in channels-last memory format, so "
+                "cuDNN convolves in NHWC (the weights stay contiguous, as Horovod's collectives need)"})
     cudnn_benchmark: bool = field(default=True, metadata={
         "help": "on GPUs: cuDNN times its convolution algorithms for each new input shape and keeps the fastest; "
                 "off where shapes change every batch"})

@@ -175,7 +175,7 @@ class Session:
         """
         cfg, hvd = self.cfg, self.hvd
         self.watchdog.beat("setup()")  # the stall limit counts from here: loading data before it is not a stall
-        model = model.to(self.device, memory_format=self._memory_format(model))
+        model = model.to(self.device)
         self.model, self.scheduler, self._state.inner = model, scheduler, optimizer
         compression = hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none
         if cfg.zero:
@@ -214,11 +214,12 @@ class Session:
         return model, self.optimizer
 
     def _memory_format(self, model: nn.Module) -> torch.memory_format:
-        """channels_last for a model with 2-D convolutions on a GPU (``channels_last``), whose
-        tensor cores take NHWC without transposing; not with zero, whose flat buckets hold
-        the weights as contiguous views."""
+        """The images' memory format: channels_last for a model with 2-D convolutions on a GPU
+        (``channels_last``), so that cuDNN runs them in NHWC, as tensor cores take it. The weights
+        stay contiguous: Horovod's collectives refuse a channels-last tensor (and a weight's
+        gradient follows its weight's layout)."""
         convolutional = any(isinstance(m, nn.Conv2d) for m in model.modules())
-        if self.cfg.channels_last and convolutional and self.device.type == "cuda" and not self.cfg.zero:
+        if self.cfg.channels_last and convolutional and self.device.type == "cuda":
             return torch.channels_last
         return torch.preserve_format
 

@@ -67,7 +67,8 @@ def main() -> None:
         for _ in range(AUDITED):
             step()
             counts = audit.take()
-            counts["cuda_syncs"] = sum("synchroniz" in str(w.message) for w in syncs)
+            found = [f"{w.filename}:{w.lineno}: {w.message}" for w in syncs if "synchronizing CUDA" in str(w.message)]
+            counts["cuda_syncs"], counts["cuda_sync_lines"] = len(found), found[:3]
             counts.pop("wait_seconds")
             per_step.append(counts)
             syncs.clear()

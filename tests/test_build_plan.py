@@ -220,3 +220,16 @@ def test_first_errors_shows_the_compilers_lines_not_pips():
     assert any("Error 1" in line for line in lines)
     assert not any("subprocess-exited-with-error" in line or "Failed building" in line for line in lines)
     assert build.first_errors("all good\n") == []
+
+
+def test_cuda_kernels_are_built_for_torchs_architectures_unless_told():
+    """Horovod alone compiles its kernels for every architecture nvcc knows (twelve with CUDA 13):
+    488 s of a fresh clone's build here, against 255 s for torch's six."""
+    flags = "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120 compute_120"
+    assert toolchain.cuda_archs({}, flags) == "75,80,86,90,100,120"
+    assert toolchain.cuda_archs({"HOROVOD_BUILD_CUDA_CC_LIST": "90"}, flags) == "90"
+    assert toolchain.cuda_archs({}, "") == ""
+    plan = plan_build(_gpu_toolchain(cuda_archs="75,80"))
+    assert plan.flags["HOROVOD_BUILD_CUDA_CC_LIST"] == "75,80"
+    assert plan.key != plan_build(_gpu_toolchain(cuda_archs="90")).key
+    assert "HOROVOD_BUILD_CUDA_CC_LIST" not in plan_build(_gpu_toolchain(cuda_archs="75"), cpu_only=True).flags

@@ -45,11 +45,13 @@ def _close(a, b, what):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=0, msg=what)
 
 
-@pytest.mark.parametrize("how, np", [("horovodrun --gloo", 2), ("horovodrun --mpi", 2),
-                                     ("horovodrun --gloo", 3), ("horovodrun --mpi", 3)])
-def test_stages_train_as_distributed_optimizer_and_one_process(tmp_path, how, np):
+@pytest.mark.parametrize("how, np, in_flight", [("horovodrun --gloo", 2, ""), ("horovodrun --mpi", 2, ""),
+                                                ("horovodrun --gloo", 3, ""), ("horovodrun --mpi", 3, ""),
+                                                ("horovodrun --gloo", 2, "1"), ("horovodrun --mpi", 3, "1")])
+def test_stages_train_as_distributed_optimizer_and_one_process(tmp_path, how, np, in_flight):
+    """``in_flight`` "1": the collectives kept in flight together, as on GPUs (HVDKIT_ZERO_IN_FLIGHT)."""
     out = tmp_path / "out.pt"
-    _ok(_run([sys.executable, WORKER, str(out)], np=np, how=how))
+    _ok(_run([sys.executable, WORKER, str(out)], np=np, how=how, env=_env(zero_in_flight=in_flight)))
     result = torch.load(out, weights_only=False)
     assert result["size"] == np
     weights = result["weights"]

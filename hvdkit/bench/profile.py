@@ -58,7 +58,8 @@ def text(label: str, summary: dict) -> str:
     """The summary as a short table a person reads."""
     lines = [f"{label}: {summary['ms_per_step']:.2f} ms per step over {summary['steps']} profiled steps",
              f"host syncs per step: {summary['host_syncs_per_step'] or 'none'}",
-             f"blocking tensor reads per step (hvdkit.checks.syncaudit): {summary['blocking_reads_per_step'] or 'none'}",
+             "blocking tensor reads per step (hvdkit.checks.syncaudit): "
+             f"{summary['blocking_reads_per_step'] or 'none'}",
              f"Horovod wait points per step: {summary['horovod_wait_points_per_step']} "
              f"({summary['horovod_wait_ms_per_step']:.2f} ms)"]
     for title, key in (("CPU", "top_cpu"), ("device", "top_device")):

@@ -16,7 +16,6 @@ from typing import Callable
 from hvdkit import env
 from hvdkit.bench.drivers import RunFailed
 from hvdkit.bench.environment import environment
-from hvdkit.bench.profile import profile_steps
 from hvdkit.bench.figures import (
     BenchError,
     algbw,
@@ -27,6 +26,7 @@ from hvdkit.bench.figures import (
     rate_stats,
     size_range,
 )
+from hvdkit.bench.profile import profile_steps
 
 SYNTHETIC_IMPLS = ("hvdkit", "own-loop", "horovod", "horovod-defaults", "ddp")
 

@@ -36,7 +36,8 @@ AMP = ["synthetic", "-np", "1", "--amp", "--compare", "horovod", "--repeats", "3
 # What each GPU default adds: hvdkit with one of them turned off (TF32: turned on), one round.
 DEFAULTS = ["synthetic", "-np", "1", *ITERS,
             "--knob", "HOROVOD_ENABLE_ASYNC_COMPLETION=0", "--knob", "HVDKIT_FUSED_OPTIMIZER=false",
-            "--knob", "HVDKIT_CHANNELS_LAST=false", "--knob", "HVDKIT_CUDNN_BENCHMARK=false", "--knob", "HVDKIT_TF32=true"]
+            "--knob", "HVDKIT_CHANNELS_LAST=false", "--knob", "HVDKIT_CUDNN_BENCHMARK=false",
+            "--knob", "HVDKIT_TF32=true"]
 ZERO = ["zero", "-np", "1", "--repeats", "1"]  # one GPU: the CUDA allocator's peaks, nothing to shard
 AUDITED = ("session", "amp", "zero1")  # tests/sync_audit_script.py's shapes
 # The goals (issue 49): hvdkit / Horovod's loop, median of the rounds' ratios, fp32 and AMP; ZeRO stage 1's throughput.

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -47,6 +48,7 @@ from hvdkit.rank.memory import peak_rss
 
 BUCKET_BYTES = 8 * 1024 * 1024  # than 32 MiB: a lower peak, and faster on CPUs (docs/zero.md)
 STAGE2_IN_FLIGHT = 2  # stage 2: buckets' reduce-scatters in flight at once, each holding a flat gradient
+IN_FLIGHT_VARIABLE = "HVDKIT_ZERO_IN_FLIGHT"
 
 # Optimizers whose update of an element depends on that element's gradient and state alone, so
 # that stepping a slice is stepping the parameter. Adafactor (factored rows and columns), Muon
@@ -81,6 +83,15 @@ def check_collectives(hvd, version: Optional[str]) -> None:
         raise ConfigError(f"zero: this Horovod ({version}) was not built by hvdkit, and its MPI operations cannot "
                           f"gather and reduce in place; run `python -m hvdkit.build`, or launch with Gloo "
                           f"(horovodrun --gloo)")
+
+
+def collectives_in_flight(device: torch.device, environ=os.environ) -> bool:
+    """Whether the collectives stay in flight together (see ``ShardedOptimizer._send``): on GPUs,
+    where a wait is a host sync; on CPUs one at a time keeps the peak down. HVDKIT_ZERO_IN_FLIGHT=1
+    or 0 decides instead."""
+    if environ.get(IN_FLIGHT_VARIABLE) in ("0", "1"):
+        return environ[IN_FLIGHT_VARIABLE] == "1"
+    return device.type == "cuda"
 
 
 @dataclass
@@ -139,7 +150,7 @@ class ShardedOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, hvd, stage: int, compression=None,
                  backward_passes_per_step: int = 1, gradient_predivide_factor: float = 1.0,
-                 bucket_bytes: int = BUCKET_BYTES) -> None:
+                 bucket_bytes: int = BUCKET_BYTES, in_flight: Optional[bool] = None) -> None:
         check_collectives(hvd, importlib.metadata.version("horovod"))
         self.inner, self.hvd, self.stage = optimizer, hvd, stage
         self.size, self.rank = hvd.size(), hvd.rank()
@@ -149,6 +160,8 @@ class ShardedOptimizer:
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.group_sizes = [len(group["params"]) for group in optimizer.param_groups]  # frozen ones too
         self.buckets = layout(optimizer.param_groups, bucket_bytes)
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.in_flight = collectives_in_flight(device) if in_flight is None else in_flight
         # Each bucket's weights live in one flat vector from the start, and this rank's slice of
         # it is what the optimizer steps: the weights are never held twice, not even at step 1.
         self._whole = [self._flatten_weights(n) for n in range(len(self.buckets))]
@@ -298,15 +311,22 @@ class ShardedOptimizer:
         return flat
 
     def _send(self, n: int) -> None:
-        """Reduce-scatter bucket ``n``; stage 2 then lets go of its parameters' gradients. Stage 1
-        sends each bucket as its gradients are ready and waits for them all once, before the step:
-        on a GPU every wait in the middle of backward was a host sync (stage 1 ran at 0.37x
-        DistributedOptimizer's speed on an H200 when it waited for each bucket before sending the
-        next). Stage 2 holds at most STAGE2_IN_FLIGHT buckets' flat gradients in flight, waiting
-        for the oldest beyond that: more would hold the whole gradient, which stage 2 exists not to."""
+        """Reduce-scatter bucket ``n``; stage 2 then lets go of its parameters' gradients.
+
+        In flight (GPUs, ``in_flight``): stage 1 sends each bucket as its gradients are ready and
+        waits for them all once, before the step: on a GPU every wait in the middle of backward is
+        a host sync (stage 1 ran at 0.37x DistributedOptimizer's speed on an H200 when it waited
+        for each bucket before sending the next). Stage 2 holds at most STAGE2_IN_FLIGHT buckets'
+        flat gradients in flight, waiting for the oldest beyond that: more would hold the whole
+        gradient, which stage 2 exists not to. One at a time (CPUs): each bucket waits for the one
+        before, so that Horovod never fuses two through its fusion buffer (up to 64 MiB more
+        resident; in flight, the peak RSS at GPT 38M rose by 180 MB, docs/zero.md)."""
         if n in self._handles:  # stage 2 with K micro-batches: its last pass's slice lands where this one would
             self._receive(n)
-        if self.stage == 2:
+        if not self.in_flight:
+            for m in list(self._handles):
+                self._receive(m)
+        elif self.stage == 2:
             while len(self._handles) >= STAGE2_IN_FLIGHT:
                 self._receive(min(self._handles, key=lambda m: self._handles[m][3]))
         flat = self._flat_gradient(n)
@@ -435,12 +455,16 @@ class ShardedOptimizer:
 
     def _gather(self, moved: list[int]) -> None:
         """Every rank's updated slices into every rank's weights, in place: each bucket's slice is
-        already its part of the flat weights, which are the allgather's output. All are submitted,
-        then waited for once. The parameters of the ``moved`` buckets, given other storage since
-        the last step, become views of the flat weights again."""
-        handles = [self.hvd.mpi_ops._allgather_async(piece.detach(), self._whole[n], f"hvdkit.zero.weights.{n}",
-                                                     self.hvd.global_process_set)
-                   for n, piece in enumerate(self.slices)]
+        already its part of the flat weights, which are the allgather's output. In flight, all are
+        submitted, then waited for once; else one at a time (``_send`` says why). The parameters
+        of the ``moved`` buckets, given other storage since the last step, become views of the
+        flat weights again."""
+        handles = []
+        for n, piece in enumerate(self.slices):
+            handles.append(self.hvd.mpi_ops._allgather_async(piece.detach(), self._whole[n], f"hvdkit.zero.weights.{n}",
+                                                             self.hvd.global_process_set))
+            if not self.in_flight:
+                self.hvd.synchronize(handles.pop())
         for handle in handles:
             self.hvd.synchronize(handle)
         for n in moved:

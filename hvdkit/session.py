@@ -122,6 +122,7 @@ class Session:
         self._loaders = Loaders(cfg, hvd, device, state)
         self._checkpoints = Checkpoints(cfg, hvd, state, self._loaders, self._consistency, self.watchdog)
         self._locks: list = []
+        self._input_format = torch.preserve_format  # channels_last for a convolutional model on a GPU, from setup()
         # Horovod's shutdown met outside hvdkit's calls (your own loss.backward()) is said in one line too.
         self._undo_hook = stops.exit_on_own_errors(
             self.rank, OWN_ERRORS + (() if cfg.elastic else (HorovodInternalError,)), (ConfigError, LockstepError),
@@ -177,6 +178,7 @@ class Session:
         self.watchdog.beat("setup()")  # the stall limit counts from here: loading data before it is not a stall
         model = model.to(self.device)
         self.model, self.scheduler, self._state.inner = model, scheduler, optimizer
+        self._input_format = self._memory_format(model)
         compression = hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none
         if cfg.zero:
             zero.check(optimizer, model, cfg.zero)
@@ -283,7 +285,7 @@ class Session:
     # -- the step (hvdkit.rank.step) ------------------------------------------------------------
     def micro_batches(self, batch: Any) -> list:
         """``batch`` on this device, split into the micro-batches of one optimizer step."""
-        return self._step.micro_batches(batch, self._loaders.micro_size, self._memory_format(self.model))
+        return self._step.micro_batches(batch, self._loaders.micro_size, self._input_format)
 
     def autocast(self):
         """Mixed precision when ``amp``: fp16 on GPUs, bf16 on CPUs."""

@@ -1,5 +1,5 @@
 """The training step's pieces in one process (hvdkit.rank.step): batches split into micro-batches,
-the learning rate multiplier per world size."""
+the learning rate multiplier per world size, the fused optimizers that skip a step on the device."""
 
 from collections import namedtuple
 
@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from hvdkit.config import TrainConfig
-from hvdkit.rank.step import batch_len, lr_multiplier, split_batch
+from hvdkit.rank.step import (
+    batch_len,
+    lr_multiplier,
+    prepare_momentum,
+    skips_on_device,
+    split_batch,
+    use_fused_kernels,
+)
 
 
 def test_split_batch_splits_every_nesting():
@@ -37,3 +44,41 @@ def test_lr_multiplier(scaling, adasum, expected):
 def test_adasum_on_gpus_sums_within_a_node():
     cfg = TrainConfig(use_adasum=True, batches_per_allreduce=2)
     assert lr_multiplier(cfg, size=8, local_size=4, on_gpu_with_nccl=True) == 8.0
+
+
+def _weights_after(steps, optimizer_class, **options):
+    """Weights after ``steps`` (each a found_inf value: 1.0 skips) of a fused optimizer made fused
+    by use_fused_kernels, from the same start and gradients."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(3))]
+    optimizer = optimizer_class(params, lr=0.1, **options)
+    assert use_fused_kernels(optimizer) and skips_on_device(optimizer)
+    for found_inf in steps:
+        for p in params:
+            p.grad = torch.full_like(p, 0.5)
+        prepare_momentum(optimizer)
+        optimizer.found_inf = torch.tensor(found_inf)
+        optimizer.step()
+    return [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("optimizer_class, options", [
+    (torch.optim.SGD, {"momentum": 0.9, "weight_decay": 1e-4}), (torch.optim.SGD, {"momentum": 0.9, "nesterov": True}),
+    (torch.optim.Adam, {}), (torch.optim.AdamW, {"weight_decay": 0.1})])
+def test_a_skipped_step_changes_nothing_even_the_first(optimizer_class, options):
+    """A skipped first step of fused SGD would leave torch.empty_like momentum buffers behind
+    (prepare_momentum makes them zeros); Adam's step count is taken back on the device."""
+    once = _weights_after([0.0], optimizer_class, **options)
+    assert all(torch.equal(a, b) for a, b in zip(_weights_after([1.0, 0.0], optimizer_class, **options), once,
+                                                 strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(_weights_after([0.0, 1.0], optimizer_class, **options), once,
+                                                 strict=True))
+
+
+def test_fused_kernels_only_where_the_optimizer_left_the_choice_to_torch():
+    params = [torch.nn.Parameter(torch.randn(3))]
+    assert not use_fused_kernels(torch.optim.SGD(params, lr=0.1, foreach=True))
+    assert not use_fused_kernels(torch.optim.Adam(params, fused=False))
+    assert not use_fused_kernels(torch.optim.RMSprop(params))
+    dampened = torch.optim.SGD(params, lr=0.1, momentum=0.9, dampening=0.5)
+    assert use_fused_kernels(dampened) and not skips_on_device(dampened), "its first step is not a plain one"

@@ -111,11 +111,12 @@ class TrainingStep:
         self.micro_count = cfg.batches_per_allreduce  # of the step under way
         self.skipped, self.skips_in_a_row = 0, 0  # on_nonfinite: skip
         self.pending: list[tuple] = []  # (flag on the device, step, epoch) of the steps not yet settled
+        self.momentum_ready = False  # fused SGD's buffers made (prepare_momentum)
 
     def micro_batches(self, batch: Any, micro_size: int,
                       memory_format: torch.memory_format = torch.preserve_format) -> list:
         """``batch`` on this device, split into the micro-batches of one optimizer step; 4-D
-        floating-point tensors (images) in ``memory_format``, as the model's weights."""
+        floating-point tensors (images) in ``memory_format`` (the Session's channels_last)."""
         chunks = split_batch(batch, micro_size) if self.cfg.batches_per_allreduce > 1 else [batch]
         self.micro_count = len(chunks)
         return [to_device(chunk, self.device, memory_format) for chunk in chunks]
@@ -156,8 +157,8 @@ class TrainingStep:
     def _clip_and_check(self) -> Optional[torch.Tensor]:
         """Clip the gradients; a tensor on the device, 1.0 where they are not finite (0.0 else), or
         None where nothing is to check (fp16 loss scaling: GradScaler checks them itself). Averaged
-        gradients are the same on every rank, so every rank decides alike; Adasum's and ZeRO's
-        slices are not, so there the ranks add their flags."""
+        gradients are the same on every rank, and ZeRO's norm sums every rank's slices, so every
+        rank decides alike; Adasum's gradients are local, so there the ranks add their flags."""
         cfg, state = self.cfg, self.state
         optimizer = state.optimizer
         if cfg.zero:  # the norm of the whole gradient, from every rank's slices
@@ -189,7 +190,9 @@ class TrainingStep:
         self.pending.append((bad, self.state.global_step + 1, self.state.epoch + 1))
         target = getattr(optimizer, "inner", optimizer)  # hvdkit.zero's ShardedOptimizer steps its inner one
         if skips_on_device(target):
-            prepare_momentum(target)
+            if not self.momentum_ready:  # once: every parameter has its buffer from then on
+                prepare_momentum(target)
+                self.momentum_ready = True
             target.found_inf = bad
             try:
                 optimizer.step()
@@ -257,7 +260,7 @@ def prepare_momentum(optimizer) -> None:
     for group in optimizer.param_groups:
         if group["momentum"]:
             for p in group["params"]:
-                if p.grad is not None and "momentum_buffer" not in optimizer.state[p]:
+                if p.requires_grad and "momentum_buffer" not in optimizer.state[p]:
                     optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
 
 

@@ -65,8 +65,8 @@ class TrainConfig:
         "help": "replace BatchNorm layers with hvd.SyncBatchNorm (statistics over all ranks' batches)"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the model"})
     fused_optimizer: bool = field(default=True, metadata={
-        "help": "torch's fused kernel for SGD, Adam and AdamW where the optimizer leaves fused and foreach unset: "
-                "one kernel a step, and a non-finite step skipped on the device without a host sync"})
+        "help": "on GPUs: torch's fused kernel for SGD, Adam and AdamW where the optimizer leaves fused and foreach "
+                "unset: one kernel a step, and a non-finite step skipped on the device without a host sync"})
     channels_last: bool = field(default=True, metadata={
         "help": "on GPUs, for a model with 2-D convolutions: its 4-D inputs in channels-last memory format, so "
                 "cuDNN convolves in NHWC (the weights stay contiguous, as Horovod's collectives need)"})

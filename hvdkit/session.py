@@ -205,8 +205,9 @@ class Session:
                 else:
                     self._signal.step = self.global_step
                     self._loaders.resumed_batches = state.get("loader_batches")
-        if cfg.fused_optimizer:  # after the resume, whose param groups replace these
-            use_fused_kernels(self.optimizer.inner if cfg.zero else self.optimizer)
+        # After the resume, whose param groups replace these.
+        use_fused_kernels(self.optimizer.inner if cfg.zero else self.optimizer,
+                          convert=cfg.fused_optimizer and self.device.type == "cuda")
         self._reports.metrics()  # the trackers start, continuing the runs of a checkpoint resumed
         # Heartbeats for naming a stalled rank, once the run is accepted: a refused resume
         # leaves the log directory as it was.

@@ -5,7 +5,8 @@ Shapes: trainer (the Trainer's step and its loop's calls: train_step, report_due
 session (the README's own loop), amp (the own loop with fp16 loss scaling: the Session's
 GradScaler is made for CUDA, so on a CPU a CPU GradScaler stands in for it; its found_inf and
 unscale kernels are the same calls), zero1 and zero2 (the own loop with the sharded optimizer
-and Adam). LAYERS: hidden 1024x1024 layers of the MLP, about half a ZeRO bucket each. On a GPU
+and Adam), each optimizer fused as the Session makes it on a GPU. LAYERS: hidden 1024x1024
+layers of the MLP, about half a ZeRO bucket each. On a GPU
 (`make gpu-check`) the audited steps also run under torch.cuda.set_sync_debug_mode("warn"), whose
 warnings, one per synchronizing CUDA call, are counted per step.
 """
@@ -32,8 +33,9 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 1024), torch.nn.ReLU(),
                                 *[torch.nn.Linear(1024, 1024) for _ in range(layers)], torch.nn.Linear(1024, 10))
-    inner = torch.optim.Adam(model.parameters(), lr=1e-4) if zero else torch.optim.SGD(model.parameters(), lr=0.01,
-                                                                                       momentum=0.9)
+    # Fused, as the Session makes them on a GPU (on a CPU it leaves them: a read costs no sync there).
+    inner = (torch.optim.Adam(model.parameters(), lr=1e-4, fused=True) if zero else
+             torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, fused=True))
     model, optimizer = session.setup(model, inner)
     if shape == "amp" and session.device.type == "cpu":
         session.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)

@@ -3,7 +3,8 @@
 Tests stop it part-way (a second Ctrl-C, a Slurm time limit) and compare its weights with a
 run of the same loop at full speed: the pause changes when a step happens, never what it does.
 ``--nan-at-step K`` makes step K's loss NaN, as a diverging run's is; ``--catch`` catches
-hvdkit's NonFiniteError in the loop, as a user may.
+hvdkit's NonFiniteError in the loop, as a user may; ``--fused`` makes the optimizer torch's
+fused SGD, which skips a non-finite step on the device (as the Session makes it on a GPU).
 
     python tests/slow_loop.py --step-seconds 1 --checkpoint-dir ckpt
 """
@@ -24,6 +25,7 @@ parser.add_argument("--checkpoint-dir")
 parser.add_argument("--checkpoint-steps", type=int)
 parser.add_argument("--nan-at-step", type=int, default=0)
 parser.add_argument("--catch", action="store_true")
+parser.add_argument("--fused", action="store_true")
 
 
 def main():
@@ -34,7 +36,7 @@ def main():
     dataset = TensorDataset(inputs, inputs.sum(dim=1, keepdim=True))
     loader = session.loader(dataset)
     linear = torch.nn.Linear(8, 1)
-    model, optimizer = session.setup(linear, torch.optim.SGD(linear.parameters(), lr=0.01))
+    model, optimizer = session.setup(linear, torch.optim.SGD(linear.parameters(), lr=0.01, fused=args.fused or None))
     for _ in session.epochs(args.epochs):
         for x, y in loader:
             optimizer.zero_grad()

@@ -9,6 +9,7 @@ import time
 
 import psutil
 import pytest
+import torch
 
 from conftest import REPO, assert_bitwise_equal, final_weights, kill_tree, run, wait_for_file
 from hvdkit import checkpoint
@@ -190,6 +191,33 @@ def test_own_errors_in_a_session_loop_are_one_line_once_under_plain_horovodrun(t
 
     caught = run([*loop, "--checkpoint-dir", str(tmp_path / "other"), "--nan-at-step", "3", "--catch"], cwd=tmp_path)
     assert caught.returncode == 3 and "caught: the loss or gradients of step 3" in caught.stdout, caught.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_non_finite_step_skipped_on_the_device_is_named_at_the_next_checkpoint(tmp_path):
+    """Torch's fused SGD skips step 7 on the device and nothing reads its flag until the
+    checkpoint at step 10: with stop, the same one line names step 7 there and checkpoint 5 is
+    the last; with skip, the warning names step 7, the run ends 0 and every checkpoint is finite."""
+    loop = [*SLOW_LOOP, "--epochs", "1", "--checkpoint-steps", "5", "--nan-at-step", "7", "--fused"]
+    ckpt = tmp_path / "stop"
+    proc = run([launch.find_program("horovodrun"), "-np", "2", "-H", "localhost:2", *loop,
+                "--checkpoint-dir", str(ckpt), "--log-dir", str(tmp_path / "logs")], cwd=tmp_path)
+    kept = checkpoint.path_for(str(ckpt), 5)
+    line = (f"hvdkit: error: the loss or gradients of step 7 (epoch 1) are not finite; stopped before applying them, "
+            f"last good checkpoint {kept} kept; lower --base-lr, set --clip-grad-norm, or pass --on-nonfinite skip")
+    assert proc.returncode == 1 and line in proc.stderr.splitlines(), proc.stderr[-3000:]
+    printed = proc.stdout.splitlines()  # steps 8 and 9 were taken (and applied) before the read
+    assert "step 9" in printed and "step 10" not in printed and checkpoint.existing(str(ckpt)) == [kept], printed
+    skip = tmp_path / "skip"
+    proc = run([launch.find_program("horovodrun"), "-np", "2", "-H", "localhost:2", *loop,
+                "--checkpoint-dir", str(skip), "--log-dir", str(tmp_path / "logs2")], cwd=tmp_path,
+               env={**os.environ, "HVDKIT_ON_NONFINITE": "skip"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if "are not finite" in line]
+    assert warnings == ["hvdkit: warning: the loss or gradients of step 7 are not finite; step skipped (1 so far)"], \
+        proc.stderr[-3000:]
+    files = checkpoint.existing(str(skip))
+    assert files and all(torch.isfinite(t).all() for path in files for t in checkpoint.load(path)["model"].values())
 
 
 DROPPED_SESSION = """

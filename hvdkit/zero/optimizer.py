@@ -19,7 +19,8 @@ A step, on every rank:
    LR scheduler built on it works as before) and hold one flat slice per bucket instead of the
    parameters. That is the same update as on the whole parameters for optimizers that work
    element by element, the only ones accepted (``check``).
-3. The updated slices are allgathered in place, bucket by bucket: each bucket's weights are
+3. The updated slices are allgathered in place (together on GPUs, one bucket at a time on CPUs:
+   ``ShardedOptimizer._send`` says why): each bucket's weights are
    one flat vector from the start (the parameters are views of it) and this rank's slice is its
    part of that storage, so the weights are never held twice.
 
@@ -320,7 +321,7 @@ class ShardedOptimizer:
         flat gradients in flight, waiting for the oldest beyond that: more would hold the whole
         gradient, which stage 2 exists not to. One at a time (CPUs): each bucket waits for the one
         before, so that Horovod never fuses two through its fusion buffer (up to 64 MiB more
-        resident; in flight, the peak RSS at GPT 38M rose by 180 MB, docs/zero.md)."""
+        resident; in flight, the peak's saving at GPT 38M fell by ~135 MB, docs/zero.md)."""
         if n in self._handles:  # stage 2 with K micro-batches: its last pass's slice lands where this one would
             self._receive(n)
         if not self.in_flight:

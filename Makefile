@@ -99,10 +99,11 @@ test-fast: setup
 
 # pyflakes, pycodestyle, bugbear and import-order checks at 120 columns; the tests' helper
 # modules (conftest and the workers beside it) are first-party. ruff comes from setup.cfg's lint extra.
+# Its own exclusions are replaced: they skip any folder named build, which is hvdkit/build.
 lint: $(STAMPS)/python-packages
 	@$(PY) -m ruff --version >/dev/null 2>&1 || $(PIP_INSTALL) -c constraints.txt -e '.[lint]'
-	$(PY) -m ruff check --isolated --config "src = ['.', 'tests']" --select E,F,W,B,I --line-length 120 \
-	    --output-format concise .
+	$(PY) -m ruff check --isolated --config "src = ['.', 'tests']" --config "exclude = ['.git', '.venv', '.gpu', 'runs']" \
+	    --select E,F,W,B,I --line-length 120 --output-format concise .
 
 # On a CUDA machine: Horovod with NCCL, the tests marked gpu, the synthetic benchmark beside
 # Horovod's loop and DDP, one summary (hvdkit/checks/gpucheck.py). On an offline node whose Python

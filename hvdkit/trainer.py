@@ -93,9 +93,9 @@ def train_step(session: Session, model: nn.Module, loss_fn: LossFn, batch) -> No
 
 
 OOM_HINT = ("out of memory: lower --batch-size (it is per rank), use --amp, or a smaller --image-size; "
-            "see README 'When things go wrong'")
+            "see docs/troubleshooting.md")
 NCCL_HINT = ("NCCL error: rerun with NCCL_DEBUG=INFO to see which link failed; on hosts with several "
-             "network interfaces set NCCL_SOCKET_IFNAME (e.g. ib0 or eth0); see README 'When things go wrong'")
+             "network interfaces set NCCL_SOCKET_IFNAME (e.g. ib0 or eth0); see docs/troubleshooting.md")
 PEER_HINT = "stopped because another rank ended first; that rank's own line says why"
 
 

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -226,16 +227,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if audits:
             steps.append(audit_step(audits))
         out = Path(args.out)
-        for name, bench, read in (("fp32", [*FP32, "--out", str(out / "fp32")], bench_step),
-                                  ("amp", AMP, bench_step), ("zero", [*ZERO, "--out", str(out / "zero")], zero_step),
-                                  ("defaults", DEFAULTS, bench_step)):
+        for name, bench, read in (("fp32", [*FP32, "--out", str(out / "fp32")], partial(bench_step, "fp32")),
+                                  ("amp", AMP, partial(bench_step, "amp")),
+                                  ("zero", [*ZERO, "--out", str(out / "zero")], zero_step),
+                                  ("defaults", DEFAULTS, partial(bench_step, "defaults"))):
             if name in args.skip:
                 continue
             code, output = _run([sys.executable, "-m", "hvdkit", "bench", *bench])
             if code != 0:
                 steps.append(Step(name, False, f"exit {code}: " + (output.strip().splitlines() or ["?"])[-1]))
             else:
-                steps.append(read(output) if read is zero_step else read(name, output))
+                steps.append(read(output))
             print(f"gpu-check: {summary(device, steps[-1:])[1].strip()}", flush=True)  # as it comes, if cut short
     print("\n".join(summary(device, steps)), flush=True)
     return 0 if all(step.ok for step in steps) else 1

@@ -8,7 +8,8 @@ unscale kernels are the same calls), zero1 and zero2 (the own loop with the shar
 and Adam), each optimizer fused as the Session makes it on a GPU. LAYERS: hidden 1024x1024
 layers of the MLP, about half a ZeRO bucket each. On a GPU
 (`make gpu-check`) the audited steps also run under torch.cuda.set_sync_debug_mode("warn"), whose
-warnings, one per synchronizing CUDA call, are counted per step.
+warnings, one per synchronizing CUDA call, are counted per step. Then one more step and a report:
+the step where the non-finite flags of all the steps before are read, once.
 """
 
 import json
@@ -76,10 +77,14 @@ def main() -> None:
             syncs.clear()
         if cuda:
             torch.cuda.set_sync_debug_mode("default")
+        step()
+        session.report("train")
+        reported = audit.take()
     buckets = len(optimizer.buckets) if zero else None
     session.finish()
     if session.rank == 0:
-        print(json.dumps({"shape": shape, "layers": layers, "buckets": buckets, "steps": per_step}), flush=True)
+        print(json.dumps({"event": "sync.audit", "shape": shape, "layers": layers, "buckets": buckets,
+                          "steps": per_step, "report_step": reported}), flush=True)
 
 
 if __name__ == "__main__":

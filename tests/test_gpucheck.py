@@ -79,7 +79,7 @@ def test_the_sharded_bench_passes_only_with_the_cuda_allocators_peaks_and_stage_
 def test_the_audit_passes_only_without_reads_or_cuda_syncs():
     def output(reads, syncs):
         steps = [{"reads": reads, "waits": 1, "cuda_syncs": syncs}] * 3
-        return "[0]<stdout>:" + json.dumps({"shape": "session", "steps": steps}) + "\n"
+        return "[0]<stdout>:" + json.dumps({"event": "sync.audit", "shape": "session", "steps": steps}) + "\n"
 
     step = gpucheck.audit_step({"session": output({}, 0), "amp": output({}, 0)})
     assert step.ok and step.detail == ("per steady step: session 0 reads, 0 CUDA syncs, 1 Horovod waits; "

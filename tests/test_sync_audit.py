@@ -2,13 +2,13 @@
 CPU in real 2-rank jobs under plain horovodrun: on a GPU each read would block the host until the
 GPU is done. The GPU itself is audited by `make gpu-check` (torch.cuda.set_sync_debug_mode)."""
 
-import json
 import os
 import sys
 
 import pytest
 
 from conftest import REPO, run
+from hvdkit.checks import selftest
 from hvdkit.launch import cli as launch
 from hvdkit.zero.optimizer import IN_FLIGHT_VARIABLE, STAGE2_IN_FLIGHT
 
@@ -23,16 +23,30 @@ def audited(shape: str, layers: int = 2, in_flight: str = "1") -> dict:
     proc = run(launch.local_command("horovodrun --gloo", 2, [sys.executable, SCRIPT, shape, str(layers)]), env=env,
                timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line[line.index("{"):] for line in proc.stdout.splitlines() if "\"shape\"" in line]
-    assert len(lines) == 1, proc.stdout[-3000:]
-    return json.loads(lines[0])
+    records = selftest.parse_records(proc.stdout, "sync.audit")
+    assert len(records) == 1, proc.stdout[-3000:]
+    return records[0]
+
+
+def host_reads(step: dict) -> dict:
+    """The host tensors read in a step, by module: the lockstep meeting's rows, once."""
+    return {key.split(" at ")[1].split("/hvdkit/")[-1].split(":")[0]: n for key, n in step["host_reads"].items()}
+
+
+def settle_reads(step: dict) -> int:
+    """Reads of the non-finite flags (hvdkit/rank/step.py's settle)."""
+    return sum(n for key, n in step["reads"].items() if "hvdkit/rank/step.py" in key)
 
 
 @pytest.mark.parametrize("shape", ["trainer", "session", "amp"])
 def test_a_steady_step_of_distributed_optimizer_reads_nothing_and_waits_once(shape):
-    steps = audited(shape)["steps"]
+    result = audited(shape)
+    steps = result["steps"]
     assert [(step["reads"], step["cuda_syncs"]) for step in steps] == [({}, 0)] * len(steps), steps
     assert [step["waits"] for step in steps] == [1] * len(steps), steps
+    assert [host_reads(step) for step in steps] == [{"rank/lockstep.py": 1}] * len(steps), steps
+    # The flags of the 14 steps before are read once, at the report (AMP: GradScaler keeps its own).
+    assert settle_reads(result["report_step"]) == (0 if shape == "amp" else 1), result["report_step"]
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -46,6 +60,8 @@ def test_a_steady_zero_step_reads_nothing_and_its_waits_do_not_grow_with_the_buc
     assert (few["buckets"], many["buckets"]) == (2, 7)
     for result in (few, many):
         assert [step["reads"] for step in result["steps"]] == [{}] * len(result["steps"]), result
+        assert [host_reads(step) for step in result["steps"]] == [{"rank/lockstep.py": 1}] * len(result["steps"])
+        assert settle_reads(result["report_step"]) == 1, result["report_step"]
     waits = {result["buckets"]: {step["waits"] for step in result["steps"]} for result in (few, many)}
     if stage == 1:
         assert waits == {2: {3}, 7: {3}}, waits

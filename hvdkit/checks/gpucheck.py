@@ -13,7 +13,6 @@ Offline nodes pass ``--sdist`` or ``--find-links`` on to the builder.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import subprocess
@@ -117,10 +116,10 @@ def audit_step(outputs: dict) -> Step:
     """Blocking reads (hvdkit.checks.syncaudit) and CUDA's synchronizing calls per steady step."""
     found, ok = [], True
     for shape, output in outputs.items():
-        lines = [line[line.index("{"):] for line in output.splitlines() if '"shape"' in line]
-        if not lines:
+        records = selftest.parse_records(output, "sync.audit")
+        if not records:
             return Step("audit", False, f"{shape}: no result")
-        steps = json.loads(lines[-1])["steps"]
+        steps = records[-1]["steps"]
         reads = sum(sum(step["reads"].values()) for step in steps) / len(steps)
         syncs = sum(step["cuda_syncs"] for step in steps) / len(steps)
         waits = statistics.median(step["waits"] for step in steps)

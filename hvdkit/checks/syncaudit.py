@@ -5,8 +5,8 @@ On a GPU a read of a tensor's value (``.item()``, ``.cpu()``, ``.tolist()``, ``b
 has finished everything queued, so the next step's kernels cannot be queued meanwhile. On a CPU
 the same calls cost nothing, which is why they slip in; counted here, they are seen on any
 machine. Host tensors that are meant to be read (the lockstep meeting's rows, which Horovod
-returns in host memory on every device) are read with ``.numpy()``, which refuses a GPU tensor,
-so it is not counted.
+returns in host memory on every device) are read with ``.numpy()``, which refuses a GPU tensor:
+those are counted apart, as host reads, so that a new one is seen too.
 
 A Horovod *wait point* is where the training thread starts waiting in ``synchronize()`` after it
 submitted collectives: the waits for a step's gradients, one handle after another, are one;
@@ -43,11 +43,12 @@ class _Submissions(dict):
 
 class SyncAudit:
     """``with SyncAudit() as audit:`` ... ``audit.take()`` gives the counts since the last take:
-    ``{"reads": {"Tensor.item at file:line": n}, "waits": n, "wait_seconds": s}``."""
+    ``{"reads": {"Tensor.item at file:line": n}, "host_reads": {...}, "waits": n, "wait_seconds": s}``."""
 
     def __init__(self) -> None:
         self.thread = threading.get_ident()
         self.reads: collections.Counter = collections.Counter()
+        self.host_reads: collections.Counter = collections.Counter()  # Tensor.numpy: host memory only
         self.waits = 0
         self.wait_seconds = 0.0
         self._submitted = False
@@ -57,6 +58,7 @@ class SyncAudit:
         self.thread = threading.get_ident()
         for name in READS:
             self._patch(torch.Tensor, name, self._read_counter(f"Tensor.{name}", getattr(torch.Tensor, name)))
+        self._patch(torch.Tensor, "numpy", self._read_counter("Tensor.numpy", torch.Tensor.numpy, self.host_reads))
         self._patch(torch.cuda, "synchronize", self._read_counter("torch.cuda.synchronize", torch.cuda.synchronize))
         self._patch_horovod()
         return self
@@ -71,8 +73,10 @@ class SyncAudit:
         self._undo.clear()
 
     def take(self) -> dict:
-        counts = {"reads": dict(self.reads), "waits": self.waits, "wait_seconds": self.wait_seconds}
+        counts = {"reads": dict(self.reads), "host_reads": dict(self.host_reads), "waits": self.waits,
+                  "wait_seconds": self.wait_seconds}
         self.reads.clear()
+        self.host_reads.clear()
         self.waits, self.wait_seconds = 0, 0.0
         return counts
 
@@ -80,13 +84,13 @@ class SyncAudit:
         self._undo.append((owner, name, getattr(owner, name)))
         setattr(owner, name, replacement)
 
-    def _read_counter(self, label: str, original):
-        audit = self
+    def _read_counter(self, label: str, original, counter=None):
+        audit, counter = self, self.reads if counter is None else counter
 
         def counted(*args, **kwargs):
             if threading.get_ident() == audit.thread:
                 caller = sys._getframe(1)
-                audit.reads[f"{label} at {caller.f_code.co_filename}:{caller.f_lineno}"] += 1
+                counter[f"{label} at {caller.f_code.co_filename}:{caller.f_lineno}"] += 1
             return original(*args, **kwargs)
 
         return counted

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import Optional, Sequence
 
 from hvdkit import __version__, config, env, job
+from hvdkit.args import SUBCOMMANDS, OneLineParser
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -25,21 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--dir", help="the directory that must be shared between the hosts (default: "
                                       "$HVDKIT_CHECKPOINT_DIR, $HVDKIT_LOG_DIR or ./runs)")
 
-    sub.add_parser("build", add_help=False,
-                   help="build Horovod against the installed torch (same as python -m hvdkit.build)")
-
-    sub.add_parser("launch", add_help=False, help="start a command on N ranks with horovodrun, mpirun or srun")
-    sub.add_parser("slurm", add_help=False, help="render or submit an sbatch script from the templates in slurm/")
-    sub.add_parser("rehearse", add_help=False,
-                   help="run a multi-node job (launch line or sbatch) on hosts made on this machine, then remove them")
-    sub.add_parser("image", add_help=False,
-                   help="build hvdkit's container image (podman or docker), or the local Debian base it starts from")
-    sub.add_parser("mpijob", add_help=False,
-                   help="print a Kubeflow MPIJob manifest for hvdkit's image, or run it here (--run)")
-    sub.add_parser("plot", add_help=False, help="PNGs of one run or several from their metrics.jsonl: metrics, "
-                                                "throughput, each rank's compute and wait")
-    sub.add_parser("bench", add_help=False,
-                   help="benchmarks: synthetic (--compare ddp), allreduce bandwidth, scaling")
+    for command in SUBCOMMANDS:  # each parses its own arguments: main() hands it the rest
+        sub.add_parser(command.name, add_help=False, help=command.help)
 
     ckpt = sub.add_parser("checkpoint", help="work with checkpoints: export one as plain torch files")
     actions = ckpt.add_subparsers(dest="action", required=True, metavar="ACTION", parser_class=OneLineParser)
@@ -62,7 +51,12 @@ def run_doctor(args: argparse.Namespace) -> int:
     import os
 
     from hvdkit.checks import doctor, hosts
-    from hvdkit.launch.hostfile import LaunchError, parse_hosts, read_hostfile, slurm_hosts
+    from hvdkit.launch.hostfile import (
+        LaunchError,
+        parse_hosts,
+        read_hostfile,
+        slurm_hosts,
+    )
 
     try:
         listed = (parse_hosts(args.hosts) if args.hosts else read_hostfile(args.hostfile) if args.hostfile else
@@ -79,18 +73,6 @@ def run_doctor(args: argparse.Namespace) -> int:
     return hosts.main(listed, args.dir or hosts.default_directory(os.environ), in_allocation)
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """Bad flags get one line and exit code 2, like any other bad input: `PROG: error: MESSAGE`,
-    or `PROG: MESSAGE` with ``bare`` (the commands whose own checks print so)."""
-
-    def __init__(self, *args, bare: bool = False, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.bare = bare
-
-    def error(self, message: str):
-        self.exit(job.BAD_INPUT, f"{self.prog}: {'' if self.bare else 'error: '}{message}\n")
-
-
 def _say_once(message: str) -> None:
     """Print on rank 0 only (or when not launched), so np ranks give one line, not np."""
     if env.detect().rank in (0, None):
@@ -103,7 +85,10 @@ def train(args: argparse.Namespace) -> int:
         print("models:  ", " ".join(models.names()))
         print("datasets:", " ".join(data.DATASETS))
         return 0
-    from hvdkit.data import UnreadableSample, one_line  # imports torch, which only training needs
+    from hvdkit.data import (  # imports torch, which only training needs
+        UnreadableSample,
+        one_line,
+    )
     from hvdkit.session import OWN_ERRORS
     from hvdkit.trainer import Trainer, failure_hint
 
@@ -151,30 +136,9 @@ def export_checkpoint(args: argparse.Namespace) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
-    if argv[:1] == ["build"]:
-        from hvdkit.build import builder as build
-        return build.main(argv[1:])
-    if argv[:1] == ["launch"]:
-        from hvdkit.launch import cli as launch
-        return launch.main(argv[1:])
-    if argv[:1] == ["slurm"]:
-        from hvdkit import slurm
-        return slurm.main(argv[1:])
-    if argv[:1] == ["rehearse"]:
-        from hvdkit.rehearse import cli as rehearse
-        return rehearse.main(argv[1:])
-    if argv[:1] == ["image"]:
-        from hvdkit.container import cli as image
-        return image.main(argv[1:])
-    if argv[:1] == ["mpijob"]:
-        from hvdkit.container import mpijob
-        return mpijob.main(argv[1:])
-    if argv[:1] == ["bench"]:
-        from hvdkit import bench
-        return bench.main(argv[1:])
-    if argv[:1] == ["plot"]:
-        from hvdkit import plot
-        return plot.main(argv[1:])
+    own = {command.name: command for command in SUBCOMMANDS}
+    if argv[:1] and argv[0] in own:
+        return importlib.import_module(own[argv[0]].module).main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "doctor":
         return run_doctor(args)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import math
 import os
 import typing
@@ -193,15 +194,38 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError("config: gradient_predivide_factor must be 1.0 with use_adasum (Horovod averages only)")
     for name in ("log_dir", "checkpoint_dir"):
         _check_writable(name, getattr(cfg, name))
-    from hvdkit.rank import loggers
-
     try:
-        problem = loggers.missing_extra(loggers.names(cfg.logger))
+        problem = missing_logger_extra(logger_names(cfg.logger))
     except ValueError as exc:
         problem = str(exc)
     if problem:
         raise ConfigError(f"config: logger {cfg.logger!r}: {problem}")
     return cfg
+
+
+LOGGERS = ("tensorboard", "csv", "mlflow", "wandb")  # what --logger takes (hvdkit.rank.loggers makes them)
+LOGGER_EXTRAS = {"mlflow": "mlflow", "wandb": "wandb"}  # logger: the module its extra installs
+
+
+def logger_names(text: Optional[str]) -> list[str]:
+    """The logger names of ``--logger`` ("mlflow,csv"; "none" or "" for metrics.jsonl alone),
+    or ValueError naming the unknown one."""
+    chosen = [name.strip().lower() for name in (text or "").split(",") if name.strip()]
+    if chosen == ["none"]:
+        return []
+    for name in chosen:
+        if name not in LOGGERS:
+            raise ValueError(f"unknown logger {name!r}: choose from {', '.join(LOGGERS)}, or none")
+    return list(dict.fromkeys(chosen))
+
+
+def missing_logger_extra(chosen: Sequence[str]) -> Optional[str]:
+    """The problem with the first chosen logger whose package is not installed, else None."""
+    for name in chosen:
+        module = LOGGER_EXTRAS.get(name)
+        if module and importlib.util.find_spec(module) is None:
+            return f"the {name} logger needs the {module} package: pip install 'hvdkit[{name}]'"
+    return None
 
 
 def _check_writable(name: str, path: Optional[str]) -> None:

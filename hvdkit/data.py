@@ -1,4 +1,4 @@
-"""Datasets by name and the distributed loaders over them.
+"""Datasets by name (each rank's samplers and loader settings are in hvdkit.rank.loaders).
 
 Nothing here downloads: clusters' compute nodes rarely reach the internet, and a job that
 fetches data on every rank at once is a job that fails at scale. The default dataset, the
@@ -9,21 +9,18 @@ on a fresh machine.
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import multiprocessing
 import pickle
-import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, DistributedSampler, Sampler, TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 from hvdkit.config import ConfigError, TrainConfig
-from hvdkit.rank import stops
 
 DIGITS_TEST_SIZE = 360  # a fixed 20% of the 1,797 digits, the same on every rank and run
 SYNTHETIC_CLASSES = 10
@@ -295,70 +292,3 @@ def build(cfg: TrainConfig) -> Datasets:
     if cfg.dataset not in DATASETS:
         raise DataError(f"data: unknown dataset {cfg.dataset!r}; choose one of: {', '.join(DATASETS)}")
     return DATASETS[cfg.dataset](cfg)
-
-
-class ShardSampler(Sampler):
-    """Every sample exactly once across ranks (rank r takes r, r+size, ...): no padding.
-
-    DistributedSampler pads the last round with repeated samples so that all ranks take the
-    same number of steps; for validation that would count those samples twice.
-    """
-
-    def __init__(self, length: int, rank: int, size: int) -> None:
-        self.indices = range(rank, length, size)
-
-    def __iter__(self):
-        return iter(self.indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-
-class ResumableSampler(DistributedSampler):
-    """DistributedSampler that can start an epoch part-way, for an exact mid-epoch resume.
-
-    The order is DistributedSampler's (seed + epoch), so skipping the first samples of an
-    epoch gives the rest of that epoch's order, not a new one.
-    """
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.start = 0
-
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        """Start ``epoch`` at its ``start``-th sample of this rank."""
-        super().set_epoch(epoch)
-        self.start = start
-
-    def __iter__(self):
-        return itertools.islice(super().__iter__(), self.start, None)
-
-    def __len__(self) -> int:
-        return self.num_samples - self.start
-
-
-class WorkerInit:
-    """A loader worker's start: it ignores the stop signals, then runs your worker_init_fn.
-
-    Ctrl-C reaches the terminal's whole process group, and Slurm's SIGTERM every process of
-    a task, loader workers included. A worker that dies of it makes the rank fail with
-    "DataLoader worker exited unexpectedly" before it can save; the rank stops them itself."""
-
-    def __init__(self, then: Optional[Callable[[int], None]] = None) -> None:
-        self.then = then
-
-    def __call__(self, worker_id: int) -> None:
-        for signum in stops.SIGNALS:
-            signal.signal(signum, signal.SIG_IGN)
-        if self.then is not None:
-            self.then(worker_id)
-
-
-def loader_options(cfg: TrainConfig, rank: int, pin_memory: bool, worker_init_fn=None) -> dict:
-    """DataLoader settings every hvdkit loader shares, the elastic one included."""
-    context = WORKER_START_METHOD if cfg.num_workers > 0 else None
-    # A generator of its own: creating an iterator must not draw from the global RNG, which
-    # checkpoints restore, or a resumed run would diverge from an uninterrupted one.
-    return dict(num_workers=cfg.num_workers, pin_memory=pin_memory, multiprocessing_context=context,
-                persistent_workers=cfg.num_workers > 0, generator=torch.Generator().manual_seed(cfg.seed + rank),
-                worker_init_fn=WorkerInit(worker_init_fn))

@@ -115,7 +115,7 @@ def _number(value) -> bool:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from hvdkit.cli import OneLineParser
+    from hvdkit.args import OneLineParser
 
     parser = OneLineParser(prog="hvdkit plot", description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="a run's log directory (holding metrics.jsonl)")

@@ -58,7 +58,12 @@ from hvdkit.rank.metrics import Metrics
 from hvdkit.rank.reports import Reports
 from hvdkit.rank.resume import Checkpoints
 from hvdkit.rank.state import RunState
-from hvdkit.rank.step import NonFiniteError, TrainingStep, lr_multiplier, use_fused_kernels
+from hvdkit.rank.step import (
+    NonFiniteError,
+    TrainingStep,
+    lr_multiplier,
+    use_fused_kernels,
+)
 from hvdkit.rank.stragglers import StepTimes
 from hvdkit.rank.watchdog import Watchdog
 from hvdkit.zero import optimizer as zero

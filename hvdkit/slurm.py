@@ -199,7 +199,7 @@ def main(argv: list) -> int:
     import sys
 
     from hvdkit import job
-    from hvdkit.cli import OneLineParser
+    from hvdkit.args import OneLineParser
 
     parser = OneLineParser(bare=True, prog="hvdkit slurm",
                            usage="hvdkit slurm {render,submit} [options] -- COMMAND ...",

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 from hvdkit import checkpoint, data, models
 from hvdkit.config import ConfigError, TrainConfig, validate
 from hvdkit.models import sync_batch_norm
+from hvdkit.rank import loaders
 from hvdkit.rank.startup import seed_everything
 from hvdkit.rank.step import batch_len
 from hvdkit.session import Session
@@ -257,7 +258,7 @@ class Trainer:
         sampler = hvd.elastic.ElasticSampler(self.train_set, shuffle=True, seed=cfg.seed)
         session.load_elastic(sampler)  # a restarted job goes on from its checkpoint
         loader = DataLoader(self.train_set, batch_size=cfg.batch_size * cfg.batches_per_allreduce, sampler=sampler,
-                            **data.loader_options(cfg, session.rank, session.device.type == "cuda"))
+                            **loaders.loader_options(cfg, session.rank, session.device.type == "cuda"))
         state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=session.epoch,
                                        step=session.global_step)
 

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def run(cmd, timeout=300, env=None, raw=False, **kwargs):
     """Run a real command; Open MPI's run-as-root consent is added as mpirun needs it. Unless
-    ``raw``, output tagged by rank ([1,0]<stderr>:, as launch.local_command's mpirun and
+    ``raw``, output tagged by rank ([1,0]<stderr>:, as planner.local_command's mpirun and
     horovodrun print it) is joined into whole lines and untagged, as a user reads one rank."""
     full_env = selftest.mpi_root_env(env if env is not None else os.environ)
     full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
@@ -131,7 +131,7 @@ def hvdkit_image():
 def elastic_on_this_host(hostfile, command, launcher="horovodrun"):
     """(argv, env) of an elastic job with two slots of this host, from the hostfile ``hostfile``
     read by launchers/discover_hosts.sh; ``launcher``: horovodrun itself or `hvdkit launch`."""
-    from hvdkit.launch.cli import find_program
+    from hvdkit.launch.mpi import find_program
 
     hostfile.write_text("localhost:2\n")
     # One host: Horovod's elastic driver needs the interface named, or it waits for a second host.

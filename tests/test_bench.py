@@ -18,7 +18,7 @@ import pytest
 from conftest import run
 from hvdkit.bench import estimate, figures, sharded
 from hvdkit.checks.selftest import parse_records
-from hvdkit.launch.cli import local_command
+from hvdkit.launch.planner import local_command
 from hvdkit.launch.rank_output import TAG
 
 HVDKIT = [sys.executable, "-m", "hvdkit.cli", "bench"]

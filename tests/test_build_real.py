@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO, run
 from hvdkit.build import builder as build
 from hvdkit.build import patches
-from hvdkit.launch import cli as launch
+from hvdkit.launch import mpi
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,7 @@ def test_second_run_installs_nothing(plan):
 
 
 def test_check_build_lists_what_was_planned(plan, hvd_built):
-    proc = run([launch.find_program("horovodrun"), "--check-build"])
+    proc = run([mpi.find_program("horovodrun"), "--check-build"])
     assert proc.returncode == 0, proc.stderr
     marked = set(re.findall(r"\[X\] (\w+)", proc.stdout))
     assert {"PyTorch", "MPI", "Gloo"} <= marked, proc.stdout

@@ -11,6 +11,7 @@ from PIL import Image
 from hvdkit import data
 from hvdkit.config import TrainConfig
 from hvdkit.data import DataError
+from hvdkit.rank import loaders
 
 
 def write_idx(path, array):
@@ -128,7 +129,7 @@ def test_missing_data_dir(tmp_path):
 
 
 def test_shard_sampler_covers_every_sample_once():
-    shards = [list(data.ShardSampler(7, rank, 3)) for rank in range(3)]
+    shards = [list(loaders.ShardSampler(7, rank, 3)) for rank in range(3)]
     assert sorted(i for shard in shards for i in shard) == list(range(7))
     assert [len(s) for s in shards] == [3, 2, 2]
 
@@ -155,6 +156,6 @@ class _Seen(torch.utils.data.Dataset):
 def test_loader_workers_ignore_stop_signals_and_run_your_worker_init_fn():
     """Workers must outlive a Ctrl-C or Slurm SIGTERM sent to the whole process group (the rank
     stops them); a worker_init_fn given to the loader still runs, after that."""
-    options = data.loader_options(TrainConfig(num_workers=1), 0, False, worker_init_fn=_mark_worker)
+    options = loaders.loader_options(TrainConfig(num_workers=1), 0, False, worker_init_fn=_mark_worker)
     loader = torch.utils.data.DataLoader(_Seen(), batch_size=2, **options)
     assert next(iter(loader)).tolist() == [True, True]

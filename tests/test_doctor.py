@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import run
-from hvdkit.launch import cli as launch
+from hvdkit.launch import mpi
 
 
 def test_report_names_every_part():
@@ -50,4 +50,4 @@ def test_missing_horovod_is_one_line_and_exit_1(tmp_path):
      "Intel MPI: Intel(R) MPI Library for Linux* OS, Version 2021.10 Build 20230619"),
 ])
 def test_mpi_implementation_from_version_text(text, name):
-    assert launch.describe_mpi(text) == name
+    assert mpi.describe_mpi(text) == name

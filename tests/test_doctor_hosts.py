@@ -18,7 +18,7 @@ import pytest
 from conftest import require_namespaces
 from hvdkit import job
 from hvdkit.checks import selftest
-from hvdkit.launch.cli import find_program
+from hvdkit.launch.mpi import find_program
 from hvdkit.rehearse import namespaces as namespace_hosts
 
 pytestmark = pytest.mark.slow

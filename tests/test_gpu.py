@@ -15,7 +15,7 @@ import torch
 from conftest import REPO, run
 from hvdkit import checkpoint
 from hvdkit.checks import selftest
-from hvdkit.launch import cli as launch
+from hvdkit.launch import planner
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -35,7 +35,7 @@ def records(proc, event):
 
 def test_nccl_allreduce_and_broadcast_on_the_gpu():
     env = {**os.environ, "NCCL_DEBUG": "INFO"}
-    proc = run(launch.local_command("horovodrun --gloo", ranks(), [*WORKER, "collectives"]), env=env)
+    proc = run(planner.local_command("horovodrun --gloo", ranks(), [*WORKER, "collectives"]), env=env)
     for record in records(proc, "gpu.collectives"):
         assert record["nccl_built"], "this Horovod was built without NCCL: rebuild with `make gpu-check`"
         assert record["result_device"] == "cuda" and record["half_dtype"] == "torch.float16"
@@ -46,7 +46,7 @@ def test_nccl_allreduce_and_broadcast_on_the_gpu():
 
 def test_own_loop_pins_batches_scales_fp16_and_joins_on_the_device(tmp_path):
     env = {**os.environ, "HVDKIT_LOG_DIR": str(tmp_path / "logs")}
-    proc = run(launch.local_command("horovodrun --gloo", ranks(), [*WORKER, "loop"]), env=env, timeout=600)
+    proc = run(planner.local_command("horovodrun --gloo", ranks(), [*WORKER, "loop"]), env=env, timeout=600)
     for record in records(proc, "gpu.loop"):
         assert record["device"] == f"cuda:{record['rank'] % ranks()}"
         assert record["pin_memory"] and record["every_batch_pinned"]
@@ -60,7 +60,7 @@ def test_trainer_with_amp_trains_in_fp16_and_checkpoints_the_scaler(tmp_path):
     ckpt = tmp_path / "ckpt"
     cmd = [sys.executable, "-m", "hvdkit", "train", "--amp", "--epochs", "2", "--checkpoint-dir", str(ckpt),
            "--log-dir", str(tmp_path / "logs")]
-    proc = run(launch.local_command("horovodrun --gloo", ranks(), cmd), timeout=600)
+    proc = run(planner.local_command("horovodrun --gloo", ranks(), cmd), timeout=600)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     (summary,) = selftest.parse_records(proc.stdout, "summary")
     assert summary["world_size"] == ranks() and summary["skipped_steps"] == 0

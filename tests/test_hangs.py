@@ -14,7 +14,7 @@ import torch
 
 from conftest import REPO, assert_bitwise_equal, kill_tree
 from hvdkit.checks import selftest
-from hvdkit.launch import cli as launch
+from hvdkit.launch import planner
 from hvdkit.launch.rank_output import untagged
 
 pytestmark = pytest.mark.slow
@@ -26,7 +26,7 @@ GRACE = 8  # HVDKIT_STOP_GRACE in these tests: plain horovodrun --gloo takes 10 
 
 
 def start(how, np, args, **env):
-    return subprocess.Popen(launch.local_command(how, np, [*SCRIPT, *args]),
+    return subprocess.Popen(planner.local_command(how, np, [*SCRIPT, *args]),
                             env=dict(selftest.mpi_root_env(), PYTHONPATH=str(REPO), **env),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 

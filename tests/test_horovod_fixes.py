@@ -17,7 +17,7 @@ import pytest
 
 from conftest import REPO, kill_tree, run
 from hvdkit.checks import selftest
-from hvdkit.launch import cli as launch
+from hvdkit.launch import mpi, planner
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ WORKER = [sys.executable, str(REPO / "tests" / "horovod_fixes_worker.py")]
 
 @pytest.mark.parametrize("how", ["horovodrun --gloo", "mpirun"])
 def test_fixed_horovod_sums_float16_exactly_and_waits_and_idles_without_spinning(how, hvd_built):
-    proc = run(launch.local_command(how, 2, WORKER), timeout=240)
+    proc = run(planner.local_command(how, 2, WORKER), timeout=240)
     assert proc.returncode == 0, f"{how} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
     results = sorted(selftest.parse_records(proc.stdout, "horovod_fixes"), key=lambda r: r["rank"])
     assert [r["rank"] for r in results] == [0, 1], proc.stdout[-2000:]
@@ -54,7 +54,7 @@ def test_horovodrun_knows_what_was_built_without_importing_torch(tmp_path, mode,
     assert (recorded["mpi_built"], recorded["gloo_built"]) == (hvd_built["mpi"], hvd_built["gloo"])
     (tmp_path / "torch").mkdir()
     (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('torch is not importable in this test')\n")
-    proc = run([launch.find_program("horovodrun"), "-np", "2", *mode, "echo", "launched"],
+    proc = run([mpi.find_program("horovodrun"), "-np", "2", *mode, "echo", "launched"],
                env=dict(os.environ, PYTHONPATH=str(tmp_path)), timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stdout.count("launched") == 2, proc.stdout
@@ -129,7 +129,7 @@ def test_horovodrun_forwards_stop_signals_and_ends_what_it_started(tmp_path, mod
         if nohup:
             signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
-    proc = subprocess.Popen([launch.find_program("horovodrun"), "-np", "2", mode, sys.executable, str(script),
+    proc = subprocess.Popen([mpi.find_program("horovodrun"), "-np", "2", mode, sys.executable, str(script),
                              str(tmp_path)], env=selftest.mpi_root_env(), start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=as_a_shell_starts_it)

@@ -10,16 +10,16 @@ import pytest
 
 from conftest import INTEL, MPICH, OPENMPI, REPO, run
 from hvdkit.checks import selftest
-from hvdkit.launch import cli as launch
+from hvdkit.launch import planner
 from hvdkit.launch.hostfile import LaunchError
 
 WORKER = ["python", "train.py"]
 
 
 def _plan(argv, environ=None, mpi=OPENMPI, on_path=("mpirun", "horovodrun", "srun"), root=False, cores=2):
-    args = launch.parser().parse_args(argv)
+    args = planner.parser().parse_args(argv)
     which = lambda name: f"/opt/bin/{name}" if name in on_path else None  # noqa: E731
-    return launch.plan(args, WORKER, environ or {}, which, lambda _: mpi, root, cores)
+    return planner.plan(args, WORKER, environ or {}, which, lambda _: mpi, root, cores)
 
 
 def test_the_hosts_of_a_rehearsal_are_found_as_a_slurm_allocations_are():
@@ -78,9 +78,9 @@ def test_horovodrun_uses_the_allocation_hosts_in_slurm():
 
 def test_an_elastic_job_runs_under_horovodrun_with_its_discovery_script_hosts():
     discovery = ["--min-np", "2", "--max-np", "4", "--host-discovery-script", "discover.sh"]
-    args = launch.parser().parse_args(["-np", "4"])
+    args = planner.parser().parse_args(["-np", "4"])
     which = lambda name: f"/opt/bin/{name}"  # noqa: E731
-    result = launch.plan(args, WORKER, {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]"}, which,
+    result = planner.plan(args, WORKER, {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]"}, which,
                          lambda _: OPENMPI, False, 2, launcher_args=discovery)
     assert result.launcher == "horovodrun" and "elastic" in result.reason
     assert result.command == ["/opt/bin/horovodrun", "-np", "4", *discovery, *WORKER]  # no -H: discovery's hosts
@@ -88,7 +88,7 @@ def test_an_elastic_job_runs_under_horovodrun_with_its_discovery_script_hosts():
     for argv, message in ((["-np", "4", "-H", "a:2,b:2"], "drop -H/--hostfile"),
                           (["-np", "4", "--launcher", "mpirun"], "elastic jobs run under horovodrun, not mpirun")):
         with pytest.raises(LaunchError, match=message):
-            launch.plan(launch.parser().parse_args(argv), WORKER, {}, which, lambda _: OPENMPI, False, 2,
+            planner.plan(planner.parser().parse_args(argv), WORKER, {}, which, lambda _: OPENMPI, False, 2,
                         launcher_args=discovery)
 
 

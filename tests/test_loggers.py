@@ -13,10 +13,10 @@ import pytest
 
 import tracked
 from conftest import REPO, kill_tree, metrics_records, run, wait_for_file
-from hvdkit import checkpoint
+from hvdkit import checkpoint, config
 from hvdkit import plot as plots
 from hvdkit.checks import selftest
-from hvdkit.launch import cli as launch
+from hvdkit.launch import planner
 from hvdkit.rank import loggers
 
 ALL = "mlflow,wandb,csv,tensorboard"
@@ -60,7 +60,7 @@ def no_wandb_process_left(folder):
 def clean_run(tmp_path_factory):
     """One run of `hvdkit train` at np=2 under plain mpirun with all four loggers, to the end."""
     folder = tmp_path_factory.mktemp("clean")
-    proc = run(launch.local_command("mpirun", 2, [*TRAIN, "--max-steps", "30", "--log-dir", str(folder / "logs")]),
+    proc = run(planner.local_command("mpirun", 2, [*TRAIN, "--max-steps", "30", "--log-dir", str(folder / "logs")]),
                cwd=folder, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return folder, metrics_records(folder / "logs" / "metrics.jsonl")
@@ -72,7 +72,7 @@ def resumed_runs(tmp_path_factory):
     checkpoint, then the same command again, which resumes it and finishes. Each job's log
     directory is a new runs/<date>-<time>, as by default."""
     folder = tmp_path_factory.mktemp("resumed")
-    command = launch.local_command("horovodrun --gloo", 2, [*TRAIN, "--max-steps", "40", "--checkpoint-steps", "10",
+    command = planner.local_command("horovodrun --gloo", 2, [*TRAIN, "--max-steps", "40", "--checkpoint-steps", "10",
                                                            "--checkpoint-dir", str(folder / "ckpt")])
     env = dict(selftest.mpi_root_env(), PYTHONPATH=str(REPO))
     first = subprocess.Popen(command, cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -188,7 +188,7 @@ def test_plot_draws_each_metric_throughput_and_every_ranks_compute_and_wait(resu
 def test_a_tracker_failing_mid_run_is_one_warning_and_the_others_go_on(tmp_path):
     """The CSV logger's folder vanishes after step 10 of an own loop that never calls finish():
     one warning, the run ends 0, metrics.jsonl, TensorBoard and MLflow hold every report."""
-    proc = run(launch.local_command("mpirun", 2, [sys.executable, str(REPO / "tests" / "loggers_script.py"),
+    proc = run(planner.local_command("mpirun", 2, [sys.executable, str(REPO / "tests" / "loggers_script.py"),
                                                   "--loggers", "csv,tensorboard,mlflow", "--break-csv-at", "10",
                                                   "--no-finish"]),
                env=dict(selftest.mpi_root_env(), HVDKIT_LOG_DIR=str(tmp_path / "logs")), cwd=tmp_path)
@@ -206,7 +206,7 @@ def test_a_tracker_failing_mid_run_is_one_warning_and_the_others_go_on(tmp_path)
 
 @pytest.mark.slow
 def test_an_unreachable_tracking_uri_is_one_line_before_training(tmp_path):
-    proc = run(launch.local_command("horovodrun --gloo", 2, [
+    proc = run(planner.local_command("horovodrun --gloo", 2, [
         sys.executable, "-m", "hvdkit", "train", "--max-steps", "5", "--logger", "mlflow,csv",
         "--tracking-uri", "http://127.0.0.1:1", "--checkpoint-dir", str(tmp_path / "ckpt"),
         "--log-dir", str(tmp_path / "logs")]), cwd=tmp_path, timeout=120)
@@ -233,9 +233,9 @@ def test_a_bad_logger_is_one_line_before_horovod_starts(tmp_path, flags, line):
 
 
 def test_logger_names_and_flat_scalars():
-    assert loggers.names("MLflow, csv,mlflow") == ["mlflow", "csv"] and loggers.names("none") == []
+    assert config.logger_names("MLflow, csv,mlflow") == ["mlflow", "csv"] and config.logger_names("none") == []
     with pytest.raises(ValueError, match="unknown logger 'tb'"):
-        loggers.names("tb")
+        config.logger_names("tb")
     flat = loggers.scalars("summary", {"steps": 3, "stopped": False, "note": "x", "loss": None,
                                        "per_rank": [{"rank": 1, "host": "a", "wait_ms": 2.5}],
                                        "memory": [{"phases": {"unit": "rss", "step": 7}}]})

@@ -20,7 +20,8 @@ import pytest
 
 from conftest import REPO, kill_tree, run, wait_for
 from hvdkit.build import builder as build
-from hvdkit.checks import doctor, selftest
+from hvdkit.checks import selftest
+from hvdkit.launch import mpi
 
 pytestmark = pytest.mark.slow
 HYDRA = "/usr/bin/mpiexec.mpich"
@@ -72,7 +73,7 @@ def test_the_offline_build_is_mpich_and_cached_apart(mpich):
     assert openmpi.local_version not in mpich["wheel"].name  # its own cache key and version
     extension = next((mpich["site"] / "horovod" / "torch").glob("mpi_lib_v2*.so"))
     ldd = subprocess.run(["ldd", str(extension)], capture_output=True, text=True).stdout
-    assert doctor.built_mpi_flavor(ldd) == "mpich", ldd
+    assert mpi.built_flavor(ldd) == "mpich", ldd
 
 
 def test_hydra_runs_the_selftest_worker(mpich):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hvdkit.container import mpijob
+from hvdkit.container import mpijob, pods
 from k8s_validate import problems
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -37,15 +37,15 @@ def test_the_launcher_runs_the_ranks_over_the_operators_hostfile_and_workers_run
     replicas = manifest["spec"]["mpiReplicaSpecs"]
     [launcher] = replicas["Launcher"]["template"]["spec"]["containers"]
     [worker] = replicas["Worker"]["template"]["spec"]["containers"]
-    assert launcher["command"] == mpijob.launcher_command(16, CASES["mpijob-2x8-gpus.yaml"]["command"])
+    assert launcher["command"] == pods.launcher_command(16, CASES["mpijob-2x8-gpus.yaml"]["command"])
     assert launcher["command"][:7] == ["hvdkit", "launch", "--launcher", "mpirun", "--hostfile", "/etc/mpi/hostfile",
                                        "-np"]
-    assert worker["command"] == mpijob.worker_command()
+    assert worker["command"] == pods.worker_command()
     assert worker["resources"] == {"limits": {"nvidia.com/gpu": 8}}
     for replica in replicas.values():
         pod = replica["template"]["spec"]
-        assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == mpijob.USER_ID
-        assert pod["terminationGracePeriodSeconds"] == mpijob.DEFAULT_GRACE
+        assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == pods.USER_ID
+        assert pod["terminationGracePeriodSeconds"] == pods.DEFAULT_GRACE
         assert {"name": "workspace", "persistentVolumeClaim": {"claimName": "checkpoints"}} in pod["volumes"]
     assert manifest["spec"]["sshAuthMountPath"] == "/home/hvdkit/.ssh"
     assert manifest["spec"]["launcherCreationPolicy"] == "WaitForWorkersReady"

@@ -30,7 +30,7 @@ from conftest import (
 )
 from hvdkit import job
 from hvdkit.checks import selftest
-from hvdkit.launch import cli as launch
+from hvdkit.launch import mpi
 from hvdkit.rehearse import namespaces as namespace_hosts
 
 pytestmark = pytest.mark.slow
@@ -91,9 +91,9 @@ PAIR = ["-np", "2", "-H", "h1:1,h2:1"]
 # Plain horovodrun as users type it (its cache of the interfaces it found, ~/.horovod, off: each
 # run finds them), and mpirun through hvdkit launch.
 RENAMED = {
-    "horovodrun --gloo": lambda: [launch.find_program("horovodrun"), "--gloo", "--disable-cache", *PAIR,
+    "horovodrun --gloo": lambda: [mpi.find_program("horovodrun"), "--gloo", "--disable-cache", *PAIR,
                                   sys.executable],
-    "horovodrun --mpi": lambda: [launch.find_program("horovodrun"), "--mpi", "--disable-cache", *PAIR,
+    "horovodrun --mpi": lambda: [mpi.find_program("horovodrun"), "--mpi", "--disable-cache", *PAIR,
                                  sys.executable],
     "hvdkit launch mpirun": lambda: [*HVDKIT, "launch", "--launcher", "mpirun", *PAIR, "--", sys.executable],
 }
@@ -172,7 +172,7 @@ def test_elastic_training_loses_a_host_goes_on_and_takes_it_back(hosts, tmp_path
     job cannot finish first."""
     hostfile, logs = tmp_path / "hosts", tmp_path / "logs"
     hostfile.write_text("h1:1\nh2:1\nh3:1\n")
-    horovodrun = [launch.find_program("horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3",
+    horovodrun = [mpi.find_program("horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3",
                   "--blacklist-cooldown-range", "5", "10",  # so that h3 may come back after its workers failed
                   "--host-discovery-script", str(REPO / "launchers" / "discover_hosts.sh")]
     train = [*HVDKIT, "train", "--elastic", "--model", "mlp", "--dataset", "synthetic", "--epochs", "100",

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import run
 from hvdkit.checks import selftest
-from hvdkit.launch import cli as launch
+from hvdkit.launch import planner
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ LAUNCHES = {
 def test_two_ranks_agree(name, hvd_built):
     controller, launcher = LAUNCHES[name]
     assert hvd_built[controller], f"Horovod was built without {controller}"
-    proc = run(launch.local_command(name, 2, selftest.worker_command()), timeout=240)
+    proc = run(planner.local_command(name, 2, selftest.worker_command()), timeout=240)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
     results = selftest.parse_results(proc.stdout)
     assert [r["rank"] for r in results] == [0, 1], proc.stdout[-2000:]

@@ -8,8 +8,7 @@ import time
 import pytest
 
 from conftest import MPICH, OPENMPI, run
-from hvdkit.launch import cli as launch
-from hvdkit.launch import network
+from hvdkit.launch import network, planner
 from hvdkit.launch.hostfile import LaunchError
 from hvdkit.launch.network import NetworkError
 
@@ -43,10 +42,10 @@ def test_the_network_is_this_hosts_route_to_the_others():
 
 
 def _pinned_plan(argv, environ=None, mpi=OPENMPI):
-    args = launch.parser().parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args = planner.parser().parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     which = lambda name: f"/opt/bin/{name}"  # noqa: E731
     own = argv[argv.index("--") + 1:] if "--" in argv else []
-    return launch.plan(args, WORKER, environ or {}, which, lambda _: mpi, False, 2, own,
+    return planner.plan(args, WORKER, environ or {}, which, lambda _: mpi, False, 2, own,
                        network=lambda names: network.Network("eth0", "10.1.0.0/24", ("h2", "h3")))
 
 
@@ -69,12 +68,12 @@ def test_mpirun_across_hosts_is_pinned_to_that_network_unless_the_user_chose():
 
 
 def test_a_host_that_does_not_resolve_is_one_line_before_the_job():
-    args = launch.parser().parse_args(["-np", "2", "-H", "h1:1,nosuchhost:1", "--launcher", "mpirun"])
+    args = planner.parser().parse_args(["-np", "2", "-H", "h1:1,nosuchhost:1", "--launcher", "mpirun"])
 
     def lookup(names):
         return network.routable_network(names, _resolve, lambda a: "10.1.0.11", lambda: INTERFACES)
     with pytest.raises(LaunchError, match="^host nosuchhost does not resolve"):
-        launch.plan(args, WORKER, {}, lambda name: f"/opt/bin/{name}", lambda _: OPENMPI, False, 2, network=lookup)
+        planner.plan(args, WORKER, {}, lambda name: f"/opt/bin/{name}", lambda _: OPENMPI, False, 2, network=lookup)
     proc = run([sys.executable, "-m", "hvdkit", "launch", "-np", "2", "-H", "localhost:1,nosuchhost.invalid:1",
                 "--launcher", "horovodrun", "--", "true"])
     assert proc.returncode == 2

@@ -18,7 +18,7 @@ import pytest
 from conftest import REPO, kill_tree, untagged
 from hvdkit import checkpoint
 from hvdkit.checks import selftest
-from hvdkit.launch import cli as launch
+from hvdkit.launch import mpi
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def _launch(mode, program, tmp_path):
     ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
     env = dict(selftest.mpi_root_env(), PYTHONPATH=str(REPO), HVDKIT_CHECKPOINT_DIR=str(ckpt),
                HVDKIT_CHECKPOINT_STEPS="20", HVDKIT_LOG_DIR=str(logs))
-    cmd = [launch.find_program("horovodrun"), "-np", "2", mode, *PROGRAMS[program]]
+    cmd = [mpi.find_program("horovodrun"), "-np", "2", mode, *PROGRAMS[program]]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 

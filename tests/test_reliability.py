@@ -22,7 +22,7 @@ from conftest import (
 )
 from hvdkit import checkpoint
 from hvdkit.checks import selftest
-from hvdkit.launch import cli as launch
+from hvdkit.launch import planner
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,7 @@ RUN = ["--model", "mlp", "--epochs", "4", "--lr-schedule", "step", "--lr-decay-e
 
 
 def mpirun_train(ckpt, logs, *args):
-    return launch.local_command("mpirun", 2, [*TRAIN, "--checkpoint-dir", str(ckpt), "--log-dir", str(logs), *RUN,
+    return planner.local_command("mpirun", 2, [*TRAIN, "--checkpoint-dir", str(ckpt), "--log-dir", str(logs), *RUN,
                                               *args])
 
 
@@ -183,7 +183,7 @@ def test_unusable_checkpoints_stop_in_one_line_and_touch_nothing(tmp_path, five_
 def test_resume_with_another_world_size_is_refused(tmp_path, five_steps):
     shutil.copytree(five_steps, tmp_path, dirs_exist_ok=True)
     before = _snapshot(tmp_path / "ckpt")
-    proc = run(launch.local_command("mpirun", 2, [*TRAIN, "--model", "mlp", "--epochs", "1",
+    proc = run(planner.local_command("mpirun", 2, [*TRAIN, "--model", "mlp", "--epochs", "1",
                                            "--checkpoint-dir", str(tmp_path / "ckpt"),
                                            "--log-dir", str(tmp_path / "logs2")]))
     assert proc.returncode != 0
@@ -231,9 +231,9 @@ for step in range(1000):
 """
 
 LAUNCHES = {
-    "horovodrun --gloo": lambda cmd: launch.local_command("horovodrun --gloo", 2, cmd),
-    "horovodrun --mpi": lambda cmd: launch.local_command("horovodrun --mpi", 2, cmd),
-    "mpirun": lambda cmd: launch.local_command("mpirun", 2, cmd),
+    "horovodrun --gloo": lambda cmd: planner.local_command("horovodrun --gloo", 2, cmd),
+    "horovodrun --mpi": lambda cmd: planner.local_command("horovodrun --mpi", 2, cmd),
+    "mpirun": lambda cmd: planner.local_command("mpirun", 2, cmd),
 }
 
 
@@ -315,7 +315,7 @@ def test_failure_hints_for_oom_and_nccl():
 
 
 def test_dataset_smaller_than_one_global_batch(tmp_path):
-    proc = run(launch.local_command("mpirun", 2, [*TRAIN, "--batch-size", "1024", "--log-dir", str(tmp_path)]))
+    proc = run(planner.local_command("mpirun", 2, [*TRAIN, "--batch-size", "1024", "--log-dir", str(tmp_path)]))
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.startswith("hvdkit train:")]
     assert lines == ["hvdkit train: data: the training set has 1437 samples, fewer than "

@@ -11,10 +11,17 @@ import psutil
 import pytest
 import torch
 
-from conftest import REPO, assert_bitwise_equal, final_weights, kill_tree, run, wait_for_file
+from conftest import (
+    REPO,
+    assert_bitwise_equal,
+    final_weights,
+    kill_tree,
+    run,
+    wait_for_file,
+)
 from hvdkit import checkpoint
 from hvdkit.checks import selftest
-from hvdkit.launch import cli as launch
+from hvdkit.launch import mpi, planner
 
 PORTED = [sys.executable, str(REPO / "examples" / "hvdkit_digits.py")]
 SLOW_LOOP = [sys.executable, str(REPO / "tests" / "slow_loop.py")]
@@ -23,7 +30,7 @@ SLOW_LOOP = [sys.executable, str(REPO / "tests" / "slow_loop.py")]
 # -- real processes ------------------------------------------------------------------------
 
 def _ported(np_, env=None):
-    return launch.local_command("mpirun", np_, PORTED), {**os.environ, **(env or {})}
+    return planner.local_command("mpirun", np_, PORTED), {**os.environ, **(env or {})}
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +105,7 @@ def test_readme_own_loop_example_runs_and_resumes(tmp_path):
     """The own-loop example of docs/own-loop.md, as a user would run it, then run again."""
     script = tmp_path / "own_loop.py"
     script.write_text(_first_python_block(REPO / "docs" / "own-loop.md"))
-    command = launch.local_command("horovodrun --gloo", 2, [sys.executable, str(script)])
+    command = planner.local_command("horovodrun --gloo", 2, [sys.executable, str(script)])
     proc = run(command, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = selftest.parse_records(proc.stdout, "summary")[0]
@@ -171,7 +178,7 @@ def test_own_errors_in_a_session_loop_are_one_line_once_under_plain_horovodrun(t
     ckpt = tmp_path / "ckpt"
     loop = [*SLOW_LOOP, "--epochs", "1", "--checkpoint-dir", str(ckpt), "--checkpoint-steps", "5",
             "--log-dir", str(tmp_path / "logs")]
-    proc = run([launch.find_program("horovodrun"), "-np", "2", "-H", "localhost:2", *loop, "--nan-at-step", "7"],
+    proc = run([mpi.find_program("horovodrun"), "-np", "2", "-H", "localhost:2", *loop, "--nan-at-step", "7"],
                cwd=tmp_path)
     output = proc.stdout + proc.stderr
     kept = checkpoint.path_for(str(ckpt), 5)
@@ -200,7 +207,7 @@ def test_a_non_finite_step_skipped_on_the_device_is_named_at_the_next_checkpoint
     the last; with skip, the warning names step 7, the run ends 0 and every checkpoint is finite."""
     loop = [*SLOW_LOOP, "--epochs", "1", "--checkpoint-steps", "5", "--nan-at-step", "7", "--fused"]
     ckpt = tmp_path / "stop"
-    proc = run([launch.find_program("horovodrun"), "-np", "2", "-H", "localhost:2", *loop,
+    proc = run([mpi.find_program("horovodrun"), "-np", "2", "-H", "localhost:2", *loop,
                 "--checkpoint-dir", str(ckpt), "--log-dir", str(tmp_path / "logs")], cwd=tmp_path)
     kept = checkpoint.path_for(str(ckpt), 5)
     line = (f"hvdkit: error: the loss or gradients of step 7 (epoch 1) are not finite; stopped before applying them, "
@@ -209,7 +216,7 @@ def test_a_non_finite_step_skipped_on_the_device_is_named_at_the_next_checkpoint
     printed = proc.stdout.splitlines()  # steps 8 and 9 were taken (and applied) before the read
     assert "step 9" in printed and "step 10" not in printed and checkpoint.existing(str(ckpt)) == [kept], printed
     skip = tmp_path / "skip"
-    proc = run([launch.find_program("horovodrun"), "-np", "2", "-H", "localhost:2", *loop,
+    proc = run([mpi.find_program("horovodrun"), "-np", "2", "-H", "localhost:2", *loop,
                 "--checkpoint-dir", str(skip), "--log-dir", str(tmp_path / "logs2")], cwd=tmp_path,
                env={**os.environ, "HVDKIT_ON_NONFINITE": "skip"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -11,11 +11,17 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import REPO, assert_bitwise_equal, final_weights, require_slurm_on_namespaces, run
+from conftest import (
+    REPO,
+    assert_bitwise_equal,
+    final_weights,
+    require_slurm_on_namespaces,
+    run,
+)
 from hvdkit import checkpoint
 from hvdkit.checks import selftest
 from hvdkit.container.engine import Limits
-from hvdkit.launch import cli as launch
+from hvdkit.launch import planner
 from hvdkit.rehearse import namespaces as namespace_hosts
 from hvdkit.rehearse import slurm_cluster
 
@@ -145,7 +151,7 @@ PREEMPT_ARGS = "--dataset synthetic --epochs 2 --log-interval 4"
 
 def reference_run(tmp_path, command):
     """The final checkpoint of ``command`` run uninterrupted on 2 ranks by mpirun."""
-    proc = run(launch.local_command("mpirun", 2, [*command, "--checkpoint-dir", str(tmp_path / "reference"),
+    proc = run(planner.local_command("mpirun", 2, [*command, "--checkpoint-dir", str(tmp_path / "reference"),
                                            "--log-dir", str(tmp_path / "reference-logs")]),
                env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -15,10 +15,18 @@ import psutil
 import pytest
 import torch
 
-from conftest import REPO, assert_bitwise_equal, elastic_on_this_host, final_weights, kill_tree, run, untagged
+from conftest import (
+    REPO,
+    assert_bitwise_equal,
+    elastic_on_this_host,
+    final_weights,
+    kill_tree,
+    run,
+    untagged,
+)
 from hvdkit import checkpoint
 from hvdkit.checks import selftest
-from hvdkit.launch import cli as launch
+from hvdkit.launch import planner
 
 pytestmark = pytest.mark.slow
 
@@ -33,8 +41,8 @@ LAUNCHERS = {  # name: the command that runs `command` on 2 ranks
     "hvdkit launch horovodrun --mpi": lambda command: [*LAUNCH, "--launcher", "horovodrun", "--mpi", "--", *command],
     "hvdkit launch horovodrun --gloo": lambda command: [*LAUNCH, "--launcher", "horovodrun", "--gloo", "--",
                                                         *command],
-    "mpirun": lambda command: launch.local_command("mpirun", 2, command),
-    "horovodrun --gloo": lambda command: launch.local_command("horovodrun --gloo", 2, command),
+    "mpirun": lambda command: planner.local_command("mpirun", 2, command),
+    "horovodrun --gloo": lambda command: planner.local_command("horovodrun --gloo", 2, command),
 }
 
 
@@ -84,7 +92,7 @@ def finish(proc, tree, seconds=90):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("long")
-    proc = run(launch.local_command("mpirun", 2, [*TRAIN, *SHORT, "--checkpoint-dir", str(tmp / "ckpt"),
+    proc = run(planner.local_command("mpirun", 2, [*TRAIN, *SHORT, "--checkpoint-dir", str(tmp / "ckpt"),
                                            "--log-dir", str(tmp / "logs")]))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return final_weights(tmp / "ckpt")
@@ -122,7 +130,7 @@ def test_stopped_by_sigterm_then_resumed_is_bitwise_identical(tmp_path, uninterr
     finish(proc, tree)
     assert proc.returncode == 143
     assert checkpoint.load(checkpoint.existing(str(tmp_path / "ckpt"))[-1])["step"] < 230, "stopped before the decay"
-    resumed = run(launch.local_command("mpirun", 2, [*TRAIN, *SHORT, "--checkpoint-dir", str(tmp_path / "ckpt"),
+    resumed = run(planner.local_command("mpirun", 2, [*TRAIN, *SHORT, "--checkpoint-dir", str(tmp_path / "ckpt"),
                                               "--log-dir", str(tmp_path / "logs")]))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_bitwise_equal(final_weights(tmp_path / "ckpt"), uninterrupted)
@@ -274,7 +282,7 @@ def test_a_frozen_rank_ends_the_job_at_the_stall_limit_named_with_exit_code_75(t
 
 
 def test_a_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
-    proc = run(launch.local_command("mpirun", 2, [*TRAIN, "--model", "mlp", "--base-lr", "1e6",
+    proc = run(planner.local_command("mpirun", 2, [*TRAIN, "--model", "mlp", "--base-lr", "1e6",
                                                   "--checkpoint-steps", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
                                                   "--log-dir", str(tmp_path / "logs")]))
     assert proc.returncode == 1
@@ -303,7 +311,7 @@ def test_an_unreadable_sample_is_one_line_or_skipped(tmp_path):
     bad.write_bytes(os.urandom(2000))
     args = [*TRAIN, "--dataset", "imagefolder", "--data-dir", str(tmp_path / "data"), "--image-size", "16",
             "--batch-size", "8", "--epochs", "1", "--model", "mlp", "--log-dir", str(tmp_path / "logs")]
-    failed = run(launch.local_command("mpirun", 2, args))
+    failed = run(planner.local_command("mpirun", 2, args))
     assert failed.returncode != 0
     lines = [line for line in failed.stderr.splitlines() if line.startswith("hvdkit train: data:")]
     assert len(lines) == 1 and f"({bad}) cannot be read: UnidentifiedImageError" in lines[0], failed.stderr[-3000:]
@@ -311,7 +319,7 @@ def test_an_unreadable_sample_is_one_line_or_skipped(tmp_path):
     others = [line for line in failed.stderr.splitlines() if "another rank ended first" in line]
     assert len(others) <= 1 and all(re.fullmatch(r"hvdkit train: rank [01] stopped because another rank ended "
                                                  r"first; that rank's own line says why", line) for line in others)
-    skipped = run(launch.local_command("mpirun", 2, [*args, "--skip-bad-samples", "--num-workers", "1"]))
+    skipped = run(planner.local_command("mpirun", 2, [*args, "--skip-bad-samples", "--num-workers", "1"]))
     assert skipped.returncode == 0, skipped.stderr[-3000:]
     assert selftest.parse_records(skipped.stdout, "summary")[0]["skipped_samples"] == 1
 
@@ -330,9 +338,10 @@ def test_a_directory_in_use_is_refused_and_a_stale_lock_is_not(tmp_path):
     assert not alive
     assert (tmp_path / "ckpt" / ".hvdkit-run.lock").exists()
     newest = checkpoint.load(checkpoint.existing(str(tmp_path / "ckpt"))[-1])["step"]
-    resumed = run(launch.local_command("mpirun", 2, [*TRAIN, *LONG, "--epochs", "1000", "--max-steps", str(newest + 30),
-                                              "--checkpoint-dir", str(tmp_path / "ckpt"),
-                                              "--log-dir", str(tmp_path / "logs")]))
+    resumed = run(planner.local_command("mpirun", 2, [*TRAIN, *LONG, "--epochs", "1000",
+                                                      "--max-steps", str(newest + 30),
+                                                      "--checkpoint-dir", str(tmp_path / "ckpt"),
+                                                      "--log-dir", str(tmp_path / "logs")]))
     assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
     assert not (tmp_path / "ckpt" / ".hvdkit-run.lock").exists()
     summary = selftest.parse_records(resumed.stdout, "summary")[0]

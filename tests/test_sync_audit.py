@@ -9,7 +9,7 @@ import pytest
 
 from conftest import REPO, run
 from hvdkit.checks import selftest
-from hvdkit.launch import cli as launch
+from hvdkit.launch import planner
 from hvdkit.zero.optimizer import IN_FLIGHT_VARIABLE, STAGE2_IN_FLIGHT
 
 SCRIPT = str(REPO / "tests" / "sync_audit_script.py")
@@ -20,7 +20,7 @@ def audited(shape: str, layers: int = 2, in_flight: str = "1") -> dict:
     """ZeRO keeps its collectives in flight on GPUs only (docs/zero.md): ``in_flight`` "1" makes
     it do so here too, so that the GPU's policy is what is counted."""
     env = {**os.environ, IN_FLIGHT_VARIABLE: in_flight}
-    proc = run(launch.local_command("horovodrun --gloo", 2, [sys.executable, SCRIPT, shape, str(layers)]), env=env,
+    proc = run(planner.local_command("horovodrun --gloo", 2, [sys.executable, SCRIPT, shape, str(layers)]), env=env,
                timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = selftest.parse_records(proc.stdout, "sync.audit")

@@ -16,7 +16,7 @@ from conftest import assert_bitwise_equal, final_weights, kill_tree, run, wait_f
 from hvdkit import checkpoint
 from hvdkit.checks import selftest
 from hvdkit.config import TrainConfig
-from hvdkit.launch import cli as launch
+from hvdkit.launch import planner
 from hvdkit.trainer import lr_factor
 
 TRAIN = [sys.executable, "-m", "hvdkit", "train"]
@@ -102,7 +102,7 @@ def test_trainer_takes_any_optimizer_loss_and_batch_shape(tmp_path, case):
     script = tmp_path / "own.py"
     script.write_text(OWN_TRAINER)
     own = [sys.executable, str(script), case, str(tmp_path / "logs")]
-    proc = run(launch.local_command("horovodrun --gloo", 2, own))
+    proc = run(planner.local_command("horovodrun --gloo", 2, own))
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = selftest.parse_records(proc.stdout, "summary")[0]
     # 512 samples, 2 ranks x 16 x K=2: 8 steps an epoch
@@ -145,7 +145,7 @@ def _train(tmp_path, name, args, launcher=None):
     ckpt = tmp_path / name
     cmd = [*TRAIN, *LM, "--data-dir", str(_corpus(tmp_path)), "--checkpoint-dir", str(ckpt),
            "--log-dir", str(tmp_path / f"{name}-logs"), *args]
-    proc = run(launch.local_command("mpirun", 2, cmd) if launcher == "mpirun" else cmd)
+    proc = run(planner.local_command("mpirun", 2, cmd) if launcher == "mpirun" else cmd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return selftest.parse_records(proc.stdout, "summary")[0], final_weights(ckpt)
 
@@ -178,7 +178,7 @@ def test_language_model_resumes_after_sigkill_bitwise(tmp_path):
             "--amp", "--base-lr", "2e-3"]
     _, uninterrupted = _train(tmp_path, "straight", args, launcher="mpirun")
     ckpt = tmp_path / "killed"
-    cmd = launch.local_command("mpirun", 2, [*TRAIN, *LM, "--data-dir", str(_corpus(tmp_path)), "--checkpoint-dir",
+    cmd = planner.local_command("mpirun", 2, [*TRAIN, *LM, "--data-dir", str(_corpus(tmp_path)), "--checkpoint-dir",
                                              str(ckpt), "--log-dir", str(tmp_path / "killed-logs"), *args])
     proc = subprocess.Popen(cmd, env=selftest.mpi_root_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -197,7 +197,7 @@ def test_torch_compile_trains_like_eager(tmp_path):
     weights = {}
     for name, extra in (("eager", []), ("compiled", ["--compile"])):
         ckpt = tmp_path / name
-        proc = run(launch.local_command("mpirun", 2, [*TRAIN, *args, *extra, "--checkpoint-dir", str(ckpt),
+        proc = run(planner.local_command("mpirun", 2, [*TRAIN, *args, *extra, "--checkpoint-dir", str(ckpt),
                                                "--log-dir", str(tmp_path / f"{name}-logs")]), timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         weights[name] = final_weights(ckpt)

@@ -9,15 +9,15 @@ import torch
 
 from conftest import final_weights, run
 from hvdkit.checks import selftest
-from hvdkit.launch import cli as launch
+from hvdkit.launch import planner
 from test_data import make_imagefolder
 
 pytestmark = pytest.mark.slow
 
 TRAIN = [sys.executable, "-m", "hvdkit", "train"]
 LAUNCHERS = {
-    "horovodrun --gloo": lambda cmd: launch.local_command("horovodrun --gloo", 2, cmd),
-    "mpirun": lambda cmd: launch.local_command("mpirun", 2, cmd),
+    "horovodrun --gloo": lambda cmd: planner.local_command("horovodrun --gloo", 2, cmd),
+    "mpirun": lambda cmd: planner.local_command("mpirun", 2, cmd),
 }
 # Plain SGD steps on a model without batch norm or dropout: data parallelism must be exact.
 EXACT = ["--model", "mlp", "--warmup-epochs", "0", "--lr-schedule", "none", "--max-steps", "5"]
@@ -117,7 +117,7 @@ def test_readme_library_example_runs_on_two_ranks(tmp_path):
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     script = tmp_path / "train_mine.py"
     script.write_text(code)
-    proc = run(launch.local_command("horovodrun --gloo", 2, [sys.executable, str(script)]), cwd=tmp_path)
+    proc = run(planner.local_command("horovodrun --gloo", 2, [sys.executable, str(script)]), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = selftest.parse_records(proc.stdout, "summary")[0]
     assert summary["world_size"] == 2 and summary["test_samples"] == 512

@@ -15,7 +15,7 @@ from torch import nn
 from conftest import REPO, run
 from hvdkit import checkpoint
 from hvdkit.config import ConfigError
-from hvdkit.launch import cli as launch
+from hvdkit.launch import planner
 from hvdkit.zero import optimizer as zero
 
 pytestmark = pytest.mark.slow
@@ -31,7 +31,7 @@ def _env(**keys) -> dict:
 
 
 def _run(cmd, env=None, np=1, how="horovodrun --gloo", timeout=300):
-    proc = run(launch.local_command(how, np, cmd) if np > 1 else cmd, env=env or _env(), timeout=timeout)
+    proc = run(planner.local_command(how, np, cmd) if np > 1 else cmd, env=env or _env(), timeout=timeout)
     return proc
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hvdkit.rank.memory import memory_of
 from hvdkit.zero import optimizer as zero
 
 STEPS, ROWS = 50, 12  # rows of a micro-batch over all ranks: divisible by 1, 2 and 3
@@ -71,7 +72,7 @@ def train(name: str, impl: str, passes: int, clip: float):
                 nn.utils.clip_grad_norm_(net.parameters(), clip)
         with contextlib.nullcontext() if alone else opt.skip_synchronize():
             opt.step()
-    return [p.detach().clone() for p in net.parameters()], zero.memory_of(opt)
+    return [p.detach().clone() for p in net.parameters()], memory_of(opt)
 
 
 def train_scaled(impl: str, overflow_at: int):

@@ -10,7 +10,3 @@ runs), ``workers`` (what each rank runs), ``figures`` (the arithmetic, which the
 on tiny inputs; no test times anything), ``environment`` (what is printed beside the figures)
 and ``plots`` (CSV and PNG files).
 """
-
-from hvdkit.bench.cli import main
-
-__all__ = ["main"]

@@ -8,8 +8,15 @@ import sys
 from typing import Optional, Sequence
 
 from hvdkit import env, job
+from hvdkit.args import OneLineParser, non_negative, number_list, positive
 from hvdkit.bench import sharded
-from hvdkit.bench.drivers import RunFailed, allreduce, compare_synthetic, print_estimate, scaling
+from hvdkit.bench.drivers import (
+    RunFailed,
+    allreduce,
+    compare_synthetic,
+    print_estimate,
+    scaling,
+)
 from hvdkit.bench.figures import BenchError, size_range
 from hvdkit.bench.workers import (
     IMPL_HELP,
@@ -17,43 +24,13 @@ from hvdkit.bench.workers import (
     allreduce_worker,
     synthetic_worker,
 )
-from hvdkit.cli import OneLineParser
+
+_world_sizes = number_list(int, "1,2,4", "world sizes must be >= 1")
+_link_speeds = number_list(float, "10,25,100", "link speeds must be > 0")
 
 
 def _np_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a list like 1,2,4, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"world sizes must be >= 1, got {text!r}")
-    return sorted(set(values))
-
-
-def _float_list(text: str) -> list[float]:
-    try:
-        values = [float(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a list like 10,25,100, got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"link speeds must be > 0, got {text!r}")
-    return values
-
-
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
-
-
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return int(text)
+    return sorted(set(_world_sizes(text)))
 
 
 def _compare_list(text: str) -> list[str]:
@@ -87,12 +64,12 @@ def _launch_arguments(p: argparse.ArgumentParser, files: bool) -> None:
 
 def _synthetic_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="resnet50", help="torchvision model or hvdkit model (default resnet50)")
-    p.add_argument("--batch-size", type=_positive, default=32, help="images per rank per step (default 32)")
-    p.add_argument("--image-size", type=_positive, default=224, help="side of the square images (default 224)")
-    p.add_argument("--num-classes", type=_positive, default=1000, help="default 1000, as ImageNet")
+    p.add_argument("--batch-size", type=positive, default=32, help="images per rank per step (default 32)")
+    p.add_argument("--image-size", type=positive, default=224, help="side of the square images (default 224)")
+    p.add_argument("--num-classes", type=positive, default=1000, help="default 1000, as ImageNet")
     p.add_argument("--num-warmup-batches", type=int, default=10, help="default 10")
-    p.add_argument("--num-batches-per-iter", type=_positive, default=10, help="default 10")
-    p.add_argument("--num-iters", type=_positive, default=10, help="default 10")
+    p.add_argument("--num-batches-per-iter", type=positive, default=10, help="default 10")
+    p.add_argument("--num-iters", type=positive, default=10, help="default 10")
     p.add_argument("--fp16-allreduce", action="store_true", help="compress gradients to fp16 for the allreduce")
     p.add_argument("--amp", action="store_true", help="mixed precision: bf16 on CPUs, fp16 + GradScaler on GPUs")
     p.add_argument("--profile", action="store_true",
@@ -108,14 +85,14 @@ def parser() -> argparse.ArgumentParser:
 
     syn = sub.add_parser("synthetic", help="Horovod's synthetic benchmark; --compare runs the peers in the same run")
     _synthetic_arguments(syn)
-    syn.add_argument("-np", "--np", "--num-proc", dest="np", type=_positive,
+    syn.add_argument("-np", "--np", "--num-proc", dest="np", type=positive,
                      help="ranks to launch (default: one per GPU, else per core); under a launcher, its ranks")
     syn.add_argument("--compare", type=_compare_list, default=[], metavar="IMPL[,IMPL]",
                      help=f"also run these, launched the same way: {IMPL_HELP}")
     syn.add_argument("--knob", type=_knob, action="append", default=[], metavar="NAME=VALUE",
                      help="also run hvdkit with this setting (HOROVOD_*, OMPI_MCA_*, NCCL_*, ...), one run "
                           "per --knob; repeatable")
-    syn.add_argument("--repeats", type=_positive, default=1, help="rounds over the implementations (default 1)")
+    syn.add_argument("--repeats", type=positive, default=1, help="rounds over the implementations (default 1)")
     syn.add_argument("--impl", choices=SYNTHETIC_IMPLS, help=argparse.SUPPRESS)
     _launch_arguments(syn, files=True)
 
@@ -128,9 +105,9 @@ def parser() -> argparse.ArgumentParser:
 
     ar = sub.add_parser("allreduce", help="allreduce bandwidth per size: Horovod beside raw MPI and torch.distributed")
     ar.add_argument("--sizes", default="4K..256M", help="4K..256M (powers of two) or 4K,1M,64M (default 4K..256M)")
-    ar.add_argument("--iters", type=_positive, help="timed allreduces per size (default: 1000 for small sizes "
+    ar.add_argument("--iters", type=positive, help="timed allreduces per size (default: 1000 for small sizes "
                                                     "down to 10 for large)")
-    ar.add_argument("-np", "--np", "--num-proc", dest="np", type=_positive,
+    ar.add_argument("-np", "--np", "--num-proc", dest="np", type=positive,
                     help="ranks (default: one per GPU, else per core)")
     ar.add_argument("--no-tuning", action="store_true",
                     help="leave Horovod's and MPI's defaults, without the Trainer's settings")
@@ -144,16 +121,16 @@ def parser() -> argparse.ArgumentParser:
 
     est = sub.add_parser("estimate", help="step time and efficiency at many ranks, from the ring-allreduce cost "
                                           "model and what `synthetic` measured (compute per step, gradient bytes)")
-    est.add_argument("--compute-ms", type=_non_negative, required=True,
+    est.add_argument("--compute-ms", type=non_negative, required=True,
                      help="forward+backward+step of one rank, no allreduce (synthetic prints it)")
-    est.add_argument("--gradient-bytes", type=_positive, required=True, help="bytes allreduced per step (fp32)")
-    est.add_argument("--batch-size", type=_positive, required=True, help="samples per rank per step")
+    est.add_argument("--gradient-bytes", type=positive, required=True, help="bytes allreduced per step (fp32)")
+    est.add_argument("--batch-size", type=positive, required=True, help="samples per rank per step")
     est.add_argument("--fp16-allreduce", action="store_true", help="gradients travel as fp16 (half the bytes)")
     est.add_argument("-np", "--np", dest="np_list", type=_np_list, default=[8, 16, 32, 64, 128, 256, 512],
                      metavar="N[,N]", help="world sizes (default 8,16,...,512)")
-    est.add_argument("--gbit", type=_float_list, default=[10.0, 25.0, 100.0], metavar="G[,G]",
+    est.add_argument("--gbit", type=_link_speeds, default=[10.0, 25.0, 100.0], metavar="G[,G]",
                      help="link speeds in Gbit/s (default 10,25,100)")
-    est.add_argument("--latency-us", type=_non_negative, default=25.0,
+    est.add_argument("--latency-us", type=non_negative, default=25.0,
                      help="per-hop latency in microseconds (default 25, TCP over Ethernet)")
     return p
 

@@ -25,7 +25,8 @@ from hvdkit.bench.figures import (
 )
 from hvdkit.bench.plots import plot_allreduce, plot_scaling, write_allreduce_csv
 from hvdkit.checks.selftest import mpi_root_env, parse_records
-from hvdkit.launch.cli import find_program, local_slots
+from hvdkit.launch.mpi import find_program
+from hvdkit.launch.planner import local_slots
 from hvdkit.launch.rank_output import untagged
 
 

@@ -8,7 +8,7 @@ import platform
 import socket
 from typing import Optional
 
-from hvdkit.launch.cli import local_slots
+from hvdkit.launch.planner import local_slots
 
 KNOB_PREFIXES = ("HOROVOD_", "NCCL_", "GLOO_", "OMPI_MCA_mpi_", "OMPI_MCA_btl", "OMPI_MCA_pml", "OMPI_MCA_coll",
                  "OMP_NUM_THREADS", "MKL_NUM_THREADS")

@@ -34,7 +34,6 @@ from hvdkit.build import patches
 from hvdkit.build.toolchain import (
     HOROVOD_VERSION,
     MPI_CHOICES,
-    MPI_NAMES,
     BuildError,
     Toolchain,
     check_build_tools,
@@ -42,6 +41,7 @@ from hvdkit.build.toolchain import (
     last_line,
     parse_version,
 )
+from hvdkit.launch.mpi import NAMES
 
 # setup.py of Horovod imports these at build time (setup_requires); with
 # --no-build-isolation they must already be in the environment.
@@ -113,7 +113,7 @@ class BuildPlan:
             f"Horovod {self.horovod_version} for torch {self.torch_version} ({self.python_tag}), "
             f"C++{self.cxx_standard}",
             "controllers: Gloo (no MPI: --mpi none)" if self.mpi == "none" else
-            f"controllers: MPI ({MPI_NAMES.get(self.mpi, self.mpi)}), Gloo",
+            f"controllers: MPI ({NAMES.get(self.mpi, self.mpi)}), Gloo",
             f"GPU operations: {gpu} ({self.gpu_reason})",
             "build flags: " + " ".join(f"{k}={v}" for k, v in sorted(self.flags.items())),
         ]

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional
 
+from hvdkit.launch.mpi import NAMES, wrapper_flavor
+
 HOROVOD_VERSION = "0.28.1"  # its last release, which hvdkit builds and patches
 MPI_CHOICES = ("auto", "openmpi", "mpich", "none")
-MPI_NAMES = {"openmpi": "Open MPI", "mpich": "MPICH", "intel": "Intel MPI"}
 
 
 class BuildError(Exception):
@@ -44,18 +45,6 @@ def nccl_version_from_header(text: str) -> Optional[str]:
     return ".".join(parts)
 
 
-def mpi_flavor_of_wrapper(show: str) -> str:
-    """openmpi, mpich or intel, from what the wrapper's ``-show`` prints (what it compiles with)."""
-    lowered = show.lower()
-    if "mpich" in lowered:
-        return "mpich"
-    if "intel" in lowered or "impi" in lowered:
-        return "intel"
-    if "openmpi" in lowered or "-lmpi" in show.split():
-        return "openmpi"
-    return "unknown"
-
-
 def find_mpicxx(requested: str, which: Callable[[str], Optional[str]], show: Callable[[str], str]) -> tuple:
     """(flavour, wrapper): ``mpicxx`` on PATH for auto, else the first of ``mpicxx`` and Debian's
     ``mpicxx.<flavour>`` that compiles against the MPI asked for; none: no MPI (Gloo only)."""
@@ -65,14 +54,14 @@ def find_mpicxx(requested: str, which: Callable[[str], Optional[str]], show: Cal
     for name in names:
         path = which(name)
         if path:
-            flavor = mpi_flavor_of_wrapper(show(path))
+            flavor = wrapper_flavor(show(path))
             if requested in ("auto", flavor):
                 return flavor, path
     if requested == "auto":
         raise BuildError("mpicxx not found on PATH; needed to build Horovod: apt-get install libopenmpi-dev "
                          "(or libmpich-dev), or 'module load' your cluster's MPI")
     package = {"openmpi": "libopenmpi-dev", "mpich": "libmpich-dev"}[requested]
-    raise BuildError(f"no {MPI_NAMES[requested]} compiler wrapper (mpicxx or mpicxx.{requested}) found; "
+    raise BuildError(f"no {NAMES[requested]} compiler wrapper (mpicxx or mpicxx.{requested}) found; "
                      f"apt-get install {package}, or 'module load' it")
 
 

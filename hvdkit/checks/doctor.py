@@ -11,13 +11,19 @@ import platform
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
 
 from hvdkit import env, job
 from hvdkit.checks import selftest
 from hvdkit.checks.host_facts import package_version
-from hvdkit.launch import cli as launch
-from hvdkit.launch.cli import describe_mpi, find_program, mpi_flavor, mpirun_version
+from hvdkit.launch import planner
+from hvdkit.launch.mpi import (
+    NAMES,
+    built_flavor,
+    describe_mpi,
+    find_program,
+    mpi_flavor,
+    mpirun_version,
+)
 
 SETUP_HINT = "run `make setup` in the hvdkit checkout, or `python -m hvdkit.build`"
 
@@ -111,30 +117,18 @@ def report_horovod(report: Report) -> list[str]:
     return controllers
 
 
-def built_mpi_flavor(ldd_text: str) -> Optional[str]:
-    """openmpi, mpich or intel: the MPI library Horovod's extension is linked to, from `ldd`."""
-    for line in ldd_text.splitlines():
-        name, _, path = line.strip().partition(" => ")
-        if name.startswith("libmpich"):
-            return "mpich"
-        if name.startswith("libmpi.so"):
-            return "intel" if "intel" in path.lower() else "openmpi"
-    return None
-
-
 def report_built_mpi(report: Report, package: Path) -> None:
     """Which MPI Horovod was built with, and a warning when mpirun on PATH is another: its ranks
     would each start a job of size 1."""
     libraries = sorted(package.glob("mpi_lib_v2*.so"))
     ldd = subprocess.run(["ldd", str(libraries[0])], capture_output=True, text=True).stdout if libraries else ""
-    built = built_mpi_flavor(ldd)
-    names = {"openmpi": "Open MPI", "mpich": "MPICH", "intel": "Intel MPI"}
-    report.line("  built with MPI", names.get(built, "unknown (ldd found no MPI library)"))
+    built = built_flavor(ldd)
+    report.line("  built with MPI", NAMES.get(built, "unknown (ldd found no MPI library)"))
     mpirun = find_program("mpirun")
     on_path = mpi_flavor(mpirun_version(mpirun)) if mpirun else None
     if built and on_path and on_path != built:
-        report.line("  warning", f"mpirun on PATH ({mpirun}) is {names.get(on_path, on_path)}, but Horovod was "
-                                 f"built with {names[built]}: put {names[built]}'s mpirun first on PATH, or "
+        report.line("  warning", f"mpirun on PATH ({mpirun}) is {NAMES.get(on_path, on_path)}, but Horovod was "
+                                 f"built with {NAMES[built]}: put {NAMES[built]}'s mpirun first on PATH, or "
                                  f"rebuild with python -m hvdkit.build --mpi {on_path} --force")
 
 
@@ -148,7 +142,7 @@ def report_launch(report: Report) -> None:
 def run_selftest(report: Report, controllers: list[str]) -> None:
     for controller in controllers:
         how = f"horovodrun --{controller}"
-        outcome = selftest.run(how, launch.local_command(how, selftest.NP, selftest.worker_command()))
+        outcome = selftest.run(how, planner.local_command(how, selftest.NP, selftest.worker_command()))
         verdict = "PASS" if outcome.ok else "FAIL"
         report.line(f"selftest {controller}", f"{verdict} in {outcome.seconds:.1f} s: {outcome.detail}")
         if not outcome.ok:

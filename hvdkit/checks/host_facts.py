@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from hvdkit.launch.mpi import describe_mpi, find_program, mpirun_version
+
 PACKAGES = ("torch", "torchvision", "horovod", "hvdkit", "mpi4py")
 
 
@@ -66,8 +68,6 @@ def _has(path: Path, name: bytes) -> bool:
 
 
 def mpi() -> Optional[str]:
-    from hvdkit.launch.cli import describe_mpi, find_program, mpirun_version
-
     mpirun = find_program("mpirun")
     return describe_mpi(mpirun_version(mpirun)) if mpirun else None
 

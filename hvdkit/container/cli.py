@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from hvdkit import job
-from hvdkit.cli import OneLineParser
+from hvdkit.args import OneLineParser
 from hvdkit.container import image
 from hvdkit.container.engine import EngineError, find_engine
 

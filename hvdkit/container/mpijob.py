@@ -4,7 +4,8 @@ The MPI operator starts the workers (each runs sshd as the non-root user and wai
 hostfile to /etc/mpi/hostfile (``worker-i.svc slots=N``), mounts the keys it generated at
 ``sshAuthMountPath`` and, once every worker is ready (``launcherCreationPolicy``), starts the
 launcher, which runs mpirun over ssh into the workers. The launcher's and workers' commands are
-built here, once: the multi-container job on this machine (hvdkit.container.podjob) runs the same.
+built once (hvdkit.container.pods): the multi-container job on this machine (hvdkit.container.podjob)
+runs the same.
 
     hvdkit mpijob --workers 2 --gpus-per-worker 8 --image REGISTRY/hvdkit:0.1.0-cuda13 \\
         --claim checkpoints -- hvdkit train --model resnet50 > job.yaml
@@ -27,34 +28,20 @@ from typing import Optional, Sequence
 import yaml
 
 from hvdkit import job
-from hvdkit.cli import OneLineParser
+from hvdkit.args import OneLineParser
+from hvdkit.container.pods import (
+    DEFAULT_GRACE,
+    SSH_AUTH,
+    SSH_PORT,
+    USER_ID,
+    WORKSPACE,
+    launcher_command,
+    run_env,
+    worker_command,
+)
 
 API_VERSION = "kubeflow.org/v2beta1"
-USER_ID = 1000  # the image's user `hvdkit`
-HOME = "/home/hvdkit"
-SSH_AUTH = f"{HOME}/.ssh"  # sshAuthMountPath: the operator's keys; the image's sshd reads authorized_keys here
-HOSTFILE = "/etc/mpi/hostfile"
-WORKSPACE = "/workspace"  # the image's working directory: runs and checkpoints
-SSH_PORT = 2222  # the image's sshd and ssh client (no root: no port below 1024)
-DEFAULT_GRACE = 120  # seconds: a pod's termination grace period, longer than a checkpoint takes
 NAME_RE = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")
-
-
-def worker_command() -> list[str]:
-    """What each worker runs: the image's own sshd, in the foreground, logging to stderr."""
-    return ["/usr/sbin/sshd", "-D", "-e", "-f", f"{HOME}/.sshd/sshd_config"]
-
-
-def launcher_command(ranks: int, command: Sequence[str]) -> list[str]:
-    """What the launcher runs: the ranks, over ssh, on the hosts of the operator's hostfile."""
-    return ["hvdkit", "launch", "--launcher", "mpirun", "--hostfile", HOSTFILE, "-np", str(ranks), "--", *command]
-
-
-def run_env(name: str) -> dict[str, str]:
-    """Where the job's logs and checkpoints go on the claim: the same on every restart, so a
-    restarted launcher resumes (hvdkit reads these; `hvdkit launch` hands them to each rank)."""
-    run_dir = f"{WORKSPACE}/runs/{name}"
-    return {"HVDKIT_LOG_DIR": run_dir, "HVDKIT_CHECKPOINT_DIR": f"{run_dir}/checkpoints"}
 
 
 class RenderError(ValueError):

@@ -4,8 +4,8 @@
 
 What the operator does, done with podman or docker: one network; a key pair mounted in every
 container at sshAuthMountPath; N workers, each running the image's sshd as the non-root user
-(mpijob.worker_command); once every worker's sshd answers (WaitForWorkersReady), the launcher,
-with the hostfile at /etc/mpi/hostfile, running mpijob.launcher_command (mpirun over ssh into the
+(pods.worker_command); once every worker's sshd answers (WaitForWorkersReady), the launcher,
+with the hostfile at /etc/mpi/hostfile, running pods.launcher_command (mpirun over ssh into the
 workers); DIR mounted at /workspace everywhere, as a ReadWriteMany claim is. A stop signal to this
 command does what deleting the launcher's pod does: SIGTERM, the grace period, then SIGKILL
 (``engine stop -t GRACE``). When the launcher ends, the workers, the network and the keys go
@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 
 from hvdkit import job
 from hvdkit.build.toolchain import last_line
-from hvdkit.container import mpijob
+from hvdkit.container import pods
 from hvdkit.container.engine import Engine, EngineError, Mount
 
 READY_SECONDS = 60.0
@@ -43,9 +43,9 @@ def check_workspace(workspace: Path) -> None:
     if not workspace.is_dir():
         raise PodJobError(f"--workspace {workspace}: no such folder")
     info = workspace.stat()
-    if info.st_uid != mpijob.USER_ID and not info.st_mode & 0o002:
-        raise PodJobError(f"--workspace {workspace} is not writable by the image's user (uid {mpijob.USER_ID}): "
-                          f"chown {mpijob.USER_ID} {workspace}")
+    if info.st_uid != pods.USER_ID and not info.st_mode & 0o002:
+        raise PodJobError(f"--workspace {workspace} is not writable by the image's user (uid {pods.USER_ID}): "
+                          f"chown {pods.USER_ID} {workspace}")
 
 
 @dataclass
@@ -59,7 +59,7 @@ class PodJob:
     command: Sequence[str]
     workspace: Path
     slots: int = 1
-    grace: int = mpijob.DEFAULT_GRACE
+    grace: int = pods.DEFAULT_GRACE
     suffix: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
     made: list = field(default_factory=list)  # containers started, by name
     network: Optional[str] = None
@@ -76,22 +76,22 @@ class PodJob:
         return "".join(f"{self.worker_name(i)} slots={self.slots}\n" for i in range(self.workers))
 
     def _mounts(self, launcher: bool) -> list[Mount]:
-        mounts = [Mount(str(self.secrets / "ssh"), mpijob.SSH_AUTH, read_only=True),
-                  Mount(str(self.workspace), mpijob.WORKSPACE)]
+        mounts = [Mount(str(self.secrets / "ssh"), pods.SSH_AUTH, read_only=True),
+                  Mount(str(self.workspace), pods.WORKSPACE)]
         if launcher:
-            mounts.append(Mount(str(self.secrets / "hostfile"), mpijob.HOSTFILE, read_only=True))
+            mounts.append(Mount(str(self.secrets / "hostfile"), pods.HOSTFILE, read_only=True))
         return mounts
 
     def worker_command(self, index: int) -> list[str]:
-        return self.engine.run(self.image, mpijob.worker_command(), name=self.worker_name(index), detach=True,
+        return self.engine.run(self.image, pods.worker_command(), name=self.worker_name(index), detach=True,
                                network=self.network, hostname=self.worker_name(index), mounts=self._mounts(False),
-                               user=str(mpijob.USER_ID), stop_timeout=self.grace, labels={"hvdkit.mpijob": self.suffix})
+                               user=str(pods.USER_ID), stop_timeout=self.grace, labels={"hvdkit.mpijob": self.suffix})
 
     def launcher_command(self) -> list[str]:
         ranks = self.workers * self.slots
-        return self.engine.run(self.image, mpijob.launcher_command(ranks, self.command), name=self.launcher_name,
+        return self.engine.run(self.image, pods.launcher_command(ranks, self.command), name=self.launcher_name,
                                network=self.network, hostname=self.launcher_name, mounts=self._mounts(True),
-                               env=mpijob.run_env(self.name), user=str(mpijob.USER_ID), stop_timeout=self.grace,
+                               env=pods.run_env(self.name), user=str(pods.USER_ID), stop_timeout=self.grace,
                                labels={"hvdkit.mpijob": self.suffix})
 
     def __enter__(self) -> "PodJob":
@@ -121,13 +121,13 @@ class PodJob:
         (self.secrets / "hostfile").write_text(self.hostfile())
         if os.geteuid() == 0:
             for path in (ssh, *ssh.iterdir()):
-                os.chown(path, mpijob.USER_ID, mpijob.USER_ID)
+                os.chown(path, pods.USER_ID, pods.USER_ID)
 
     def _wait_for_workers(self) -> None:
         deadline = time.monotonic() + READY_SECONDS
         waiting = list(range(self.workers))
         while waiting:
-            listening = ["bash", "-c", f"exec 3<>/dev/tcp/127.0.0.1/{mpijob.SSH_PORT}"]
+            listening = ["bash", "-c", f"exec 3<>/dev/tcp/127.0.0.1/{pods.SSH_PORT}"]
             waiting = [i for i in waiting if subprocess.run(self.engine.exec(self.worker_name(i), listening),
                                                             capture_output=True).returncode]
             if waiting and time.monotonic() > deadline:

@@ -8,13 +8,17 @@ the same order. An evaluation loader gives every sample to exactly one rank.
 
 from __future__ import annotations
 
+import itertools
 import math
+import signal
 from typing import Callable, Iterator, Optional
 
-from torch.utils.data import DataLoader
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from hvdkit import data
-from hvdkit.config import ConfigError
+from hvdkit.config import ConfigError, TrainConfig
+from hvdkit.rank import stops
 from hvdkit.rank.state import RunState
 
 
@@ -35,7 +39,7 @@ class Loaders:
         if len(dataset) < size * batch_size:
             raise ConfigError(f"data: the training set has {len(dataset)} samples, fewer than "
                               f"world size x batch_size = {size} x {batch_size}")
-        sampler = data.ResumableSampler(dataset, num_replicas=size, rank=rank, shuffle=shuffle, seed=self.cfg.seed)
+        sampler = ResumableSampler(dataset, num_replicas=size, rank=rank, shuffle=shuffle, seed=self.cfg.seed)
         made = DataLoader(dataset, batch_size=batch_size * self.cfg.batches_per_allreduce, sampler=sampler,
                           **options)
         self.micro_size = batch_size
@@ -45,7 +49,7 @@ class Loaders:
     def evaluation(self, data_or_loader, batch_size: Optional[int], loader_args: dict) -> DataLoader:
         dataset, batch_size, options = self._parts(data_or_loader, batch_size, loader_args, kept=("collate_fn",))
         return DataLoader(dataset, batch_size=batch_size,
-                          sampler=data.ShardSampler(len(dataset), self.hvd.rank(), self.hvd.size()), **options)
+                          sampler=ShardSampler(len(dataset), self.hvd.rank(), self.hvd.size()), **options)
 
     def _parts(self, data_or_loader, batch_size: Optional[int], loader_args: dict, kept: tuple):
         """(dataset, batch size, DataLoader options) from a Dataset, or from a DataLoader whose
@@ -55,7 +59,7 @@ class Loaders:
             loader_args = {**{name: getattr(data_or_loader, name) for name in kept}, **loader_args}
             data_or_loader = data_or_loader.dataset
         loader_args = dict(loader_args)
-        options = {**data.loader_options(self.cfg, self.hvd.rank(), self.device.type == "cuda",
+        options = {**loader_options(self.cfg, self.hvd.rank(), self.device.type == "cuda",
                                          loader_args.pop("worker_init_fn", None)), **loader_args}
         return data_or_loader, batch_size or self.cfg.batch_size, options
 
@@ -106,3 +110,70 @@ class Loaders:
         if per_epoch and not 0 <= state.global_step - state.epoch * per_epoch <= per_epoch:
             raise ConfigError(f"the checkpoint's step {state.global_step} is not in its epoch {state.epoch + 1} "
                               f"of {per_epoch} steps: the training set or batch size changed since it was taken")
+
+
+class ShardSampler(Sampler):
+    """Every sample exactly once across ranks (rank r takes r, r+size, ...): no padding.
+
+    DistributedSampler pads the last round with repeated samples so that all ranks take the
+    same number of steps; for validation that would count those samples twice.
+    """
+
+    def __init__(self, length: int, rank: int, size: int) -> None:
+        self.indices = range(rank, length, size)
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler that can start an epoch part-way, for an exact mid-epoch resume.
+
+    The order is DistributedSampler's (seed + epoch), so skipping the first samples of an
+    epoch gives the rest of that epoch's order, not a new one.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.start = 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Start ``epoch`` at its ``start``-th sample of this rank."""
+        super().set_epoch(epoch)
+        self.start = start
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.start, None)
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start
+
+
+class WorkerInit:
+    """A loader worker's start: it ignores the stop signals, then runs your worker_init_fn.
+
+    Ctrl-C reaches the terminal's whole process group, and Slurm's SIGTERM every process of
+    a task, loader workers included. A worker that dies of it makes the rank fail with
+    "DataLoader worker exited unexpectedly" before it can save; the rank stops them itself."""
+
+    def __init__(self, then: Optional[Callable[[int], None]] = None) -> None:
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        for signum in stops.SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+        if self.then is not None:
+            self.then(worker_id)
+
+
+def loader_options(cfg: TrainConfig, rank: int, pin_memory: bool, worker_init_fn=None) -> dict:
+    """DataLoader settings every hvdkit loader shares, the elastic one included."""
+    context = data.WORKER_START_METHOD if cfg.num_workers > 0 else None
+    # A generator of its own: creating an iterator must not draw from the global RNG, which
+    # checkpoints restore, or a resumed run would diverge from an uninterrupted one.
+    return dict(num_workers=cfg.num_workers, pin_memory=pin_memory, multiprocessing_context=context,
+                persistent_workers=cfg.num_workers > 0, generator=torch.Generator().manual_seed(cfg.seed + rank),
+                worker_init_fn=WorkerInit(worker_init_fn))

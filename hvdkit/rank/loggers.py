@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import atexit
 import csv
-import importlib.util
 import json
 import os
 import sys
@@ -29,35 +28,11 @@ from typing import Optional, Sequence
 
 from hvdkit import job
 
-NAMES = ("tensorboard", "csv", "mlflow", "wandb")
-EXTRAS = {"mlflow": "mlflow", "wandb": "wandb"}  # logger: the module its extra installs
-
 
 class LoggerError(RuntimeError):
     """A tracker could not start its run (an unreachable tracking URI, say): one line, no training."""
 
     exit_code = job.BAD_INPUT
-
-
-def names(text: Optional[str]) -> list[str]:
-    """The logger names of ``--logger`` ("mlflow,csv"; "none" or "" for metrics.jsonl alone),
-    or ValueError naming the unknown one."""
-    chosen = [name.strip().lower() for name in (text or "").split(",") if name.strip()]
-    if chosen == ["none"]:
-        return []
-    for name in chosen:
-        if name not in NAMES:
-            raise ValueError(f"unknown logger {name!r}: choose from {', '.join(NAMES)}, or none")
-    return list(dict.fromkeys(chosen))
-
-
-def missing_extra(chosen: Sequence[str]) -> Optional[str]:
-    """The problem with the first chosen logger whose package is not installed, else None."""
-    for name in chosen:
-        module = EXTRAS.get(name)
-        if module and importlib.util.find_spec(module) is None:
-            return f"the {name} logger needs the {module} package: pip install 'hvdkit[{name}]'"
-    return None
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Peak memory per phase of training: where in a step a rank's memory peaks.
+"""Peak memory per phase of training: where in a step a rank's memory peaks, and what it holds.
 
 What decides whether a model fits is the peak, not the bytes held after a step, and the peak
 moves between phases (the first step, which creates the optimizer state; the backward pass;
@@ -16,6 +16,8 @@ import resource
 from typing import Iterator, Optional
 
 import torch
+
+from hvdkit.zero.optimizer import ShardedOptimizer, held_bytes
 
 CLEAR_REFS = "/proc/self/clear_refs"
 
@@ -86,3 +88,14 @@ class PhasePeaks:
     def summary(self) -> dict:
         """{phase: peak bytes}, and the unit they are in."""
         return {"unit": "cuda_allocated" if self.cuda else "rss", **self.peaks}
+
+
+def memory_of(optimizer) -> dict:
+    """This rank's bytes of weights, gradients and optimizer state, sharded or not, and its peak
+    resident memory."""
+    if isinstance(optimizer, ShardedOptimizer):
+        held = optimizer.memory()
+    else:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        held = held_bytes(params, params, optimizer.state.values())
+    return {**held, "peak_rss": peak_rss()}

@@ -19,13 +19,13 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch.utils.data import DataLoader
 
-from hvdkit.config import to_dict
+from hvdkit.config import logger_names, to_dict
 from hvdkit.rank import loggers
+from hvdkit.rank.memory import memory_of
 from hvdkit.rank.metrics import Metrics, finite_or_none, world_size_changes
 from hvdkit.rank.state import RunState
 from hvdkit.rank.step import to_device
 from hvdkit.rank.stragglers import StepTimes
-from hvdkit.zero import optimizer as zero
 
 
 class Reports:
@@ -111,7 +111,7 @@ class Reports:
         if self.sink is None:
             main = self.hvd.rank() == 0
             trackers = loggers.Trackers(
-                [*loggers.make(loggers.names(self.cfg.logger), self.cfg.tracking_uri), *self.own_loggers]
+                [*loggers.make(logger_names(self.cfg.logger), self.cfg.tracking_uri), *self.own_loggers]
                 if main else [])
             if main:
                 self.state.trackers.update(trackers.start(loggers.RunInfo(
@@ -139,7 +139,7 @@ class Reports:
         """The run's summary record: written, printed by rank 0 as one JSON line, returned."""
         state = self.state
         memory = None if state.optimizer is None else self.hvd.allgather_object(  # per rank, in rank order
-            {**zero.memory_of(state.optimizer), "phases": state.peaks.summary()}, name="hvdkit.memory")
+            {**memory_of(state.optimizer), "phases": state.peaks.summary()}, name="hvdkit.memory")
         summary = {"event": "summary", "epochs": state.epoch, "steps": state.global_step,
                    "world_size": self.hvd.size(), **(extra or {}), "memory": memory,
                    "per_rank": self.times.table(self._hosts or []), "stragglers": self.times.named,

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -40,28 +39,16 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from hvdkit import job
-from hvdkit.cli import OneLineParser
-from hvdkit.rehearse.namespaces import Hosts, HostsUnavailable, bits_per_second, seconds, unavailable
+from hvdkit.args import OneLineParser, checked, duration
+from hvdkit.rehearse.namespaces import (
+    Hosts,
+    HostsUnavailable,
+    bits_per_second,
+    seconds,
+    unavailable,
+)
 
 STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-def _checked(check):
-    def parse(text: str) -> str:
-        try:
-            check(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-        return text
-    return parse
-
-
-def duration(text: str) -> float:
-    """'30s', '2m', '1.5h' or plain seconds ('20')."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smh]?)", text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a duration like 30s, 2m or 20")
-    return float(match[1]) * {"": 1, "s": 1, "m": 60, "h": 3600}[match[2]]
 
 
 def _moment(text: str):
@@ -78,8 +65,8 @@ def parser() -> argparse.ArgumentParser:
                                   "with sshd), then remove them.", allow_abbrev=False)
     p.add_argument("--hosts", type=int, default=2, help="how many hosts (default 2)")
     p.add_argument("--slots", type=int, default=1, help="slots per host in HVDKIT_HOSTS and the hostfile (default 1)")
-    p.add_argument("--bandwidth", type=_checked(bits_per_second), help="shape each host's link: 1gbit, 100mbit")
-    p.add_argument("--delay", type=_checked(seconds), help="delay each packet a host sends: 1ms (needs tc netem)")
+    p.add_argument("--bandwidth", type=checked(bits_per_second), help="shape each host's link: 1gbit, 100mbit")
+    p.add_argument("--delay", type=checked(seconds), help="delay each packet a host sends: 1ms (needs tc netem)")
     p.add_argument("--cpus", action="store_true", help="each host computes on its own share of this machine's cores")
     p.add_argument("--kill-host", type=int, metavar="I", help="fail nodeI (1..N-1) --after the start")
     p.add_argument("--after", type=_moment, metavar="T",

@@ -45,7 +45,6 @@ import torch
 from torch import nn
 
 from hvdkit.config import ConfigError
-from hvdkit.rank.memory import peak_rss
 
 BUCKET_BYTES = 8 * 1024 * 1024  # than 32 MiB: a lower peak, and faster on CPUs (docs/zero.md)
 STAGE2_IN_FLIGHT = 2  # stage 2: buckets' reduce-scatters in flight at once, each holding a flat gradient
@@ -534,14 +533,3 @@ def held_bytes(params, grad_holders, states) -> dict:
     ``states`` (per-parameter dicts), counted from the tensors' storages."""
     return {"params": _nbytes(params), "grads": _nbytes(p.grad for p in grad_holders),
             "optimizer_state": _nbytes(v for state in states for v in state.values())}
-
-
-def memory_of(optimizer) -> dict:
-    """This rank's bytes of weights, gradients and optimizer state, sharded or not, and its peak
-    resident memory."""
-    if isinstance(optimizer, ShardedOptimizer):
-        held = optimizer.memory()
-    else:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        held = held_bytes(params, params, optimizer.state.values())
-    return {**held, "peak_rss": peak_rss()}

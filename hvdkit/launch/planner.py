@@ -1,0 +1,251 @@
+"""What a launch line becomes: the launcher chosen, and its command from the builders.
+
+`hvdkit launch` (hvdkit.launch.cli) runs the plan; `hvdkit doctor --selftest` and the tests run
+the same command (``local_command``) directly. Which launcher and which MPI, the command for it
+(hvdkit.launch.commands) over the hosts given (hvdkit.launch.hostfile): all input is checked
+before anything starts, so a bad host list fails in one line, not in an MPI stack trace on node 37.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional, Sequence
+
+from hvdkit import job
+from hvdkit.args import OneLineParser
+from hvdkit.launch.commands import (
+    MPIRUN_BUILDERS,
+    LaunchSpec,
+    elastic,
+    forwarded_names,
+    horovodrun_command,
+    network_chosen,
+    srun_command,
+)
+from hvdkit.launch.hostfile import (
+    HOSTFILE_FORMATS,
+    Host,
+    LaunchError,
+    host_list,
+    parse_hosts,
+    ranks_by_host,
+    read_hostfile,
+    slurm_hosts,
+)
+from hvdkit.launch.mpi import find_program, mpi_flavor, mpirun_version
+from hvdkit.launch.network import Network, NetworkError, routable_network
+
+CHOICES = ("auto", "horovodrun", "mpirun", "srun")  # --launcher
+REHEARSAL_HOSTS = "HVDKIT_HOSTS"  # host:slots,... that `hvdkit rehearse` sets; read where -H/--hostfile are not given
+
+
+# ---------------------------------------------------------------------------
+# Which launcher and which MPI.
+# ---------------------------------------------------------------------------
+
+def choose_launcher(requested: str, controller: Optional[str], environ: Mapping[str, str],
+                    which: Callable[[str], Optional[str]], is_elastic: bool = False) -> tuple[str, str]:
+    """(launcher, reason). auto: srun in a Slurm allocation, mpirun if on PATH, else horovodrun --gloo;
+    horovodrun for elastic jobs, which only it runs."""
+    if requested != "auto":
+        if is_elastic and requested != "horovodrun":
+            raise LaunchError(f"--host-discovery-script: elastic jobs run under horovodrun, not {requested}")
+        return requested, "asked for with --launcher"
+    if is_elastic:
+        return "horovodrun", "--host-discovery-script: elastic jobs run under horovodrun"
+    if controller == "gloo":
+        return "horovodrun", "--gloo: only horovodrun starts Gloo jobs"
+    if "SLURM_JOB_ID" in environ and which("srun"):
+        return "srun", f"inside Slurm allocation {environ['SLURM_JOB_ID']}"
+    if which("mpirun"):
+        return "mpirun", f"mpirun found at {which('mpirun')}"
+    return "horovodrun", "no Slurm allocation and no mpirun on PATH: horovodrun with Gloo"
+
+
+def check_slots(spec: LaunchSpec, local_slots: int) -> Optional[str]:
+    """Refuse np beyond the slots listed; on this machine alone, oversubscribe instead.
+
+    Returns why --oversubscribe was turned on, if it was.
+    """
+    if spec.oversubscribe:
+        return None
+    if spec.hosts is not None:
+        total = sum(h.slots for h in spec.hosts)
+        if spec.np > total:
+            where = spec.hostfile or host_list(spec.hosts)
+            raise LaunchError(f"-np {spec.np} is more than the {total} slots in {where}; "
+                              f"add slots or pass --oversubscribe")
+        return None
+    if spec.np > local_slots:
+        spec.oversubscribe = True
+        return f"-np {spec.np} is more than this machine's {local_slots} cores"
+    return None
+
+
+# ---------------------------------------------------------------------------
+# The command line.
+# ---------------------------------------------------------------------------
+
+def parser() -> argparse.ArgumentParser:
+    p = OneLineParser(bare=True, prog="hvdkit launch",
+                      usage="hvdkit launch -np N [options] [LAUNCHER FLAGS] -- COMMAND ...",
+                      description="Start COMMAND on N ranks with horovodrun, mpirun or srun.",
+                      epilog="Any other flag before '--' is passed to the launcher as given (after hvdkit's own), "
+                             "e.g. hvdkit launch -np 4 --launcher mpirun --bind-to core -mca btl tcp,self -- python "
+                             "train.py; --dry-run shows where it goes.", allow_abbrev=False)
+    p.add_argument("-np", "--num-proc", dest="np", type=int, help="number of ranks")
+    hosts = p.add_mutually_exclusive_group()
+    hosts.add_argument("-H", "--hosts", help="host1:4,host2:4 (default: this machine, the Slurm allocation, or "
+                                              "$HVDKIT_HOSTS inside `hvdkit rehearse`)")
+    hosts.add_argument("--hostfile", help="hostfile: 'host:N' or 'host slots=N' lines")
+    p.add_argument("--launcher", choices=CHOICES, default="auto", help="default: auto")
+    ctl = p.add_mutually_exclusive_group()
+    ctl.add_argument("--gloo", dest="controller", action="store_const", const="gloo", help="Gloo controller")
+    ctl.add_argument("--mpi", dest="controller", action="store_const", const="mpi", help="MPI controller")
+    p.add_argument("-x", dest="env", action="append", default=[], metavar="VAR[=VAL]",
+                   help="forward VAR, or set it to VAL, in every rank (repeatable)")
+    p.add_argument("--oversubscribe", action="store_true", help="allow more ranks than slots")
+    p.add_argument("--srun-mpi", default="pmix", help="srun's --mpi plugin (default: pmix)")
+    p.add_argument("--no-preflight", action="store_true",
+                   help="start on several hosts without comparing them first (what `hvdkit doctor -H` checks)")
+    p.add_argument("--dry-run", action="store_true", help="print the launcher, the reason and the command")
+    p.add_argument("--verbose", action="store_true", help="print what --dry-run prints, then run")
+    p.add_argument("--list-hosts", action="store_true",
+                   help="print the hosts (from -H, --hostfile or the Slurm allocation) as a hostfile and exit")
+    p.add_argument("--hosts-format", choices=HOSTFILE_FORMATS, default="horovodrun",
+                   help="--list-hosts format: horovodrun (host:N, what elastic discovery wants), "
+                        "openmpi (host slots=N) or mpich (host:N)")
+    return p
+
+
+@dataclass
+class Plan:
+    launcher: str
+    reason: str
+    command: list
+    env: dict  # set in the launcher's own environment
+    notes: list = field(default_factory=list)
+    tagged: bool = False  # output tagged per chunk with the rank ([1,0]<stdout>:), joined into lines
+    ranks: dict = field(default_factory=dict)  # {host: the ranks it runs}, to name them when it is lost
+    hosts: list = field(default_factory=list)  # the listed hosts (-H, --hostfile, a rehearsal), compared first
+
+    @property
+    def watch(self) -> list[str]:
+        """The hosts that supervise.run ends the job without (srun's are Slurm's to watch)."""
+        return [h.name for h in self.hosts]
+
+    def render(self) -> str:
+        """Copy-pasteable: `env NAME=VALUE ... launcher args`."""
+        prefix = ["env", *(f"{k}={v}" for k, v in self.env.items())] if self.env else []
+        return shlex.join(prefix + self.command)
+
+
+def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str],
+         which: Callable[[str], Optional[str]], mpi_version: Callable[[str], str],
+         as_root: bool, local_slots: int, launcher_args: Sequence[str] = (), supervised: bool = True,
+         network: Callable[[Sequence[str]], Optional[Network]] = lambda names: None) -> Plan:
+    """Decide the launcher and build its command; raises LaunchError on bad input. ``supervised``:
+    run by `hvdkit launch` (supervise.run), which gives every rank its job directory.
+    ``network`` finds the interface to the hosts (routable_network; none in golden tests)."""
+    if not command:
+        raise LaunchError("no command after '--'")
+    if args.np is None or args.np < 1:
+        raise LaunchError("-np N is required, N >= 1")
+    hosts = read_hostfile(args.hostfile) if args.hostfile else parse_hosts(args.hosts) if args.hosts else None
+    set_env, extra = {}, []
+    for item in args.env:
+        name, sep, value = item.partition("=")
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise LaunchError(f"-x {item!r}: not a variable name")
+        if sep:
+            set_env[name] = value
+        else:
+            extra.append(name)
+
+    is_elastic = elastic(launcher_args)
+    launcher, reason = choose_launcher(args.launcher, args.controller, environ, which, is_elastic)
+    rehearsed = hosts is None and not is_elastic and REHEARSAL_HOSTS in environ and "SLURM_JOB_NODELIST" not in environ
+    if rehearsed:  # `hvdkit rehearse` lists its hosts here, as Slurm lists an allocation's nodes
+        hosts = parse_hosts(environ[REHEARSAL_HOSTS])
+        reason += f"; hosts from ${REHEARSAL_HOSTS} (hvdkit rehearse)"
+    program = which(launcher)
+    if program is None:
+        raise LaunchError(f"{launcher} not found on PATH; " + {
+            "mpirun": "install Open MPI (apt-get install openmpi-bin) or `module load` an MPI",
+            "srun": "srun runs only where Slurm is installed",
+        }.get(launcher, "activate the environment where Horovod is installed"))
+    if launcher != "horovodrun" and args.controller == "gloo":
+        raise LaunchError(f"--gloo needs horovodrun; {launcher} starts MPI jobs")
+    if launcher == "srun" and "SLURM_JOB_ID" not in environ:
+        raise LaunchError("srun: not inside a Slurm allocation (run under salloc or sbatch, or pick another launcher)")
+    if is_elastic and hosts is not None:  # choose_launcher made it horovodrun
+        raise LaunchError("--host-discovery-script gives an elastic job its hosts; drop -H/--hostfile "
+                          "(with both, horovodrun ignores them)")
+    if launcher == "horovodrun" and hosts is None and not is_elastic:
+        if "SLURM_JOB_NODELIST" in environ:
+            hosts = slurm_hosts(environ)
+            reason += "; hosts from the Slurm allocation"
+        else:
+            hosts = [Host("localhost", args.np)]  # horovodrun's own default for one machine
+
+    spec = LaunchSpec(np=args.np, command=list(command), hosts=hosts, hostfile=args.hostfile,
+                      controller=args.controller, set_env=set_env, oversubscribe=args.oversubscribe,
+                      as_root=as_root, srun_mpi=args.srun_mpi, program=program, launcher_args=list(launcher_args))
+    oversubscribed = check_slots(spec, local_slots)
+    listed = [h.name for h in hosts] if args.hosts or args.hostfile or rehearsed else []  # srun: Slurm watches
+    placed = ranks_by_host(hosts, args.np) if listed else {}
+    if launcher == "horovodrun":
+        env = dict(set_env)
+        if as_root and args.controller != "gloo":  # its mpirun refuses root without these
+            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        return Plan(launcher, reason, horovodrun_command(spec), env, tagged=True, ranks=placed,
+                    hosts=hosts if listed else [])
+    if launcher == "srun":
+        return Plan(launcher, reason, srun_command(spec), {})
+
+    flavor = mpi_flavor(mpi_version(program))
+    if flavor == "unknown":
+        raise LaunchError(f"cannot tell which MPI {program} is from `mpirun --version`")
+    notes = [f"added --oversubscribe: {oversubscribed}"] if oversubscribed and flavor == "openmpi" else []
+    # horovodrun tests the hosts' interfaces itself; mpirun takes the first that answers.
+    if hosts and flavor in ("openmpi", "mpich") and not network_chosen(environ, launcher_args):
+        try:
+            spec.network = network([h.name for h in hosts])
+        except NetworkError as exc:
+            raise LaunchError(str(exc)) from None
+        if spec.network:
+            if "NCCL_SOCKET_IFNAME" not in environ:
+                spec.set_env["NCCL_SOCKET_IFNAME"] = spec.network.interface
+            notes.append(f"network: {spec.network.interface} ({spec.network.cidr}), this host's route to "
+                         f"{', '.join(spec.network.peers)}; MPI and NCCL pinned to it")
+    spec.forward = forwarded_names(environ, [*extra, *([job.JOB_DIR] if supervised else [])])
+    return Plan(launcher, f"{reason}; {flavor}", MPIRUN_BUILDERS[flavor](spec), {}, notes,
+                tagged=flavor == "openmpi", ranks=placed, hosts=hosts if listed else [])
+
+
+def local_command(how: str, np: int, command: Sequence[str], hosts: Optional[str] = None) -> list[str]:
+    """The launcher command that `hvdkit launch -np NP --launcher HOW [-H HOSTS] -- COMMAND`
+    runs from this host (HOW: "mpirun", "horovodrun --gloo", ...), from the same builders: for
+    `doctor --selftest` and the tests, which run it directly (as root, with
+    `selftest.mpi_root_env()`)."""
+    args = parser().parse_args(["-np", str(np), "--launcher", *how.split(), *(["-H", hosts] if hosts else [])])
+    return plan(args, list(command), os.environ, find_program, mpirun_version, os.geteuid() == 0,
+                local_slots(), supervised=False, network=routable_network).command
+
+
+def local_slots() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def check_command(command: Sequence[str]) -> None:
+    """The program to run on every rank exists here, so a typo is one line, not an MPI error box."""
+    program = command[0]
+    found = os.access(program, os.X_OK) and not os.path.isdir(program) if "/" in program else shutil.which(program)
+    if not found:
+        raise LaunchError(f"{program}: no such command on this host (check the path, or activate the environment "
+                          f"it is installed in)")

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+
+from hvdkit import job
 
 PREFIX = "ckpt-step"
 SUFFIX = ".pt"
@@ -67,31 +67,15 @@ def write(target: Path, state: dict) -> str:
     torch.save(state, buffer)
     payload = buffer.getbuffer()
     digest = hashlib.sha256(payload).hexdigest()
-    tmp = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        pattern = f".{PREFIX}*{SUFFIX}.*.tmp" if target.name.startswith(PREFIX) else f".{target.name}.*.tmp"
-        for stale in target.parent.glob(pattern):  # left by a save that was killed
+        stem = f"{PREFIX}*{SUFFIX}" if target.name.startswith(PREFIX) else target.name
+        for stale in target.parent.glob(f".{stem}.*{job.PARTIAL}"):  # left by a save that was killed
             stale.unlink(missing_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC + digest.encode() + b"\n")
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-        tmp = None
-        dir_fd = os.open(target.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # make the rename itself durable
-        finally:
-            os.close(dir_fd)
+        job.write_whole(target, (MAGIC + digest.encode() + b"\n", payload), durable=True)
     except OSError as exc:
         raise CheckpointError(f"cannot write checkpoint {target}: {exc.strerror or exc}; "
                               f"the previous checkpoints are untouched") from None
-    finally:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
     return digest
 
 

@@ -14,9 +14,16 @@ import os
 import signal
 import socket
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
+
+if TYPE_CHECKING:  # imported where used: a rank and `hvdkit doctor` may run without psutil
+    import subprocess
+
+    import psutil
 
 
 @dataclass(frozen=True)
@@ -39,12 +46,14 @@ EXIT_CODES = (
     ExitCode("STALLED", 75, "no progress within --stall-timeout; the stalled rank named", "the watchdog"),
     ExitCode("LOST", 76, "a host or the launcher stopped answering", "hvdkit launch, a rank's lifeline"),
     ExitCode("DIVERGED", 77, "the ranks' copies of the model differ", "the consistency check"),
+    ExitCode("OVER_CAP", 78, "a rank's memory passed --memory-cap: that model does not fit",
+             "hvdkit bench zero's ranks"),
     ExitCode("STOPPED", 128, "128 + the signal: stopped (143 SIGTERM, 130 SIGINT, 129 SIGHUP, 138 SIGUSR1), "
              "the step's checkpoint saved", "every rank, hvdkit launch, hvdkit rehearse"),
 )
 _CODES = {entry.name: entry.code for entry in EXIT_CODES}
 OK, FAILED, BAD_INPUT = _CODES["OK"], _CODES["FAILED"], _CODES["BAD_INPUT"]
-STALLED, LOST, DIVERGED = _CODES["STALLED"], _CODES["LOST"], _CODES["DIVERGED"]
+STALLED, LOST, DIVERGED, OVER_CAP = _CODES["STALLED"], _CODES["LOST"], _CODES["DIVERGED"], _CODES["OVER_CAP"]
 
 
 def code_for(exc: BaseException, bad_input: tuple) -> int:
@@ -56,6 +65,11 @@ def code_for(exc: BaseException, bad_input: tuple) -> int:
 def stopped_by(signum: int) -> int:
     """128 + the signal's number, as a shell reports a process a signal ended."""
     return _CODES["STOPPED"] + signum
+
+
+def shell_code(returncode: int) -> int:
+    """A child's exit code as a shell reports it: Popen's -N (ended by signal N) is 128 + N."""
+    return stopped_by(-returncode) if returncode < 0 else returncode
 
 
 # The programs that start ranks, by process name: a rank looks for them among its ancestors
@@ -107,6 +121,48 @@ def unless_nohup(signals: Sequence[int]) -> list[int]:
     return [sig for sig in signals if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN]
 
 
+class Handlers:
+    """The one way hvdkit handles signals: ``handler`` for ``signals`` from ``install()`` (or the
+    start of a ``with`` block) until ``restore()`` (or its end), the previous handlers after.
+    nohup's SIGHUP stays ignored (unless_nohup). Only the main thread can set handlers: in any
+    other, nothing is set (the job still ends with its caller, by PR_SET_PDEATHSIG)."""
+
+    def __init__(self, signals: Sequence[int], handler) -> None:
+        self.signals, self.handler = signals, handler
+        self.previous: dict = {}  # signal: the handler before, to restore or to pass a signal on to
+
+    def install(self) -> "Handlers":
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {sig: signal.signal(sig, self.handler) for sig in unless_nohup(self.signals)}
+        return self
+
+    def restore(self) -> None:
+        previous, self.previous = self.previous, {}
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    __enter__ = install
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+
+def wait_child(proc: "subprocess.Popen", timeout: Optional[float] = None) -> Optional[int]:
+    """``proc``'s exit code (None after ``timeout`` seconds), once a reaper thread has it. A
+    signal handler that raises interrupts this sleep, never Popen.wait: raised inside it, it can
+    leave its lock held (between its acquire and its try), and the next wait then blocks for
+    good (a caller ended by `timeout 20` hung so, its job gone)."""
+    if getattr(proc, "_hvdkit_reaper", None) is None:
+        proc._hvdkit_reaper = threading.Thread(target=proc.wait, name="hvdkit-reaper", daemon=True)
+        proc._hvdkit_reaper.start()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while proc.returncode is None:
+        if deadline is not None and time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+    return proc.returncode
+
+
 def end_rank(code: int, line: str) -> None:
     """A rank's last line, recorded, and its exit, from the thread that ends it (the watchdog, a
     stop's countdown, the lifeline). The line may have nowhere to go, its reader's launcher gone
@@ -119,6 +175,36 @@ def end_rank(code: int, line: str) -> None:
     os._exit(code)
 
 
+PARTIAL = ".partial"  # write_whole's temporary: ``.NAME.PID.partial`` beside the file
+
+
+def write_whole(path: Path, data, durable: bool = False) -> None:
+    """Write ``data`` (bytes, text, or a tuple of bytes-like parts: no copy joins them) to ``path``
+    through a temporary beside it, replaced in one step: a reader (another rank, the launcher, a
+    resume) sees the old file or the new, never half. The temporary is this process's own, so
+    ranks writing one path do not collide. ``durable`` (checkpoints) also syncs the data and the
+    directory entry, so that a machine's crash keeps the file; a heartbeat or a record that the
+    next write replaces needs neither."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.{os.getpid()}{PARTIAL}")
+    try:
+        with open(partial, "wb") as file:
+            for part in data if isinstance(data, tuple) else (data,):
+                file.write(part.encode() if isinstance(part, str) else part)
+            if durable:
+                file.flush()
+                os.fsync(file.fileno())
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    if durable:
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+
 def record_exit(code: int, message: str) -> None:
     """Called by a rank that ends the job with a documented code, so that `hvdkit launch` exits
     with it where the launcher reports its own (mpirun and horovodrun: 1)."""
@@ -126,7 +212,7 @@ def record_exit(code: int, message: str) -> None:
     if not directory:
         return
     try:
-        Path(directory, f"exit-{os.getpid()}").write_text(f"{code} {message}\n")
+        write_whole(Path(directory, f"exit-{os.getpid()}"), f"{code} {message}\n")
     except OSError:
         pass
 
@@ -139,3 +225,47 @@ def rank_exit_code(directory: Path) -> Optional[int]:
         print(f"hvdkit launch: {message}", file=sys.stderr, flush=True)
         return int(code)
     return None
+
+
+# ---------------------------------------------------------------------------
+# Ending processes: by PID, only what we started.
+# ---------------------------------------------------------------------------
+
+def tree(pid: int) -> list["psutil.Process"]:
+    """The process ``pid`` and every process below it; none once it has ended and been reaped."""
+    import psutil
+
+    try:
+        top = psutil.Process(pid)
+        return [*top.children(recursive=True), top]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def processes(pids: Sequence[int]) -> list["psutil.Process"]:
+    """The processes of ``pids`` still running (for end_processes)."""
+    import psutil
+
+    found = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            found.append(psutil.Process(pid))
+    return found
+
+
+def end_processes(processes: Sequence["psutil.Process"], grace: float) -> None:
+    """The one way hvdkit ends processes (a launcher's leftovers, a rehearsal's hosts, a test
+    cluster's daemons). End ``processes``, by PID, those already gone passed over: SIGTERM, then SIGKILL to what is
+    left after ``grace`` seconds (SIGKILL at once where ``grace`` is 0); waits until they are gone."""
+    import psutil
+
+    alive = list(processes)
+    if grace > 0:
+        for process in alive:
+            with contextlib.suppress(psutil.Error):
+                process.terminate()
+        _, alive = psutil.wait_procs(alive, timeout=grace)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(alive, timeout=max(grace, 5.0))

@@ -181,14 +181,15 @@ def kill_tree(proc):
     and remove the job directory its ranks were given: a launcher killed cannot."""
     import psutil
 
+    from hvdkit import job
     from hvdkit.launch import supervise
 
-    processes = supervise.tree(proc.pid)
+    processes = job.tree(proc.pid)
     job_dirs = set()
     for process in processes:
         with contextlib.suppress(psutil.Error):
-            job_dirs.add(process.environ().get(supervise.JOB_DIR))
-    supervise.end_processes(processes, grace=0)
+            job_dirs.add(process.environ().get(job.JOB_DIR))
+    job.end_processes(processes, grace=0)
     proc.wait(timeout=30)
     for job_dir in job_dirs - {None}:
         supervise.remove_job_dir(job_dir)

@@ -7,9 +7,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
+import pytest
 
 from conftest import REPO, run
 from hvdkit import job
@@ -73,7 +75,7 @@ def test_a_stop_reaches_the_ranks_and_a_rank_that_does_not_end_is_killed_after_t
         caller.send_signal(signal.SIGTERM)
         _, stderr = caller.communicate(timeout=30)
     finally:
-        supervise.end_processes(supervise.tree(caller.pid), grace=0)
+        job.end_processes(job.tree(caller.pid), grace=0)
     assert got.exists(), "the rank got the stop signal itself"
     assert caller.returncode == job.stopped_by(signal.SIGKILL)
     assert stderr.splitlines()[-1] == (f"hvdkit launch: the job did not end within {0.2 + job.KILL_AFTER_GRACE:g} s "
@@ -92,18 +94,18 @@ def test_end_processes_kills_what_ignores_sigterm_after_the_grace():
     proc = subprocess.Popen(["sh", "-c", "trap '' TERM; sleep 300 & wait"])
     try:
         deadline = time.monotonic() + 10
-        while len(supervise.tree(proc.pid)) < 2 and time.monotonic() < deadline:
+        while len(job.tree(proc.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
-        processes = supervise.tree(proc.pid)
+        processes = job.tree(proc.pid)
         assert [p.pid for p in processes][-1] == proc.pid and len(processes) == 2, "the child, then the top"
         started = time.monotonic()
-        supervise.end_processes(processes, grace=0.3)
+        job.end_processes(processes, grace=0.3)
         assert time.monotonic() - started >= 0.3, "SIGTERM is ignored: they are killed once the grace is over"
         proc.wait(timeout=5)
         assert all(gone(p.pid) for p in processes)
     finally:
-        supervise.end_processes(supervise.tree(proc.pid), grace=0)
-    assert supervise.tree(proc.pid) == []
+        job.end_processes(job.tree(proc.pid), grace=0)
+    assert job.tree(proc.pid) == []
 
 
 def test_a_stop_arriving_as_the_launcher_exits_is_no_traceback():
@@ -145,3 +147,36 @@ def test_the_job_directory_is_removed_while_a_rank_elsewhere_still_writes_into_i
         assert (proc.returncode, proc.stderr) == (3, "")
         directory = named.read_text().strip()
         assert not os.path.exists(directory) and not os.path.exists(f"{directory}.ended")
+
+
+def test_handlers_keep_nohups_sighup_ignored_and_restore_the_others():
+    """`nohup hvdkit launch ...` ignores SIGHUP so that the job outlives the terminal: no handler
+    of hvdkit's takes it back (job.Handlers: the one way signals are handled)."""
+    def mine(signum, frame):
+        pass
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN), signal.getsignal(signal.SIGUSR2)
+    try:
+        with job.Handlers((signal.SIGHUP, signal.SIGUSR2), mine) as handlers:
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN and signal.getsignal(signal.SIGUSR2) is mine
+            assert list(handlers.previous) == [signal.SIGUSR2]
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN and signal.getsignal(signal.SIGUSR2) == before[1]
+    finally:
+        signal.signal(signal.SIGHUP, before[0])
+
+
+def test_a_handler_that_raises_during_a_wait_leaves_the_next_wait_working():
+    """The hang spawn.py met: a raise inside Popen.wait can leave its lock held. job.wait_child
+    sleeps instead, so the caller's handler raises there and the next wait returns the code."""
+    class Raised(Exception):
+        pass
+
+    def raising(signum, frame):
+        raise Raised
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.0); raise SystemExit(3)"])
+    with job.Handlers((signal.SIGUSR2,), raising):
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR2)).start()
+        with pytest.raises(Raised):
+            job.wait_child(child)
+        assert job.wait_child(child, timeout=30) == 3

@@ -24,12 +24,11 @@ import statistics
 import time
 from typing import Optional
 
-from hvdkit import env
+from hvdkit import env, job
 from hvdkit.bench.drivers import launch_command, out_dir, run_launch
 from hvdkit.bench.figures import BenchError, parse_size
 
 IMPLS = ("zero1", "zero2", "horovod", "torch-zero")
-OVER_CAP = 75  # a rank's exit code when its resident memory passed --memory-cap
 LADDER_WIDTHS = (512, 640, 768, 896, 1024, 1152, 1280, 1536)
 LADDER_STEP = 1.03  # neighbouring models of the ladder differ by at least 3% of parameters
 BASELINE_RSS = 1100 * 2**20  # a rank's resident memory before its model: torch, Horovod, MPI (none on a GPU)
@@ -132,7 +131,7 @@ def worker(args: argparse.Namespace) -> None:
     except torch.cuda.OutOfMemoryError:  # past --memory-cap on a GPU
         print(json.dumps({"event": "bench.zero.over", "cuda_allocated": torch.cuda.max_memory_allocated(device),
                           "cap": args.memory_cap}), flush=True)
-        os._exit(OVER_CAP)
+        os._exit(job.OVER_CAP)
     rate = args.batch_size * args.steps / (time.perf_counter() - start)
     phases = peaks.summary()
     held = {**_held(model, optimizer, zero), "phases": phases}
@@ -206,7 +205,7 @@ def _end_above(cap: int, device) -> None:
                 resident = int(statm.read().split()[1]) * page
                 if resident > cap:
                     print(json.dumps({"event": "bench.zero.over", "rss": resident, "cap": cap}), flush=True)
-                    os._exit(OVER_CAP)
+                    os._exit(job.OVER_CAP)
                 time.sleep(0.01)
 
     threading.Thread(target=watch, name="hvdkit-memory-cap", daemon=True).start()

@@ -239,7 +239,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 steps.append(read(output))
             print(f"gpu-check: {summary(device, steps[-1:])[1].strip()}", flush=True)  # as it comes, if cut short
     print("\n".join(summary(device, steps)), flush=True)
-    return 0 if all(step.ok for step in steps) else 1
+    return job.OK if all(step.ok for step in steps) else job.FAILED
 
 
 if __name__ == "__main__":

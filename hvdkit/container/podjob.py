@@ -162,17 +162,12 @@ def run(pods: PodJob) -> int:
             subprocess.Popen(pods.engine.stop([pods.launcher_name], timeout=pods.grace),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-    previous = {s: signal.signal(s, delete_the_launcher) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
-        with pods:
-            if stopping:
-                return job.stopped_by(stopping[0])
-            # Its own session: a Ctrl-C reaches the launcher as the pod's deletion, not also by podman's proxy.
-            launcher = subprocess.Popen(pods.launcher_command(), stdin=subprocess.DEVNULL, start_new_session=True)
-            code = launcher.wait()
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    with job.Handlers((signal.SIGINT, signal.SIGTERM, signal.SIGHUP), delete_the_launcher), pods:
+        if stopping:
+            return job.stopped_by(stopping[0])
+        # Its own session: a Ctrl-C reaches the launcher as the pod's deletion, not also by podman's proxy.
+        launcher = subprocess.Popen(pods.launcher_command(), stdin=subprocess.DEVNULL, start_new_session=True)
+        code = job.wait_child(launcher)
     print(f"hvdkit mpijob: launcher exited {code}" + (f" after {signal.Signals(stopping[0]).name}" if stopping else ""),
           file=sys.stderr, flush=True)
-    return code if code >= 0 else job.stopped_by(-code)
+    return job.shell_code(code)

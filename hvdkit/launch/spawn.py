@@ -98,19 +98,18 @@ def run(fn: Callable, *args: Any, np: int = 2, launcher: str = "horovodrun", hos
                   for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
         for relay in relays:
             relay.start()
-        threading.Thread(target=proc.wait, name="hvdkit-run-reaper", daemon=True).start()
-        previous = _on_ending()
+        handlers = job.Handlers(ENDING, _raise_ended).install()
         try:
-            code = _wait(proc)
+            code = job.wait_child(proc)
         except KeyboardInterrupt:
             _stop(proc, signal.SIGINT, "Ctrl-C")
             raise
         except _Ended as ended:
             _stop(proc, ended.signum, signal.Signals(ended.signum).name)
             shutil.rmtree(directory, ignore_errors=True)  # the default action ends the caller before `finally`
-            _end_by(ended.signum, previous)
+            _end_by(ended.signum, handlers)
         finally:
-            _restore(previous)
+            handlers.restore()
             for relay in relays:
                 relay.join(timeout=5)
         return _results(directory, np, code)
@@ -118,45 +117,20 @@ def run(fn: Callable, *args: Any, np: int = 2, launcher: str = "horovodrun", hos
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _on_ending() -> dict:
-    """Handlers for ENDING that raise _Ended in the waiting caller (only the main thread can set
-    them; elsewhere the job still ends with the caller, by PR_SET_PDEATHSIG). The previous ones."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-
-    def ended(signum, frame) -> None:
-        raise _Ended(signum)
-
-    return {sig: signal.signal(sig, ended) for sig in job.unless_nohup(ENDING)}
+def _raise_ended(signum, frame) -> None:
+    """ENDING's handler while the caller waits: _Ended, raised in job.wait_child's sleep."""
+    raise _Ended(signum)
 
 
-def _restore(previous: dict) -> None:
-    for sig, handler in previous.items():
-        signal.signal(sig, handler)
-
-
-def _end_by(signum: int, previous: dict) -> None:
+def _end_by(signum: int, handlers: job.Handlers) -> None:
     """With the job ended, the caller gets what it would have had: its own handler, if it had
     one, else the default action (its end) by the same signal."""
-    handler = previous.get(signum, signal.SIG_DFL)
-    _restore(previous)
+    handler = handlers.previous.get(signum, signal.SIG_DFL)
+    handlers.restore()
     if callable(handler):
         handler(signum, None)
     elif handler == signal.SIG_DFL:
         os.kill(os.getpid(), signum)
-
-
-def _wait(proc: subprocess.Popen, timeout: Optional[float] = None) -> Optional[int]:
-    """The job's exit code (None after ``timeout`` seconds), once the reaper thread has it. The
-    caller's signals raise here, in a sleep: raised inside Popen.wait, they can leave its
-    lock held (between its acquire and its try), and the next wait then blocked for good: a
-    caller ended by `timeout 20` hung so, its job gone."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while proc.returncode is None:
-        if deadline is not None and time.monotonic() > deadline:
-            return None
-        time.sleep(0.05)
-    return proc.returncode
 
 
 def _stop(proc: subprocess.Popen, signum: int, what: str) -> None:
@@ -167,15 +141,15 @@ def _stop(proc: subprocess.Popen, signum: int, what: str) -> None:
     print(f"hvdkit.run: {what} passed to every rank; waiting up to {grace:g} s for them to save and end",
           file=sys.stderr, flush=True)
     try:
-        if _wait(proc, timeout=grace + job.KILL_AFTER_GRACE) is None:
+        if job.wait_child(proc, timeout=grace + job.KILL_AFTER_GRACE) is None:
             _kill_tree(proc)
     except (KeyboardInterrupt, _Ended):
         _kill_tree(proc)
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
-    supervise.end_processes(supervise.tree(proc.pid), grace=0)
-    _wait(proc)
+    job.end_processes(job.tree(proc.pid), grace=0)
+    job.wait_child(proc)
 
 
 def _relay(stream, name: str) -> None:
@@ -231,9 +205,7 @@ def _type_name(kind: type) -> str:
 
 def _leave(directory: Path, name: str, data: bytes) -> None:
     """Write ``name`` in the run directory at once: the caller never reads half a file."""
-    partial = directory / f".{name}.partial"
-    partial.write_bytes(data)
-    os.replace(partial, directory / name)
+    job.write_whole(directory / name, data)
 
 
 def _fail(directory: Path, rank: int, record: dict) -> None:
@@ -264,9 +236,9 @@ def rank_main(directory: Path) -> int:
         fn, args, kwargs = cloudpickle.loads((directory / CALL).read_bytes())
         value = fn(*args, **kwargs)
     except KeyboardInterrupt:  # Ctrl-C in the caller, passed to every rank
-        return 130
+        return job.stopped_by(signal.SIGINT)
     except SystemExit as exc:  # a Session that stopped where the loop did not ask should_stop()
-        return exc.code if isinstance(exc.code, int) else 1
+        return exc.code if isinstance(exc.code, int) else job.FAILED
     except BaseException as exc:
         _fail(directory, rank, {"kind": "raised", "type": _type_name(type(exc)), "message": _one_line(exc),
                                 "traceback": traceback.format_exc(), "exception": exc})

@@ -42,10 +42,13 @@ from hvdkit.job import (
     LOST,
     MPI_LAUNCHERS,
     SRUN,
+    Handlers,
+    end_processes,
     rank_exit_code,
+    shell_code,
     stop_grace,
     stopped_by,
-    unless_nohup,
+    wait_child,
 )
 from hvdkit.launch import network, rank_output
 
@@ -145,7 +148,7 @@ def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False
                 stopped.append(time.monotonic() + stop_grace() + KILL_AFTER_GRACE)
             pass_on(signum, launcher)
 
-        previous = {sig: signal.signal(sig, forward) for sig in unless_nohup(FORWARDED)}
+        handlers = Handlers(FORWARDED, forward).install()
         hosts = network.HostWatch(dict(watch or {}), ranks=dict(ranks or {}))
         try:
             code = _wait(child, hosts, stopped)
@@ -153,8 +156,7 @@ def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False
                 print(f"hvdkit launch: {hosts.lost}", file=sys.stderr, flush=True)
         finally:
             hosts.stop()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            handlers.restore()
             left = max(0.0, stopped[1] - time.monotonic()) if stopped else stop_grace()  # of a stop's grace period
             end_leftovers(grace=0 if hosts.lost else left)
             for pump in pumps:
@@ -166,7 +168,7 @@ def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False
             # Ranks on hosts that do not share this job directory (containers, machines without a
             # shared /tmp) leave no record; a stopped job still exits as the signal says.
             return stopped_by(stopped[0])
-        return recorded or _shell_code(code)
+        return recorded or shell_code(code)
     finally:
         remove_job_dir(job_dir)
 
@@ -176,10 +178,9 @@ def _wait(child: subprocess.Popen, hosts: network.HostWatch, stopped: list) -> i
     period (``stopped``: [signal, deadline]), the launcher is killed (its process group) after
     saying why; what it leaves is killed after."""
     while True:
-        try:
-            return child.wait(timeout=0.5)
-        except subprocess.TimeoutExpired:
-            pass
+        code = wait_child(child, timeout=0.5)
+        if code is not None:
+            return code
         why = hosts.lost or (stopped and time.monotonic() > stopped[1] and
                              f"the job did not end within {stop_grace() + KILL_AFTER_GRACE:g} s of "
                              f"{signal.Signals(stopped[0]).name}; killing what is left")
@@ -189,7 +190,7 @@ def _wait(child: subprocess.Popen, hosts: network.HostWatch, stopped: list) -> i
                 os.killpg(child.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            return child.wait()
+            return wait_child(child)
 
 
 def remove_job_dir(directory: str) -> None:
@@ -208,11 +209,6 @@ def remove_job_dir(directory: str) -> None:
             time.sleep(0.05)
 
 
-def _shell_code(code: int) -> int:
-    """A launcher killed by a signal exits as a shell reports it: 128 + the signal."""
-    return 128 - code if code < 0 else code
-
-
 def end_leftovers(grace: float) -> list[int]:
     """End every process still below this one (orphans re-parented to it included): SIGTERM,
     then SIGKILL after ``grace`` seconds. Their PIDs, which are also printed."""
@@ -226,34 +222,6 @@ def end_leftovers(grace: float) -> list[int]:
         end_processes(left, grace)
     _reap()
     return [p.pid for p in left]
-
-
-def tree(pid: int) -> list["psutil.Process"]:
-    """The process ``pid`` and every process below it; none once it has ended and been reaped."""
-    import psutil
-
-    try:
-        top = psutil.Process(pid)
-        return [*top.children(recursive=True), top]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def end_processes(processes: Sequence["psutil.Process"], grace: float) -> None:
-    """End ``processes``, by PID, those already gone passed over: SIGTERM, then SIGKILL to what is
-    left after ``grace`` seconds (SIGKILL at once where ``grace`` is 0); waits until they are gone."""
-    import psutil
-
-    alive = list(processes)
-    if grace > 0:
-        for process in alive:
-            with contextlib.suppress(psutil.Error):
-                process.terminate()
-        _, alive = psutil.wait_procs(alive, timeout=grace)
-    for process in alive:
-        with contextlib.suppress(psutil.Error):
-            process.kill()
-    psutil.wait_procs(alive, timeout=max(grace, 5.0))
 
 
 def _reap() -> None:

@@ -184,6 +184,4 @@ class Consistency:
 
 def _write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(partial, path)
+    job.write_whole(path, json.dumps(data, indent=1) + "\n")

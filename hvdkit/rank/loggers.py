@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import csv
+import io
 import json
 import os
 import sys
@@ -321,8 +322,7 @@ def _write_pairs(path: Path, values: dict) -> None:
 
 
 def _replace(path: Path, write) -> None:
-    """Write ``path`` whole through a temporary beside it: a kill mid-write leaves the old file."""
-    partial = path.with_name(path.name + ".partial")
-    with open(partial, "w", newline="") as f:
-        write(f)
-    os.replace(partial, path)
+    """Write ``path`` whole (job.write_whole): a kill mid-write leaves the old file."""
+    text = io.StringIO(newline="")
+    write(text)
+    job.write_whole(path, text.getvalue())

@@ -25,7 +25,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from hvdkit import env
+from hvdkit import env, job
 from hvdkit.config import ConfigError, TrainConfig
 from hvdkit.rank.lock import DirectoryInUse, DirectoryLock
 
@@ -157,9 +157,7 @@ def allreduce_rules_file() -> Path:
     digest = hashlib.sha256(ALLREDUCE_RULES.encode()).hexdigest()[:12]
     path = Path(tempfile.gettempdir()) / f"hvdkit-allreduce-{digest}.rules"
     if not path.exists():
-        partial = path.with_name(f"{path.name}.{os.getpid()}")
-        partial.write_text(ALLREDUCE_RULES)
-        os.replace(partial, path)  # ranks on one host may race: each replace is whole
+        job.write_whole(path, ALLREDUCE_RULES)  # ranks on one host may race: each replace is whole
     return path
 
 

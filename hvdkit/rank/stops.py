@@ -50,8 +50,9 @@ class StopSignal:
         self.output_file: Optional[Path] = None  # for output nothing reads any more (hvdkit.rank.orphan.keep_output)
         self.launcher: Optional[orphan.LauncherWatch] = None  # set by hvdkit.rank.orphan.watch
         self.step = 0  # the loop's step, for the message of a second Ctrl-C
-        handled = job.unless_nohup(SIGNALS) if install else []  # nohup's SIGHUP stays ignored
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in handled}
+        self._handlers = job.Handlers(SIGNALS, self._handle)
+        if install:
+            self._handlers.install()  # nohup's SIGHUP stays ignored
         self.installed = install
         self.rank, self.where = rank, where
         self.grace = job.stop_grace()  # checked now, not when the stop comes
@@ -124,8 +125,7 @@ class StopSignal:
 
     def restore(self) -> None:
         """The handlers as they were. A count already started goes on: the process is ending."""
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        self._handlers.restore()
         if self._wakeup:
             write_end, previous = self._wakeup
             signal.set_wakeup_fd(previous)
@@ -198,8 +198,7 @@ def leave_rank0_the_word(rank: Optional[int]) -> None:
     rank 0 has spoken and exited."""
     if not rank:
         return
-    for signum in SIGNALS:
-        signal.signal(signum, signal.SIG_DFL)
+    job.Handlers(SIGNALS, signal.SIG_DFL).install()  # for good: this rank is ending
     time.sleep(SPEAKER_GRACE)
 
 

@@ -98,9 +98,7 @@ class Watchdog:
         try:
             if self._own:  # a launcher's job directory is the launcher's: gone with it, not made again
                 self.shared.mkdir(parents=True, exist_ok=True)
-            tmp = self._path(self.rank).with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(record))
-            os.replace(tmp, self._path(self.rank))
+            job.write_whole(self._path(self.rank), json.dumps(record))
             self._written = now
         except OSError:
             pass  # heartbeats only improve the message; never fail training for them

@@ -138,7 +138,7 @@ def main(argv: Sequence[str]) -> int:
         say(f"{signal.Signals(signum).name}: passed to the command, which has {args.grace:.0f} s to end")
         proc.send_signal(signum)
 
-    previous = {sig: signal.signal(sig, on_stop) for sig in STOPS}
+    handlers = job.Handlers(STOPS, on_stop).install()  # nohup's SIGHUP stays ignored
     try:
         with Hosts(args.hosts, rate=args.bandwidth, delay=args.delay, cpus=args.cpus, own_tmp=args.slurm,
                    names=names(args.hosts)) as hosts:
@@ -153,8 +153,7 @@ def main(argv: Sequence[str]) -> int:
         say(f"stopped by {signal.Signals(exc.signum).name}; every host and process it made is removed")
         return exc.code
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        handlers.restore()
 
 
 def _rehearse(args: argparse.Namespace, command: list[str], hosts: Hosts, running: dict) -> int:
@@ -181,7 +180,7 @@ def _rehearse(args: argparse.Namespace, command: list[str], hosts: Hosts, runnin
             killer.cancel()
         if cluster and "signal" not in running:
             code = _jobs_ended(cluster, code)
-        return 128 + running["signal"] if "signal" in running else code
+        return job.stopped_by(running["signal"]) if "signal" in running else code
     finally:
         if cluster:
             cluster.stop()
@@ -190,13 +189,12 @@ def _rehearse(args: argparse.Namespace, command: list[str], hosts: Hosts, runnin
 def _wait(proc: subprocess.Popen, running: dict, grace: float) -> int:
     """The command's exit code; after a stop signal, at most ``grace`` seconds more."""
     while True:
-        try:
-            return proc.wait(timeout=0.5)
-        except subprocess.TimeoutExpired:
-            pass
+        code = job.wait_child(proc, timeout=0.5)  # on_stop may raise: never inside Popen.wait
+        if code is not None:
+            return code
         if "signal" in running and time.monotonic() - running.setdefault("since", time.monotonic()) > grace:
             say(f"the command did not end within {grace:.0f} s of the signal; ending every process on the hosts")
-            return 128 + running["signal"]
+            return job.stopped_by(running["signal"])
 
 
 def _kill_later(hosts: Hosts, args: argparse.Namespace, running: dict) -> threading.Timer:
@@ -218,7 +216,8 @@ def _kill_later(hosts: Hosts, args: argparse.Namespace, running: dict) -> thread
     timer = threading.Timer(0 if args.after == ON_SIGNAL else args.after, lose)
     timer.daemon = True
     if args.after == ON_SIGNAL:
-        signal.signal(signal.SIGUSR1, lambda signum, frame: timer.ident or timer.start())  # the first one fails it
+        fail = job.Handlers((signal.SIGUSR1,), lambda signum, frame: timer.ident or timer.start())
+        fail.install()  # the first SIGUSR1 fails the host; kept until the command ends
         say(f"{name} fails on SIGUSR1: kill -USR1 {os.getpid()}")
     else:
         timer.start()

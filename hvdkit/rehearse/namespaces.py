@@ -26,13 +26,14 @@ import itertools
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Optional, Sequence
+
+from hvdkit import job
 
 SUBNET = "10.231.0"  # the hosts' routed network, /24
 DOCKER0 = "10.231.1.1/24"  # the same address on every host, as Docker's bridge has
@@ -302,25 +303,15 @@ class Hosts:
         closed, as when a node's processes die; a link cut first would leave them waiting for
         their collectives' timeouts (Gloo's: 30 s)."""
         deadline = time.monotonic() + 10
-        while self.pids(name) and time.monotonic() < deadline:
-            for pid in self.pids(name):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.05)
+        while self.pids(name) and time.monotonic() < deadline:  # sshd may fork a session as we go
+            job.end_processes(job.processes(self.pids(name)), grace=0)
         time.sleep(1.0)
         self.link(name, up=False)
 
     def end_jobs(self, name: str) -> None:
         """End every process on host ``name`` but its sshd (what a lost host left behind)."""
         keep = self.sshd[name].pid
-        for pid in self.pids(name):
-            if pid != keep:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        job.end_processes(job.processes([pid for pid in self.pids(name) if pid != keep]), grace=0)
 
     def commands(self, name: str) -> list[str]:
         """The names of the processes on host ``name``, its sshd and ssh sessions included."""
@@ -343,15 +334,8 @@ class Hosts:
 
     def remove(self) -> None:
         """End every process on the hosts, then remove namespaces, their files and keys."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in self.pids():
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            deadline = time.monotonic() + 5
-            while self.pids() and time.monotonic() < deadline:
-                time.sleep(0.1)
+        job.end_processes(job.processes(self.pids()), grace=5)
+        job.end_processes(job.processes(self.pids()), grace=0)  # any started while they ended
         for proc in self.sshd.values():
             proc.wait(timeout=10)
         for ns in [self.ns(n) for n in self.names] + [self.switch]:

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from hvdkit import job
+
 BINARIES = ("munged", "munge", "slurmctld", "slurmd", "sbatch", "sinfo", "scontrol")
 
 
@@ -53,14 +55,7 @@ def end_munge(pid: Optional[int]) -> None:
     """End the munged that ensure_munge started (``pid``), by its PID; nothing if it started none."""
     if pid is None:
         return
-    import psutil
-
-    try:
-        process = psutil.Process(pid)
-        process.terminate()
-        process.wait(timeout=10)
-    except psutil.NoSuchProcess:
-        pass
+    job.end_processes(job.processes([pid]), grace=10)
 
 
 class SlurmCluster:
@@ -141,13 +136,9 @@ PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE St
 
     def stop(self) -> None:
         self.run(["scancel", "--full", "--user", "root"])
-        for proc in reversed(self.processes):
-            proc.terminate()
+        job.end_processes(job.processes([proc.pid for proc in reversed(self.processes)]), grace=20)
         for proc in self.processes:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            proc.wait()  # collected (end_processes waited for them to end)
         end_munge(self.munged)
 
     def sbatch(self, *args: str, env: dict | None = None) -> str:

@@ -9,9 +9,10 @@ STAMPS := .make
 APT_PACKAGES := openmpi-bin libopenmpi-dev mpich libmpich-dev cmake g++ patch slurm-wlm munge \
     openssh-server openssh-client iproute2 podman runc mmdebstrap libfaketime
 PYTEST_ARGS ?=
-# pytest-xdist workers: the suite waits on launches, timeouts and daemons a third of the time
-# when run in one process (measured: 36% of 2 cores idle); two workers keep both cores busy.
-TEST_WORKERS ?= 2
+# pytest-xdist workers, one per core and at least two: the suite waits on launches, timeouts and
+# daemons a third of the time when run in one process (measured: 36% of 2 cores idle); two
+# workers keep both cores busy, and three on 2 cores were no faster (docs/development.md).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 2 ] && echo $$n || echo 2)
 XDIST := -n $(TEST_WORKERS) --dist loadgroup
 TRAIN_ARGS ?=
 

@@ -20,7 +20,8 @@ def _parser() -> argparse.ArgumentParser:
     doctor.add_argument("--selftest", action="store_true",
                         help="also run a real 2-process allreduce/broadcast/training check per controller")
     where = doctor.add_mutually_exclusive_group()  # hosts: only the comparison, which takes seconds
-    where.add_argument("-H", "--hosts", help="compare these hosts with this one (host1:4,host2:4), reached "
+    where.add_argument("-H", "--hosts", help="compare these hosts with this one (host1,host2 or host1:4,host2:4: "
+                                             "with slots, those are checked against the cores and GPUs), reached "
                                              "by ssh as the launcher reaches them; in a multi-node Slurm "
                                              "allocation the default is its nodes, reached by srun")
     where.add_argument("--hostfile", help="the hosts to compare, from a hostfile (host:N or host slots=N)")
@@ -59,7 +60,8 @@ def run_doctor(args: argparse.Namespace) -> int:
     )
 
     try:
-        listed = (parse_hosts(args.hosts) if args.hosts else read_hostfile(args.hostfile) if args.hostfile else
+        listed = (parse_hosts(args.hosts, bare=True) if args.hosts else
+                  read_hostfile(args.hostfile, bare=True) if args.hostfile else
                   slurm_hosts(os.environ) if "SLURM_JOB_NODELIST" in os.environ else [])
     except LaunchError as exc:
         print(f"hvdkit doctor: {exc}", file=sys.stderr)

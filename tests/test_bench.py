@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from conftest import run
-from hvdkit.bench import estimate, figures, sharded
+from hvdkit.bench import estimate, figures
 from hvdkit.checks.selftest import parse_records
 from hvdkit.launch.planner import local_command
 from hvdkit.launch.rank_output import TAG
@@ -157,16 +157,16 @@ def test_the_max_model_search_finds_the_last_size_that_fits_wherever_it_starts(t
         probed.append(index)
         return index <= threshold
 
-    assert sharded.largest(fits, 40, first) == threshold
+    assert figures.largest(fits, 40, first) == threshold
     assert len(probed) == len(set(probed)) <= 12 and all(0 <= i < 40 for i in probed)
 
 
 def test_the_max_model_ladder_grows_by_steps_up_to_what_stage_2_could_fit():
-    rungs = sharded.ladder(3 * 2**30, 3, 32)
+    rungs = figures.ladder(3 * 2**30, 3, 32)
     counts = [count for count, _, _ in rungs]
-    assert all(b >= a * sharded.LADDER_STEP for a, b in zip(counts, counts[1:], strict=False))
+    assert all(b >= a * figures.LADDER_STEP for a, b in zip(counts, counts[1:], strict=False))
     assert counts[-1] <= 3 * 2**30 / (4 + 12 / 3) and counts[-1] > 0.9 * 3 * 2**30 / (4 + 12 / 3)
-    assert {width for _, width, _ in rungs} == set(sharded.LADDER_WIDTHS)
+    assert {width for _, width, _ in rungs} == set(figures.LADDER_WIDTHS)
 
 
 @pytest.mark.slow

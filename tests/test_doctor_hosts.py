@@ -41,7 +41,7 @@ def findings(done):
     return [line for line in done.stderr.splitlines() if line.startswith("doctor: ")]
 
 
-@pytest.mark.parametrize("listed", ["h1:1,h2:1", "h1:1,h2:1,h3:1"])
+@pytest.mark.parametrize("listed", ["h1:1,h2:1", "h1:1,h2:1,h3:1", "h1,h2"])  # bare names, as mpirun's -H
 def test_hosts_that_agree_pass(hosts, tmp_path, listed):
     done = doctor(hosts, "-H", listed, "--dir", str(tmp_path))
     assert done.returncode == job.OK and findings(done) == [], done.stdout + done.stderr
@@ -50,6 +50,7 @@ def test_hosts_that_agree_pass(hosts, tmp_path, listed):
     for name in listed.replace(":1", "").split(","):
         [row] = [r for r in rows if r.split()[:2] == [name, "ok"]]
         assert " ok " in row and "eth0 10.231.0.0/24" in row and " shared " in row, done.stdout
+        assert row.split()[-3].startswith("1/" if ":1" in listed else "-/"), row  # SLOTS/CORES
     count = listed.count(",") + 1
     assert f"doctor: {count} hosts checked in " in rows[-1] and rows[-1].endswith(": all hosts agree"), rows[-1]
     print(rows[-1])  # the time it took, for the notes
@@ -215,7 +216,7 @@ def test_hvdkit_launch_compares_the_hosts_first_and_starts_nothing_when_they_dif
 
 
 def test_bad_host_lists_and_selftest_with_hosts_are_one_line(hosts):
-    for args, said in ((["-H", "h2"], "hvdkit doctor: -H: host 'h2' has no slot count (write h2:N)"),
+    for args, said in ((["-H", "h2:0"], "hvdkit doctor: -H: host 'h2' has slot count '0', expected a number >= 1"),
                        (["-H", "h1:1", "--selftest"], "hvdkit doctor: --selftest runs on this machine; run it "
                                                       "without --hosts or --hostfile")):
         done = doctor(hosts, *args)

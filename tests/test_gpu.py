@@ -19,7 +19,7 @@ from hvdkit.launch import planner
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
-WORKER = [sys.executable, str(REPO / "tests" / "gpu_worker.py")]
+WORKER = [sys.executable, str(REPO / "tests" / "programs" / "gpu_worker.py")]
 
 
 def ranks() -> int:

@@ -21,7 +21,7 @@ from hvdkit.launch import mpi, planner
 
 pytestmark = pytest.mark.slow
 
-WORKER = [sys.executable, str(REPO / "tests" / "horovod_fixes_worker.py")]
+WORKER = [sys.executable, str(REPO / "tests" / "programs" / "horovod_fixes_worker.py")]
 
 
 @pytest.mark.parametrize("how", ["horovodrun --gloo", "mpirun"])

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import REPO, run
 from hvdkit.launch import hostfile
-from hvdkit.launch.hostfile import Host, LaunchError
+from hvdkit.launch.hostfile import Host, LaunchError, parse_hosts, read_hostfile
 
 HVDKIT = [sys.executable, "-m", "hvdkit", "launch"]
 
@@ -37,6 +37,15 @@ def test_malformed_hostfiles(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(LaunchError, match=message.replace("(", r"\(").replace(")", r"\)")):
         hostfile.read_hostfile(str(path))
+
+
+def test_bare_names_where_slots_are_not_needed(tmp_path):
+    """`hvdkit doctor -H node0,node1` compares hosts, as mpirun's -H takes them: slots 0, not given."""
+    assert parse_hosts("node0,node1:4", bare=True) == [Host("node0", 0), Host("node1", 4)]
+    (tmp_path / "hosts").write_text("node0\nnode1 slots=2\n")
+    assert read_hostfile(str(tmp_path / "hosts"), bare=True) == [Host("node0", 0), Host("node1", 2)]
+    with pytest.raises(LaunchError, match="host 'node0' has no slot count"):
+        parse_hosts("node0")  # a launch needs them
 
 
 def test_host_lists():

@@ -1,5 +1,5 @@
 """Trackers (issue 42): `--logger mlflow,wandb,csv,tensorboard` on real 2-rank runs under plain
-mpirun and horovodrun, each tool's run read back as the tool stores it (tests/tracked.py) and
+mpirun and horovodrun, each tool's run read back as the tool stores it (tests/programs/tracked.py) and
 compared with the run's metrics.jsonl; a SIGKILLed job resumed continues the same MLflow run
 and W&B run; a tracker failing mid-run is one warning; bad input is one line; `hvdkit plot`'s
 figures checked from their objects."""
@@ -11,13 +11,13 @@ import time
 import psutil
 import pytest
 
-import tracked
 from conftest import REPO, kill_tree, metrics_records, run, wait_for_file
 from hvdkit import checkpoint, config
 from hvdkit import plot as plots
 from hvdkit.checks import selftest
 from hvdkit.launch import planner
 from hvdkit.rank import loggers
+from programs import tracked
 
 ALL = "mlflow,wandb,csv,tensorboard"
 TRAIN = [sys.executable, "-m", "hvdkit", "train", "--epochs", "2", "--log-interval", "5", "--logger", ALL]
@@ -188,7 +188,8 @@ def test_plot_draws_each_metric_throughput_and_every_ranks_compute_and_wait(resu
 def test_a_tracker_failing_mid_run_is_one_warning_and_the_others_go_on(tmp_path):
     """The CSV logger's folder vanishes after step 10 of an own loop that never calls finish():
     one warning, the run ends 0, metrics.jsonl, TensorBoard and MLflow hold every report."""
-    proc = run(planner.local_command("mpirun", 2, [sys.executable, str(REPO / "tests" / "loggers_script.py"),
+    script = str(REPO / "tests" / "programs" / "loggers_script.py")
+    proc = run(planner.local_command("mpirun", 2, [sys.executable, script,
                                                   "--loggers", "csv,tensorboard,mlflow", "--break-csv-at", "10",
                                                   "--no-finish"]),
                env=dict(selftest.mpi_root_env(), HVDKIT_LOG_DIR=str(tmp_path / "logs")), cwd=tmp_path)

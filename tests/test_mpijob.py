@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from hvdkit.container import mpijob, pods
-from k8s_validate import problems
+from programs.k8s_validate import problems
 
 GOLDEN = Path(__file__).parent / "golden"
 CASES = {

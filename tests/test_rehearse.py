@@ -68,6 +68,7 @@ def wait_for_none_left(rehearse_pid, mark, tmp_path, seconds=10):
 def test_bad_input_is_one_line_and_exit_2(capsys):
     cases = {
         ("--hosts", "2"): "give the command after '--'",
+        ("--hosts", "300", "--", "true"): "--hosts 300: at most 244 hosts fit the rehearsal's network (10.231.0.11 to",
         ("--kill-host", "0", "--after", "5s", "--", "true"): "--kill-host 0: pick a host from 1 to 1 (node0 runs",
         ("--kill-host", "1", "--", "true"): "--kill-host and --after go together",
         ("--hosts", "1", "--kill-host", "1", "--after", "5", "--", "true"): "--kill-host needs --hosts 2 or more",

@@ -1,6 +1,7 @@
 """The own-loop API (hvdkit.Session) with real mpirun and horovodrun processes: the ported Horovod
 example, exact resume, preemption, the README's loop, one line for hvdkit's own errors."""
 
+import ast
 import os
 import signal
 import subprocess
@@ -24,7 +25,7 @@ from hvdkit.checks import selftest
 from hvdkit.launch import mpi, planner
 
 PORTED = [sys.executable, str(REPO / "examples" / "hvdkit_digits.py")]
-SLOW_LOOP = [sys.executable, str(REPO / "tests" / "slow_loop.py")]
+SLOW_LOOP = [sys.executable, str(REPO / "tests" / "programs" / "slow_loop.py")]
 
 
 # -- real processes ------------------------------------------------------------------------
@@ -137,7 +138,16 @@ def test_documented_port_diff_is_current():
     old, new = "examples/horovod_digits.py", "examples/hvdkit_digits.py"
     diff = "".join(difflib.unified_diff((REPO / old).read_text().splitlines(keepends=True),
                                         (REPO / new).read_text().splitlines(keepends=True), old, new))
-    assert f"```diff\n{diff}```" in (REPO / "docs" / "own-loop.md").read_text()
+    page = (REPO / "docs" / "own-loop.md").read_text()
+    assert f"```diff\n{diff}```" in page
+
+    def code(path: str) -> list:  # the lines after the module docstring
+        lines = (REPO / path).read_text().splitlines()
+        return lines[ast.parse("\n".join(lines)).body[0].end_lineno:]
+
+    changed = [line[0] for line in difflib.unified_diff(code(old), code(new), lineterm="", n=0)
+               if line[:1] in "-+" and line[:3] not in ("---", "+++")]
+    assert f"the port removes {changed.count('-')} lines and adds {changed.count('+')}:" in page
 
 
 EXTRA_STATE = '''

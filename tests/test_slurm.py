@@ -279,7 +279,7 @@ def test_plain_scancel_saves_the_step_it_stopped_at_and_a_resubmitted_job_finish
     assert_nothing_left(tmp_path)
 
 
-SLOW_LOOP = [sys.executable, str(REPO / "tests" / "slow_loop.py")]
+SLOW_LOOP = [sys.executable, str(REPO / "tests" / "programs" / "slow_loop.py")]
 
 
 def test_a_time_limit_saves_the_step_it_stopped_at_and_a_resubmitted_job_finishes(cluster, tmp_path):

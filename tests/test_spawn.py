@@ -1,5 +1,5 @@
 """hvdkit.run: the notebook under examples/ in a real Jupyter kernel, and a user's script calling
-it (tests/spawn_caller.py), with real launches: values back in rank order, a rank's exception or
+it (tests/programs/spawn_caller.py), with real launches: values back in rank order, a rank's exception or
 unpicklable value named, Ctrl-C stopping every rank with a checkpoint and nothing left running,
 nor after the caller is ended by a signal or killed."""
 
@@ -18,7 +18,7 @@ from hvdkit import checkpoint
 from hvdkit.checks import selftest
 from hvdkit.launch import spawn
 
-CALLER = REPO / "tests" / "spawn_caller.py"
+CALLER = REPO / "tests" / "programs" / "spawn_caller.py"
 NOTEBOOK = REPO / "examples" / "hvdkit_run.ipynb"  # its settings are conftest.TWO_RANK_TRAIN
 
 

@@ -23,6 +23,7 @@ from conftest import (
     kill_tree,
     run,
     untagged,
+    wait_for,
 )
 from hvdkit import checkpoint
 from hvdkit.checks import selftest
@@ -210,7 +211,7 @@ def test_a_signal_to_the_whole_process_group_spares_the_loader_workers(tmp_path,
 
 
 def test_a_second_ctrl_c_stops_at_once(tmp_path):
-    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "slow_loop.py"), "--step-seconds", "1",
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "programs" / "slow_loop.py"), "--step-seconds", "1",
                              "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs")],
                             env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -346,3 +347,34 @@ def test_a_directory_in_use_is_refused_and_a_stale_lock_is_not(tmp_path):
     assert not (tmp_path / "ckpt" / ".hvdkit-run.lock").exists()
     summary = selftest.parse_records(resumed.stdout, "summary")[0]
     assert summary["steps"] == newest + 30 and math.isfinite(summary["train_loss"]), resumed.stdout[-3000:]
+
+
+@pytest.mark.parametrize("launcher", [["--launcher", "horovodrun", "--gloo"], ["--launcher", "mpirun"]])
+def test_a_stop_while_the_ranks_start_is_one_line(tmp_path, launcher):
+    """SIGTERM before any rank has reached its first step (here: still starting, as a rank importing
+    torch is, with no handler of hvdkit's yet): the ranks end by the signal, saying nothing, and
+    `hvdkit launch` says so in one line, exit 143."""
+    started = tmp_path / "started"
+    started.mkdir()
+    rank = [sys.executable, "-c", "import os, sys, time; open(os.path.join(sys.argv[1], str(os.getpid())), 'w')"
+                                  ".close(); time.sleep(120)", str(started)]
+    proc = subprocess.Popen([*LAUNCH, *launcher, "--", *rank], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        wait_for(lambda: len(list(started.iterdir())) == 2, proc, "both ranks to start")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    assert proc.returncode == 143, err[-3000:]
+    *before, last = [line for line in untagged(err).splitlines() if line.strip()]
+    assert last == ("hvdkit launch: stopped by SIGTERM before any rank here said at which step (while starting, "
+                    "or on another host); exit 143"), err[-3000:]
+    # mpirun says nothing more. horovodrun --gloo runs each rank under sh, which reports its child's
+    # end by the signal ("Terminated"), then says in one line which rank ended first (patch 0009:
+    # where it printed a traceback and exited 1).
+    said = {line for line in before if line != "Terminated"}
+    assert said == ({f"horovodrun: rank {rank} on localhost exited with code 143; the other ranks were ended"
+                     for rank in (0, 1)} & said if "--gloo" in launcher else set()), err[-3000:]
+    assert len(said) == ("--gloo" in launcher), err[-3000:]

@@ -12,7 +12,7 @@ from hvdkit.checks import selftest
 from hvdkit.launch import planner
 from hvdkit.zero.optimizer import IN_FLIGHT_VARIABLE, STAGE2_IN_FLIGHT
 
-SCRIPT = str(REPO / "tests" / "sync_audit_script.py")
+SCRIPT = str(REPO / "tests" / "programs" / "sync_audit_script.py")
 pytestmark = pytest.mark.slow
 
 

@@ -1,7 +1,7 @@
 """The sharded optimizer (hvdkit.zero.optimizer, hvdkit.zero.shards) in real horovodrun jobs of 2 and 3 ranks.
 
-tests/zero_worker.py trains one model many ways and reports the weights and the bytes each rank
-holds; tests/zero_script.py is a user's own loop with a Session, for checkpoints and export.
+tests/programs/zero_worker.py trains one model many ways and reports the weights and the bytes each rank
+holds; tests/programs/zero_script.py is a user's own loop with a Session, for checkpoints and export.
 """
 
 import os
@@ -20,7 +20,8 @@ from hvdkit.zero import optimizer as zero
 
 pytestmark = pytest.mark.slow
 
-WORKER, SCRIPT = str(REPO / "tests" / "zero_worker.py"), str(REPO / "tests" / "zero_script.py")
+PROGRAMS = REPO / "tests" / "programs"
+WORKER, SCRIPT = str(PROGRAMS / "zero_worker.py"), str(PROGRAMS / "zero_script.py")
 # Open MPI spins while it waits; three ranks on two cores then take turns slowly (66 s against 14 s).
 QUIET = {"OMPI_MCA_mpi_yield_when_idle": "1"}
 
@@ -86,7 +87,7 @@ def test_an_overflow_in_one_ranks_slice_skips_the_step_on_every_rank(tmp_path):
 
 
 def zero_worker_initial():
-    import zero_worker
+    from programs import zero_worker
 
     return [p.detach() for p in zero_worker.model().parameters()]
 

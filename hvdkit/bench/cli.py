@@ -9,20 +9,21 @@ from typing import Optional, Sequence
 
 from hvdkit import env, job
 from hvdkit.args import OneLineParser, non_negative, number_list, positive
-from hvdkit.bench import sharded
 from hvdkit.bench.drivers import (
     RunFailed,
     allreduce,
     compare_synthetic,
     print_estimate,
     scaling,
+    zero,
 )
-from hvdkit.bench.figures import BenchError, size_range
+from hvdkit.bench.figures import ZERO_IMPLS, BenchError, parse_size, size_range
 from hvdkit.bench.workers import (
     IMPL_HELP,
     SYNTHETIC_IMPLS,
     allreduce_worker,
     synthetic_worker,
+    zero_worker,
 )
 
 _world_sizes = number_list(int, "1,2,4", "world sizes must be >= 1")
@@ -47,6 +48,34 @@ def _knob(text: str) -> tuple[str, str]:
     if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE like HOROVOD_CYCLE_TIME=1, got {text!r}")
     return name, value
+
+
+def _zero_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="gpt", help="gpt (default), or a torchvision model such as resnet50, on "
+                                                  "random images")
+    p.add_argument("--optimizer", choices=("adam", "adamw"), default="adam", help="the optimizer (default adam)")
+    p.add_argument("--image-size", type=int, default=32, help="image side for a torchvision model (default 32)")
+    p.add_argument("--num-classes", type=int, default=10, help="classes of a torchvision model (default 10)")
+    p.add_argument("--max-model", action="store_true", help="the largest GPT each loop trains under --memory-cap")
+    p.add_argument("--memory-cap", type=_byte_size, help="with --max-model: every rank's peak memory (resident; on a "
+                                                         "GPU the allocator's) must stay below this (e.g. 3584M)")
+    p.add_argument("--width", type=int, default=512, help="GPT width (default 512)")
+    p.add_argument("--layers", type=int, default=12, help="GPT blocks (default 12: 38M parameters, 300 MB of Adam "
+                                                          "state unsharded)")
+    p.add_argument("--seq-len", type=int, default=32, help="tokens per sample (default 32)")
+    p.add_argument("--batch-size", type=int, default=4, help="samples per rank per step (default 4)")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per run (default 6)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--repeats", type=int, default=3, help="rounds over the implementations (default 3)")
+    p.add_argument("-np", "--np", dest="np", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--impl", choices=ZERO_IMPLS, help=argparse.SUPPRESS)
+
+
+def _byte_size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except BenchError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _launch_arguments(p: argparse.ArgumentParser, files: bool) -> None:
@@ -116,7 +145,7 @@ def parser() -> argparse.ArgumentParser:
 
     shard = sub.add_parser("zero", help="the sharded optimizer (stage 1, 2) beside Horovod's DistributedOptimizer "
                                         "and torch's ZeroRedundancyOptimizer: throughput and bytes per rank")
-    sharded.add_arguments(shard)
+    _zero_arguments(shard)
     _launch_arguments(shard, files=True)
 
     est = sub.add_parser("estimate", help="step time and efficiency at many ranks, from the ring-allreduce cost "
@@ -151,9 +180,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return print_estimate(args)
         if args.bench == "zero":
             if args.impl:
-                sharded.worker(args)
+                zero_worker(args)
                 return 0
-            return sharded.run(args)
+            return zero(args)
         if args.bench == "scaling":
             if under_launcher:
                 raise BenchError("scaling launches its own ranks: run it without a launcher, with --np 1,2")

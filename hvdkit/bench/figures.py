@@ -110,3 +110,80 @@ def ratio_summary(record: dict, large: int = 16 << 20) -> dict:
     found["in-place/torch min"] = min(r["torch.distributed"] for r in ratios)
     lines.append(f"horovod in-place / torch.distributed busbw, every size: min {found['in-place/torch min']:.2f}")
     return {"ratios": found, "lines": lines}
+
+
+# --- hvdkit bench zero ----------------------------------------------------------------------
+
+ZERO_IMPLS = ("zero1", "zero2", "horovod", "torch-zero")
+LADDER_WIDTHS = (512, 640, 768, 896, 1024, 1152, 1280, 1536)
+LADDER_STEP = 1.03  # neighbouring models of the ladder differ by at least 3% of parameters
+BASELINE_RSS = 1100 * 2**20  # a rank's resident memory before its model: torch, Horovod, MPI (none on a GPU)
+
+
+def gpt(width: int, layers: int, seq_len: int):
+    """The bench's GPT: bytes in, 8 heads."""
+    from hvdkit.models import TinyGPT
+
+    return TinyGPT(256, seq_len, width, layers, heads=8)
+
+
+def peak_saving(table: dict, size: int) -> dict:
+    """Each stage's peak below DistributedOptimizer's, beside what DeepSpeed's formula says
+    sharding saves for fp32 Adam (16 bytes a parameter unsharded): 8(1 - 1/N) bytes a parameter
+    at stage 1, 12(1 - 1/N) at stage 2."""
+    parameters = table["horovod"]["params"] / 4
+    rows = {}
+    for impl, per_parameter in (("zero1", 8), ("zero2", 12)):
+        measured = table["horovod"]["peak"] - table[impl]["peak"]
+        formula = per_parameter * (1 - 1 / size) * parameters
+        rows[impl] = {"measured": measured, "formula": formula, "ratio": measured / formula if formula else None}
+    return rows
+
+
+def ladder(cap: int, size: int, seq_len: int) -> list[tuple[int, int, int]]:
+    """(parameters, width, layers) of GPTs in increasing size, neighbours at least LADDER_STEP
+    apart, up to the largest that the formula lets any loop fit in ``cap`` (stage 2's 4 + 12/N
+    bytes a parameter)."""
+    import torch
+
+    most = cap / (4 + 12 / size)
+    found = []
+    for width in LADDER_WIDTHS:
+        for layers in range(1, 97):
+            with torch.device("meta"):
+                count = sum(p.numel() for p in gpt(width, layers, seq_len).parameters())
+            if count > most:
+                break
+            found.append((count, width, layers))
+    rungs: list[tuple[int, int, int]] = []
+    for rung in sorted(found):
+        if not rungs or rung[0] >= rungs[-1][0] * LADDER_STEP:
+            rungs.append(rung)
+    return rungs
+
+
+def largest(fits, count: int, first: int) -> int:
+    """The largest index below ``count`` for which ``fits`` (true up to some index, false after)
+    holds, -1 if none: probing from ``first`` outwards in growing steps, then bisecting."""
+    low, high, step = -1, count, 1
+    probe = min(max(first, 0), count - 1)
+    if fits(probe):
+        low = probe
+        while low + step < high and fits(low + step):
+            low, step = low + step, step * 2
+        high = min(high, low + step)
+    else:
+        high = probe
+        while high - step > low and not fits(high - step):
+            high, step = high - step, step * 2
+        low = max(low, high - step)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+# Bytes a parameter each loop needed with fp32 Adam at the peak, measured at np=2 (weights,
+# gradients, state, the optimizer's temporaries): where the search for each starts, nothing more.
+def zero_guess(impl: str, size: int) -> float:
+    return {"horovod": 17.5, "torch-zero": 12 + 8 / size, "zero1": 8 + 10 / size, "zero2": 4 + 13 / size}[impl]

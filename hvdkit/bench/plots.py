@@ -67,3 +67,22 @@ def plot_scaling(table: list[dict], args: argparse.Namespace, path: Path) -> Non
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def plot_zero(table: dict, path) -> None:
+    from hvdkit.bench.plots import pyplot
+
+    plt = pyplot()
+    fig, (rate_ax, bytes_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    names = list(table)
+    rate_ax.bar(names, [table[n]["samples_per_sec"] for n in names])
+    rate_ax.set_ylabel("samples/sec (all ranks)")
+    for offset, key in enumerate(("params", "grads", "optimizer_state")):
+        bytes_ax.bar([i + 0.27 * (offset - 1) for i in range(len(names))], [table[n][key] / 2**20 for n in names],
+                     width=0.27, label=key)
+    bytes_ax.set_xticks(range(len(names)), names)
+    bytes_ax.set_ylabel("MB held by one rank")
+    bytes_ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

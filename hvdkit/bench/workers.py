@@ -13,7 +13,7 @@ import time
 from functools import partial
 from typing import Callable
 
-from hvdkit import env
+from hvdkit import env, job
 from hvdkit.bench.drivers import RunFailed
 from hvdkit.bench.environment import environment
 from hvdkit.bench.figures import (
@@ -23,6 +23,7 @@ from hvdkit.bench.figures import (
     cross_rank_total,
     default_iterations,
     format_size,
+    gpt,
     rate_stats,
     size_range,
 )
@@ -88,106 +89,20 @@ def synthetic_worker(args: argparse.Namespace) -> None:
     """Horovod's synthetic benchmark on one rank: a fixed random batch, warmup, then
     num_iters timings of num_batches_per_iter steps each."""
     import torch
-    import torch.nn.functional as F
 
     from hvdkit import models
-    from hvdkit.rank.startup import performance_settings, place_process
-    from hvdkit.session import Session
-    from hvdkit.trainer import classification_loss, train_step
 
-    impl = args.impl
-    launch = env.detect()
-    if impl == "horovod":
-        _apply_defaults(performance_settings(torch.cuda.is_available(), launch.spans_hosts))
-    if impl in ("hvdkit", "own-loop"):  # the Session applies the same settings itself
-        session = Session(batch_size=args.batch_size, fp16_allreduce=args.fp16_allreduce, amp=args.amp,
-                          seed=args.seed)
-        device = session.device
-        comm = _horovod_comm(session.hvd)
-    elif impl == "ddp":
-        device = place_process(launch.local_rank or 0, launch.local_size or 1)
-        # NCCL for the gradients, Gloo for the results gathered as CPU tensors (NCCL has no CPU backend).
-        _init_torch_distributed("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
-        comm = _torch_comm()
-    else:
-        import horovod.torch as hvd
-
-        hvd.init()
-        device = place_process(hvd.local_rank(), hvd.local_size())
-        comm = _horovod_comm(hvd)
-        if device.type == "cuda":  # as Horovod's pytorch_synthetic_benchmark.py does
-            torch.backends.cudnn.benchmark = True
-
+    device, comm, session, hvd = _start(args)
     torch.manual_seed(args.seed)
     model = models.build(args.model, 3, args.image_size, args.num_classes).to(device)
     images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
     labels = torch.randint(0, args.num_classes, (args.batch_size,), device=device)
-    amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
-    scaler = torch.amp.GradScaler("cuda") if args.amp and device.type == "cuda" else None
-
-    if impl == "hvdkit":  # the Trainer's step
-        model, optimizer = session.setup(model, torch.optim.SGD(model.parameters(), lr=args.lr))
-
-        def step() -> None:
-            train_step(session, model, classification_loss, (images, labels))
-    elif impl == "own-loop":  # the README's own loop on the Session API
-        model, optimizer = session.setup(model, torch.optim.SGD(model.parameters(), lr=args.lr))
-
-        def step() -> None:
-            optimizer.zero_grad()
-            for x, y in session.micro_batches((images, labels)):
-                with session.autocast():
-                    loss = F.cross_entropy(model(x), y)
-                session.backward(loss)
-                session.log(len(y), loss=loss)
-            session.step()
-    elif impl == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-        if args.fp16_allreduce:
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-
-        def step() -> None:
-            optimizer.zero_grad()
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=args.amp):
-                loss = F.cross_entropy(model(images), labels)
-            if scaler:
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                loss.backward()
-                optimizer.step()
-    else:  # Horovod's pytorch_synthetic_benchmark.py, as users write it
-        optimizer = hvd.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=args.lr), named_parameters=model.named_parameters(),
-            compression=hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none)
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-
-        def step() -> None:
-            optimizer.zero_grad()
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=args.amp):
-                loss = F.cross_entropy(model(images), labels)
-            if scaler:
-                scaler.scale(loss).backward()
-                optimizer.synchronize()
-                scaler.unscale_(optimizer)
-                with optimizer.skip_synchronize():
-                    scaler.step(optimizer)
-                scaler.update()
-            else:
-                loss.backward()
-                optimizer.step()
-
-    def timed_batches() -> float:
-        start = time.perf_counter()
-        for _ in range(args.num_batches_per_iter):
-            step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
+    if args.impl in ("hvdkit", "own-loop"):
+        step = _session_step(args, session, model, images, labels)
+    elif args.impl == "ddp":
+        step = _ddp_step(args, model, images, labels, device)
+    else:
+        step = _horovod_step(args, hvd, model, images, labels, device)
 
     kind = "GPU" if device.type == "cuda" else "CPU"
     say = print if comm.rank == 0 else (lambda *a, **k: None)
@@ -196,41 +111,175 @@ def synthetic_worker(args: argparse.Namespace) -> None:
     for _ in range(args.num_warmup_batches):
         step()
     say("Running benchmark...", flush=True)
-    times = session.step_times if impl in ("hvdkit", "own-loop") else None
+    times = session.step_times if session else None
     if times:
         times.clear()
-    rates = []
-    # CPU time of the whole process and of this (the training) thread: on a rank with one core,
-    # what the other threads (the allreduces) spend is taken from the training.
-    cpu, thread_cpu = time.process_time(), time.thread_time()
-    for i in range(args.num_iters):
-        rates.append(args.batch_size * args.num_batches_per_iter / timed_batches())
-        say(f"Iter #{i}: {rates[-1]:.1f} img/sec per {kind}", flush=True)
-    steps = args.num_iters * args.num_batches_per_iter
-    cpu_ms = [(time.process_time() - cpu) * 1e3 / steps, (time.thread_time() - thread_cpu) * 1e3 / steps]
+    rates, cpu_ms = _timed(args, step, device, lambda i, rate: say(f"Iter #{i}: {rate:.1f} img/sec per {kind}",
+                                                                     flush=True))
     rows = comm.allgather_rows([*rate_stats(rates), *cpu_ms])  # per rank: rate mean, conf, CPU, training thread
-    result = cross_rank_total([row[:2] for row in rows])
     comm.allgather_rows([0.0])  # every rank starts the compute-only timing together
     compute_ms = max(row[0] for row in comm.allgather_rows([_compute_seconds(args, device, images, labels) * 1e3]))
+    steps = args.num_iters * args.num_batches_per_iter
     per_rank = _per_rank(session, times, steps) if times else []
     profiled = profile_steps(step, device) if args.profile else None
     if comm.rank == 0:
-        print(f"Img/sec per {kind}: {result['img_sec_per_device']:.1f} +-{result['img_sec_per_device_conf']:.1f}")
-        print(f"Total img/sec on {comm.size} {kind}(s): {result['total_img_sec']:.1f} "
-              f"+-{result['total_img_sec_conf']:.1f}")
-        for row in per_rank:
-            print(f"Rank {row['rank']} on {row['host']}: compute {row['compute_ms']:.1f} ms, "
-                  f"waiting for the gradients {row['wait_ms']:.1f} ms per step")
         gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        record = {"event": "bench.synthetic", "impl": impl, "model": args.model, "batch_size": args.batch_size,
-                  "image_size": args.image_size, "world_size": comm.size, "device": kind, **result,
-                  "compute_ms": compute_ms, "gradient_bytes": gradient_bytes, "fp16_allreduce": args.fp16_allreduce,
-                  "cpu_ms_per_step": statistics.fmean(row[2] for row in rows),
-                  "training_thread_cpu_ms_per_step": statistics.fmean(row[3] for row in rows),
-                  "per_rank": per_rank, "environment": environment(controller=comm.controller, impl=impl)}
-        if profiled:
-            record["profile"] = profiled
-        print(json.dumps(record), flush=True)
+        _report(args, comm, kind, rows, compute_ms, gradient_bytes, per_rank, profiled)
+
+
+def _start(args: argparse.Namespace):
+    """(device, collectives for the results, Session or None, Horovod or None): each implementation
+    started as its users start it, with the settings it would have."""
+    import torch
+
+    from hvdkit.rank.startup import performance_settings, place_process
+    from hvdkit.session import Session
+
+    launch = env.detect()
+    if args.impl == "horovod":
+        _apply_defaults(performance_settings(torch.cuda.is_available(), launch.spans_hosts))
+    if args.impl in ("hvdkit", "own-loop"):  # the Session applies the same settings itself
+        session = Session(batch_size=args.batch_size, fp16_allreduce=args.fp16_allreduce, amp=args.amp,
+                          seed=args.seed)
+        return session.device, _horovod_comm(session.hvd), session, None
+    if args.impl == "ddp":
+        device = place_process(launch.local_rank or 0, launch.local_size or 1)
+        # NCCL for the gradients, Gloo for the results gathered as CPU tensors (NCCL has no CPU backend).
+        _init_torch_distributed("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
+        return device, _torch_comm(), None, None
+    import horovod.torch as hvd
+
+    hvd.init()
+    device = place_process(hvd.local_rank(), hvd.local_size())
+    if device.type == "cuda":  # as Horovod's pytorch_synthetic_benchmark.py does
+        torch.backends.cudnn.benchmark = True
+    return device, _horovod_comm(hvd), None, hvd
+
+
+def _session_step(args: argparse.Namespace, session, model, images, labels) -> Callable[[], None]:
+    """hvdkit: the Trainer's step; own-loop: the README's own loop on the Session API."""
+    import torch
+    import torch.nn.functional as F
+
+    from hvdkit.trainer import classification_loss, train_step
+
+    model, optimizer = session.setup(model, torch.optim.SGD(model.parameters(), lr=args.lr))
+    if args.impl == "hvdkit":
+        return lambda: train_step(session, model, classification_loss, (images, labels))
+
+    def step() -> None:
+        optimizer.zero_grad()
+        for x, y in session.micro_batches((images, labels)):
+            with session.autocast():
+                loss = F.cross_entropy(model(x), y)
+            session.backward(loss)
+            session.log(len(y), loss=loss)
+        session.step()
+    return step
+
+
+def _ddp_step(args: argparse.Namespace, model, images, labels, device) -> Callable[[], None]:
+    """torch DistributedDataParallel's loop, as its tutorial writes it (the fp16 hook for --fp16-allreduce)."""
+    import torch
+    import torch.nn.functional as F
+
+    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    if args.fp16_allreduce:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    amp_dtype, scaler = _amp(args, device)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=args.amp):
+            loss = F.cross_entropy(model(images), labels)
+        if scaler:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
+    return step
+
+
+def _horovod_step(args: argparse.Namespace, hvd, model, images, labels, device) -> Callable[[], None]:
+    """Horovod's pytorch_synthetic_benchmark.py, as users write it."""
+    import torch
+    import torch.nn.functional as F
+
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=args.lr), named_parameters=model.named_parameters(),
+        compression=hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    amp_dtype, scaler = _amp(args, device)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=args.amp):
+            loss = F.cross_entropy(model(images), labels)
+        if scaler:
+            scaler.scale(loss).backward()
+            optimizer.synchronize()
+            scaler.unscale_(optimizer)
+            with optimizer.skip_synchronize():
+                scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
+    return step
+
+
+def _amp(args: argparse.Namespace, device):
+    """The autocast dtype, and a GradScaler where fp16 needs one (CUDA)."""
+    import torch
+
+    amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    return amp_dtype, torch.amp.GradScaler("cuda") if args.amp and device.type == "cuda" else None
+
+
+def _timed(args: argparse.Namespace, step: Callable[[], None], device, said: Callable[[int, float], None]):
+    """(the rate of each of num_iters timings, and ms of CPU per step: the whole process's and
+    the training thread's). On a rank with one core, what the other threads (the allreduces)
+    spend is taken from the training."""
+    import torch
+
+    rates: list[float] = []
+    cpu, thread_cpu = time.process_time(), time.thread_time()
+    for _ in range(args.num_iters):
+        start = time.perf_counter()
+        for _ in range(args.num_batches_per_iter):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        rates.append(args.batch_size * args.num_batches_per_iter / (time.perf_counter() - start))
+        said(len(rates) - 1, rates[-1])
+    steps = args.num_iters * args.num_batches_per_iter
+    return rates, [(time.process_time() - cpu) * 1e3 / steps, (time.thread_time() - thread_cpu) * 1e3 / steps]
+
+
+def _report(args: argparse.Namespace, comm: _Comm, kind: str, rows: list, compute_ms: float, gradient_bytes: int,
+            per_rank: list, profiled) -> None:
+    """Rank 0's lines, as Horovod's benchmark prints them, then the JSON record the driver reads."""
+    result = cross_rank_total([row[:2] for row in rows])
+    print(f"Img/sec per {kind}: {result['img_sec_per_device']:.1f} +-{result['img_sec_per_device_conf']:.1f}")
+    print(f"Total img/sec on {comm.size} {kind}(s): {result['total_img_sec']:.1f} "
+          f"+-{result['total_img_sec_conf']:.1f}")
+    for row in per_rank:
+        print(f"Rank {row['rank']} on {row['host']}: compute {row['compute_ms']:.1f} ms, "
+              f"waiting for the gradients {row['wait_ms']:.1f} ms per step")
+    record = {"event": "bench.synthetic", "impl": args.impl, "model": args.model, "batch_size": args.batch_size,
+              "image_size": args.image_size, "world_size": comm.size, "device": kind, **result,
+              "compute_ms": compute_ms, "gradient_bytes": gradient_bytes, "fp16_allreduce": args.fp16_allreduce,
+              "cpu_ms_per_step": statistics.fmean(row[2] for row in rows),
+              "training_thread_cpu_ms_per_step": statistics.fmean(row[3] for row in rows),
+              "per_rank": per_rank, "environment": environment(controller=comm.controller, impl=args.impl)}
+    if profiled:
+        record["profile"] = profiled
+    print(json.dumps(record), flush=True)
 
 
 def _per_rank(session, times, steps: int) -> list[dict]:
@@ -285,7 +334,6 @@ def allreduce_worker(args: argparse.Namespace) -> None:
     """Every size under raw MPI and torch.distributed first, then Horovod: its background
     thread polls once it starts and must not run under the others' measurements. Each
     implementation's result is checked once per size before it is timed."""
-    import numpy as np
     import torch
     import torch.distributed as dist
 
@@ -300,46 +348,67 @@ def allreduce_worker(args: argparse.Namespace) -> None:
     rank, size = dist.get_rank(), dist.get_world_size()
     seconds: dict[str, list[float]] = {}
     skipped: dict[str, str] = {}
-    expected_sum = size * (size + 1) / 2
-
-    def check(name: str, nbytes: int, got: float, want: float) -> None:
-        if abs(got - want) > 1e-3 * abs(want):
-            raise RunFailed(f"{name} allreduce of {format_size(nbytes)} gave {got} on rank {rank}, expected {want}")
-
     if os.environ.get("HOROVOD_CONTROLLER") == "gloo":
         skipped["mpi4py"] = "a Gloo launch (horovodrun --gloo) has no MPI"
     else:
-        from mpi4py import MPI
-        world = MPI.COMM_WORLD
-        times = []
-        for nbytes in sizes:
-            send = np.full(nbytes // 4, rank + 1, dtype=np.float32)
-            recv = np.empty_like(send)
-            world.Allreduce(send, recv, op=MPI.SUM)
-            check("mpi4py", nbytes, float(recv[-1]), expected_sum)
-            times.append(_time_allreduce(partial(world.Allreduce, send, recv, op=MPI.SUM),
-                                         args.iters or default_iterations(nbytes), world.Barrier))
-        seconds["mpi4py"] = times
+        seconds["mpi4py"] = _mpi4py_times(args, sizes, rank, size)
+    seconds["torch.distributed"] = _torch_times(args, sizes, rank, size)
+    import horovod.torch as hvd
+
+    hvd.init()
+    seconds.update(_horovod_times(args, hvd, sizes, rank, size))
+    _allreduce_report(args, seconds, sizes, skipped, "mpi" if hvd.mpi_enabled() else "gloo")
+    hvd.shutdown()
+
+
+def _checked(name: str, nbytes: int, rank: int, size: int, got: float, average: bool = False) -> None:
+    """Every rank gave rank + 1: the sum is size(size + 1)/2 (its average for Horovod's Average)."""
+    want = size * (size + 1) / 2 / (size if average else 1)
+    if abs(got - want) > 1e-3 * abs(want):
+        raise RunFailed(f"{name} allreduce of {format_size(nbytes)} gave {got} on rank {rank}, expected {want}")
+
+
+def _mpi4py_times(args: argparse.Namespace, sizes: list, rank: int, size: int) -> list[float]:
+    import numpy as np
+    from mpi4py import MPI
+
+    world, times = MPI.COMM_WORLD, []
+    for nbytes in sizes:
+        send = np.full(nbytes // 4, rank + 1, dtype=np.float32)
+        recv = np.empty_like(send)
+        world.Allreduce(send, recv, op=MPI.SUM)
+        _checked("mpi4py", nbytes, rank, size, float(recv[-1]))
+        times.append(_time_allreduce(partial(world.Allreduce, send, recv, op=MPI.SUM),
+                                     args.iters or default_iterations(nbytes), world.Barrier))
+    return times
+
+
+def _torch_times(args: argparse.Namespace, sizes: list, rank: int, size: int) -> list[float]:
+    import torch
+    import torch.distributed as dist
 
     times = []
     for nbytes in sizes:
         tensor = torch.full((nbytes // 4,), float(rank + 1))
         dist.all_reduce(tensor)
-        check("torch.distributed", nbytes, float(tensor[-1]), expected_sum)
+        _checked("torch.distributed", nbytes, rank, size, float(tensor[-1]))
         tensor.zero_()  # repeated in-place sums of zeros stay finite
         times.append(_time_allreduce(partial(dist.all_reduce, tensor), args.iters or default_iterations(nbytes),
                                      dist.barrier))
-    seconds["torch.distributed"] = times
+    return times
 
-    import horovod.torch as hvd
 
-    hvd.init()
+def _horovod_times(args: argparse.Namespace, hvd, sizes: list, rank: int, size: int) -> dict[str, list[float]]:
+    """In place (the DistributedOptimizer's path: allreduce_async_ and synchronize) and out of place."""
+    import torch
+
+    seconds = {}
     for name in ("horovod in-place", "horovod out-of-place"):
         times = []
         for nbytes in sizes:
             tensor = torch.full((nbytes // 4,), float(rank + 1))
             tag = f"bench.{format_size(nbytes)}"  # one name per size, as gradients have: the response cache hits
-            if name == "horovod in-place":  # the DistributedOptimizer's path: allreduce_async_ + synchronize
+            if name == "horovod in-place":
                 def run(t=tensor, tag=tag):
                     hvd.synchronize(hvd.allreduce_async_(t, op=hvd.Average, name=tag))
                 run()
@@ -348,25 +417,177 @@ def allreduce_worker(args: argparse.Namespace) -> None:
                 def run(t=tensor, tag=tag):
                     return hvd.allreduce(t, op=hvd.Average, name=tag + ".out")
                 got = float(run()[-1])
-            check(name, nbytes, got, expected_sum / size)
+            _checked(name, nbytes, rank, size, got, average=True)
             times.append(_time_allreduce(run, args.iters or default_iterations(nbytes), hvd.barrier))
         seconds[name] = times
+    return seconds
 
-    # The slowest rank's time is the collective's time.
-    names = list(seconds)
+
+def _allreduce_report(args: argparse.Namespace, seconds: dict, sizes: list, skipped: dict, controller: str) -> None:
+    """Rank 0's JSON record: per size and implementation, the slowest rank's time (the collective's)."""
+    import torch.distributed as dist
+
+    names, size = list(seconds), dist.get_world_size()
     gathered = [None] * size
     dist.all_gather_object(gathered, [seconds[n] for n in names])
+    if dist.get_rank() != 0:
+        return
+    rows = []
+    for i, nbytes in enumerate(sizes):
+        row = {"bytes": nbytes, "count": nbytes // 4}
+        for j, name in enumerate(names):
+            t = max(per_rank[j][i] for per_rank in gathered)
+            bw = algbw(nbytes, t)
+            row[name] = {"time_us": t * 1e6, "algbw": bw, "busbw": busbw(bw, size)}
+        rows.append(row)
+    record = {"event": "bench.allreduce", "world_size": size, "implementations": names, "skipped": skipped,
+              "rows": rows, "environment": environment(controller=controller, tuning=not args.no_tuning)}
+    print(json.dumps(record), flush=True)
+
+
+# --- hvdkit bench zero ----------------------------------------------------------------------
+
+def zero_worker(args: argparse.Namespace) -> None:
+    """One rank of one loop: warm up, time the steps, report rates and bytes on rank 0."""
+    import horovod.torch as hvd
+    import torch
+
+    from hvdkit.rank.memory import PhasePeaks
+    from hvdkit.rank.startup import place_process
+    from hvdkit.zero import optimizer as zero
+
+    launch = env.detect()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    device = torch.device("cuda", launch.local_rank or 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if args.memory_cap:
+        _end_above(args.memory_cap, device)
+    model, inputs, loss_of = _zero_model(args)
+    model.to(device)
+    optimizer_class = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[args.optimizer]
+    if args.impl == "torch-zero":
+        import torch.distributed as dist
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        place_process(launch.local_rank or 0, launch.local_size or 1)
+        _init_torch_distributed("nccl" if device.type == "cuda" else "gloo")
+        rank, size = dist.get_rank(), dist.get_world_size()
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class, lr=1e-4)
+        gather = _torch_gather
+    else:
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        inner = optimizer_class(model.parameters(), lr=1e-4)
+        optimizer = (hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
+                     if args.impl == "horovod" else zero.ShardedOptimizer(inner, hvd, int(args.impl[-1])))
+        gather = hvd.allgather_object
+    batch = [part.to(device) for part in inputs(torch.Generator().manual_seed(rank))]
+
+    peaks = PhasePeaks(device)
+
+    def step(when: str) -> None:
+        with peaks.phase(f"{when}: forward and backward"):
+            optimizer.zero_grad()
+            loss_of(model, batch).backward()
+        with peaks.phase(f"{when}: optimizer step"):
+            optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    try:
+        for n in range(args.warmup):
+            step("first step" if n == 0 else "steady")
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step("steady")
+    except torch.cuda.OutOfMemoryError:  # past --memory-cap on a GPU
+        print(json.dumps({"event": "bench.zero.over", "cuda_allocated": torch.cuda.max_memory_allocated(device),
+                          "cap": args.memory_cap}), flush=True)
+        os._exit(job.OVER_CAP)
+    rate = args.batch_size * args.steps / (time.perf_counter() - start)
+    phases = peaks.summary()
+    held = {**_held(model, optimizer, zero), "phases": phases}
+    # The peak the cap and the table speak of: resident memory on a CPU, the allocator's on a GPU.
+    held["peak"] = held["peak_rss"] if device.type == "cpu" else max(v for k, v in phases.items() if k != "unit")
+    rows = gather({"samples_per_sec": rate, **held})
     if rank == 0:
-        rows = []
-        for i, nbytes in enumerate(sizes):
-            row = {"bytes": nbytes, "count": nbytes // 4}
-            for j, name in enumerate(names):
-                t = max(per_rank[j][i] for per_rank in gathered)
-                bw = algbw(nbytes, t)
-                row[name] = {"time_us": t * 1e6, "algbw": bw, "busbw": busbw(bw, size)}
-            rows.append(row)
-        record = {"event": "bench.allreduce", "world_size": size, "implementations": names, "skipped": skipped,
-                  "rows": rows, "environment": environment(controller="mpi" if hvd.mpi_enabled() else "gloo",
-                                                           tuning=not args.no_tuning)}
-        print(json.dumps(record), flush=True)
-    hvd.shutdown()
+        print(json.dumps({"event": "bench.zero", "impl": args.impl, "world_size": size, "model": args.model,
+                          "parameters": sum(p.numel() for p in model.parameters()),
+                          "samples_per_sec": sum(r["samples_per_sec"] for r in rows), "ranks": rows}), flush=True)
+
+
+def _zero_model(args: argparse.Namespace):
+    """(model, inputs, loss_of): the model, a function of a generator giving one rank's batch,
+    and the loss of a batch."""
+    import torch
+    import torch.nn.functional as F
+
+    from hvdkit import models
+
+    if args.model == "gpt":
+        def tokens(generator):
+            return [torch.randint(0, 256, (args.batch_size, args.seq_len + 1), generator=generator)]
+
+        def next_token_loss(model, batch):
+            (tokens,) = batch
+            return F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+
+        return gpt(args.width, args.layers, args.seq_len), tokens, next_token_loss
+
+    def images(generator):
+        return [torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=generator),
+                torch.randint(0, args.num_classes, (args.batch_size,), generator=generator)]
+
+    def class_loss(model, batch):
+        return F.cross_entropy(model(batch[0]), batch[1])
+
+    return models.build(args.model, 3, args.image_size, args.num_classes), images, class_loss
+
+
+def _end_above(cap: int, device) -> None:
+    """Watch this rank's resident memory from a thread; past ``cap``, say so and end the process
+    (its launcher then ends the others): a model that does not fit need not finish its steps.
+    On a GPU the allocator itself refuses to pass the cap (the worker ends on its error)."""
+    import threading
+
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(device).total_memory, device)
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def watch() -> None:
+        with open("/proc/self/statm") as statm:
+            while True:
+                statm.seek(0)
+                resident = int(statm.read().split()[1]) * page
+                if resident > cap:
+                    print(json.dumps({"event": "bench.zero.over", "rss": resident, "cap": cap}), flush=True)
+                    os._exit(job.OVER_CAP)
+                time.sleep(0.01)
+
+    threading.Thread(target=watch, name="hvdkit-memory-cap", daemon=True).start()
+
+
+def _held(model, optimizer, zero) -> dict:
+    """This rank's bytes after a step, counted from the tensors, and its peak resident memory."""
+    from hvdkit.rank.memory import memory_of, peak_rss
+
+    if isinstance(optimizer, zero.ShardedOptimizer):
+        return memory_of(optimizer)
+    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer steps its shard with this
+    params = list(model.parameters())
+    return {**zero.held_bytes(params, params, local.state.values()), "peak_rss": peak_rss()}
+
+
+def _torch_gather(value):
+    import torch.distributed as dist
+
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, value)
+    return rows

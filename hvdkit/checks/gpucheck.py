@@ -39,7 +39,7 @@ DEFAULTS = ["synthetic", "-np", "1", *ITERS,
             "--knob", "HVDKIT_CHANNELS_LAST=false", "--knob", "HVDKIT_CUDNN_BENCHMARK=false",
             "--knob", "HVDKIT_TF32=true"]
 ZERO = ["zero", "-np", "1", "--repeats", "1"]  # one GPU: the CUDA allocator's peaks, nothing to shard
-AUDITED = ("session", "amp", "zero1")  # tests/sync_audit_script.py's shapes
+AUDITED = ("session", "amp", "zero1")  # tests/programs/sync_audit_script.py's shapes
 # The goals (issue 49): hvdkit / Horovod's loop, median of the rounds' ratios, fp32 and AMP; ZeRO stage 1's throughput.
 GOALS = {"fp32 hvdkit/horovod": 1.0, "amp hvdkit/horovod": 1.0, "zero1/torch-zero": 1.0, "zero1/horovod": 0.9}
 
@@ -222,7 +222,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for shape in AUDITED if "audit" not in args.skip else ():
             code, audits[shape] = _run([sys.executable, "-m", "hvdkit", "launch", "-np", "1", "--launcher",
                                         "horovodrun", "--gloo", "--", sys.executable,
-                                        str(TESTS / "sync_audit_script.py"), shape, "2"])
+                                        str(TESTS / "programs" / "sync_audit_script.py"), shape, "2"])
         if audits:
             steps.append(audit_step(audits))
         out = Path(args.out)

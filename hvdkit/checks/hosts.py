@@ -207,6 +207,8 @@ def _network(c: Comparison, name: str, theirs: dict) -> None:
 
 
 def _slots(c: Comparison, host: Host, theirs: dict) -> None:
+    if not host.slots:  # named without slots: compared, not counted
+        return
     if host.slots > theirs["cores"]:
         c.add(host.name, f"{host.slots} slots but {theirs['cores']} cores",
               f"ranks would share cores and every step waits for the slowest: give it at most "
@@ -310,7 +312,7 @@ def check(hosts: Sequence[Host], *, directory: Optional[str], in_allocation: boo
     comparison = Comparison(here, list(hosts), results, network, directory if marker else None, in_allocation)
     findings = compare(comparison)
     rows = [row(f"{here.facts['host']} (here)", None, here, comparison)]
-    rows += [row(h.name, h.slots, results[h.name], comparison) for h in hosts]
+    rows += [row(h.name, h.slots or None, results[h.name], comparison) for h in hosts]
     return Checked(table(rows), findings, comparison.notes)
 
 

@@ -24,14 +24,16 @@ class LaunchError(ValueError):
 @dataclass(frozen=True)
 class Host:
     name: str
-    slots: int
+    slots: int  # 0: not given (`hvdkit doctor -H node0,node1` compares hosts and needs none)
 
 
-def _host(text: str, where: str) -> Host:
+def _host(text: str, where: str, bare: bool = False) -> Host:
     match = re.fullmatch(r"([A-Za-z0-9_.\-]+)(?::(\S*))?", text.strip())
     if not match:
         raise LaunchError(f"{where}: cannot read host {text.strip()!r} (expected host:slots)")
     name, slots = match.group(1), match.group(2)
+    if slots is None and bare:
+        return Host(name, 0)
     if slots is None or slots == "":
         raise LaunchError(f"{where}: host {name!r} has no slot count (write {name}:N)")
     if not slots.isdigit() or int(slots) < 1:
@@ -39,15 +41,17 @@ def _host(text: str, where: str) -> Host:
     return Host(name, int(slots))
 
 
-def parse_hosts(spec: str) -> list[Host]:
-    """``host1:4,host2:4`` (horovodrun's -H)."""
+def parse_hosts(spec: str, bare: bool = False) -> list[Host]:
+    """``host1:4,host2:4`` (horovodrun's -H); with ``bare``, also ``host1,host2`` as mpirun's -H
+    takes them (slots 0: not given)."""
     if not spec.strip():
         raise LaunchError("-H: no hosts given")
-    return [_host(part, "-H") for part in spec.split(",")]
+    return [_host(part, "-H", bare) for part in spec.split(",")]
 
 
-def read_hostfile(path: str) -> list[Host]:
-    """A hostfile in any of the three formats: ``host:N``, ``host slots=N`` (Open MPI)."""
+def read_hostfile(path: str, bare: bool = False) -> list[Host]:
+    """A hostfile in any of the three formats: ``host:N``, ``host slots=N`` (Open MPI); with
+    ``bare``, also a line with a name alone (slots 0: not given)."""
     try:
         text = Path(path).read_text()
     except OSError as exc:
@@ -64,7 +68,7 @@ def read_hostfile(path: str) -> list[Host]:
         elif " " in line or "\t" in line:
             raise LaunchError(f"{where}: cannot read {line!r} (expected 'host slots=N' or 'host:N')")
         else:
-            hosts.append(_host(line, where))
+            hosts.append(_host(line, where, bare))
     if not hosts:
         raise LaunchError(f"hostfile {path} lists no hosts")
     return hosts

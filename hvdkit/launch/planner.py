@@ -156,23 +156,10 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
         raise LaunchError("no command after '--'")
     if args.np is None or args.np < 1:
         raise LaunchError("-np N is required, N >= 1")
-    hosts = read_hostfile(args.hostfile) if args.hostfile else parse_hosts(args.hosts) if args.hosts else None
-    set_env, extra = {}, []
-    for item in args.env:
-        name, sep, value = item.partition("=")
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-            raise LaunchError(f"-x {item!r}: not a variable name")
-        if sep:
-            set_env[name] = value
-        else:
-            extra.append(name)
-
+    given = read_hostfile(args.hostfile) if args.hostfile else parse_hosts(args.hosts) if args.hosts else None
+    set_env, extra = _variables(args.env)
     is_elastic = elastic(launcher_args)
     launcher, reason = choose_launcher(args.launcher, args.controller, environ, which, is_elastic)
-    rehearsed = hosts is None and not is_elastic and REHEARSAL_HOSTS in environ and "SLURM_JOB_NODELIST" not in environ
-    if rehearsed:  # `hvdkit rehearse` lists its hosts here, as Slurm lists an allocation's nodes
-        hosts = parse_hosts(environ[REHEARSAL_HOSTS])
-        reason += f"; hosts from ${REHEARSAL_HOSTS} (hvdkit rehearse)"
     program = which(launcher)
     if program is None:
         raise LaunchError(f"{launcher} not found on PATH; " + {
@@ -183,21 +170,13 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
         raise LaunchError(f"--gloo needs horovodrun; {launcher} starts MPI jobs")
     if launcher == "srun" and "SLURM_JOB_ID" not in environ:
         raise LaunchError("srun: not inside a Slurm allocation (run under salloc or sbatch, or pick another launcher)")
-    if is_elastic and hosts is not None:  # choose_launcher made it horovodrun
-        raise LaunchError("--host-discovery-script gives an elastic job its hosts; drop -H/--hostfile "
-                          "(with both, horovodrun ignores them)")
-    if launcher == "horovodrun" and hosts is None and not is_elastic:
-        if "SLURM_JOB_NODELIST" in environ:
-            hosts = slurm_hosts(environ)
-            reason += "; hosts from the Slurm allocation"
-        else:
-            hosts = [Host("localhost", args.np)]  # horovodrun's own default for one machine
+    hosts, listed, where = _hosts(given, args, launcher, environ, is_elastic)
+    reason += where
 
     spec = LaunchSpec(np=args.np, command=list(command), hosts=hosts, hostfile=args.hostfile,
                       controller=args.controller, set_env=set_env, oversubscribe=args.oversubscribe,
                       as_root=as_root, srun_mpi=args.srun_mpi, program=program, launcher_args=list(launcher_args))
     oversubscribed = check_slots(spec, local_slots)
-    listed = [h.name for h in hosts] if args.hosts or args.hostfile or rehearsed else []  # srun: Slurm watches
     placed = ranks_by_host(hosts, args.np) if listed else {}
     if launcher == "horovodrun":
         env = dict(set_env)
@@ -207,15 +186,58 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
                     hosts=hosts if listed else [])
     if launcher == "srun":
         return Plan(launcher, reason, srun_command(spec), {})
+    return _mpirun_plan(spec, reason, mpi_version(program), oversubscribed, environ, network,
+                        [*extra, *([job.JOB_DIR] if supervised else [])], placed, hosts if listed else [])
 
-    flavor = mpi_flavor(mpi_version(program))
+
+def _variables(items: Sequence[str]) -> tuple[dict, list]:
+    """-x VAR=VAL (set in every rank) and -x VAR (forwarded from here)."""
+    set_env, extra = {}, []
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise LaunchError(f"-x {item!r}: not a variable name")
+        if sep:
+            set_env[name] = value
+        else:
+            extra.append(name)
+    return set_env, extra
+
+
+def _hosts(hosts: Optional[list], args: argparse.Namespace, launcher: str, environ: Mapping[str, str],
+           is_elastic: bool) -> tuple[Optional[list], bool, str]:
+    """The hosts (None: the launcher's own default) from those given with -H or --hostfile, whether
+    they were listed (given, or a rehearsal's: compared and watched; srun's are Slurm's), and where
+    they came from, for the reason."""
+    where = ""
+    rehearsed = hosts is None and not is_elastic and REHEARSAL_HOSTS in environ and "SLURM_JOB_NODELIST" not in environ
+    if rehearsed:  # `hvdkit rehearse` lists its hosts here, as Slurm lists an allocation's nodes
+        hosts = parse_hosts(environ[REHEARSAL_HOSTS])
+        where = f"; hosts from ${REHEARSAL_HOSTS} (hvdkit rehearse)"
+    if is_elastic and hosts is not None:  # choose_launcher made it horovodrun
+        raise LaunchError("--host-discovery-script gives an elastic job its hosts; drop -H/--hostfile "
+                          "(with both, horovodrun ignores them)")
+    if launcher == "horovodrun" and hosts is None and not is_elastic:
+        if "SLURM_JOB_NODELIST" in environ:
+            hosts = slurm_hosts(environ)
+            where = "; hosts from the Slurm allocation"
+        else:
+            hosts = [Host("localhost", args.np)]  # horovodrun's own default for one machine
+    return hosts, bool(args.hosts or args.hostfile or rehearsed), where
+
+
+def _mpirun_plan(spec: LaunchSpec, reason: str, version_text: str, oversubscribed: Optional[str],
+                 environ: Mapping[str, str], network: Callable[[Sequence[str]], Optional[Network]],
+                 forward: list, placed: dict, watched: list) -> Plan:
+    """mpirun's command for its flavour, pinned to the interface that reaches the hosts."""
+    flavor = mpi_flavor(version_text)
     if flavor == "unknown":
-        raise LaunchError(f"cannot tell which MPI {program} is from `mpirun --version`")
+        raise LaunchError(f"cannot tell which MPI {spec.program} is from `mpirun --version`")
     notes = [f"added --oversubscribe: {oversubscribed}"] if oversubscribed and flavor == "openmpi" else []
     # horovodrun tests the hosts' interfaces itself; mpirun takes the first that answers.
-    if hosts and flavor in ("openmpi", "mpich") and not network_chosen(environ, launcher_args):
+    if spec.hosts and flavor in ("openmpi", "mpich") and not network_chosen(environ, spec.launcher_args):
         try:
-            spec.network = network([h.name for h in hosts])
+            spec.network = network([h.name for h in spec.hosts])
         except NetworkError as exc:
             raise LaunchError(str(exc)) from None
         if spec.network:
@@ -223,9 +245,9 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
                 spec.set_env["NCCL_SOCKET_IFNAME"] = spec.network.interface
             notes.append(f"network: {spec.network.interface} ({spec.network.cidr}), this host's route to "
                          f"{', '.join(spec.network.peers)}; MPI and NCCL pinned to it")
-    spec.forward = forwarded_names(environ, [*extra, *([job.JOB_DIR] if supervised else [])])
-    return Plan(launcher, f"{reason}; {flavor}", MPIRUN_BUILDERS[flavor](spec), {}, notes,
-                tagged=flavor == "openmpi", ranks=placed, hosts=hosts if listed else [])
+    spec.forward = forwarded_names(environ, forward)
+    return Plan("mpirun", f"{reason}; {flavor}", MPIRUN_BUILDERS[flavor](spec), {}, notes,
+                tagged=flavor == "openmpi", ranks=placed, hosts=watched)
 
 
 def local_command(how: str, np: int, command: Sequence[str], hosts: Optional[str] = None) -> list[str]:

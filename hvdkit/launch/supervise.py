@@ -165,8 +165,12 @@ def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False
             return LOST
         recorded = rank_exit_code(Path(env[JOB_DIR]))
         if recorded is None and stopped and code > 0:  # it exited by itself, not killed after the grace
-            # Ranks on hosts that do not share this job directory (containers, machines without a
-            # shared /tmp) leave no record; a stopped job still exits as the signal says.
+            # No rank said where it stopped: stopped while starting (importing torch, before the
+            # Session's handlers), or ranks on hosts that do not share this job directory
+            # (containers, machines without a shared /tmp). A stopped job still exits as the signal says.
+            print(f"hvdkit launch: stopped by {signal.Signals(stopped[0]).name} before any rank here said at which "
+                  f"step (while starting, or on another host); exit {stopped_by(stopped[0])}",
+                  file=sys.stderr, flush=True)
             return stopped_by(stopped[0])
         return recorded or shell_code(code)
     finally:

@@ -41,6 +41,9 @@ from typing import Optional, Sequence
 from hvdkit import job
 from hvdkit.args import OneLineParser, checked, duration
 from hvdkit.rehearse.namespaces import (
+    FIRST_HOST,
+    MAX_HOSTS,
+    SUBNET,
     Hosts,
     HostsUnavailable,
     bits_per_second,
@@ -83,6 +86,9 @@ def check(args: argparse.Namespace, command: Sequence[str]) -> Optional[str]:
         return "give the command after '--', e.g. hvdkit rehearse --hosts 2 -- hvdkit launch -np 2 -- hvdkit train"
     if args.hosts < 1 or args.slots < 1:
         return "--hosts and --slots must be at least 1"
+    if args.hosts > MAX_HOSTS:
+        return (f"--hosts {args.hosts}: at most {MAX_HOSTS} hosts fit the rehearsal's network "
+                f"({SUBNET}.{FIRST_HOST} to {SUBNET}.254)")
     if (args.kill_host is None) != (args.after is None):
         return "--kill-host and --after go together: --kill-host 1 --after 30s"
     if args.kill_host is not None and args.hosts < 2:

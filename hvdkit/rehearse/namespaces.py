@@ -36,6 +36,8 @@ from typing import Optional, Sequence
 from hvdkit import job
 
 SUBNET = "10.231.0"  # the hosts' routed network, /24
+FIRST_HOST = 11  # the hosts' addresses: SUBNET.11, .12, ... up to .254
+MAX_HOSTS = 254 - FIRST_HOST + 1
 DOCKER0 = "10.231.1.1/24"  # the same address on every host, as Docker's bridge has
 SSHD = "/usr/sbin/sshd"
 _made = itertools.count()  # sets of hosts this process has made: part of every name
@@ -85,6 +87,9 @@ class Hosts:
         ``interfaces`` names a host's link other than eth0 ({"h2": "ens5"}), as hosts of another
         make name the same network differently."""
         self.names = list(names) if names else [f"h{i}" for i in range(1, count + 1)]
+        if len(self.names) > MAX_HOSTS:
+            raise ValueError(f"{len(self.names)} hosts: at most {MAX_HOSTS} fit the hosts' network "
+                             f"({SUBNET}.{FIRST_HOST} to {SUBNET}.254)")
         self.interfaces = dict(interfaces or {})
         self.prefix = f"hvdk{os.getpid()}x{next(_made)}"
         self.docker0, self.rate, self.delay, self.own_tmp, self.cpus = docker0, rate, delay, own_tmp, cpus
@@ -104,7 +109,7 @@ class Hosts:
         return self.interfaces.get(name, "eth0")
 
     def address(self, name: str) -> str:
-        return f"{SUBNET}.{10 + self.names.index(name) + 1}"
+        return f"{SUBNET}.{FIRST_HOST + self.names.index(name)}"
 
     def on(self, name: str, command: Sequence[str]) -> list[str]:
         """``command`` as if typed on host ``name``: its network, its /etc/hosts, its host name

@@ -6,7 +6,7 @@ run of the same loop at full speed: the pause changes when a step happens, never
 hvdkit's NonFiniteError in the loop, as a user may; ``--fused`` makes the optimizer torch's
 fused SGD, which skips a non-finite step on the device (as the Session makes it on a GPU).
 
-    python tests/slow_loop.py --step-seconds 1 --checkpoint-dir ckpt
+    python tests/programs/slow_loop.py --step-seconds 1 --checkpoint-dir ckpt
 """
 import argparse
 import time

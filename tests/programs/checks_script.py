@@ -1,4 +1,4 @@
-"""A user's own loop on hvdkit.Session with two faults to plant, for tests/test_checks.py:
+"""A user's own loop on hvdkit.Session with two faults to plant, for tests/test_consistency_and_stragglers.py:
 
 - ``--plant K``: after step K, rank 1 changes one weight (fc.weight[0, 0]) on its own, the bug
   the consistency check is for (rank-dependent code touching the model);
@@ -8,7 +8,7 @@
 and, for a run with nothing wrong, ``--norm`` (a batch norm and dropout), ``--amp`` (bf16 on
 CPUs), ``--fp16-allreduce`` and ``--accumulate K`` micro-batches per allreduce.
 
-    horovodrun -np 2 python tests/checks_script.py --plant 7 --check-every 5 --checkpoint-steps 6 \
+    horovodrun -np 2 python tests/programs/checks_script.py --plant 7 --check-every 5 --checkpoint-steps 6 \
         --checkpoint-dir ckpt --log-dir logs
 """
 

@@ -1,6 +1,6 @@
 """The Session's parts on their own, each handed what it uses, in one real Horovod process of
 world size 1 (hvd.init() in a process of its own, so that the test process never holds MPI).
-`python tests/parts_worker.py PART DIR` checks PART and exits 0, or fails with the assertion."""
+`python tests/programs/parts_worker.py PART DIR` checks PART and exits 0, or fails with the assertion."""
 
 import sys
 from pathlib import Path

@@ -1,7 +1,7 @@
 """What only a GPU exercises, run by tests/test_gpu.py under a real launcher on a CUDA machine.
 
-    python tests/gpu_worker.py collectives   # NCCL allreduce (fp32, fp16) and broadcast on the GPU
-    python tests/gpu_worker.py loop          # Session: pinned batches, fp16 autocast + GradScaler, join(device)
+    python tests/programs/gpu_worker.py collectives   # NCCL allreduce (fp32, fp16) and broadcast on the GPU
+    python tests/programs/gpu_worker.py loop   # Session: pinned batches, fp16 autocast + GradScaler, join(device)
 
 The loop writes its logs where HVDKIT_LOG_DIR says, as every Session does.
 

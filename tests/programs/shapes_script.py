@@ -2,7 +2,7 @@
 Fabric and Accelerate docs), each training the same 60 steps of a Linear model; or a shape
 that cannot work, which must end the job at once with one line.
 
-    python tests/shapes_script.py --shape SHAPE [--shape SHAPE ...] [--repeat N] --out DIR
+    python tests/programs/shapes_script.py --shape SHAPE [--shape SHAPE ...] [--repeat N] --out DIR
 
 Each shape that trains runs in a Session of its own, one after another in this one job (N
 times each: the hang of issue 37 was a race), and rank 0 writes each run's final weights to

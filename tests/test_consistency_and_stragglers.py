@@ -1,6 +1,6 @@
 """The checks inside a running job: the ranks' copies of the model compared (hvdkit.rank.consistency),
 and the rank the others wait for named (hvdkit.rank.stragglers). Real launches of a user's own loop
-(tests/checks_script.py) and of `hvdkit train`; the digests and the straggler rule also alone."""
+(tests/programs/checks_script.py) and of `hvdkit train`; the digests and the straggler rule also alone."""
 
 import json
 import re
@@ -19,7 +19,7 @@ from hvdkit.checks import selftest
 from hvdkit.rank import consistency, stragglers
 from hvdkit.rank.state import RunState
 
-SCRIPT = [sys.executable, str(REPO / "tests" / "checks_script.py")]
+SCRIPT = [sys.executable, str(REPO / "tests" / "programs" / "checks_script.py")]
 HVDKIT = [sys.executable, "-m", "hvdkit"]
 
 

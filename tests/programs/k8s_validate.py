@@ -17,7 +17,7 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-CRD = Path(__file__).parent / "k8s" / "kubeflow.org_mpijobs.yaml"
+CRD = Path(__file__).parents[1] / "k8s" / "kubeflow.org_mpijobs.yaml"
 
 
 @lru_cache(maxsize=None)

@@ -1,9 +1,9 @@
 """A user's script that calls hvdkit.run: its functions are defined in ``__main__``, so they travel
 by value, as a notebook's do. Prints one JSON line per call for tests/test_spawn.py.
 
-    python tests/spawn_caller.py errors LAUNCHER
-    python tests/spawn_caller.py interrupt LAUNCHER CHECKPOINT_DIR LOG_DIR
-    python tests/spawn_caller.py forever LAUNCHER CHECKPOINT_DIR LOG_DIR   (until this process is ended)
+    python tests/programs/spawn_caller.py errors LAUNCHER
+    python tests/programs/spawn_caller.py interrupt LAUNCHER CHECKPOINT_DIR LOG_DIR
+    python tests/programs/spawn_caller.py forever LAUNCHER CHECKPOINT_DIR LOG_DIR   (until this process is ended)
 """
 
 import json

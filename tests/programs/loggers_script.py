@@ -1,7 +1,7 @@
 """An own loop with trackers, in the shape users write it: ``Session(loggers=...)``, a plain
 range over batches, a report every 5 steps, a checkpoint under ``if rank == 0``-free save.
 
-    python tests/loggers_script.py --loggers csv,tensorboard --steps 30 [--break-csv-at 10] [--no-finish]
+    python tests/programs/loggers_script.py --loggers csv,tensorboard --steps 30 [--break-csv-at 10] [--no-finish]
 
 ``--break-csv-at N`` removes the CSV logger's folder after step N, as a full or vanished disk
 would: that logger fails at its next report, and training must go on with the others.

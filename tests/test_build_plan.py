@@ -66,8 +66,13 @@ def test_cpu_only_build_says_why(overrides, reason):
 
 
 def test_cpu_only_on_request():
+    """No NCCL; with torch's CUDA build and a toolkit, Horovod's torch extension still compiles its
+    CUDA support, so the toolkit's home goes to CMake (without it: cudart NOTFOUND, seen)."""
     plan = plan_build(_gpu_toolchain(), cpu_only=True)
     assert plan.gpu_operations is None and "requested" in plan.gpu_reason
+    assert "HOROVOD_GPU_OPERATIONS" not in plan.flags and "HOROVOD_NCCL_INCLUDE" not in plan.paths
+    assert plan.paths["CUDA_HOME"] == plan.paths["HOROVOD_CUDA_HOME"] == str(_gpu_toolchain().cuda_home)
+    assert plan_build(_gpu_toolchain(cuda_home=None), cpu_only=True).paths == {}
 
 
 def test_cache_key_changes_with_what_changes_the_binary():
@@ -232,4 +237,5 @@ def test_cuda_kernels_are_built_for_torchs_architectures_unless_told():
     plan = plan_build(_gpu_toolchain(cuda_archs="75,80"))
     assert plan.flags["HOROVOD_BUILD_CUDA_CC_LIST"] == "75,80"
     assert plan.key != plan_build(_gpu_toolchain(cuda_archs="90")).key
-    assert "HOROVOD_BUILD_CUDA_CC_LIST" not in plan_build(_gpu_toolchain(cuda_archs="75"), cpu_only=True).flags
+    assert plan_build(_gpu_toolchain(cuda_archs="75"), cpu_only=True).flags["HOROVOD_BUILD_CUDA_CC_LIST"] == "75"
+    assert "HOROVOD_BUILD_CUDA_CC_LIST" not in plan_build(_gpu_toolchain(cuda_archs="75", torch_cuda=None)).flags

@@ -14,6 +14,8 @@ does. Run it as ``python -m hvdkit.build`` (``--help`` lists the options).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import importlib.metadata
 import json
@@ -137,6 +139,14 @@ def plan_build(tc: Toolchain, cpu_only: bool = False) -> BuildPlan:
     gpu_operations = None
     if cpu_only:
         reason = "CPU-only build requested"
+        if tc.torch_cuda and tc.cuda_home:
+            # torch's CUDA build makes Horovod's torch extension compile its CUDA support anyway
+            # (Horovod's CMake: add_cuda() where torch has CUDA); without the toolkit's home it
+            # failed, cudart NOTFOUND. No NCCL: no GPU collectives.
+            reason += f" (no NCCL; torch's CUDA {tc.torch_cuda} still needs the toolkit at {tc.cuda_home})"
+            paths.update({"CUDA_HOME": str(tc.cuda_home), "HOROVOD_CUDA_HOME": str(tc.cuda_home)})
+            if tc.cuda_archs:
+                flags["HOROVOD_BUILD_CUDA_CC_LIST"] = tc.cuda_archs
     elif tc.torch_cuda is None:
         reason = "torch is a CPU-only build"
     elif tc.cuda_home is None:
@@ -393,6 +403,17 @@ class Sources:
     install: bool = True  # --no-install: build or find the wheel, export it, install nothing
 
 
+@contextlib.contextmanager
+def _key_lock(cache: Path, key: str):
+    """Held while a cache key's wheel is looked for and built: two builds of one key at once (two
+    test workers, two shells) build it once."""
+    folder = cache / "locks"
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def ensure_horovod(plan: BuildPlan, cache: Path, force: bool = False, sources: Optional[Sources] = None) -> str:
     """Install (and export) the planned Horovod, from a wheelhouse or the cache when possible.
     Returns what happened."""
@@ -401,13 +422,14 @@ def ensure_horovod(plan: BuildPlan, cache: Path, force: bool = False, sources: O
     if installed and sources.wheel_dir is None:
         return "already installed"
     folders = [sources.find_links] if sources.find_links else []
-    wheel = None if force else prebuilt_wheel(plan, [*folders, cache / "wheels" / plan.key])
-    how = f"found {wheel}" if wheel else ""
-    if wheel is None:
-        check_build_tools()
-        ensure_build_requires(sources.find_links)
-        wheel = build_wheel(plan, cache, find_sdist(cache, sources.sdist, sources.find_links))
-        how = f"built {wheel}"
+    with _key_lock(cache, plan.key):  # a second build of this key waits for the first, then finds its wheel
+        wheel = None if force else prebuilt_wheel(plan, [*folders, cache / "wheels" / plan.key])
+        how = f"found {wheel}" if wheel else ""
+        if wheel is None:
+            check_build_tools()
+            ensure_build_requires(sources.find_links)
+            wheel = build_wheel(plan, cache, find_sdist(cache, sources.sdist, sources.find_links))
+            how = f"built {wheel}"
     if sources.wheel_dir is not None:
         sources.wheel_dir.mkdir(parents=True, exist_ok=True)
         if wheel.parent.resolve() != sources.wheel_dir.resolve():

@@ -255,8 +255,10 @@ def processes(pids: Sequence[int]) -> list["psutil.Process"]:
 
 def end_processes(processes: Sequence["psutil.Process"], grace: float) -> None:
     """The one way hvdkit ends processes (a launcher's leftovers, a rehearsal's hosts, a test
-    cluster's daemons). End ``processes``, by PID, those already gone passed over: SIGTERM, then SIGKILL to what is
-    left after ``grace`` seconds (SIGKILL at once where ``grace`` is 0); waits until they are gone."""
+    cluster's daemons). End ``processes``, by PID, those already gone passed over: SIGTERM, then
+    SIGKILL to what is left after ``grace`` seconds (SIGKILL at once where ``grace`` is 0); waits
+    until they are gone. A child of ours is left for its owner to collect (a Popen's wait gets its
+    real code; psutil's wait_procs would reap it and leave the Popen 0)."""
     import psutil
 
     alive = list(processes)
@@ -264,8 +266,27 @@ def end_processes(processes: Sequence["psutil.Process"], grace: float) -> None:
         for process in alive:
             with contextlib.suppress(psutil.Error):
                 process.terminate()
-        _, alive = psutil.wait_procs(alive, timeout=grace)
+        alive = _wait_gone(alive, grace)
     for process in alive:
         with contextlib.suppress(psutil.Error):
             process.kill()
-    psutil.wait_procs(alive, timeout=max(grace, 5.0))
+    _wait_gone(alive, max(grace, 5.0))
+
+
+def _wait_gone(processes: Sequence["psutil.Process"], timeout: float) -> list:
+    """Those of ``processes`` still running after ``timeout`` seconds; an exited child (a zombie)
+    counts as gone, not collected."""
+    import psutil
+
+    def running(process) -> bool:
+        try:
+            return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    deadline = time.monotonic() + timeout
+    alive = [p for p in processes if running(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+        alive = [p for p in alive if running(p)]
+    return alive

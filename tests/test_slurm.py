@@ -128,7 +128,7 @@ STRICT_TEMPLATES = [("single-node.sbatch", 2), ("multi-node-srun.sbatch", 2), ("
 def test_every_template_runs_a_strict_argparse_script_unchanged(cluster, tmp_path, template, tasks):
     """A plain Horovod script that refuses unknown flags gets exactly its own arguments; the
     run directory reaches it as HVDKIT_LOG_DIR (and HVDKIT_CHECKPOINT_DIR where checkpointing)."""
-    script = f"{sys.executable} {REPO / 'tests' / 'strict_script.py'}"
+    script = f"{sys.executable} {REPO / 'tests' / 'programs' / 'strict_script.py'}"
     env = {"HVDKIT_COMMAND": script}
     array = ("--array=0-1", "--output", str(tmp_path / "job-%A_%a.out")) if template == "array.sbatch" else ()
     job = submit(cluster, tmp_path, template, *array, args="--lr 0.05 --steps 4", extra_env=env)

@@ -116,7 +116,7 @@ def test_sharded_checkpoint_resumes_at_other_world_sizes_as_its_export(tmp_path)
     whole = _tensor_bytes(plain["state"])
     assert all(abs(h - whole / 2) <= 0.05 * whole / 2 for h in held), (held, whole)
     # The export is plain torch: AdamW and the model load it as it is.
-    import zero_script
+    from programs import zero_script
 
     model = zero_script.model()
     model.load_state_dict(torch.load(exported / "model.pt"))

@@ -207,7 +207,7 @@ def write_whole(path: Path, data, durable: bool = False) -> None:
 
 def record_exit(code: int, message: str) -> None:
     """Called by a rank that ends the job with a documented code, so that `hvdkit launch` exits
-    with it where the launcher reports its own (mpirun and horovodrun: 1)."""
+    with it where the launcher reports another (the first rank to end: one it ended, say)."""
     directory = os.environ.get(JOB_DIR)
     if not directory:
         return

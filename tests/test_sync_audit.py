@@ -28,9 +28,18 @@ def audited(shape: str, layers: int = 2, in_flight: str = "1") -> dict:
     return records[0]
 
 
+def by_module(counts: dict) -> dict:
+    """Counts keyed "Tensor.tolist at /.../hvdkit/rank/x.py:N", summed by module ("rank/x.py")."""
+    modules: dict = {}
+    for key, n in counts.items():
+        module = key.split(" at ")[1].split("/hvdkit/")[-1].split(":")[0]
+        modules[module] = modules.get(module, 0) + n
+    return modules
+
+
 def host_reads(step: dict) -> dict:
     """The host tensors read in a step, by module: the lockstep meeting's rows, once."""
-    return {key.split(" at ")[1].split("/hvdkit/")[-1].split(":")[0]: n for key, n in step["host_reads"].items()}
+    return by_module(step["host_reads"])
 
 
 def settle_reads(step: dict) -> int:
@@ -47,6 +56,10 @@ def test_a_steady_step_of_distributed_optimizer_reads_nothing_and_waits_once(sha
     assert [host_reads(step) for step in steps] == [{"rank/lockstep.py": 1}] * len(steps), steps
     # The flags of the 14 steps before are read once, at the report (AMP: GradScaler keeps its own).
     assert settle_reads(result["report_step"]) == (0 if shape == "amp" else 1), result["report_step"]
+    # The report reads its allreduced metrics and every rank's step times once (rank/reports.py);
+    # the straggler rule works on that read (rank/stragglers.py reads nothing of its own).
+    reads = by_module(result["report_step"]["reads"])
+    assert reads.get("rank/reports.py") == 1 and "rank/stragglers.py" not in reads, result["report_step"]
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -286,7 +286,7 @@ def _per_rank(session, times, steps: int) -> list[dict]:
     """Each rank's compute and wait per step over the timed batches (hvdkit.rank.stragglers), with its host."""
     hvd = session.hvd
     hosts = hvd.allgather_object(socket.gethostname(), name="bench.hosts")
-    times.reported(hvd.allreduce(times.row(), op=hvd.Sum, name="bench.per_rank"), steps, hosts)
+    times.reported(hvd.allreduce(times.row(), op=hvd.Sum, name="bench.per_rank").tolist(), steps, hosts)
     return times.table(hosts)
 
 

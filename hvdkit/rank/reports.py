@@ -62,8 +62,8 @@ class Reports:
         names = sorted(self.sums)
         times = self.times.row().to(self.device) if stage == "train" else torch.zeros(0, device=self.device)
         window = torch.cat([torch.stack([*(self.sums[n] for n in names), self.count.float()]).double(), times])
-        reduced = hvd.allreduce(window, op=hvd.Sum, name=f"hvdkit.{stage}").cpu()
-        *sums, count = reduced[:len(names) + 1].tolist()
+        reduced = hvd.allreduce(window, op=hvd.Sum, name=f"hvdkit.{stage}").tolist()  # the report's one read
+        *sums, count = reduced[:len(names) + 1]
         self.last_count = count
         means = {name: total / count if count else float("nan") for name, total in zip(names, sums, strict=True)}
         values = {**extra, **means}

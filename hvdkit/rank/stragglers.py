@@ -23,7 +23,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -88,20 +88,21 @@ class StepTimes:
                                              statistics.median(self.computes)])
         return table.flatten()
 
-    def reported(self, flat: torch.Tensor, step: int, hosts: list[str]) -> list[dict]:
-        """The table as the report's allreduce summed it: kept for the summary, checked for a
-        straggler (named on rank 0), and returned per rank in milliseconds."""
-        table = flat.reshape(self.size, COLUMNS).double()
+    def reported(self, flat: Sequence[float], step: int, hosts: list[str]) -> list[dict]:
+        """The table as the report's allreduce summed it (read to the host once, with the report's
+        metrics): kept for the summary, checked for a straggler (named on rank 0), and returned
+        per rank in milliseconds."""
+        rows = [list(flat[rank * COLUMNS:(rank + 1) * COLUMNS]) for rank in range(self.size)]
         self.elapsed = self.wait = 0.0
         measured = int(self.steps)
         self.steps = 0
         self.computes.clear()
-        if not measured or not bool((table[:, 0] > 0).all()):  # a rank without a timed step this time
+        if not measured or not all(row[0] > 0 for row in rows):  # a rank without a timed step this time
             return []
-        means = table[:, :2]
-        self.totals += means * measured
+        means = [row[:2] for row in rows]
+        self.totals += torch.tensor(means, dtype=torch.float64) * measured
         self.total_steps += measured
-        compute, step_time = table[:, 2].tolist(), means.sum(dim=1).tolist()
+        compute, step_time = [row[2] for row in rows], [c + w for c, w in means]
         if self.threshold and self.size > 1:
             for rank in range(self.size):
                 others = statistics.median(compute[:rank] + compute[rank + 1:])
@@ -112,7 +113,7 @@ class StepTimes:
                 if self.streaks[rank] == IN_A_ROW:
                     self._name(rank, hosts[rank], compute[rank], others, step)
         return [{"rank": rank, "compute_ms": round(c * 1e3, 3), "wait_ms": round(w * 1e3, 3)}
-                for rank, (c, w) in enumerate(means.tolist())]
+                for rank, (c, w) in enumerate(means)]
 
     def _name(self, rank: int, host: str, compute: float, others: float, step: int) -> None:
         slower = compute / others - 1

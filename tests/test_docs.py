@@ -10,6 +10,7 @@ from pathlib import Path
 from conftest import REPO
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PATCHES = sorted((REPO / "hvdkit" / "build" / "patches").glob("*.patch"))  # their headers name tests
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 CODE = re.compile(r"```[^\n]*\n(.*?)```|`([^`\n]+)`", re.S)
 # Flags `hvdkit launch` hands to the launcher as given (its --help says so): the launchers' own.
@@ -47,6 +48,15 @@ def link_problems(page: Path, text: str) -> list:
         elif anchor and linked.suffix == ".md" and anchor not in anchors(linked.read_text()):
             problems.append(f"{page.name}: {target}: no such anchor")
     return problems
+
+
+REPO_PATH = re.compile(r"(?<![\w/.])((?:tests|hvdkit|slurm|launchers|docs)/[\w./-]*\w\.(?:py|md|sbatch|sh|patch))")
+
+
+def path_problems(page_name: str, text: str) -> list:
+    """Files of this repository a page names in its text (tests/rank/test_stops.py): each exists."""
+    return [f"{page_name}: {path}: no such file" for path in sorted(set(REPO_PATH.findall(text)))
+            if not (REPO / path).exists()]
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,13 +106,19 @@ def test_every_relative_link_and_anchor_resolves():
     assert [problem for page in PAGES for problem in link_problems(page, page.read_text())] == []
 
 
+def test_every_file_the_docs_name_exists():
+    assert [problem for page in [*PAGES, *PATCHES] for problem in path_problems(page.name, page.read_text())] == []
+
+
 def test_every_flag_the_docs_name_is_in_the_commands_help():
     assert [problem for page in PAGES for problem in flag_problems(page.name, page.read_text())] == []
 
 
-def test_the_docs_checks_find_a_planted_dead_anchor_and_an_unknown_flag():
+def test_the_docs_checks_find_a_planted_dead_anchor_missing_file_and_unknown_flag():
     page = REPO / "docs" / "training.md"
     planted = "See [stops](stops-and-recovery.md#no-such-section) and [exit codes](stops-and-recovery.md#exit-codes)."
     assert link_problems(page, planted) == ["training.md: stops-and-recovery.md#no-such-section: no such anchor"]
+    assert path_problems("x.md", "checked by tests/test_stops.py and tests/rank/test_stops.py") == [
+        "x.md: tests/test_stops.py: no such file"]
     assert flag_problems("x.md", "Run `hvdkit bench synthetic --rate 10gbit --model resnet18`.") == [
         "x.md: hvdkit bench synthetic --rate: not in its --help"]

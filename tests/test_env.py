@@ -1,4 +1,4 @@
-"""Launch-environment detection from each launcher's variables (the real runs are in test_multiprocess)."""
+"""Launch-environment detection from each launcher's variables (the real runs are in tests/checks/test_selftest.py)."""
 
 import pytest
 

@@ -267,7 +267,7 @@ def test_a_dropped_session_frees_its_loader_workers_and_the_process_exits(tmp_pa
     """The Session's parts point back at it weakly: a cycle kept the Session, and with it the
     loader's persistent workers, alive until exit, where multiprocessing waits for workers that
     ignore SIGTERM (hvdkit.data), and a finished `hvdkit train --num-workers 1` hung (seen in
-    tests/test_stops.py). At exit, what is left is frozen before Python's last collections walk
+    tests/rank/test_stops.py). At exit, what is left is frozen before Python's last collections walk
     it (hvdkit.rank.startup.exit_quickly). One process, no launcher."""
     script = tmp_path / "dropped.py"
     script.write_text(DROPPED_SESSION)

@@ -340,7 +340,7 @@ def test_hvdkit_slurm_submit_runs_the_job(cluster, tmp_path):
 @pytest.mark.parametrize("how", ["raise", "kill"])
 def test_a_failing_rank_ends_an_srun_job_within_60s(cluster, tmp_path, how):
     """Issue 5's failure semantics under srun, started as users do: hvdkit launch in salloc."""
-    from test_reliability import FAILING_RANK
+    from test_checkpoint import FAILING_RANK
 
     script = tmp_path / "fail.py"
     script.write_text(FAILING_RANK)

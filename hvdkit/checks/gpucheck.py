@@ -213,7 +213,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with tempfile.TemporaryDirectory(prefix="hvdkit-gpucheck-") as tmp:
             report = Path(tmp) / "junit.xml"
             # Only the modules with gpu tests: the others may import what a GPU node lacks (jsonschema).
-            modules = [str(path) for path in sorted(TESTS.glob("test_*.py")) if "mark.gpu" in path.read_text()]
+            modules = [str(path) for path in sorted(TESTS.rglob("test_*.py")) if "mark.gpu" in path.read_text()]
             _run([sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-rA",
                   f"--junitxml={report}", *modules])
             steps.append(tests_step(junit_counts(report.read_text())) if report.exists()

@@ -1,4 +1,4 @@
-"""What only a GPU exercises, run by tests/test_gpu.py under a real launcher on a CUDA machine.
+"""What only a GPU exercises, run by tests/checks/test_gpu.py under a real launcher on a CUDA machine.
 
     python tests/programs/gpu_worker.py collectives   # NCCL allreduce (fp32, fp16) and broadcast on the GPU
     python tests/programs/gpu_worker.py loop   # Session: pinned batches, fp16 autocast + GradScaler, join(device)

@@ -1,5 +1,5 @@
 """A user's script that calls hvdkit.run: its functions are defined in ``__main__``, so they travel
-by value, as a notebook's do. Prints one JSON line per call for tests/test_spawn.py.
+by value, as a notebook's do. Prints one JSON line per call for tests/launch/test_spawn.py.
 
     python tests/programs/spawn_caller.py errors LAUNCHER
     python tests/programs/spawn_caller.py interrupt LAUNCHER CHECKPOINT_DIR LOG_DIR

@@ -1,6 +1,6 @@
 """Reading back what each tracker wrote, as the tools themselves would show it: MLflow's
 client on the mlruns file store, the records of a W&B offline run (.wandb), TensorBoard's
-event files and the CSV files. For tests/test_loggers.py."""
+event files and the CSV files. For tests/rank/test_loggers.py."""
 
 import csv
 import json

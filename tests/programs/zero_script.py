@@ -1,4 +1,4 @@
-"""A user's own loop with a sharded optimizer, for tests/test_zero.py.
+"""A user's own loop with a sharded optimizer, for tests/zero/test_zero.py.
 
     zero_script.py STEPS OUT [--export DIR] [--kill-at STEP]
 

@@ -1,4 +1,4 @@
-"""Trains one small model many ways on every rank, for tests/test_zero.py: each optimizer (SGD
+"""Trains one small model many ways on every rank, for tests/zero/test_zero.py: each optimizer (SGD
 with momentum, Adam, AdamW; two param groups and a frozen layer), with and without gradient
 accumulation and clipping, under Horovod's DistributedOptimizer and hvdkit's stage 1 and 2, and
 as one process (plain torch, no Horovod) with the whole global batch.

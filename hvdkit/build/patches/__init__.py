@@ -12,9 +12,10 @@ Horovod's 0.28.1 source distribution exactly, with GNU patch and no fuzz:
 from __future__ import annotations
 
 import hashlib
+import re
 import subprocess
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from hvdkit.build.toolchain import HOROVOD_VERSION, BuildError, last_line
 
@@ -43,9 +44,17 @@ def apply(src_dir: Path, patches: Sequence[Path]) -> None:
                                  f"is this Horovod {HOROVOD_VERSION}?")
 
 
-def digest(standard: int) -> str:
-    """Part of the cache key: a wheel built from other patches is not reused."""
+def digest(standard: int, paths: Optional[Sequence[Path]] = None) -> str:
+    """Part of the cache key: a wheel built from other changes is not reused. Only what patch
+    applies counts, from each file's first ``---``/``diff`` line: a header (what a fix is, why,
+    which test checks it) can be corrected without rebuilding Horovod everywhere."""
     hasher = hashlib.sha256()
-    for patch in for_standard(standard):
-        hasher.update(patch.name.encode() + b"\0" + patch.read_bytes() + b"\0")
+    for patch in for_standard(standard) if paths is None else paths:
+        hasher.update(changes(patch.read_bytes()) + b"\0")
     return hasher.hexdigest()[:12]
+
+
+def changes(text: bytes) -> bytes:
+    """A patch file without its header: what GNU patch reads."""
+    match = re.search(rb"^(?:--- |diff )", text, re.M)
+    return text[match.start():] if match else text

@@ -22,7 +22,7 @@ def test_plain_progress_lines_say_step_total_rate_and_eta():
 
 
 def test_world_size_changes_time_what_each_change_lost():
-    """Records as an elastic job wrote them (tests/test_multihost.py runs one for real): a host
+    """Records as an elastic job wrote them (tests/rehearse/test_multihost.py runs one for real): a host
     lost after step 15 (two resets, one change) and one that rejoined after step 75."""
     from hvdkit.rank.metrics import world_size_changes
 

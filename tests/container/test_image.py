@@ -1,8 +1,8 @@
 """hvdkit's image, without an engine: the argument lists given to podman and docker (golden
 files), the machine's pip settings handed to the build, the local base's key, and the one-line
-refusals (no engine, an unknown one). The image built and run for real: test_containers.py.
+refusals (no engine, an unknown one). The image built and run for real: tests/container/test_containers.py.
 
-After changing an argument list, regenerate the golden file with `python tests/test_image.py`."""
+After changing an argument list, regenerate the golden file with `python tests/container/test_image.py`."""
 
 import json
 import subprocess
@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import REPO
 from hvdkit.container import image
 from hvdkit.container.engine import Engine, EngineError, Limits, Mount, find_engine
 
-GOLDEN = Path(__file__).parent / "golden" / "container-commands.json"
+GOLDEN = REPO / "tests" / "golden" / "container-commands.json"
 LIMITS = Limits(nofile=(20000, 20000), nproc=(32768, 32768))
 ENGINES = {name: Engine(name=name, path=f"/usr/bin/{name}", limits=LIMITS) for name in ("podman", "docker")}
 PIP_LISTING = """\

@@ -198,6 +198,8 @@ def test_the_cache_key_follows_the_patches(tmp_path, monkeypatch):
     monkeypatch.setattr(patches, "FOLDER", folder)
     assert plan_build(_gpu_toolchain()).key == before  # the same patches, elsewhere
     fix = folder / "0002-gloo-float16-sum-with-f16c.patch"
+    fix.write_text("A corrected header line.\n" + fix.read_text().replace("(tests/", "(see tests/", 1))
+    assert plan_build(_gpu_toolchain()).key == before  # a header is not built
     fix.write_text(fix.read_text() + "\n")
     assert plan_build(_gpu_toolchain()).key != before
     fix.unlink()

@@ -2,20 +2,20 @@
 MPI operator's CRD (tests/k8s) as strictly as `kubectl apply --validate=strict` and the operator's
 admission rules would, and planted errors are caught. Bad requests: one line, exit 2.
 
-After changing the renderer, regenerate the golden files with `python tests/test_mpijob.py`."""
+After changing the renderer, regenerate the golden files with `python tests/container/test_mpijob.py`."""
 
 import copy
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
+from conftest import REPO
 from hvdkit.container import mpijob, pods
 from programs.k8s_validate import problems
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = REPO / "tests" / "golden"
 CASES = {
     "mpijob-2x8-gpus.yaml": dict(name="resnet50", image="registry.example.com/hvdkit:0.1.0-cuda13", workers=2,
                                  gpus_per_worker=8, slots_per_worker=8, claim="checkpoints",

@@ -1,4 +1,4 @@
-"""The directory lock on its own; two real runs on one directory are in test_stops.py."""
+"""The directory lock on its own; two real runs on one directory are in tests/rank/test_stops.py."""
 
 import errno
 import fcntl

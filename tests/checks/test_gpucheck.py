@@ -34,7 +34,7 @@ def test_reads_pytest_report_and_counts_skips_on_a_gpu_machine_as_failures(tmp_p
     """The report of a real pytest run of the gpu tests: on this machine, all skipped."""
     report = tmp_path / "junit.xml"
     proc = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-                str(REPO / "tests" / "test_gpu.py")], cwd=REPO)
+                str(REPO / "tests" / "checks" / "test_gpu.py")], cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:]
     counts = gpucheck.junit_counts(report.read_text())
     assert counts == {"passed": 0, "failed": 0, "skipped": 3}

@@ -235,7 +235,7 @@ STALL = 30  # not below 30: under it, Gloo's own 30 s operation timeout once end
 
 def test_a_frozen_rank_ends_the_job_at_the_stall_limit_named_with_exit_code_75(tmp_path):
     """--stall-timeout is when the job has ended (within a few seconds), under Open MPI and Gloo,
-    through hvdkit launch and as users type them; under MPICH in test_mpich.py. Each job starts
+    through hvdkit launch and as users type them; under MPICH in tests/launch/test_mpich.py. Each job starts
     once the one before is frozen (a frozen job idles), so the limit is waited about once; their
     output goes to files and a thread per job notes when it ended."""
     launchers = ["hvdkit launch mpirun", "hvdkit launch horovodrun --gloo", "mpirun", "horovodrun --gloo"]

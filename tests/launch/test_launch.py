@@ -1,6 +1,6 @@
 """`hvdkit launch`: the plan (which launcher, hosts and flags), bad input, and real launches here.
-The commands each launcher gets are golden-tested in test_commands.py; hostfiles, the network
-and the joining of rank output each in a file of their own; supervise in test_supervise.py."""
+The commands each launcher gets are golden-tested in tests/launch/test_commands.py; hostfiles, the network
+and the joining of rank output each in a file of their own; supervise in tests/launch/test_supervise.py."""
 
 import os
 import shlex

@@ -4,15 +4,23 @@ Each file is a one-line header with the sha256 of the torch payload that follows
 written to a temporary file in the same directory, flushed, fsynced and renamed, so a reader
 sees the previous checkpoint or the complete new one, also when the writer is killed or the
 disk fills mid-write. Loading verifies the checksum and falls back to the previous file.
+
+A ``Writer`` saves in the background (torch.distributed.checkpoint's ``async_save`` shape): the
+training thread copies the state into host buffers it keeps between saves and goes on; a thread
+serializes, writes, syncs and renames it, and only then deletes the checkpoints beyond ``keep``.
+One save is in flight at most.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import shutil
+import threading
+import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -56,27 +64,171 @@ def save(directory: str, step: int, state: dict, keep: int) -> Path:
     return target
 
 
+class Writer:
+    """The saves of one rank, in a background thread unless ``background`` is False. ``stall``
+    is what saves held the caller (staging, and waiting for the save before), ``writing`` what
+    the writes took; ``waits`` counts the saves that found the one before still in flight."""
+
+    def __init__(self, background: bool = True) -> None:
+        self.background = background
+        self.saves, self.waits = 0, 0
+        self.stall, self.writing, self.last_write = 0.0, 0.0, 0.0  # seconds
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._buffers: dict = {}  # host copies of the state's tensors, by their place in it
+
+    def save(self, directory: str, step: int, state: dict, keep: int) -> Path:
+        """Checkpoint ``state`` as ``step``'s: written when this returns if not in the
+        background, else copied, and written by the thread. The previous save's error, if any,
+        is raised here first."""
+        started = time.perf_counter()
+        if self.in_flight():
+            self.waits += 1
+        self.finish()
+        self.saves += 1
+        if not self.background:
+            self._write(directory, step, state, keep, None)
+        else:
+            staged, ready = self._stage(state)
+            self._thread = threading.Thread(target=self._write, args=(directory, step, staged, keep, ready),
+                                            name="hvdkit-checkpoint")  # not a daemon: an exit waits for it
+            self._thread.start()
+        self.stall += time.perf_counter() - started
+        return path_for(directory, step)
+
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def finish(self) -> None:
+        """Wait for the save in flight; CheckpointError if it failed (the checkpoint before it stays)."""
+        self.wait()
+        self.check()
+
+    def wait(self) -> None:
+        """Wait for the save in flight, keeping its error for check()."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def check(self) -> None:
+        """The background save's error, raised without waiting (none while it still runs)."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _write(self, directory: str, step: int, state: dict, keep: int, ready) -> None:
+        started = time.perf_counter()
+        try:
+            if ready is not None:
+                ready.synchronize()  # the copies from the GPU, queued by _stage
+            save(directory, step, state, keep)
+        except BaseException as exc:  # noqa: B036 -- raised again in the training thread
+            if not self.background:
+                raise
+            self._error = exc if isinstance(exc, CheckpointError) else CheckpointError(
+                f"cannot write checkpoint {path_for(directory, step)}: {exc}; the previous checkpoints are untouched")
+        finally:
+            self.last_write = time.perf_counter() - started
+            self.writing += self.last_write
+
+    def _stage(self, state: dict):
+        """(a copy of ``state`` whose tensors are in host buffers kept for the next save, pinned
+        for a GPU's; a CUDA event the writer waits for, or None). The copies from a GPU are
+        queued on the current stream, before anything the training does next to those tensors."""
+        seen: dict = {}  # tensors that share memory stay shared in the copy
+        on_gpu = False
+
+        def held(value: Any, place: tuple) -> Any:
+            nonlocal on_gpu
+            if isinstance(value, torch.Tensor):
+                if value.layout != torch.strided:  # sparse: a plain copy
+                    return value.detach().to("cpu", copy=True)
+                key = (value.device, value.data_ptr(), value.dtype, tuple(value.shape), value.stride())
+                if value.data_ptr() and key in seen:
+                    return seen[key]
+                buffer = self._buffers.get(place)
+                if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+                    buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+                    self._buffers[place] = buffer
+                buffer.copy_(value.detach(), non_blocking=value.is_cuda)
+                on_gpu = on_gpu or value.is_cuda
+                seen[key] = buffer
+                return buffer
+            if isinstance(value, dict):
+                return type(value)((key, held(item, (*place, key))) for key, item in value.items())
+            if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+                return type(value)(held(item, (*place, i)) for i, item in enumerate(value))
+            return copy.deepcopy(value)
+
+        staged = held(state, ())
+        ready = None
+        if on_gpu:
+            ready = torch.cuda.Event()
+            ready.record()
+        return staged, ready
+
+
+def clean_partials(directory: str) -> None:
+    """Remove the temporaries of saves that were killed mid-write (the checkpoints stay as they were)."""
+    for stale in Path(directory).glob(f".{PREFIX}*{SUFFIX}.*{job.PARTIAL}"):
+        stale.unlink(missing_ok=True)
+
+
 def shard_folder(path: Path) -> Path:
     """Where the ranks of a sharded run write their parts of checkpoint ``path`` (hvdkit.zero.shards)."""
     return Path(f"{path}{SHARDS}")
 
 
+class _Hashing:
+    """A file that hashes what is written to it: torch.save streams into the file, with no copy of
+    the whole payload in memory, and the checksum is known at its end."""
+
+    def __init__(self, file) -> None:
+        self.file, self.sha256 = file, hashlib.sha256()
+        self.error: Optional[OSError] = None  # torch.save turns it into a RuntimeError without its reason
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        try:
+            return self.file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 def write(target: Path, state: dict) -> str:
-    """``state`` in ``target``, atomically, with its checksum; returns the checksum."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    payload = buffer.getbuffer()
-    digest = hashlib.sha256(payload).hexdigest()
+    """``state`` in ``target``, atomically, with its checksum; returns the checksum. The header's
+    checksum is written last, over a placeholder of its length, once the payload is streamed."""
+    hashed: list = []
+
+    def stream(file) -> None:
+        file.write(MAGIC + b"0" * 64 + b"\n")
+        payload = _Hashing(file)
+        try:
+            torch.save(state, payload)
+        except RuntimeError:
+            if payload.error is not None:
+                raise payload.error from None
+            raise
+        hashed.append(payload.sha256.hexdigest())
+        file.seek(len(MAGIC))
+        file.write(hashed[0].encode())
+
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        stem = f"{PREFIX}*{SUFFIX}" if target.name.startswith(PREFIX) else target.name
-        for stale in target.parent.glob(f".{stem}.*{job.PARTIAL}"):  # left by a save that was killed
-            stale.unlink(missing_ok=True)
-        job.write_whole(target, (MAGIC + digest.encode() + b"\n", payload), durable=True)
+        if target.name.startswith(PREFIX):
+            clean_partials(str(target.parent))
+        else:
+            for stale in target.parent.glob(f".{target.name}.*{job.PARTIAL}"):  # left by a save that was killed
+                stale.unlink(missing_ok=True)
+        job.write_whole(target, stream, durable=True)
     except OSError as exc:
         raise CheckpointError(f"cannot write checkpoint {target}: {exc.strerror or exc}; "
                               f"the previous checkpoints are untouched") from None
-    return digest
+    return hashed[0]
 
 
 def load(path: Path) -> dict:

@@ -92,6 +92,10 @@ class TrainConfig:
     checkpoint_steps: Optional[int] = field(default=None,
                                             metadata={"help": "also checkpoint every N steps (default: per epoch)"})
     keep_checkpoints: int = field(default=3, metadata={"help": "how many of the newest checkpoints to keep"})
+    async_checkpoint: bool = field(default=True, metadata={
+        "help": "write checkpoints in the background: training waits only while the state is copied to host "
+                "memory (which holds a second copy of it from then on); the save before is finished first, "
+                "and before the job ends"})
     stall_timeout: float = field(default=300.0, metadata={
         "help": "seconds without progress after which the job ends, naming the stalled rank (exit 75); Horovod "
                 "names the tensor it waits for before that; 0 off"})
@@ -118,8 +122,8 @@ class TrainConfig:
 # watched. Anything else would make the resumed run a different run than the one checkpointed
 # (batch size moves the data position, base_lr is restored from the checkpoint, ...).
 RESUME_MAY_CHANGE = ("epochs", "max_steps", "data_dir", "num_workers", "log_interval", "log_dir", "logger",
-                     "tracking_uri", "checkpoint_dir",
-                     "checkpoint_steps", "keep_checkpoints", "stall_timeout", "max_requeues", "resume", "compile",
+                     "tracking_uri", "checkpoint_dir", "checkpoint_steps", "keep_checkpoints", "async_checkpoint",
+                     "stall_timeout", "max_requeues", "resume", "compile",
                      "fused_optimizer", "channels_last", "cudnn_benchmark", "tf32",
                      "commit_steps", "on_nonfinite", "skip_bad_samples", "check_consistency_steps",
                      "straggler_threshold")
@@ -303,7 +307,8 @@ GROUPS = {
                      "on_nonfinite"),
     "distributed": ("batches_per_allreduce", "zero", "fp16_allreduce", "use_adasum", "gradient_predivide_factor",
                     "stall_timeout", "elastic", "commit_steps"),
-    "checkpoints": ("checkpoint_dir", "checkpoint_steps", "keep_checkpoints", "resume", "max_requeues"),
+    "checkpoints": ("checkpoint_dir", "checkpoint_steps", "keep_checkpoints", "async_checkpoint", "resume",
+                    "max_requeues"),
     "logging": ("log_dir", "log_interval", "logger", "tracking_uri"),
     "checks": ("check_consistency_steps", "straggler_threshold"),
     "speed": ("fused_optimizer", "channels_last", "cudnn_benchmark", "tf32"),

@@ -179,8 +179,9 @@ PARTIAL = ".partial"  # write_whole's temporary: ``.NAME.PID.partial`` beside th
 
 
 def write_whole(path: Path, data, durable: bool = False) -> None:
-    """Write ``data`` (bytes, text, or a tuple of bytes-like parts: no copy joins them) to ``path``
-    through a temporary beside it, replaced in one step: a reader (another rank, the launcher, a
+    """Write ``data`` (bytes, text, a tuple of bytes-like parts: no copy joins them, or a function
+    that writes into the open file: a checkpoint streamed) to ``path`` through a temporary beside
+    it, replaced in one step: a reader (another rank, the launcher, a
     resume) sees the old file or the new, never half. The temporary is this process's own, so
     ranks writing one path do not collide. ``durable`` (checkpoints) also syncs the data and the
     directory entry, so that a machine's crash keeps the file; a heartbeat or a record that the
@@ -189,7 +190,9 @@ def write_whole(path: Path, data, durable: bool = False) -> None:
     partial = path.with_name(f".{path.name}.{os.getpid()}{PARTIAL}")
     try:
         with open(partial, "wb") as file:
-            for part in data if isinstance(data, tuple) else (data,):
+            if callable(data):
+                data(file)
+            for part in () if callable(data) else data if isinstance(data, tuple) else (data,):
                 file.write(part.encode() if isinstance(part, str) else part)
             if durable:
                 file.flush()

@@ -35,6 +35,7 @@ else each uses (none holds the Session), one concern per module: process set-up 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
@@ -236,11 +237,14 @@ class Session:
         on_nccl = self.device.type == "cuda" and self.hvd.nccl_built()
         return lr_multiplier(self.cfg, self.size, self.hvd.local_size(), on_nccl)
 
-    def save(self) -> None:
-        """Write a checkpoint of this step to ``checkpoint_dir`` (all ranks call it; rank 0 writes)."""
+    def save(self, background: bool = False) -> None:
+        """Write a checkpoint of this step to ``checkpoint_dir`` (all ranks call it; rank 0 writes):
+        written when this returns, or with ``background`` (as the epochs' and periodic checkpoints
+        are) once the state is copied, a thread writing it (``async_checkpoint``; finished before the
+        next checkpoint and in finish())."""
         self._meet(CALLS[2])
         self._step.settle()
-        self._checkpoints.save()
+        self._checkpoints.save(wait=not background)
 
     def save_elastic(self, sampler) -> None:
         """Elastic: rank 0 writes the state just committed, so that the whole job can be resumed."""
@@ -273,7 +277,7 @@ class Session:
         checkpoint (after what the loop body does past its batches, evaluation say). A resumed
         epoch continues at the sample where its checkpoint was taken, in the same order. Ends
         early when ``should_stop()`` agreed to stop, or at ``max_steps``."""
-        return self._loaders.epochs(count, max_steps, self._epoch_ended, self.save)
+        return self._loaders.epochs(count, max_steps, self._epoch_ended, functools.partial(self.save, background=True))
 
     def join(self) -> None:
         """Wait for every rank to finish its batches. Every rank must have taken the same number of
@@ -310,6 +314,7 @@ class Session:
         """The optimizer step (see hvdkit.rank.step), once every rank is at this step (and has agreed
         on a stop: see should_stop); then a checkpoint every ``checkpoint_steps``."""
         self.watchdog.beat(f"training step {self.global_step + 1}")
+        self._checkpoints.check()  # a background save that failed ends the run at the next step
         self._start_step()
         phase = "optimizer step" if "first optimizer step" in self._state.peaks.peaks else "first optimizer step"
         with self._waiting(CALLS[0]), self._state.peaks.phase(phase):
@@ -326,7 +331,7 @@ class Session:
         if consistency:
             self._consistency.check()
         if checkpoint:
-            self._checkpoints.save()
+            self._checkpoints.save(wait=False)
         self._times.step_ended()
 
     def _start_step(self) -> None:
@@ -442,13 +447,15 @@ class Session:
             self._meet(CALLS[7])  # before the handlers go: its error is said in one line
             self._step.settle()
             self._take_stop()
+        self._checkpoints.finish()  # the last save durable before a requeue reads it and before the exit
         try:
             self._release()
             if self.stopped:
                 self.exit_code = stops.conclude(self._lockstep.signum, self.rank, self.global_step,
                                                 self.cfg.checkpoint_dir, self.cfg.max_requeues,
                                                 reason=self._signal.reason_for(self._lockstep.signum))
-            return self._reports.summary(summary, self.skipped_steps)
+            return self._reports.summary({"checkpoints": self._checkpoints.timings(), **(summary or {})},
+                                         self.skipped_steps)
         finally:
             self._signal.restore()
             self._undo_hook()
@@ -463,7 +470,9 @@ class Session:
             held.release()
 
     def _end_after_error(self) -> None:
-        """One of hvdkit's errors ends this rank (stops.exit_on_own_errors)."""
+        """One of hvdkit's errors ends this rank (stops.exit_on_own_errors): a save in flight
+        is finished first, so that the job ends with it written."""
+        self._checkpoints.writer.wait()
         self._release()
         if self._reports.sink is not None:
             self._reports.sink.close()

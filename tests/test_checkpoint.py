@@ -8,10 +8,12 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
 
 from conftest import (
+    REPO,
     assert_bitwise_equal,
     elastic_on_this_host,
     final_weights,
@@ -213,6 +215,154 @@ def test_disk_full_keeps_the_previous_checkpoint(tmp_path, small_disk):
         f"the previous checkpoints are untouched")
     assert [p.name for p in small_disk.iterdir()] == ["ckpt-step000000005.pt"], "no partial file left"
     assert checkpoint.load(small_disk / "ckpt-step000000005.pt")["step"] == 5
+
+
+# --- background saves (async_checkpoint, on by default) ---------------------------------------
+
+BIG_STATE = [sys.executable, str(REPO / "tests" / "programs" / "big_state_script.py")]
+BIG_LAUNCHERS = ["mpirun", "horovodrun --gloo"]
+
+
+def big_state(launcher, ckpt, logs, *args):
+    """A Session loop whose 134 MB checkpoints (every 5 steps of 20) take a second to write."""
+    return planner.local_command(launcher, 2, [*BIG_STATE, "--checkpoint-dir", str(ckpt), "--log-dir", str(logs),
+                                               *args])
+
+
+def partials(ckpt):
+    return sorted(p.name for p in ckpt.glob(f".{checkpoint.PREFIX}*{job.PARTIAL}"))
+
+
+def start_until_second_save(launcher, ckpt, logs):
+    """The job, once its second save (step 10) is being written in the background: the first is
+    whole and the second's temporary is there."""
+    proc = subprocess.Popen(big_state(launcher, ckpt, logs), env=selftest.mpi_root_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: checkpoint.path_for(str(ckpt), 5).exists() and partials(ckpt), proc,
+                 "the second checkpoint's background write")
+    except BaseException:
+        kill_tree(proc)
+        raise
+    return proc
+
+
+@pytest.fixture(scope="module")
+def big_state_reference(tmp_path_factory):
+    """The weights of the run undisturbed, its checkpoints written in the training thread."""
+    tmp = tmp_path_factory.mktemp("big-state")
+    proc = run(big_state("mpirun", tmp / "ckpt", tmp / "logs", "--sync"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert selftest.parse_records(proc.stdout, "summary")[0]["checkpoints"]["background"] is False
+    return final_weights(tmp / "ckpt")
+
+
+@pytest.mark.parametrize("launcher", BIG_LAUNCHERS)
+def test_a_job_killed_during_a_background_save_resumes_from_the_one_before(tmp_path, launcher, big_state_reference):
+    ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
+    proc = start_until_second_save(launcher, ckpt, logs)
+    kill_tree(proc)
+    assert [p.name for p in checkpoint.existing(str(ckpt))] == ["ckpt-step000000005.pt"]
+    assert partials(ckpt), "the job was killed after its write ended, not during it"
+    resumed = run(big_state(launcher, ckpt, logs))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {ckpt / 'ckpt-step000000005.pt'}" in resumed.stderr
+    assert partials(ckpt) == []
+    assert_bitwise_equal(final_weights(ckpt), big_state_reference)
+
+
+@pytest.mark.parametrize("launcher", BIG_LAUNCHERS)
+def test_a_stop_during_a_background_save_finishes_it_then_writes_its_own(tmp_path, launcher, big_state_reference):
+    ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
+    proc = start_until_second_save(launcher, ckpt, logs)
+    try:
+        # To the ranks, as Slurm signals each task: plain mpirun would give them 1 s (docs/stops-and-recovery.md).
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if p.name().startswith("python") and any(part.endswith("big_state_script.py") for part in p.cmdline())]
+        assert len(ranks) == 2, ranks
+        for rank in ranks:
+            rank.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        kill_tree(proc)
+    steps = [checkpoint.step_of(p) for p in checkpoint.existing(str(ckpt))]
+    assert f"stopped by SIGTERM at step {steps[-1]}; checkpoint of step {steps[-1]} saved" in stderr, stderr[-3000:]
+    assert steps[:2] == [5, 10] and steps[-1] > 10, (steps, stderr[-3000:])  # the one in flight, then the stop's
+    assert partials(ckpt) == []
+    resumed = run(big_state(launcher, ckpt, logs))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {checkpoint.path_for(str(ckpt), steps[-1])}" in resumed.stderr
+    assert_bitwise_equal(final_weights(ckpt), big_state_reference)
+
+
+@pytest.fixture
+def disk_for_one_big_checkpoint(tmp_path):
+    """A 200 MiB tmpfs: room for one 134 MB checkpoint, not for two."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs to fill the disk needs root (CI runs as root)")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200m", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.parametrize("launcher", BIG_LAUNCHERS)
+def test_a_disk_that_fills_during_a_background_save_ends_the_job_in_one_line(tmp_path, launcher,
+                                                                             disk_for_one_big_checkpoint):
+    disk = disk_for_one_big_checkpoint
+    proc = run(big_state(launcher, disk, tmp_path / "logs"))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [f"hvdkit: error: cannot write checkpoint {disk}/ckpt-step000000010.pt: No space left on "
+                      f"device; the previous checkpoints are untouched"], proc.stderr[-3000:]
+    assert [p.name for p in disk.iterdir()] == ["ckpt-step000000005.pt"], "no partial file left"
+    assert checkpoint.load(disk / "ckpt-step000000005.pt")["step"] == 5
+
+
+def test_a_background_save_writes_the_state_as_it_was_when_saved(tmp_path):
+    writer = checkpoint.Writer()
+    weights = torch.arange(1_000_000, dtype=torch.float32)
+    state = {"model": {"w": weights, "tied": weights}, "optimizer": {"param_groups": [{"lr": 0.1}]}, "step": 5}
+    target = writer.save(str(tmp_path), 5, state, keep=3)
+    weights.add_(1)  # the training goes on while the thread writes
+    state["optimizer"]["param_groups"][0]["lr"] = 0.2
+    writer.finish()
+    saved = checkpoint.load(target)
+    assert torch.equal(saved["model"]["w"], torch.arange(1_000_000, dtype=torch.float32))
+    assert saved["model"]["tied"].data_ptr() == saved["model"]["w"].data_ptr(), "shared memory stays shared"
+    assert saved["optimizer"]["param_groups"][0]["lr"] == 0.1 and saved["step"] == 5
+    writer.save(str(tmp_path), 6, state, keep=3)  # the host buffers are reused: the new values are saved
+    writer.finish()
+    assert torch.equal(checkpoint.load(checkpoint.path_for(str(tmp_path), 6))["model"]["w"], weights)
+    assert (writer.saves, writer.waits) == (2, 0) and writer.writing > 0 and writer.stall > 0
+
+
+def test_a_save_waits_for_the_one_in_flight_and_a_failed_one_is_said_once(tmp_path, monkeypatch):
+    """The thread is held at the write (a test seam in hvdkit's own code): the next save must wait."""
+    import threading
+
+    release, real_save = threading.Event(), checkpoint.save
+
+    def held_save(*args, **kwargs):
+        release.wait(30)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save", held_save)
+    writer = checkpoint.Writer()
+    writer.save(str(tmp_path), 1, {"step": 1}, keep=3)
+    assert writer.in_flight()
+    threading.Timer(0.2, release.set).start()
+    writer.save(str(tmp_path), 2, {"step": 2}, keep=3)  # returns once the first is written
+    assert checkpoint.path_for(str(tmp_path), 1).exists() and writer.waits == 1
+    writer.finish()
+    (tmp_path / "blocked").write_text("a file where the next save wants a directory")
+    writer.save(str(tmp_path / "blocked"), 3, {"step": 3}, keep=3)
+    writer.wait()
+    with pytest.raises(checkpoint.CheckpointError, match="cannot write checkpoint .*blocked/ckpt-step000000003.pt"):
+        writer.check()
+    writer.check()  # said once
+    assert [p.name for p in checkpoint.existing(str(tmp_path))] == ["ckpt-step000000001.pt", "ckpt-step000000002.pt"]
 
 
 # --- failure semantics: one rank fails, the whole job ends, non-zero, within 60 s ------------

@@ -1,4 +1,4 @@
-"""`hvdkit bench synthetic|allreduce|scaling`: the command line."""
+"""`hvdkit bench synthetic|scaling|allreduce|zero|checkpoint|estimate`: the command line."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from typing import Optional, Sequence
 from hvdkit import env, job
 from hvdkit.args import OneLineParser, non_negative, number_list, positive
 from hvdkit.bench.drivers import (
+    CHECKPOINT_IMPLS,
     RunFailed,
     allreduce,
+    checkpoint_compare,
     compare_synthetic,
     print_estimate,
     scaling,
@@ -22,6 +24,7 @@ from hvdkit.bench.workers import (
     IMPL_HELP,
     SYNTHETIC_IMPLS,
     allreduce_worker,
+    checkpoint_worker,
     synthetic_worker,
     zero_worker,
 )
@@ -69,6 +72,31 @@ def _zero_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="rounds over the implementations (default 3)")
     p.add_argument("-np", "--np", dest="np", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--impl", choices=ZERO_IMPLS, help=argparse.SUPPRESS)
+
+
+def _count(text: str) -> int:
+    """A count like 175M, 1.5B or 2000000."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([KMB]?)", text.strip(), re.I)
+    if not match or float(match[1]) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a count like 175M, 1.5B or 2000000, got {text!r}")
+    return int(float(match[1]) * {"": 1, "K": 10**3, "M": 10**6, "B": 10**9}[match[2].upper()])
+
+
+def _checkpoint_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-np", "--np", "--num-proc", dest="np", type=positive, default=2, help="ranks (default 2)")
+    p.add_argument("--params", type=_count, default=175 * 10**6,
+                   help="parameters of the model, linear layers of --width (default 175M: a 2.1 GB checkpoint "
+                        "with Adam's state)")
+    p.add_argument("--width", type=positive, default=4096, help="features of each linear layer (default 4096)")
+    p.add_argument("--batch-size", type=positive, default=4, help="samples per rank per step (default 4)")
+    p.add_argument("--steps", type=positive, default=12, help="timed steps per run (default 12)")
+    p.add_argument("--warmup", type=non_negative, default=2, help="steps before the timing (default 2)")
+    p.add_argument("--checkpoint-every", type=positive, default=4,
+                   help="a checkpoint every this many steps (default 4)")
+    p.add_argument("--repeats", type=positive, default=1, help="rounds over none, sync and async (default 1)")
+    p.add_argument("--dir", help="where each run writes its checkpoints, in a folder removed after it (default: the "
+                                 "temporary folder)")
+    p.add_argument("--impl", choices=CHECKPOINT_IMPLS, help=argparse.SUPPRESS)
 
 
 def _byte_size(text: str) -> int:
@@ -148,6 +176,11 @@ def parser() -> argparse.ArgumentParser:
     _zero_arguments(shard)
     _launch_arguments(shard, files=True)
 
+    ckpt = sub.add_parser("checkpoint", help="what checkpoints cost training: written in the training thread "
+                                             "against in the background, beside a run without them")
+    _checkpoint_arguments(ckpt)
+    _launch_arguments(ckpt, files=True)
+
     est = sub.add_parser("estimate", help="step time and efficiency at many ranks, from the ring-allreduce cost "
                                           "model and what `synthetic` measured (compute per step, gradient bytes)")
     est.add_argument("--compute-ms", type=non_negative, required=True,
@@ -183,6 +216,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 zero_worker(args)
                 return 0
             return zero(args)
+        if args.bench == "checkpoint":
+            if args.impl:
+                checkpoint_worker(args)
+                return 0
+            return checkpoint_compare(args)
         if args.bench == "scaling":
             if under_launcher:
                 raise BenchError("scaling launches its own ranks: run it without a launcher, with --np 1,2")

@@ -7,15 +7,17 @@ import argparse
 import bisect
 import json
 import re
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from hvdkit import env
+from hvdkit import env, job
 from hvdkit.bench import estimate, profile
 from hvdkit.bench.environment import print_environment
 from hvdkit.bench.figures import (
@@ -419,3 +421,61 @@ def _zero_model_name(args: argparse.Namespace) -> str:
 def _peak_name(record: dict) -> str:
     """What a run's peaks are: "rss" on CPUs, "cuda_allocated" on GPUs (hvdkit.rank.memory)."""
     return record["ranks"][0]["phases"]["unit"]
+
+
+CHECKPOINT_IMPLS = ("none", "sync", "async")
+
+
+def checkpoint_compare(args: argparse.Namespace) -> int:
+    """`hvdkit bench checkpoint`: the same training without checkpoints, with checkpoints written
+    in the training thread, and in the background, in alternating order over rounds. The stall
+    is what a save held the training thread (the Session's own timing; for ``sync`` the whole
+    write); the cost, the throughput lost against the run without checkpoints. Medians over rounds."""
+    if env.detect().rank is not None:
+        raise BenchError("checkpoint launches its own ranks: run it without a launcher, with -np N")
+    runs: dict[str, list[dict]] = {impl: [] for impl in CHECKPOINT_IMPLS}
+    for round_index in range(args.repeats):
+        for impl in CHECKPOINT_IMPLS if round_index % 2 == 0 else CHECKPOINT_IMPLS[::-1]:
+            print(f"== {impl}: np={args.np}, {args.params / 1e6:.0f}M parameters, a checkpoint every "
+                  f"{args.checkpoint_every} steps (round {round_index + 1} of {args.repeats})", flush=True)
+            folder = tempfile.mkdtemp(prefix="hvdkit-bench-checkpoint-", dir=args.dir)
+            worker = ["checkpoint", "--impl", impl, "--params", str(args.params), "--width", str(args.width),
+                      "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup",
+                      str(args.warmup), "--checkpoint-every", str(args.checkpoint_every), "--dir", folder]
+            try:
+                runs[impl].append(run_launch(launch_command(args, args.np, worker), "bench.checkpoint", impl,
+                                             args.timeout))
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+    def per_save(results: list, key: str) -> Optional[float]:
+        saved = [r["checkpoints"] for r in results if r["checkpoints"]["saves"]]
+        return statistics.median(c[key] / c["saves"] for c in saved) if saved else None
+
+    table = {impl: {"steps_per_sec": statistics.median(r["steps_per_sec"] for r in results),
+                    "stall_per_save": per_save(results, "stall_seconds"),
+                    "write_per_save": per_save(results, "write_seconds"),
+                    "waited_for_previous": sum(r["checkpoints"]["waited_for_previous"] for r in results)}
+             for impl, results in runs.items()}
+    base = table["none"]["steps_per_sec"]
+    for impl in ("sync", "async"):
+        table[impl]["throughput_lost"] = 1 - table[impl]["steps_per_sec"] / base
+    stall_ratio = table["async"]["stall_per_save"] / table["sync"]["stall_per_save"]
+    size = runs["sync"][-1]["checkpoint_bytes"]
+    print(f"\ncheckpoint of {size / 1e9:.2f} GB ({runs['sync'][-1]['parameters'] / 1e6:.0f}M parameters with Adam), "
+          f"np={args.np}, every {args.checkpoint_every} of {args.steps} timed steps; medians of {args.repeats} rounds")
+    print(f"{'saves':<8} {'steps/s':>9} {'stall s/save':>13} {'write s/save':>13} {'throughput lost':>16}")
+    for impl, row in table.items():
+        stall = "-" if row["stall_per_save"] is None else f"{row['stall_per_save']:.3f}"
+        write = "-" if row["write_per_save"] is None else f"{row['write_per_save']:.3f}"
+        lost = f"{row['throughput_lost']:.1%}" if "throughput_lost" in row else "-"
+        print(f"{impl:<8} {row['steps_per_sec']:>9.3f} {stall:>13} {write:>13} {lost:>16}")
+    print(f"stall per save, background / training thread: {stall_ratio:.3f}")
+    out = out_dir(args, "checkpoint")
+    record = {"event": "bench.checkpoint.compare", "np": args.np, "parameters": runs["sync"][-1]["parameters"],
+              "checkpoint_bytes": size, "checkpoint_every": args.checkpoint_every, "steps": args.steps,
+              "repeats": args.repeats, "table": table, "stall_ratio": stall_ratio,
+              "runs": {impl: rs for impl, rs in runs.items()}}
+    job.write_whole(out / "checkpoint.json", json.dumps(record, indent=1) + "\n")
+    print(f"wrote {out}/checkpoint.json")
+    print(json.dumps(record), flush=True)
+    return 0

@@ -591,3 +591,45 @@ def _torch_gather(value):
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, value)
     return rows
+
+
+def checkpoint_worker(args: argparse.Namespace) -> None:
+    """One rank of `bench checkpoint`: a Session loop over a stack of linear layers with Adam
+    (12 bytes a parameter in its checkpoint), checkpointing every ``checkpoint_every`` steps
+    (``--impl none``: never) in the training thread (``sync``) or in the background (``async``).
+    Rank 0 prints the rate of the timed steps and the Session's checkpoint timings; ``--dir`` is
+    the run's own folder, which the driver made and removes."""
+    import torch
+    import torch.nn.functional as F
+
+    from hvdkit.session import Session
+
+    width = args.width
+    layers = max(1, round(args.params / (width * width + width)))
+    folder = args.dir
+    every = 0 if args.impl == "none" else args.checkpoint_every
+    session = Session(batch_size=args.batch_size, checkpoint_dir=folder if every else None,
+                      checkpoint_steps=every or None, keep_checkpoints=2, async_checkpoint=args.impl == "async",
+                      logger="none", log_dir=os.path.join(folder, "logs"), resume=False, seed=0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    model, optimizer = session.setup(model, torch.optim.Adam(model.parameters(), lr=1e-5))
+    inputs = torch.randn(args.batch_size, width, device=session.device)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        session.backward(F.mse_loss(model(inputs), inputs))
+        session.step()
+
+    for _ in range(int(args.warmup)):
+        step()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    seconds = time.perf_counter() - start  # the saves' stalls included; a write still in flight is not
+    summary = session.finish()
+    if session.rank == 0:
+        parameters = sum(p.numel() for p in model.parameters())
+        print(json.dumps({"event": "bench.checkpoint", "impl": args.impl, "world_size": session.size,
+                          "parameters": parameters, "checkpoint_bytes": parameters * 12, "steps": args.steps,
+                          "steps_per_sec": args.steps / seconds, "checkpoints": summary["checkpoints"]}), flush=True)

@@ -43,6 +43,7 @@ class Checkpoints:
         self.elastic_state: Optional[dict] = None  # read in setup(), applied by load_elastic
         self.elastic_sampler = None  # given to load_elastic: a stop's checkpoint records its position
         self.ahead = None  # rank 0: what read_ahead() read, for restore()
+        self.writer = checkpoint.Writer(background=cfg.async_checkpoint)
 
     def read_ahead(self) -> None:
         """A sharded run resumed at another world size changes K before its loaders and step are
@@ -69,6 +70,7 @@ class Checkpoints:
             return None
         state = None
         if self.hvd.rank() == 0:
+            checkpoint.clean_partials(cfg.checkpoint_dir)  # of a save killed mid-write; no save runs now
             try:
                 state = self.read() if self.ahead is None else (self.ahead or None)
             except (checkpoint.CheckpointError, ConfigError) as exc:
@@ -169,18 +171,22 @@ class Checkpoints:
             return False
         return not self.loaders.epoch_ended() and step < (run.total_steps or math.inf)
 
-    def save(self) -> None:
-        """Write a checkpoint of this step (all ranks call it; rank 0 writes)."""
+    def save(self, wait: bool = True) -> None:
+        """Write a checkpoint of this step (all ranks call it; rank 0 writes); with ``wait``, it
+        is written when this returns, else (async_checkpoint) a thread may still be writing it."""
         if not self.cfg.checkpoint_dir:
             return
         with self.state.peaks.phase("checkpoint save"):
             self._save()
+            if wait:
+                self.writer.finish()
 
     def _save(self) -> None:
         run = self.state
         if self.cfg.elastic:  # its collective could wait on a leaving worker; the file lacks the position
             raise RuntimeError("hvdkit: an elastic run writes its checkpoints with save_elastic(sampler), "
                                "where it commits its state; save() is for runs without --elastic")
+        self.writer.finish()  # first: its deleting of old shard folders must not meet this save's
         self.consistency.before_checkpoint()
         self.watchdog.beat(f"checkpoint of step {run.global_step}")
         rng = self.hvd.allgather_object(rng_state())
@@ -194,7 +200,7 @@ class Checkpoints:
         """This rank's state (the optimizer's, or a sharded one's manifest), and ``position``: how
         the data position is kept (see save, save_elastic)."""
         run = self.state
-        checkpoint.save(self.cfg.checkpoint_dir, run.global_step, {
+        self.writer.save(self.cfg.checkpoint_dir, run.global_step, {
             "model": self.module().state_dict(),
             "optimizer": run.optimizer.state_dict() if optimizer_state is None else optimizer_state,
             "scheduler": run.scheduler.state_dict() if run.scheduler is not None else None,
@@ -203,11 +209,28 @@ class Checkpoints:
             "config": to_dict(self.cfg), **position,
         }, keep=self.cfg.keep_checkpoints)
 
+    def finish(self) -> None:
+        """Wait for the save in flight, if any; CheckpointError if it failed. Before the job ends,
+        a stop is concluded (a requeue reads the checkpoint), and after every checkpoint's step."""
+        self.writer.finish()
+
+    def check(self) -> None:
+        """A background save's failure, raised at the step after it (no wait)."""
+        self.writer.check()
+
+    def timings(self) -> dict:
+        """For the summary: what checkpoints held training, and what their writes took (seconds)."""
+        writer = self.writer
+        return {"saves": writer.saves, "stall_seconds": round(writer.stall, 3),
+                "write_seconds": round(writer.writing, 3), "waited_for_previous": writer.waits,
+                "background": writer.background}
+
     def kept(self) -> str:
-        """Which checkpoint a run that stops now leaves behind."""
+        """Which checkpoint a run that stops now leaves behind (after the save in flight ends)."""
         directory = self.cfg.checkpoint_dir
         if not directory:
             return "no checkpoint_dir"
+        self.writer.wait()
         newest = checkpoint.existing(directory)
         return f"last good checkpoint {newest[-1]} kept" if newest else "no checkpoint written yet"
 
@@ -228,6 +251,7 @@ class Checkpoints:
         if self.cfg.checkpoint_dir and self.hvd.rank() == 0:
             self.watchdog.beat(f"checkpoint of step {run.global_step}")
             self.write(sampler=sampler.state_dict())
+            self.writer.finish()  # written when it returns: a reset may follow, and the loop may read it
 
     def load_elastic(self, sampler) -> bool:
         """Elastic: apply the checkpoint this process read in setup(); False if there is none."""

@@ -140,6 +140,8 @@ def test_estimate_prints_each_link_and_world_size():
     (["zero", "--memory-cap", "2G"], "--memory-cap goes with --max-model"),
     (["zero", "--max-model", "--memory-cap", "2G", "--model", "resnet50"], "grows a GPT"),
     (["zero", "--max-model", "--memory-cap", "2X"], "size '2X'"),
+    (["checkpoint", "--params", "0"], "expected a count like 175M"),
+    (["checkpoint", "--params", "1.5T"], "expected a count like 175M"),
 ])
 def test_bad_input_is_one_line(argv, message):
     proc = run(HVDKIT + argv, timeout=60)
@@ -184,7 +186,8 @@ def test_max_model_under_a_cap_no_model_fits_ends_the_run_at_once_in_one_line(tm
 def test_drivers_refuse_to_run_under_a_launcher():
     """Open MPI's rank variables set on a plain process stand in for a launch here: the
     refusal happens before anything would use them."""
-    for argv in (["allreduce", "-np", "2"], ["scaling", "--np", "1,2"], ["synthetic", "--compare", "ddp"]):
+    for argv in (["allreduce", "-np", "2"], ["scaling", "--np", "1,2"], ["synthetic", "--compare", "ddp"],
+                 ["checkpoint"]):
         proc = run(HVDKIT + argv, timeout=60, env={**__import__("os").environ, "OMPI_COMM_WORLD_RANK": "0",
                                                    "OMPI_COMM_WORLD_SIZE": "2"})
         assert proc.returncode == 2 and "without a launcher" in proc.stderr, proc.stderr
@@ -346,6 +349,25 @@ def test_zero_runs_each_loop_and_reports_the_bytes_each_rank_holds(tmp_path, hvd
     assert (out / "zero.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
+def test_checkpoint_times_the_saves_in_the_training_thread_and_in_the_background(tmp_path, hvd_built):
+    out = tmp_path / "checkpoint"
+    proc = run(HVDKIT + ["checkpoint", "--params", "3M", "--width", "1024", "--steps", "4", "--warmup", "1",
+                         "--checkpoint-every", "2", "--dir", str(tmp_path), "--out", str(out)], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    record = json.loads((out / "checkpoint.json").read_text())
+    table, runs = record["table"], record["runs"]
+    assert list(table) == ["none", "sync", "async"] and record["parameters"] == 3 * (1024 * 1024 + 1024)
+    assert [runs[impl][0]["checkpoints"]["saves"] for impl in table] == [0, 2, 2]
+    assert [runs[impl][0]["checkpoints"]["background"] for impl in table] == [False, False, True]
+    sync, background = runs["sync"][0]["checkpoints"], runs["async"][0]["checkpoints"]
+    assert sync["stall_seconds"] == pytest.approx(sync["write_seconds"], rel=0.05)  # the write is the stall
+    assert record["stall_ratio"] == pytest.approx(table["async"]["stall_per_save"] / table["sync"]["stall_per_save"])
+    assert table["none"]["stall_per_save"] is None and background["write_seconds"] > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint"], "the runs' checkpoints removed"
+    assert "stall per save, background / training thread" in proc.stdout
+
+
 @pytest.mark.parametrize("flag", ["-np", "--np"])
 def test_world_size_is_spelled_either_way_everywhere(flag):
     from hvdkit.bench.cli import parser
@@ -353,3 +375,4 @@ def test_world_size_is_spelled_either_way_everywhere(flag):
     assert parser().parse_args(["synthetic", flag, "2"]).np == 2
     assert parser().parse_args(["allreduce", flag, "2"]).np == 2
     assert parser().parse_args(["scaling", flag, "1,2"]).np_list == [1, 2]
+    assert parser().parse_args(["checkpoint", flag, "3"]).np == 3

@@ -194,16 +194,21 @@ def test_resume_with_another_world_size_is_refused(tmp_path, five_steps):
     assert _snapshot(tmp_path / "ckpt") == before
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 200 KiB tmpfs: room for one mlp checkpoint (about 140 KiB), not for two."""
+def small_tmpfs(tmp_path, size: str):
+    """A tmpfs of ``size`` at tmp_path/disk, for a disk that fills; unmounted after the test."""
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs to fill the disk needs root (CI runs as root)")
     mount = tmp_path / "disk"
     mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(mount)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], check=True)
     yield mount
     subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """Room for one mlp checkpoint (about 140 KiB), not for two."""
+    yield from small_tmpfs(tmp_path, "200k")
 
 
 def test_disk_full_keeps_the_previous_checkpoint(tmp_path, small_disk):
@@ -297,14 +302,8 @@ def test_a_stop_during_a_background_save_finishes_it_then_writes_its_own(tmp_pat
 
 @pytest.fixture
 def disk_for_one_big_checkpoint(tmp_path):
-    """A 200 MiB tmpfs: room for one 134 MB checkpoint, not for two."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs to fill the disk needs root (CI runs as root)")
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200m", "tmpfs", str(mount)], check=True)
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
+    """Room for one 134 MB checkpoint, not for two."""
+    yield from small_tmpfs(tmp_path, "200m")
 
 
 @pytest.mark.parametrize("launcher", BIG_LAUNCHERS)

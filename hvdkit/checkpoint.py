@@ -76,6 +76,7 @@ class Writer:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._buffers: dict = {}  # host copies of the state's tensors, by their place in it
+        self._done: list[dict] = []  # the saves written since take_done(), appended by the thread
 
     def save(self, directory: str, step: int, state: dict, keep: int) -> Path:
         """Checkpoint ``state`` as ``step``'s: written when this returns if not in the
@@ -87,14 +88,21 @@ class Writer:
         self.finish()
         self.saves += 1
         if not self.background:
-            self._write(directory, step, state, keep, None)
+            self._write(directory, step, state, keep, None, started)
         else:
             staged, ready = self._stage(state)
-            self._thread = threading.Thread(target=self._write, args=(directory, step, staged, keep, ready),
-                                            name="hvdkit-checkpoint")  # not a daemon: an exit waits for it
+            self._thread = threading.Thread(target=self._write, name="hvdkit-checkpoint",  # not a daemon: an
+                                            args=(directory, step, staged, keep, ready, started))  # exit waits
             self._thread.start()
         self.stall += time.perf_counter() - started
         return path_for(directory, step)
+
+    def take_done(self) -> list[dict]:
+        """The saves written since the last call: step, what each held training and what its write took."""
+        count = len(self._done)  # the thread may append meanwhile: take only what was there
+        done = self._done[:count]
+        del self._done[:count]
+        return done
 
     def in_flight(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -116,12 +124,16 @@ class Writer:
             error, self._error = self._error, None
             raise error
 
-    def _write(self, directory: str, step: int, state: dict, keep: int, ready) -> None:
+    def _write(self, directory: str, step: int, state: dict, keep: int, ready, called: float) -> None:
         started = time.perf_counter()
+        held = started - called  # what the save held the caller before this write (staging, a wait)
         try:
             if ready is not None:
                 ready.synchronize()  # the copies from the GPU, queued by _stage
             save(directory, step, state, keep)
+            seconds = time.perf_counter() - started
+            self._done.append({"step": step, "stall_seconds": round(seconds + held if not self.background else held, 4),
+                               "write_seconds": round(seconds, 4), "background": self.background})
         except BaseException as exc:  # noqa: B036 -- raised again in the training thread
             if not self.background:
                 raise

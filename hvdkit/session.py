@@ -315,6 +315,7 @@ class Session:
         on a stop: see should_stop); then a checkpoint every ``checkpoint_steps``."""
         self.watchdog.beat(f"training step {self.global_step + 1}")
         self._checkpoints.check()  # a background save that failed ends the run at the next step
+        self._record_saves()
         self._start_step()
         phase = "optimizer step" if "first optimizer step" in self._state.peaks.peaks else "first optimizer step"
         with self._waiting(CALLS[0]), self._state.peaks.phase(phase):
@@ -433,6 +434,12 @@ class Session:
             self._checkpoints.save()
         return True
 
+    def _record_saves(self) -> None:
+        """The metrics gain a record of each checkpoint written (rank 0's): what it held training
+        (the stall) and what its write took."""
+        for record in self._checkpoints.writer.take_done():
+            self._reports.metrics().write({"event": "checkpoint", **record})
+
     def _end_stopped(self) -> None:
         """A stop the loop did not ask should_stop() about: checkpoint, summary and exit here."""
         if self._take_stop():
@@ -448,6 +455,7 @@ class Session:
             self._step.settle()
             self._take_stop()
         self._checkpoints.finish()  # the last save durable before a requeue reads it and before the exit
+        self._record_saves()
         try:
             self._release()
             if self.stopped:

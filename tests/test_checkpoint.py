@@ -258,7 +258,11 @@ def big_state_reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("big-state")
     proc = run(big_state("mpirun", tmp / "ckpt", tmp / "logs", "--sync"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert selftest.parse_records(proc.stdout, "summary")[0]["checkpoints"]["background"] is False
+    summary = selftest.parse_records(proc.stdout, "summary")[0]["checkpoints"]
+    assert summary["background"] is False and summary["saves"] == 4
+    saves = [r for r in metrics_records(tmp / "logs" / "metrics.jsonl") if r["event"] == "checkpoint"]
+    assert [r["step"] for r in saves] == [5, 10, 15, 20]
+    assert all(r["stall_seconds"] >= r["write_seconds"] > 0 and r["background"] is False for r in saves)
     return final_weights(tmp / "ckpt")
 
 
@@ -274,6 +278,10 @@ def test_a_job_killed_during_a_background_save_resumes_from_the_one_before(tmp_p
     assert f"resumed from {ckpt / 'ckpt-step000000005.pt'}" in resumed.stderr
     assert partials(ckpt) == []
     assert_bitwise_equal(final_weights(ckpt), big_state_reference)
+    summary = selftest.parse_records(resumed.stdout, "summary")[0]["checkpoints"]
+    assert summary["background"] is True and summary["saves"] == 3, summary
+    saves = [r for r in metrics_records(logs / "metrics.jsonl") if r["event"] == "checkpoint"]
+    assert [r["step"] for r in saves][-3:] == [10, 15, 20] and all(r["background"] for r in saves[-3:])
 
 
 @pytest.mark.parametrize("launcher", BIG_LAUNCHERS)
@@ -335,6 +343,8 @@ def test_a_background_save_writes_the_state_as_it_was_when_saved(tmp_path):
     writer.finish()
     assert torch.equal(checkpoint.load(checkpoint.path_for(str(tmp_path), 6))["model"]["w"], weights)
     assert (writer.saves, writer.waits) == (2, 0) and writer.writing > 0 and writer.stall > 0
+    assert [(r["step"], r["background"]) for r in writer.take_done()] == [(5, True), (6, True)]
+    assert writer.take_done() == []
 
 
 def test_a_save_waits_for_the_one_in_flight_and_a_failed_one_is_said_once(tmp_path, monkeypatch):

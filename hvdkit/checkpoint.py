@@ -166,8 +166,11 @@ class Writer:
                 on_gpu = on_gpu or value.is_cuda
                 seen[key] = buffer
                 return buffer
-            if isinstance(value, dict):
-                return type(value)((key, held(item, (*place, key))) for key, item in value.items())
+            if isinstance(value, dict):  # a shallow copy keeps its class and attributes (a state_dict's _metadata)
+                copied = copy.copy(value)
+                for key, item in value.items():
+                    copied[key] = held(item, (*place, key))
+                return copied
             if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
                 return type(value)(held(item, (*place, i)) for i, item in enumerate(value))
             return copy.deepcopy(value)

@@ -330,7 +330,9 @@ def test_a_disk_that_fills_during_a_background_save_ends_the_job_in_one_line(tmp
 def test_a_background_save_writes_the_state_as_it_was_when_saved(tmp_path):
     writer = checkpoint.Writer()
     weights = torch.arange(1_000_000, dtype=torch.float32)
-    state = {"model": {"w": weights, "tied": weights}, "optimizer": {"param_groups": [{"lr": 0.1}]}, "step": 5}
+    model = torch.nn.BatchNorm1d(3).state_dict()  # an OrderedDict with the _metadata load_state_dict reads
+    state = {"model": {"w": weights, "tied": weights}, "optimizer": {"param_groups": [{"lr": 0.1}]}, "step": 5,
+             "norm": model}
     target = writer.save(str(tmp_path), 5, state, keep=3)
     weights.add_(1)  # the training goes on while the thread writes
     state["optimizer"]["param_groups"][0]["lr"] = 0.2
@@ -339,6 +341,7 @@ def test_a_background_save_writes_the_state_as_it_was_when_saved(tmp_path):
     assert torch.equal(saved["model"]["w"], torch.arange(1_000_000, dtype=torch.float32))
     assert saved["model"]["tied"].data_ptr() == saved["model"]["w"].data_ptr(), "shared memory stays shared"
     assert saved["optimizer"]["param_groups"][0]["lr"] == 0.1 and saved["step"] == 5
+    assert type(saved["norm"]) is type(model) and saved["norm"]._metadata == model._metadata
     writer.save(str(tmp_path), 6, state, keep=3)  # the host buffers are reused: the new values are saved
     writer.finish()
     assert torch.equal(checkpoint.load(checkpoint.path_for(str(tmp_path), 6))["model"]["w"], weights)

@@ -72,7 +72,7 @@ class Writer:
     def __init__(self, background: bool = True) -> None:
         self.background = background
         self.saves, self.waits = 0, 0
-        self.stall, self.writing, self.last_write = 0.0, 0.0, 0.0  # seconds
+        self.stall, self.writing = 0.0, 0.0  # seconds
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._buffers: dict = {}  # host copies of the state's tensors, by their place in it
@@ -140,8 +140,7 @@ class Writer:
             self._error = exc if isinstance(exc, CheckpointError) else CheckpointError(
                 f"cannot write checkpoint {path_for(directory, step)}: {exc}; the previous checkpoints are untouched")
         finally:
-            self.last_write = time.perf_counter() - started
-            self.writing += self.last_write
+            self.writing += time.perf_counter() - started
 
     def _stage(self, state: dict):
         """(a copy of ``state`` whose tensors are in host buffers kept for the next save, pinned

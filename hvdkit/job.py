@@ -192,8 +192,9 @@ def write_whole(path: Path, data, durable: bool = False) -> None:
         with open(partial, "wb") as file:
             if callable(data):
                 data(file)
-            for part in () if callable(data) else data if isinstance(data, tuple) else (data,):
-                file.write(part.encode() if isinstance(part, str) else part)
+            else:
+                for part in data if isinstance(data, tuple) else (data,):
+                    file.write(part.encode() if isinstance(part, str) else part)
             if durable:
                 file.flush()
                 os.fsync(file.fileno())

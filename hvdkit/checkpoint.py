@@ -5,10 +5,14 @@ written to a temporary file in the same directory, flushed, fsynced and renamed,
 sees the previous checkpoint or the complete new one, also when the writer is killed or the
 disk fills mid-write. Loading verifies the checksum and falls back to the previous file.
 
-A ``Writer`` saves in the background (torch.distributed.checkpoint's ``async_save`` shape): the
-training thread copies the state into host buffers it keeps between saves and goes on; a thread
-serializes, writes, syncs and renames it, and only then deletes the checkpoints beyond ``keep``.
-One save is in flight at most.
+A ``Writer`` saves in the background (torch.distributed.checkpoint's ``async_save`` with its
+staging in the background): the state is copied into host buffers kept between saves, and a
+thread serializes, writes, syncs and renames it, and only then deletes the checkpoints beyond
+``keep``. What only the optimizer step changes (the weights, the optimizer's state; the caller
+names them) is copied by that thread while the next step's forward and backward run, and
+``before_update()``, called before that optimizer step, waits for the copy; the rest (buffers
+such as batch norm's statistics, which a forward changes) is copied before save() returns. One
+save is in flight at most.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -66,43 +70,61 @@ def save(directory: str, step: int, state: dict, keep: int) -> Path:
 
 class Writer:
     """The saves of one rank, in a background thread unless ``background`` is False. ``stall``
-    is what saves held the caller (staging, and waiting for the save before), ``writing`` what
-    the writes took; ``waits`` counts the saves that found the one before still in flight."""
+    is what saves held the caller (staging, waiting for the save before, and before_update's
+    waits), ``writing`` what the writes took; ``waits`` counts the saves that found the one before
+    still in flight."""
 
     def __init__(self, background: bool = True) -> None:
         self.background = background
         self.saves, self.waits = 0, 0
         self.stall, self.writing = 0.0, 0.0  # seconds
         self._thread: Optional[threading.Thread] = None
+        self._staged = threading.Event()  # the thread has copied what the next update changes
+        self._staged.set()
+        self._stalls: dict[int, float] = {}  # step -> what its save held the caller, until take_done()
+        self._step = -1  # the step of the save in flight
         self._error: Optional[BaseException] = None
         self._buffers: dict = {}  # host copies of the state's tensors, by their place in it
         self._done: list[dict] = []  # the saves written since take_done(), appended by the thread
 
-    def save(self, directory: str, step: int, state: dict, keep: int) -> Path:
+    def save(self, directory: str, step: int, state: dict, keep: int, deferred: Iterable[torch.Tensor] = ()) -> Path:
         """Checkpoint ``state`` as ``step``'s: written when this returns if not in the
-        background, else copied, and written by the thread. The previous save's error, if any,
-        is raised here first."""
+        background, else copied, and written by the thread. The ``deferred`` tensors (those only
+        the optimizer step changes) are copied by the thread: call before_update() before they
+        change. The previous save's error, if any, is raised here first."""
         started = time.perf_counter()
         if self.in_flight():
             self.waits += 1
         self.finish()
         self.saves += 1
+        self._step = step
         if not self.background:
-            self._write(directory, step, state, keep, None, started)
+            self._write(directory, step, state, keep, (), None)
         else:
-            staged, ready = self._stage(state)
+            staged, copies, ready = self._stage(state, {t.data_ptr() for t in deferred if not t.is_cuda})
+            self._staged.clear()
             self._thread = threading.Thread(target=self._write, name="hvdkit-checkpoint",  # not a daemon: an
-                                            args=(directory, step, staged, keep, ready, started))  # exit waits
+                                            args=(directory, step, staged, keep, copies, ready))  # exit waits
             self._thread.start()
-        self.stall += time.perf_counter() - started
+        self._held(step, time.perf_counter() - started)
         return path_for(directory, step)
+
+    def before_update(self) -> None:
+        """Wait until the save in flight has copied the tensors the caller deferred; they may
+        change from then on."""
+        if not self._staged.is_set():
+            started = time.perf_counter()
+            self._staged.wait()
+            self._held(self._step, time.perf_counter() - started)
 
     def take_done(self) -> list[dict]:
         """The saves written since the last call: step, what each held training and what its write took."""
         count = len(self._done)  # the thread may append meanwhile: take only what was there
         done = self._done[:count]
         del self._done[:count]
-        return done
+        return [{**record, "stall_seconds": round(self._stalls.pop(record["step"], 0.0)
+                                                  + (0 if self.background else record["write_seconds"]), 4)}
+                for record in done]
 
     def in_flight(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -124,16 +146,28 @@ class Writer:
             error, self._error = self._error, None
             raise error
 
-    def _write(self, directory: str, step: int, state: dict, keep: int, ready, called: float) -> None:
+    def _held(self, step: int, seconds: float) -> None:
+        self.stall += seconds
+        self._stalls[step] = self._stalls.get(step, 0.0) + seconds
+
+    def _write(self, directory: str, step: int, state: dict, keep: int, copies: list, ready) -> None:
         started = time.perf_counter()
-        held = started - called  # what the save held the caller before this write (staging, a wait)
         try:
+            try:
+                changed = _copy(copies)
+            finally:
+                self._staged.set()
+            if changed:
+                raise CheckpointError(
+                    f"checkpoint {path_for(directory, step)} not written: {changed} tensors of the weights or the "
+                    f"optimizer's state changed in place after the save and before the next optimizer step, while "
+                    f"being copied in the background; change them in the optimizer step, or save with "
+                    f"--no-async-checkpoint (async_checkpoint=False); the previous checkpoints are untouched")
             if ready is not None:
                 ready.synchronize()  # the copies from the GPU, queued by _stage
             save(directory, step, state, keep)
-            seconds = time.perf_counter() - started
-            self._done.append({"step": step, "stall_seconds": round(seconds + held if not self.background else held, 4),
-                               "write_seconds": round(seconds, 4), "background": self.background})
+            self._done.append({"step": step, "write_seconds": round(time.perf_counter() - started, 4),
+                               "background": self.background})
         except BaseException as exc:  # noqa: B036 -- raised again in the training thread
             if not self.background:
                 raise
@@ -142,11 +176,14 @@ class Writer:
         finally:
             self.writing += time.perf_counter() - started
 
-    def _stage(self, state: dict):
+    def _stage(self, state: dict, deferred: set):
         """(a copy of ``state`` whose tensors are in host buffers kept for the next save, pinned
-        for a GPU's; a CUDA event the writer waits for, or None). The copies from a GPU are
-        queued on the current stream, before anything the training does next to those tensors."""
+        for a GPU's; the copies left to the thread, of the host tensors in ``deferred`` (by
+        data_ptr), each with its version now; a CUDA event the writer waits for, or None). The
+        copies from a GPU are queued on the current stream, before anything the training does
+        next to those tensors."""
         seen: dict = {}  # tensors that share memory stay shared in the copy
+        copies: list = []
         on_gpu = False
 
         def held(value: Any, place: tuple) -> Any:
@@ -161,7 +198,10 @@ class Writer:
                 if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
                     buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
                     self._buffers[place] = buffer
-                buffer.copy_(value.detach(), non_blocking=value.is_cuda)
+                if value.data_ptr() in deferred:
+                    copies.append((buffer, value.detach(), value._version))
+                else:
+                    buffer.copy_(value.detach(), non_blocking=value.is_cuda)
                 on_gpu = on_gpu or value.is_cuda
                 seen[key] = buffer
                 return buffer
@@ -179,7 +219,17 @@ class Writer:
         if on_gpu:
             ready = torch.cuda.Event()
             ready.record()
-        return staged, ready
+        return staged, copies, ready
+
+
+def _copy(copies: list) -> int:
+    """Make the deferred copies (torch lets the GIL go while it copies); the number of sources
+    changed in place meanwhile (their version moved), whose copy may hold either value."""
+    changed = 0
+    for buffer, source, version in copies:
+        buffer.copy_(source)
+        changed += source._version != version
+    return changed
 
 
 def clean_partials(directory: str) -> None:

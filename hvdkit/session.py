@@ -315,6 +315,7 @@ class Session:
         on a stop: see should_stop); then a checkpoint every ``checkpoint_steps``."""
         self.watchdog.beat(f"training step {self.global_step + 1}")
         self._checkpoints.check()  # a background save that failed ends the run at the next step
+        self._checkpoints.before_update()  # its copy of the weights, made during this forward and backward
         self._record_saves()
         self._start_step()
         phase = "optimizer step" if "first optimizer step" in self._state.peaks.peaks else "first optimizer step"
@@ -428,6 +429,8 @@ class Session:
             return self.stopped
         self.stopped = True
         self._step.settle()
+        self._record_saves()  # the save in flight, if written, tells how long this one may take
+        self._checkpoints.warn_if_late(self._signal.grace, self._signal.grace_left())
         if self.cfg.elastic:
             self.save_elastic(self._checkpoints.elastic_sampler)
         else:
@@ -437,7 +440,7 @@ class Session:
     def _record_saves(self) -> None:
         """The metrics gain a record of each checkpoint written (rank 0's): what it held training
         (the stall) and what its write took."""
-        for record in self._checkpoints.writer.take_done():
+        for record in self._checkpoints.take_done(self._signal.grace):
             self._reports.metrics().write({"event": "checkpoint", **record})
 
     def _end_stopped(self) -> None:

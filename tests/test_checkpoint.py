@@ -253,17 +253,32 @@ def start_until_second_save(launcher, ckpt, logs):
 
 
 @pytest.fixture(scope="module")
-def big_state_reference(tmp_path_factory):
-    """The weights of the run undisturbed, its checkpoints written in the training thread."""
+def big_state_run(tmp_path_factory):
+    """The run undisturbed, its checkpoints written in the training thread, with a stop's grace
+    shorter than they take to write: (its final weights, its stderr)."""
     tmp = tmp_path_factory.mktemp("big-state")
-    proc = run(big_state("mpirun", tmp / "ckpt", tmp / "logs", "--sync"))
+    proc = run(big_state("mpirun", tmp / "ckpt", tmp / "logs", "--sync"), env={**os.environ, job.STOP_GRACE: "0.01"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = selftest.parse_records(proc.stdout, "summary")[0]["checkpoints"]
     assert summary["background"] is False and summary["saves"] == 4
     saves = [r for r in metrics_records(tmp / "logs" / "metrics.jsonl") if r["event"] == "checkpoint"]
     assert [r["step"] for r in saves] == [5, 10, 15, 20]
     assert all(r["stall_seconds"] >= r["write_seconds"] > 0 and r["background"] is False for r in saves)
-    return final_weights(tmp / "ckpt")
+    return final_weights(tmp / "ckpt"), proc.stderr
+
+
+@pytest.fixture(scope="module")
+def big_state_reference(big_state_run):
+    return big_state_run[0]
+
+
+def test_a_checkpoint_that_outlasts_a_stops_grace_is_warned_about_once(big_state_run):
+    warnings = [line for line in big_state_run[1].splitlines() if "warning" in line]
+    assert len(warnings) == 1, big_state_run[1][-3000:]
+    assert re.fullmatch(r"hvdkit: warning: the last checkpoint took \d+\.\d s to write, more than the 0.01 s a stop "
+                        r"gives a rank to save and end \(HVDKIT_STOP_GRACE\); at a stop it would be cut off and the "
+                        r"run would resume from the checkpoint before: raise HVDKIT_STOP_GRACE, and under Slurm the "
+                        r"lead time of --signal \(USR1@N\) above it", warnings[0]), warnings
 
 
 @pytest.mark.parametrize("launcher", BIG_LAUNCHERS)
@@ -348,6 +363,66 @@ def test_a_background_save_writes_the_state_as_it_was_when_saved(tmp_path):
     assert (writer.saves, writer.waits) == (2, 0) and writer.writing > 0 and writer.stall > 0
     assert [(r["step"], r["background"]) for r in writer.take_done()] == [(5, True), (6, True)]
     assert writer.take_done() == []
+
+
+def _held_copies(monkeypatch):
+    """The thread's deferred copies held until the event is set (a test seam in hvdkit's own code)."""
+    import threading
+
+    release, real_copy = threading.Event(), checkpoint._copy
+
+    def held_copy(copies):
+        release.wait(30)
+        return real_copy(copies)
+
+    monkeypatch.setattr(checkpoint, "_copy", held_copy)
+    return release
+
+
+def test_deferred_tensors_are_copied_by_the_thread_before_the_next_update(tmp_path, monkeypatch):
+    """The weights are copied while the next forward runs (which changes batch norm's statistics,
+    copied before save() returns); before_update() waits for that copy, then the step may change them."""
+    import threading
+
+    release = _held_copies(monkeypatch)
+    writer = checkpoint.Writer()
+    weights, statistics = torch.zeros(1000), torch.zeros(10)
+    target = writer.save(str(tmp_path), 1, {"w": weights, "running_mean": statistics}, keep=3, deferred=[weights])
+    statistics.add_(1)  # the next forward
+    waited = threading.Event()
+    updater = threading.Thread(target=lambda: (writer.before_update(), waited.set()))
+    updater.start()
+    assert not waited.wait(0.3), "before_update() returned before the deferred copy was made"
+    release.set()
+    updater.join(30)
+    weights.add_(1)  # the optimizer step
+    writer.finish()
+    saved = checkpoint.load(target)
+    assert torch.equal(saved["w"], torch.zeros(1000)) and torch.equal(saved["running_mean"], torch.zeros(10))
+    record, = writer.take_done()
+    assert record["step"] == 1 and record["stall_seconds"] >= 0.3, record
+
+
+def test_deferred_tensors_changed_before_the_update_fail_that_save_in_one_line(tmp_path, monkeypatch):
+    """A loop that changes the weights in place between a background save and the next optimizer step
+    (weight clipping after step()) would have a checkpoint of either values: it is not written."""
+    release = _held_copies(monkeypatch)
+    writer = checkpoint.Writer()
+    writer.save(str(tmp_path), 1, {"w": torch.zeros(10)}, keep=3)
+    writer.finish()
+    weights = torch.zeros(10)
+    writer.save(str(tmp_path), 2, {"w": weights}, keep=3, deferred=[weights])
+    weights.clamp_(min=1)
+    release.set()
+    writer.wait()
+    with pytest.raises(checkpoint.CheckpointError) as error:
+        writer.check()
+    assert str(error.value) == (
+        f"checkpoint {tmp_path}/ckpt-step000000002.pt not written: 1 tensors of the weights or the optimizer's "
+        f"state changed in place after the save and before the next optimizer step, while being copied in the "
+        f"background; change them in the optimizer step, or save with --no-async-checkpoint "
+        f"(async_checkpoint=False); the previous checkpoints are untouched")
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt-step000000001.pt"]
 
 
 def test_a_save_waits_for_the_one_in_flight_and_a_failed_one_is_said_once(tmp_path, monkeypatch):

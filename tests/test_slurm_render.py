@@ -4,6 +4,7 @@ The golden files are the templates with a request filled in; after changing a te
 regenerate them with `python tests/test_slurm_render.py` and review the diff.
 """
 
+import re
 import sys
 from pathlib import Path
 
@@ -66,3 +67,18 @@ if __name__ == "__main__":
     for name, request in CASES.items():
         (GOLDEN / name).write_text(slurm.render(request))
         print(f"wrote {GOLDEN / name}")
+
+
+@pytest.mark.parametrize("template", sorted(p.name for p in (Path(__file__).parents[1] / "slurm").glob("*.sbatch")))
+def test_a_signalled_template_gives_a_stop_less_grace_than_the_signal_lead(template):
+    """A template that has Slurm signal its job ahead of the time limit gives hvdkit's stop less
+    time than that lead, so that the checkpoint is written and the job requeued before Slurm
+    ends it; hvdkit warns when a checkpoint took longer to write than that grace."""
+    text = (Path(__file__).parents[1] / "slurm" / template).read_text()
+    lead = re.search(r"^#SBATCH --signal=USR1@(\d+)$", text, re.MULTILINE)
+    grace = re.search(r"^export HVDKIT_STOP_GRACE=\$\{HVDKIT_STOP_GRACE:-(\d+)\}$", text, re.MULTILINE)
+    if lead is None:
+        assert grace is None, f"{template} sets a stop's grace but has Slurm send no signal ahead"
+        return
+    assert grace is not None, f"{template}: --signal=USR1@{lead[1]} and no HVDKIT_STOP_GRACE below it"
+    assert 0 < int(grace[1]) <= int(lead[1]) - 15, (template, grace[1], lead[1])

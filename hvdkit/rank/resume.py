@@ -17,13 +17,14 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
-from typing import Optional
 
+import torch
 from torch import nn
 
 from hvdkit import checkpoint
 from hvdkit.config import ConfigError, to_dict
 from hvdkit.config import resume_conflict as config_resume_conflict
+from hvdkit.rank import stops
 from hvdkit.rank.consistency import Consistency
 from hvdkit.rank.loaders import Loaders
 from hvdkit.rank.startup import rng_state, set_rng_state
@@ -40,10 +41,12 @@ class Checkpoints:
                  watchdog: Watchdog) -> None:
         self.cfg, self.hvd, self.state = cfg, hvd, state
         self.loaders, self.consistency, self.watchdog = loaders, consistency, watchdog
-        self.elastic_state: Optional[dict] = None  # read in setup(), applied by load_elastic
+        self.elastic_state: dict | None = None  # read in setup(), applied by load_elastic
         self.elastic_sampler = None  # given to load_elastic: a stop's checkpoint records its position
         self.ahead = None  # rank 0: what read_ahead() read, for restore()
         self.writer = checkpoint.Writer(background=cfg.async_checkpoint)
+        self.last_write = 0.0  # seconds the newest written checkpoint took to write (rank 0)
+        self._warned = False
 
     def read_ahead(self) -> None:
         """A sharded run resumed at another world size changes K before its loaders and step are
@@ -62,7 +65,7 @@ class Checkpoints:
         if passes is not None:
             cfg.batches_per_allreduce = passes
 
-    def restore(self) -> Optional[dict]:
+    def restore(self) -> dict | None:
         """Load the newest valid checkpoint on every rank (read by rank 0); None if there is none."""
         run = self.state
         cfg, hvd = self.cfg, self.hvd
@@ -115,7 +118,7 @@ class Checkpoints:
         run.extra.update(state.get("extra") or {})
         run.trackers.update(state.get("trackers") or {})
 
-    def read(self) -> Optional[dict]:
+    def read(self) -> dict | None:
         """The newest valid checkpoint, if this run may continue it; ConfigError if not."""
 
         def warn(message: str) -> None:
@@ -196,18 +199,30 @@ class Checkpoints:
         if self.hvd.rank() == 0:
             self.write(manifest, rng=rng, loader_batches=self.loaders.batch_sizes())
 
-    def write(self, optimizer_state: Optional[dict] = None, **position) -> None:
+    def write(self, optimizer_state: dict | None = None, **position) -> None:
         """This rank's state (the optimizer's, or a sharded one's manifest), and ``position``: how
         the data position is kept (see save, save_elastic)."""
         run = self.state
+        module = self.module()
         self.writer.save(self.cfg.checkpoint_dir, run.global_step, {
-            "model": self.module().state_dict(),
+            "model": module.state_dict(),
             "optimizer": run.optimizer.state_dict() if optimizer_state is None else optimizer_state,
             "scheduler": run.scheduler.state_dict() if run.scheduler is not None else None,
             "scaler": run.scaler.state_dict() if run.scaler else None, "extra": run.extra, "trackers": run.trackers,
             "epoch": run.epoch, "step": run.global_step, "world_size": self.hvd.size(),
             "config": to_dict(self.cfg), **position,
-        }, keep=self.cfg.keep_checkpoints)
+        }, keep=self.cfg.keep_checkpoints, deferred=self._changed_by_step(module))
+
+    def _changed_by_step(self, module: nn.Module) -> list:
+        """The tensors only the optimizer step changes: the weights and the optimizer's state
+        (a background save copies them while the next forward and backward run)."""
+        state = getattr(self.state.optimizer, "state", {})
+        return [*module.parameters(), *(value for per_parameter in state.values() for value in per_parameter.values()
+                                        if torch.is_tensor(value))]
+
+    def before_update(self) -> None:
+        """Before the optimizer step: wait until the save in flight has copied what it changes."""
+        self.writer.before_update()
 
     def finish(self) -> None:
         """Wait for the save in flight, if any; CheckpointError if it failed. Before the job ends,
@@ -217,6 +232,24 @@ class Checkpoints:
     def check(self) -> None:
         """A background save's failure, raised at the step after it (no wait)."""
         self.writer.check()
+
+    def take_done(self, grace: float) -> list[dict]:
+        """The saves written since the last call (Writer.take_done); the first that took longer
+        to write than a stop's ``grace`` is warned about, once: a stop would lose its checkpoint."""
+        done = self.writer.take_done()
+        if done:
+            self.last_write = done[-1]["write_seconds"]
+        line = stops.save_outlasts_grace(self.last_write, grace)
+        if line and not self._warned:
+            self._warned = True
+            print(f"hvdkit: warning: {line}", file=sys.stderr, flush=True)
+        return done
+
+    def warn_if_late(self, grace: float, left: float) -> None:
+        """At a stop, before its checkpoint: say if the last write took longer than the grace left."""
+        line = stops.save_outlasts_grace(self.last_write, grace, left)
+        if line and self.cfg.checkpoint_dir and self.hvd.rank() == 0:
+            print(f"hvdkit: warning: stopping at step {self.state.global_step}: {line}", file=sys.stderr, flush=True)
 
     def timings(self) -> dict:
         """For the summary: what checkpoints held training, and what their writes took (seconds)."""

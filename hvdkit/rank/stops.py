@@ -56,6 +56,7 @@ class StopSignal:
         self.installed = install
         self.rank, self.where = rank, where
         self.grace = job.stop_grace()  # checked now, not when the stop comes
+        self.since: Optional[float] = None  # time.monotonic() of the first stop
         self._countdown: Optional[threading.Timer] = None
         self._wakeup = self._wake_on_signals() if install else None
 
@@ -88,7 +89,7 @@ class StopSignal:
         """From the first stop: end this process if it still runs after the grace period."""
         if self._countdown is not None:
             return
-        grace = self.grace
+        grace, self.since = self.grace, time.monotonic()
 
         def overdue() -> None:
             line = (f"rank {self.rank} did not reach a step boundary within {grace:g} s of {why} (it was in "
@@ -98,6 +99,10 @@ class StopSignal:
         self._countdown = threading.Timer(grace, overdue)
         self._countdown.daemon = True
         self._countdown.start()
+
+    def grace_left(self) -> float:
+        """Seconds until the count of the first stop ends this process (all of them before one)."""
+        return self.grace if self.since is None else max(0.0, self.grace - (time.monotonic() - self.since))
 
     def _handle(self, signum, frame) -> None:
         if signum == signal.SIGINT and self.received == signal.SIGINT:
@@ -166,6 +171,17 @@ def after_stop(signum: int, environ: Mapping[str, str], max_requeues: int) -> tu
             return outcome, 0
         return outcome, job.stopped_by(signum)
     return "rerun the same command (or resubmit the job) to resume", job.stopped_by(signum)
+
+
+def save_outlasts_grace(seconds: float, grace: float, left: Optional[float] = None) -> Optional[str]:
+    """A warning's line where a checkpoint that takes ``seconds`` to write would not be written
+    within a stop's grace (``left`` of it, at a stop); None where it fits."""
+    if seconds <= (grace if left is None else left):
+        return None
+    where = "at a stop it would be cut off" if left is None else f"only {left:.0f} s are left of the stop's grace"
+    return (f"the last checkpoint took {seconds:.1f} s to write, more than the {grace:g} s a stop gives a rank "
+            f"to save and end ({job.STOP_GRACE}); {where} and the run would resume from the checkpoint before: "
+            f"raise {job.STOP_GRACE}, and under Slurm the lead time of --signal (USR1@N) above it")
 
 
 def conclude(signum: int, rank: int, step: int, checkpoint_dir: Optional[str], max_requeues: int,

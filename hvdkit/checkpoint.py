@@ -13,18 +13,25 @@ names them) is copied by that thread while the next step's forward and backward 
 ``before_update()``, called before that optimizer step, waits for the copy; the rest (buffers
 such as batch norm's statistics, which a forward changes) is copied before save() returns. One
 save is in flight at most.
+
+A sharded save (``split``) has every rank write a part of what every rank holds alike (the
+weights and, under DistributedOptimizer, the optimizer state), tensors balanced by bytes, into the
+checkpoint's shard folder; rank 0's main file holds the rest and a ``Part`` in place of each
+tensor another rank wrote, and is written only once every part is durable, with their checksums:
+the checkpoint exists whole or not at all. Reading it joins the parts back into one state.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import io
 import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -86,25 +93,30 @@ class Writer:
         self._error: Optional[BaseException] = None
         self._buffers: dict = {}  # host copies of the state's tensors, by their place in it
         self._done: list[dict] = []  # the saves written since take_done(), appended by the thread
+        self._ending = threading.Event()  # the job ends: a main file waits no longer for parts
 
-    def save(self, directory: str, step: int, state: dict, keep: int, deferred: Iterable[torch.Tensor] = ()) -> Path:
+    def save(self, directory: str, step: int, state: dict, keep: int, deferred: Iterable[torch.Tensor] = (),
+             part: Optional[str] = None, parts: Sequence[str] = ()) -> Path:
         """Checkpoint ``state`` as ``step``'s: written when this returns if not in the
         background, else copied, and written by the thread. The ``deferred`` tensors (those only
         the optimizer step changes) are copied by the thread: call before_update() before they
-        change. The previous save's error, if any, is raised here first."""
+        change. A sharded save: ``part`` is this rank's file in the shard folder (``state`` its
+        tensors), or ``parts`` the other ranks' files, which the main file waits for. The previous
+        save's error, if any, is raised here first."""
         started = time.perf_counter()
         if self.in_flight():
             self.waits += 1
         self.finish()
         self.saves += 1
         self._step = step
+        commit = functools.partial(_commit, directory, step, keep, part, parts, self._ending)
         if not self.background:
-            self._write(directory, step, state, keep, (), None)
+            self._write(directory, step, state, commit, (), None)
         else:
             staged, copies, ready = self._stage(state, {t.data_ptr() for t in deferred if not t.is_cuda})
             self._staged.clear()
             self._thread = threading.Thread(target=self._write, name="hvdkit-checkpoint",  # not a daemon: an
-                                            args=(directory, step, staged, keep, copies, ready))  # exit waits
+                                            args=(directory, step, staged, commit, copies, ready))  # exit waits
             self._thread.start()
         self._held(step, time.perf_counter() - started)
         return path_for(directory, step)
@@ -134,6 +146,11 @@ class Writer:
         self.wait()
         self.check()
 
+    def abandon_parts(self) -> None:
+        """The job ends on an error: a main file still waiting for the parts of other ranks (which
+        may have ended) is not written; the checkpoints before it stay."""
+        self._ending.set()
+
     def wait(self) -> None:
         """Wait for the save in flight, keeping its error for check()."""
         if self._thread is not None:
@@ -150,7 +167,7 @@ class Writer:
         self.stall += seconds
         self._stalls[step] = self._stalls.get(step, 0.0) + seconds
 
-    def _write(self, directory: str, step: int, state: dict, keep: int, copies: list, ready) -> None:
+    def _write(self, directory: str, step: int, state: dict, commit: Callable, copies: list, ready) -> None:
         started = time.perf_counter()
         try:
             try:
@@ -165,7 +182,7 @@ class Writer:
                     f"--no-async-checkpoint (async_checkpoint=False); the previous checkpoints are untouched")
             if ready is not None:
                 ready.synchronize()  # the copies from the GPU, queued by _stage
-            save(directory, step, state, keep)
+            commit(state)
             self._done.append({"step": step, "write_seconds": round(time.perf_counter() - started, 4),
                                "background": self.background})
         except BaseException as exc:  # noqa: B036 -- raised again in the training thread
@@ -186,35 +203,26 @@ class Writer:
         copies: list = []
         on_gpu = False
 
-        def held(value: Any, place: tuple) -> Any:
+        def held(value: torch.Tensor, place: tuple) -> torch.Tensor:
             nonlocal on_gpu
-            if isinstance(value, torch.Tensor):
-                if value.layout != torch.strided:  # sparse: a plain copy
-                    return value.detach().to("cpu", copy=True)
-                key = (value.device, value.data_ptr(), value.dtype, tuple(value.shape), value.stride())
-                if value.data_ptr() and key in seen:
-                    return seen[key]
-                buffer = self._buffers.get(place)
-                if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
-                    buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
-                    self._buffers[place] = buffer
-                if value.data_ptr() in deferred:
-                    copies.append((buffer, value.detach(), value._version))
-                else:
-                    buffer.copy_(value.detach(), non_blocking=value.is_cuda)
-                on_gpu = on_gpu or value.is_cuda
-                seen[key] = buffer
-                return buffer
-            if isinstance(value, dict):  # a shallow copy keeps its class and attributes (a state_dict's _metadata)
-                copied = copy.copy(value)
-                for key, item in value.items():
-                    copied[key] = held(item, (*place, key))
-                return copied
-            if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-                return type(value)(held(item, (*place, i)) for i, item in enumerate(value))
-            return copy.deepcopy(value)
+            if value.layout != torch.strided:  # sparse: a plain copy
+                return value.detach().to("cpu", copy=True)
+            key = (value.device, value.data_ptr(), value.dtype, tuple(value.shape), value.stride())
+            if value.data_ptr() and key in seen:
+                return seen[key]
+            buffer = self._buffers.get(place)
+            if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+                buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.is_cuda)
+                self._buffers[place] = buffer
+            if value.data_ptr() in deferred:
+                copies.append((buffer, value.detach(), value._version))
+            else:
+                buffer.copy_(value.detach(), non_blocking=value.is_cuda)
+            on_gpu = on_gpu or value.is_cuda
+            seen[key] = buffer
+            return buffer
 
-        staged = held(state, ())
+        staged = _rebuild(state, held, copy.deepcopy)
         ready = None
         if on_gpu:
             ready = torch.cuda.Event()
@@ -230,6 +238,131 @@ def _copy(copies: list) -> int:
         buffer.copy_(source)
         changed += source._version != version
     return changed
+
+
+def _rebuild(value: Any, tensor: Callable[[torch.Tensor, tuple], Any], other: Callable[[Any], Any],
+             place: tuple = ()) -> Any:
+    """``value`` with each tensor replaced by ``tensor(it, its place)`` and each other leaf by
+    ``other(it)``; dicts are copied shallowly, keeping their class and attributes (a state_dict's
+    _metadata), lists and tuples rebuilt."""
+    if isinstance(value, torch.Tensor):
+        return tensor(value, place)
+    if isinstance(value, dict):
+        copied = copy.copy(value)
+        for key, item in value.items():
+            copied[key] = _rebuild(item, tensor, other, (*place, key))
+        return copied
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_rebuild(item, tensor, other, (*place, i)) for i, item in enumerate(value))
+    return other(value)
+
+
+def _commit(directory: str, step: int, keep: int, part: Optional[str], parts: Sequence[str],
+            ending: threading.Event, state: dict) -> None:
+    """Write a save: this rank's part, or the main file (once the parts it names are durable)."""
+    main = path_for(directory, step)
+    if part is not None:
+        write(shard_folder(main) / part, state)
+        return
+    if parts:
+        state = {**state, "parts": _await_parts(main, parts, ending)}
+    save(directory, step, state, keep)
+
+
+class Part:
+    """In a sharded checkpoint's main file, a tensor another rank wrote: its part file in the
+    shard folder and its number there."""
+
+    def __init__(self, file: str, number: int) -> None:
+        self.file, self.number = file, number
+
+
+def part_name(rank: int, size: int) -> str:
+    return f"part-{rank:05d}-of-{size:05d}.pt"
+
+
+def split(state: dict, shared: Iterable[torch.Tensor], size: int) -> tuple[dict, list[dict]]:
+    """(the main file's state, each rank's part: number -> tensor) of a sharded save. The tensors
+    in ``shared`` (the same on every rank) are split among the ranks by bytes, the largest first
+    to the rank with the fewest, so that every rank computes the same split; rank 0 keeps its own
+    in the main file, where each other rank's is a Part."""
+    shared_ptrs = {t.data_ptr() for t in shared if t.layout == torch.strided and t.numel()}
+    numbers: dict[tuple, int] = {}  # a tensor's memory, shape and dtype -> its number
+    tensors: list[torch.Tensor] = []
+
+    def identity(value: torch.Tensor) -> tuple:
+        return value.data_ptr(), tuple(value.shape), value.stride(), value.dtype
+
+    def number(value: torch.Tensor, place: tuple) -> torch.Tensor:
+        if value.layout == torch.strided and value.data_ptr() in shared_ptrs and identity(value) not in numbers:
+            numbers[identity(value)] = len(tensors)
+            tensors.append(value)
+        return value
+
+    _rebuild(state, number, lambda leaf: leaf)
+    owner, load = {}, [0] * size
+    for n in sorted(range(len(tensors)), key=lambda n: -tensors[n].nbytes):
+        owner[n] = rank = load.index(min(load))
+        load[rank] += tensors[n].nbytes
+    parts: list[dict] = [{} for _ in range(size)]
+    for n, rank in owner.items():
+        if rank:
+            parts[rank][n] = tensors[n]
+
+    def placed(value: torch.Tensor, place: tuple) -> Any:
+        n = numbers.get(identity(value)) if value.layout == torch.strided else None
+        return value if n is None or not owner[n] else Part(part_name(owner[n], size), n)
+
+    return _rebuild(state, placed, lambda leaf: leaf), parts
+
+
+PART_WAIT_SECONDS = 600.0  # a rank whose part does not appear by then failed, or does not share the directory
+
+
+def _await_parts(main: Path, names: Sequence[str], ending: threading.Event) -> list[dict]:
+    """The parts of checkpoint ``main`` as the other ranks finish them (each is renamed into place
+    once durable), with the checksums their headers hold; CheckpointError once ``ending`` is set."""
+    folder, found = shard_folder(main), {}
+    deadline = time.monotonic() + PART_WAIT_SECONDS
+    while len(found) < len(names):
+        for name in names:
+            if name not in found:
+                try:
+                    with open(folder / name, "rb") as f:
+                        found[name] = f.readline()[len(MAGIC):].strip().decode()
+                except FileNotFoundError:
+                    pass
+        if len(found) < len(names):
+            missing = ", ".join(name for name in names if name not in found)
+            if ending.is_set():
+                raise CheckpointError(f"checkpoint {main} not written: the job ended before {missing} appeared in "
+                                      f"{folder}; the previous checkpoints are untouched")
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"checkpoint {main} not written: {missing} did not appear in {folder} within "
+                                      f"{PART_WAIT_SECONDS:g} s (a rank failed to write it, or {main.parent} is not "
+                                      f"shared by every host); the previous checkpoints are untouched")
+            ending.wait(0.02)
+    return [{"file": name, "sha256": found[name]} for name in names]
+
+
+def join_parts(path: Path, state: dict) -> dict:
+    """A sharded checkpoint's state whole, its parts read back in place of their Parts;
+    CheckpointError if a part is missing, altered, or not the one the main file committed."""
+    entries = state.get("parts")
+    if not entries:
+        return state
+    tensors = {}
+    for entry in entries:
+        try:
+            digest, part = _read(shard_folder(path) / entry["file"])
+        except CheckpointError as exc:
+            raise CheckpointError(f"{path} is incomplete: {exc}") from None
+        if digest != entry["sha256"]:
+            raise CheckpointError(f"{path} is corrupted: its part {entry['file']} is not the one it was written with")
+        tensors.update({(entry["file"], n): tensor for n, tensor in part.items()})
+    whole = {key: value for key, value in state.items() if key != "parts"}
+    return _rebuild(whole, lambda tensor, place: tensor,
+                    lambda leaf: tensors[leaf.file, leaf.number] if isinstance(leaf, Part) else leaf)
 
 
 def clean_partials(directory: str) -> None:
@@ -297,6 +430,11 @@ def write(target: Path, state: dict) -> str:
 
 def load(path: Path) -> dict:
     """The state in ``path``; CheckpointError if it is truncated, altered or not a checkpoint."""
+    return _read(path)[1]
+
+
+def _read(path: Path) -> tuple[str, dict]:
+    """(the checksum ``path``'s header holds and its payload has, the state it holds)."""
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -304,9 +442,18 @@ def load(path: Path) -> dict:
     header, newline, payload = data.partition(b"\n")
     if not header.startswith(MAGIC) or not newline:
         raise CheckpointError(f"{path} is not an hvdkit checkpoint")
-    if hashlib.sha256(payload).hexdigest().encode() != header[len(MAGIC):]:
+    digest = hashlib.sha256(payload).hexdigest()
+    if digest.encode() != header[len(MAGIC):]:
         raise CheckpointError(f"{path} is corrupted (checksum mismatch)")
-    return torch.load(io.BytesIO(payload), weights_only=False)
+    return digest, torch.load(io.BytesIO(payload), weights_only=False)
+
+
+def load_whole(path: Path) -> dict:
+    """The state of checkpoint ``path`` with its parts joined, after checking that a sharded run's
+    shards are all there and intact; CheckpointError if any is not."""
+    state = join_parts(path, load(path))
+    check_shards(path, state)
+    return state
 
 
 def check_shards(path: Path, state: dict) -> None:
@@ -339,8 +486,7 @@ def load_latest(directory: str, warn: Callable[[str], None]) -> Optional[tuple[P
     problems = []
     for path in reversed(files):
         try:
-            state = load(path)
-            check_shards(path, state)
+            state = load_whole(path)
         except CheckpointError as exc:
             problems.append(str(exc))
             continue

@@ -96,6 +96,10 @@ class TrainConfig:
         "help": "write checkpoints in the background: training waits only while the state is copied to host "
                 "memory (which holds a second copy of it from then on); the save before is finished first, "
                 "and before the job ends"})
+    sharded_checkpoint: bool = field(default=False, metadata={
+        "help": "every rank writes a part of each checkpoint in parallel (the weights and the optimizer state, "
+                "split by tensor), rank 0 the rest once every part is durable; resume and export read it as one. "
+                "Not with elastic"})
     stall_timeout: float = field(default=300.0, metadata={
         "help": "seconds without progress after which the job ends, naming the stalled rank (exit 75); Horovod "
                 "names the tensor it waits for before that; 0 off"})
@@ -123,7 +127,7 @@ class TrainConfig:
 # (batch size moves the data position, base_lr is restored from the checkpoint, ...).
 RESUME_MAY_CHANGE = ("epochs", "max_steps", "data_dir", "num_workers", "log_interval", "log_dir", "logger",
                      "tracking_uri", "checkpoint_dir", "checkpoint_steps", "keep_checkpoints", "async_checkpoint",
-                     "stall_timeout", "max_requeues", "resume", "compile",
+                     "sharded_checkpoint", "stall_timeout", "max_requeues", "resume", "compile",
                      "fused_optimizer", "channels_last", "cudnn_benchmark", "tf32",
                      "commit_steps", "on_nonfinite", "skip_bad_samples", "check_consistency_steps",
                      "straggler_threshold")
@@ -194,6 +198,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.zero and cfg.elastic:
         raise ConfigError("config: zero cannot be used with elastic: the optimizer state is split across the ranks, "
                           "and an elastic job loses ranks without a save; use one or the other")
+    if cfg.sharded_checkpoint and cfg.elastic:
+        raise ConfigError("config: sharded_checkpoint cannot be used with elastic: an elastic job's rank 0 writes its "
+                          "checkpoints alone, while workers may be leaving or joining; use one or the other")
     if cfg.use_adasum and cfg.gradient_predivide_factor != 1.0:
         raise ConfigError("config: gradient_predivide_factor must be 1.0 with use_adasum (Horovod averages only)")
     for name in ("log_dir", "checkpoint_dir"):
@@ -307,8 +314,8 @@ GROUPS = {
                      "on_nonfinite"),
     "distributed": ("batches_per_allreduce", "zero", "fp16_allreduce", "use_adasum", "gradient_predivide_factor",
                     "stall_timeout", "elastic", "commit_steps"),
-    "checkpoints": ("checkpoint_dir", "checkpoint_steps", "keep_checkpoints", "async_checkpoint", "resume",
-                    "max_requeues"),
+    "checkpoints": ("checkpoint_dir", "checkpoint_steps", "keep_checkpoints", "async_checkpoint",
+                    "sharded_checkpoint", "resume", "max_requeues"),
     "logging": ("log_dir", "log_interval", "logger", "tracking_uri"),
     "checks": ("check_consistency_steps", "straggler_threshold"),
     "speed": ("fused_optimizer", "channels_last", "cudnn_benchmark", "tf32"),

@@ -483,6 +483,7 @@ class Session:
     def _end_after_error(self) -> None:
         """One of hvdkit's errors ends this rank (stops.exit_on_own_errors): a save in flight
         is finished first, so that the job ends with it written."""
+        self._checkpoints.writer.abandon_parts()  # their ranks may have ended with this one
         self._checkpoints.writer.wait()
         self._release()
         if self._reports.sink is not None:

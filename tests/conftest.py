@@ -38,7 +38,7 @@ def final_weights(ckpt_dir):
     """The model weights in the newest checkpoint of ``ckpt_dir``."""
     from hvdkit import checkpoint
 
-    return checkpoint.load(checkpoint.existing(str(ckpt_dir))[-1])["model"]
+    return checkpoint.load_whole(checkpoint.existing(str(ckpt_dir))[-1])["model"]
 
 
 # The notebook's settings (examples/hvdkit_run.ipynb) as `hvdkit train` flags: plain SGD on a model

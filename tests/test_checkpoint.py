@@ -21,6 +21,7 @@ from conftest import (
     metrics_records,
     run,
     wait_for,
+    wait_for_file,
 )
 from hvdkit import checkpoint, job
 from hvdkit.checks import selftest
@@ -76,6 +77,54 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path, uninterrupted):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {newest}" in resumed.stderr
     assert_bitwise_equal(final_weights(ckpt), uninterrupted)
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "horovodrun --gloo"])
+def test_a_sharded_checkpoint_killed_and_resumed_is_bitwise_identical(tmp_path, launcher, uninterrupted):
+    """--sharded-checkpoint: each rank writes a part, balanced by bytes, and rank 0's main file
+    commits them; killed after its second checkpoint and resumed, the run ends with the unsharded
+    run's weights; export reads it as one; a checkpoint whose part is lost is passed over."""
+    ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
+    args = ["--sharded-checkpoint", "--checkpoint-steps", "7", "--keep-checkpoints", "20"]
+    proc = subprocess.Popen(planner.local_command(launcher, 2, [*TRAIN, "--checkpoint-dir", str(ckpt), "--log-dir",
+                                                              str(logs), *RUN, *args]),
+                            env=selftest.mpi_root_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        wait_for_file(checkpoint.path_for(str(ckpt), 14), proc)
+    finally:
+        kill_tree(proc)
+    newest = checkpoint.existing(str(ckpt))[-1]
+    assert checkpoint.step_of(newest) < 92, "killed before the end"
+    main = checkpoint.load(newest)
+    assert [p["file"] for p in main["parts"]] == ["part-00001-of-00002.pt"]
+    part = checkpoint.load(checkpoint.shard_folder(newest) / "part-00001-of-00002.pt")
+    whole = checkpoint.load_whole(newest)
+    total = sum(t.nbytes for t in [*whole["model"].values(), *_leaves(whole["optimizer"]["state"])])
+    assert abs(sum(t.nbytes for t in part.values()) - total / 2) < 0.2 * total, "the ranks' shares differ"
+    assert any(isinstance(v, checkpoint.Part) for v in main["model"].values()), "rank 1 wrote no weights"
+    resumed = run(planner.local_command(launcher, 2, [*TRAIN, "--checkpoint-dir", str(ckpt), "--log-dir", str(logs),
+                                                      *RUN, *args]))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {newest}" in resumed.stderr
+    assert_bitwise_equal(final_weights(ckpt), uninterrupted)
+    last = checkpoint.existing(str(ckpt))[-1]
+    exported = run([*TRAIN[:-1], "checkpoint", "export", str(ckpt), str(tmp_path / "export")])
+    assert exported.returncode == 0, exported.stderr
+    assert_bitwise_equal(torch.load(tmp_path / "export" / "model.pt"), uninterrupted)
+    (checkpoint.shard_folder(last) / "part-00001-of-00002.pt").unlink()
+    warnings = []
+    path, _ = checkpoint.load_latest(str(ckpt), warnings.append)
+    assert path == checkpoint.existing(str(ckpt))[-2] and len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"{last} is incomplete: cannot read checkpoint "), warnings
+
+
+def _leaves(value):
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    return [leaf for item in value for leaf in _leaves(item)] if isinstance(value, (list, tuple)) else []
 
 
 def test_training_longer_by_epochs_matches_an_uninterrupted_run(tmp_path, uninterrupted):
@@ -329,17 +378,25 @@ def disk_for_one_big_checkpoint(tmp_path):
     yield from small_tmpfs(tmp_path, "200m")
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])
 @pytest.mark.parametrize("launcher", BIG_LAUNCHERS)
-def test_a_disk_that_fills_during_a_background_save_ends_the_job_in_one_line(tmp_path, launcher,
+def test_a_disk_that_fills_during_a_background_save_ends_the_job_in_one_line(tmp_path, launcher, sharded,
                                                                              disk_for_one_big_checkpoint):
+    """Sharded, the disk fills under rank 0's main file or rank 1's part, whichever is written
+    last: that rank says so. The other rank, in backward when it ends, must not hang (0010's fix)."""
     disk = disk_for_one_big_checkpoint
-    proc = run(big_state(launcher, disk, tmp_path / "logs"))
+    proc = run(big_state(launcher, disk, tmp_path / "logs"),
+               env={**os.environ, "HVDKIT_SHARDED_CHECKPOINT": str(sharded).lower()})
     assert proc.returncode == 1, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
-    assert errors == [f"hvdkit: error: cannot write checkpoint {disk}/ckpt-step000000010.pt: No space left on "
-                      f"device; the previous checkpoints are untouched"], proc.stderr[-3000:]
-    assert [p.name for p in disk.iterdir()] == ["ckpt-step000000005.pt"], "no partial file left"
-    assert checkpoint.load(disk / "ckpt-step000000005.pt")["step"] == 5
+    main = disk / "ckpt-step000000010.pt"
+    lines = {f"hvdkit: error: cannot write checkpoint {path}: No space left on device; the previous checkpoints "
+             f"are untouched" for path in [main, *[checkpoint.shard_folder(main) / "part-00001-of-00002.pt"] * sharded]}
+    assert len(errors) == 1 and errors[0] in lines, proc.stderr[-3000:]
+    assert [p.name for p in checkpoint.existing(str(disk))] == ["ckpt-step000000005.pt"]
+    if not sharded:
+        assert [p.name for p in disk.iterdir()] == ["ckpt-step000000005.pt"], "no partial file left"
+    assert checkpoint.load_whole(disk / "ckpt-step000000005.pt")["step"] == 5
 
 
 def test_a_background_save_writes_the_state_as_it_was_when_saved(tmp_path):
@@ -363,6 +420,34 @@ def test_a_background_save_writes_the_state_as_it_was_when_saved(tmp_path):
     assert (writer.saves, writer.waits) == (2, 0) and writer.writing > 0 and writer.stall > 0
     assert [(r["step"], r["background"]) for r in writer.take_done()] == [(5, True), (6, True)]
     assert writer.take_done() == []
+
+
+def test_a_sharded_state_splits_by_bytes_and_joins_whole(tmp_path):
+    """Three ranks' parts of a state with tied weights, a buffer no rank shares and the
+    optimizer's state; written as the ranks' writers do (one in the background), read as one."""
+    tied = torch.randn(64, 32)
+    shared = [tied, torch.randn(1000), torch.randn(10), torch.randn(300)]
+    model = torch.nn.BatchNorm1d(3).state_dict()
+    state = {"model": {"a": tied, "a_again": tied, "b": shared[1], "norm": model},
+             "optimizer": {"state": {0: {"momentum": shared[2], "step": torch.tensor(3.0)}, 1: {"m": shared[3]}},
+                           "param_groups": [{"lr": 0.1}]}, "step": 7}
+    main, parts = checkpoint.split(state, shared, 3)
+    # The largest first, each to the rank with the fewest bytes: 8192 to rank 0, 4000 to 1, 1200 and 40 to 2.
+    assert parts[0] == {} and [sum(t.nbytes for t in p.values()) for p in parts[1:]] == [4000, 1240]
+    assert main["model"]["a"] is tied and main["model"]["b"].file == "part-00001-of-00003.pt"
+    assert torch.equal(main["model"]["norm"]["running_mean"], model["running_mean"]), "not shared: in the main file"
+    assert type(main["model"]["norm"]) is type(model) and state["model"]["a"] is tied, "the state is left as it was"
+    writers = [checkpoint.Writer(background=rank == 1) for rank in range(3)]
+    for rank in (2, 1):
+        writers[rank].save(str(tmp_path), 7, parts[rank], keep=3, part=checkpoint.part_name(rank, 3), deferred=shared)
+    writers[0].save(str(tmp_path), 7, main, keep=3, parts=[checkpoint.part_name(r, 3) for r in (1, 2)])
+    writers[1].finish()
+    whole = checkpoint.load_whole(checkpoint.path_for(str(tmp_path), 7))
+    assert "parts" not in whole and whole["step"] == 7 and whole["optimizer"]["param_groups"] == [{"lr": 0.1}]
+    for key in ("a", "a_again", "b"):
+        assert torch.equal(whole["model"][key], state["model"][key]), key
+    assert torch.equal(whole["optimizer"]["state"][1]["m"], shared[3])
+    assert whole["model"]["norm"]._metadata == model._metadata
 
 
 def _held_copies(monkeypatch):

@@ -93,7 +93,7 @@ def _checkpoint_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=non_negative, default=2, help="steps before the timing (default 2)")
     p.add_argument("--checkpoint-every", type=positive, default=4,
                    help="a checkpoint every this many steps (default 4)")
-    p.add_argument("--repeats", type=positive, default=1, help="rounds over none, sync and async (default 1)")
+    p.add_argument("--repeats", type=positive, default=1, help="rounds over none, sync, async and sharded (default 1)")
     p.add_argument("--dir", help="where each run writes its checkpoints, in a folder removed after it (default: the "
                                  "temporary folder)")
     p.add_argument("--impl", choices=CHECKPOINT_IMPLS, help=argparse.SUPPRESS)

@@ -423,12 +423,13 @@ def _peak_name(record: dict) -> str:
     return record["ranks"][0]["phases"]["unit"]
 
 
-CHECKPOINT_IMPLS = ("none", "sync", "async")
+CHECKPOINT_IMPLS = ("none", "sync", "async", "sharded")  # sharded: in the background, a part per rank
 
 
 def checkpoint_compare(args: argparse.Namespace) -> int:
     """`hvdkit bench checkpoint`: the same training without checkpoints, with checkpoints written
-    in the training thread, and in the background, in alternating order over rounds. The stall
+    in the training thread, in the background, and in the background a part per rank, in alternating
+    order over rounds. The stall
     is what a save held the training thread (the Session's own timing; for ``sync`` the whole
     write); the cost, the throughput lost against the run without checkpoints. Medians over rounds."""
     if env.detect().rank is not None:
@@ -457,7 +458,7 @@ def checkpoint_compare(args: argparse.Namespace) -> int:
                     "waited_for_previous": sum(r["checkpoints"]["waited_for_previous"] for r in results)}
              for impl, results in runs.items()}
     base = table["none"]["steps_per_sec"]
-    for impl in ("sync", "async"):
+    for impl in CHECKPOINT_IMPLS[1:]:
         table[impl]["throughput_lost"] = 1 - table[impl]["steps_per_sec"] / base
     stall_ratio = table["async"]["stall_per_save"] / table["sync"]["stall_per_save"]
     size = runs["sync"][-1]["checkpoint_bytes"]

@@ -596,7 +596,8 @@ def _torch_gather(value):
 def checkpoint_worker(args: argparse.Namespace) -> None:
     """One rank of `bench checkpoint`: a Session loop over a stack of linear layers with Adam
     (12 bytes a parameter in its checkpoint), checkpointing every ``checkpoint_every`` steps
-    (``--impl none``: never) in the training thread (``sync``) or in the background (``async``).
+    (``--impl none``: never) in the training thread (``sync``), in the background (``async``), or in
+    the background with a part per rank (``sharded``).
     Rank 0 prints the rate of the timed steps and the Session's checkpoint timings; ``--dir`` is
     the run's own folder, which the driver made and removes."""
     import torch
@@ -609,7 +610,8 @@ def checkpoint_worker(args: argparse.Namespace) -> None:
     folder = args.dir
     every = 0 if args.impl == "none" else args.checkpoint_every
     session = Session(batch_size=args.batch_size, checkpoint_dir=folder if every else None,
-                      checkpoint_steps=every or None, keep_checkpoints=2, async_checkpoint=args.impl == "async",
+                      checkpoint_steps=every or None, keep_checkpoints=2,
+                      async_checkpoint=args.impl in ("async", "sharded"), sharded_checkpoint=args.impl == "sharded",
                       logger="none", log_dir=os.path.join(folder, "logs"), resume=False, seed=0)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])

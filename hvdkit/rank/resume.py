@@ -15,8 +15,10 @@ data position and the learning rate schedule, stay as they were; where K cannot,
 from __future__ import annotations
 
 import math
+import shutil
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import nn
@@ -41,7 +43,7 @@ class Checkpoints:
                  watchdog: Watchdog) -> None:
         self.cfg, self.hvd, self.state = cfg, hvd, state
         self.loaders, self.consistency, self.watchdog = loaders, consistency, watchdog
-        self.elastic_state: dict | None = None  # read in setup(), applied by load_elastic
+        self.elastic_state: Optional[dict] = None  # read in setup(), applied by load_elastic
         self.elastic_sampler = None  # given to load_elastic: a stop's checkpoint records its position
         self.ahead = None  # rank 0: what read_ahead() read, for restore()
         self.writer = checkpoint.Writer(background=cfg.async_checkpoint)
@@ -65,7 +67,7 @@ class Checkpoints:
         if passes is not None:
             cfg.batches_per_allreduce = passes
 
-    def restore(self) -> dict | None:
+    def restore(self) -> Optional[dict]:
         """Load the newest valid checkpoint on every rank (read by rank 0); None if there is none."""
         run = self.state
         cfg, hvd = self.cfg, self.hvd
@@ -118,7 +120,7 @@ class Checkpoints:
         run.extra.update(state.get("extra") or {})
         run.trackers.update(state.get("trackers") or {})
 
-    def read(self) -> dict | None:
+    def read(self) -> Optional[dict]:
         """The newest valid checkpoint, if this run may continue it; ConfigError if not."""
 
         def warn(message: str) -> None:
@@ -182,36 +184,52 @@ class Checkpoints:
         with self.state.peaks.phase("checkpoint save"):
             self._save()
             if wait:
-                self.writer.finish()
+                self.finish()
 
     def _save(self) -> None:
         run = self.state
         if self.cfg.elastic:  # its collective could wait on a leaving worker; the file lacks the position
             raise RuntimeError("hvdkit: an elastic run writes its checkpoints with save_elastic(sampler), "
                                "where it commits its state; save() is for runs without --elastic")
-        self.writer.finish()  # first: its deleting of old shard folders must not meet this save's
+        self.finish()  # first: its deleting of old shard folders must not meet this save's
         self.consistency.before_checkpoint()
         self.watchdog.beat(f"checkpoint of step {run.global_step}")
+        if self.hvd.rank() == 0:  # what a save of this step killed before its main file left; before any rank writes
+            shutil.rmtree(checkpoint.shard_folder(checkpoint.path_for(self.cfg.checkpoint_dir, run.global_step)),
+                          ignore_errors=True)
         rng = self.hvd.allgather_object(rng_state())
         manifest = None
         if self.cfg.zero:  # every rank writes its shard first; the main file commits them
             manifest = shards.save(run.optimizer, self.cfg.checkpoint_dir, run.global_step, self.hvd)
-        if self.hvd.rank() == 0:
+        if self.hvd.rank() == 0 or self.cfg.sharded_checkpoint:
             self.write(manifest, rng=rng, loader_batches=self.loaders.batch_sizes())
 
-    def write(self, optimizer_state: dict | None = None, **position) -> None:
+    def write(self, optimizer_state: Optional[dict] = None, **position) -> None:
         """This rank's state (the optimizer's, or a sharded one's manifest), and ``position``: how
-        the data position is kept (see save, save_elastic)."""
-        run = self.state
+        the data position is kept (see save, save_elastic). With ``sharded_checkpoint`` every rank
+        calls it and writes its part (checkpoint.split), rank 0 the main file."""
+        run, cfg = self.state, self.cfg
         module = self.module()
-        self.writer.save(self.cfg.checkpoint_dir, run.global_step, {
+        shared = self._changed_by_step(module)
+        state = {
             "model": module.state_dict(),
             "optimizer": run.optimizer.state_dict() if optimizer_state is None else optimizer_state,
             "scheduler": run.scheduler.state_dict() if run.scheduler is not None else None,
             "scaler": run.scaler.state_dict() if run.scaler else None, "extra": run.extra, "trackers": run.trackers,
             "epoch": run.epoch, "step": run.global_step, "world_size": self.hvd.size(),
             "config": to_dict(self.cfg), **position,
-        }, keep=self.cfg.keep_checkpoints, deferred=self._changed_by_step(module))
+        }
+        rank, size = self.hvd.rank(), self.hvd.size()
+        if not (cfg.sharded_checkpoint and size > 1):
+            self.writer.save(cfg.checkpoint_dir, run.global_step, state, cfg.keep_checkpoints, deferred=shared)
+            return
+        main, parts = checkpoint.split(state, shared, size)
+        if rank:
+            self.writer.save(cfg.checkpoint_dir, run.global_step, parts[rank], cfg.keep_checkpoints, deferred=shared,
+                             part=checkpoint.part_name(rank, size))
+        else:
+            self.writer.save(cfg.checkpoint_dir, run.global_step, main, cfg.keep_checkpoints, deferred=shared,
+                             parts=[checkpoint.part_name(r, size) for r in range(1, size) if parts[r]])
 
     def _changed_by_step(self, module: nn.Module) -> list:
         """The tensors only the optimizer step changes: the weights and the optimizer's state
@@ -227,11 +245,20 @@ class Checkpoints:
     def finish(self) -> None:
         """Wait for the save in flight, if any; CheckpointError if it failed. Before the job ends,
         a stop is concluded (a requeue reads the checkpoint), and after every checkpoint's step."""
-        self.writer.finish()
+        self._said_here(self.writer.finish)
 
     def check(self) -> None:
         """A background save's failure, raised at the step after it (no wait)."""
-        self.writer.check()
+        self._said_here(self.writer.check)
+
+    def _said_here(self, call) -> None:
+        """``call()``; a save that failed on a rank other than 0 (its part of a sharded checkpoint)
+        failed there alone, so that rank says so (stops.exit_on_own_errors)."""
+        try:
+            call()
+        except checkpoint.CheckpointError as exc:
+            exc.said_by_its_rank = self.hvd.rank() != 0
+            raise
 
     def take_done(self, grace: float) -> list[dict]:
         """The saves written since the last call (Writer.take_done); the first that took longer
@@ -240,7 +267,7 @@ class Checkpoints:
         if done:
             self.last_write = done[-1]["write_seconds"]
         line = stops.save_outlasts_grace(self.last_write, grace)
-        if line and not self._warned:
+        if line and not self._warned and self.hvd.rank() == 0:
             self._warned = True
             print(f"hvdkit: warning: {line}", file=sys.stderr, flush=True)
         return done

@@ -234,7 +234,7 @@ def exit_on_own_errors(rank: int, own: tuple, bad_input: tuple, end: Callable[[]
             return
         code = job.code_for(exc, bad_input)
         line = str(exc).splitlines()[0] if str(exc) else kind.__name__
-        if rank == 0:
+        if rank == 0 or getattr(exc, "said_by_its_rank", False):  # an error of this rank alone
             print(f"hvdkit: error: {line}", file=sys.stderr, flush=True)
             job.record_exit(code, line)
         shutdown = end()

@@ -138,8 +138,7 @@ def export(source: str, output: str) -> Path:
             raise CheckpointError(f"export: {path} holds no checkpoint")
         path, state = found
     else:
-        state = checkpoint.load(path)
-        checkpoint.check_shards(path, state)
+        state = checkpoint.load_whole(path)
     optimizer = state["optimizer"]
     if is_manifest(optimizer):
         optimizer = plain_optimizer_state(path, optimizer)

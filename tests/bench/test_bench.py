@@ -357,9 +357,9 @@ def test_checkpoint_times_the_saves_in_the_training_thread_and_in_the_background
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     record = json.loads((out / "checkpoint.json").read_text())
     table, runs = record["table"], record["runs"]
-    assert list(table) == ["none", "sync", "async"] and record["parameters"] == 3 * (1024 * 1024 + 1024)
-    assert [runs[impl][0]["checkpoints"]["saves"] for impl in table] == [0, 2, 2]
-    assert [runs[impl][0]["checkpoints"]["background"] for impl in table] == [False, False, True]
+    assert list(table) == ["none", "sync", "async", "sharded"] and record["parameters"] == 3 * (1024 * 1024 + 1024)
+    assert [runs[impl][0]["checkpoints"]["saves"] for impl in table] == [0, 2, 2, 2]
+    assert [runs[impl][0]["checkpoints"]["background"] for impl in table] == [False, False, True, True]
     sync, background = runs["sync"][0]["checkpoints"], runs["async"][0]["checkpoints"]
     assert sync["stall_seconds"] == pytest.approx(sync["write_seconds"], rel=0.05)  # the write is the stall
     assert record["stall_ratio"] == pytest.approx(table["async"]["stall_per_save"] / table["sync"]["stall_per_save"])

@@ -201,7 +201,8 @@ def write_whole(path: Path, data, durable: bool = False) -> None:
             if durable:
                 file.flush()
                 os.fsync(file.fileno())
-                os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                with contextlib.suppress(OSError):  # advice: a filesystem may not take it
+                    os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)

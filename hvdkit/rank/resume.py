@@ -224,10 +224,10 @@ class Checkpoints:
             self.writer.save(cfg.checkpoint_dir, run.global_step, state, cfg.keep_checkpoints, deferred=shared)
             return
         main, parts = checkpoint.split(state, shared, size)
-        if rank:
+        if rank and parts[rank]:  # a rank may have no part: more ranks than tensors
             self.writer.save(cfg.checkpoint_dir, run.global_step, parts[rank], cfg.keep_checkpoints, deferred=shared,
                              part=checkpoint.part_name(rank, size))
-        else:
+        elif not rank:
             self.writer.save(cfg.checkpoint_dir, run.global_step, main, cfg.keep_checkpoints, deferred=shared,
                              parts=[checkpoint.part_name(r, size) for r in range(1, size) if parts[r]])
 

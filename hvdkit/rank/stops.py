@@ -178,10 +178,12 @@ def save_outlasts_grace(seconds: float, grace: float, left: Optional[float] = No
     within a stop's grace (``left`` of it, at a stop); None where it fits."""
     if seconds <= (grace if left is None else left):
         return None
-    where = "at a stop it would be cut off" if left is None else f"only {left:.0f} s are left of the stop's grace"
-    return (f"the last checkpoint took {seconds:.1f} s to write, more than the {grace:g} s a stop gives a rank "
-            f"to save and end ({job.STOP_GRACE}); {where} and the run would resume from the checkpoint before: "
-            f"raise {job.STOP_GRACE}, and under Slurm the lead time of --signal (USR1@N) above it")
+    given = f"the {grace:g} s a stop gives a rank to save and end ({job.STOP_GRACE})"
+    took = f"the last checkpoint took {seconds:.1f} s to write"
+    what = (f"{took}, more than {given}; at a stop it would be cut off" if left is None else
+            f"{took} and {left:.0f} s are left of {given}; this one may be cut off")
+    return (f"{what} and the run would resume from the checkpoint before: raise {job.STOP_GRACE}, and under "
+            f"Slurm the lead time of --signal (USR1@N) above it")
 
 
 def conclude(signum: int, rank: int, step: int, checkpoint_dir: Optional[str], max_requeues: int,

@@ -386,8 +386,8 @@ def test_a_stop_while_the_ranks_start_is_one_line(tmp_path, launcher):
 def test_a_stop_is_told_when_the_last_checkpoint_took_longer_than_its_grace_left():
     assert stops.save_outlasts_grace(9.0, 10.0) is None and stops.save_outlasts_grace(9.0, 10.0, left=9.5) is None
     assert stops.save_outlasts_grace(9.04, 10.0, left=4.2) == (
-        "the last checkpoint took 9.0 s to write, more than the 10 s a stop gives a rank to save and end "
-        "(HVDKIT_STOP_GRACE); only 4 s are left of the stop's grace and the run would resume from the checkpoint "
-        "before: raise HVDKIT_STOP_GRACE, and under Slurm the lead time of --signal (USR1@N) above it")
+        "the last checkpoint took 9.0 s to write and 4 s are left of the 10 s a stop gives a rank to save and end "
+        "(HVDKIT_STOP_GRACE); this one may be cut off and the run would resume from the checkpoint before: raise "
+        "HVDKIT_STOP_GRACE, and under Slurm the lead time of --signal (USR1@N) above it")
     signal_stop = stops.StopSignal(install=False)
     assert signal_stop.grace_left() == signal_stop.grace

@@ -134,9 +134,7 @@ class Writer:
         count = len(self._done)  # the thread may append meanwhile: take only what was there
         done = self._done[:count]
         del self._done[:count]
-        return [{**record, "stall_seconds": round(self._stalls.pop(record["step"], 0.0)
-                                                  + (0 if self.background else record["write_seconds"]), 4)}
-                for record in done]
+        return [{**record, "stall_seconds": round(self._stalls.pop(record["step"], 0.0), 4)} for record in done]
 
     def in_flight(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

@@ -312,7 +312,9 @@ def big_state_run(tmp_path_factory):
     assert summary["background"] is False and summary["saves"] == 4
     saves = [r for r in metrics_records(tmp / "logs" / "metrics.jsonl") if r["event"] == "checkpoint"]
     assert [r["step"] for r in saves] == [5, 10, 15, 20]
-    assert all(r["stall_seconds"] >= r["write_seconds"] > 0 and r["background"] is False for r in saves)
+    # In the training thread a save holds training for its write, counted once.
+    assert all(2 * r["write_seconds"] > r["stall_seconds"] >= r["write_seconds"] > 0 for r in saves), saves
+    assert all(r["background"] is False for r in saves)
     return final_weights(tmp / "ckpt"), proc.stderr
 
 

@@ -34,6 +34,18 @@ def run(cmd, timeout=300, env=None, raw=False, **kwargs):
     return proc
 
 
+def leaves(value):
+    """The values in nested dicts, lists and tuples (a state_dict's tensors among them)."""
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from leaves(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from leaves(v)
+    else:
+        yield value
+
+
 def final_weights(ckpt_dir):
     """The model weights in the newest checkpoint of ``ckpt_dir``."""
     from hvdkit import checkpoint

@@ -18,6 +18,7 @@ from conftest import (
     elastic_on_this_host,
     final_weights,
     kill_tree,
+    leaves,
     metrics_records,
     run,
     wait_for,
@@ -100,7 +101,7 @@ def test_a_sharded_checkpoint_killed_and_resumed_is_bitwise_identical(tmp_path, 
     assert [p["file"] for p in main["parts"]] == ["part-00001-of-00002.pt"]
     part = checkpoint.load(checkpoint.shard_folder(newest) / "part-00001-of-00002.pt")
     whole = checkpoint.load_whole(newest)
-    total = sum(t.nbytes for t in [*whole["model"].values(), *_leaves(whole["optimizer"]["state"])])
+    total = sum(t.nbytes for t in leaves([whole["model"], whole["optimizer"]["state"]]) if torch.is_tensor(t))
     assert abs(sum(t.nbytes for t in part.values()) - total / 2) < 0.2 * total, "the ranks' shares differ"
     assert any(isinstance(v, checkpoint.Part) for v in main["model"].values()), "rank 1 wrote no weights"
     resumed = run(planner.local_command(launcher, 2, [*TRAIN, "--checkpoint-dir", str(ckpt), "--log-dir", str(logs),
@@ -117,14 +118,6 @@ def test_a_sharded_checkpoint_killed_and_resumed_is_bitwise_identical(tmp_path, 
     path, _ = checkpoint.load_latest(str(ckpt), warnings.append)
     assert path == checkpoint.existing(str(ckpt))[-2] and len(warnings) == 1, warnings
     assert warnings[0].startswith(f"{last} is incomplete: cannot read checkpoint "), warnings
-
-
-def _leaves(value):
-    if torch.is_tensor(value):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    return [leaf for item in value for leaf in _leaves(item)] if isinstance(value, (list, tuple)) else []
 
 
 def test_training_longer_by_epochs_matches_an_uninterrupted_run(tmp_path, uninterrupted):

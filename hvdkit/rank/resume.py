@@ -264,8 +264,9 @@ class Checkpoints:
         """The saves written since the last call (Writer.take_done); the first that took longer
         to write than a stop's ``grace`` is warned about, once: a stop would lose its checkpoint."""
         done = self.writer.take_done()
-        if done:
-            self.last_write = done[-1]["write_seconds"]
+        if not done:  # the step's path: nothing more to do
+            return done
+        self.last_write = done[-1]["write_seconds"]
         line = stops.save_outlasts_grace(self.last_write, grace)
         if line and not self._warned and self.hvd.rank() == 0:
             self._warned = True

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import REPO, run
+from conftest import REPO, leaves, run
 from hvdkit import checkpoint
 from hvdkit.config import ConfigError
 from hvdkit.launch import planner
@@ -105,7 +105,7 @@ def test_sharded_checkpoint_resumes_at_other_world_sizes_as_its_export(tmp_path)
     manifest = main["optimizer"]
     assert manifest["world_size"] == 2 and [s["file"] for s in manifest["shards"]] == [
         "rank-00000-of-00002.pt", "rank-00001-of-00002.pt"]
-    assert not any(torch.is_tensor(v) for v in _leaves(manifest)), "the main file holds no optimizer state"
+    assert not any(torch.is_tensor(v) for v in leaves(manifest)), "the main file holds no optimizer state"
     # Each rank wrote only its slices: half of the state, as its file holds it.
     held = [_tensor_bytes(checkpoint.load(checkpoint.shard_folder(newest) / s["file"])["state"])
             for s in manifest["shards"]]
@@ -141,19 +141,8 @@ def test_sharded_checkpoint_resumes_at_other_world_sizes_as_its_export(tmp_path)
     _close(torch.load(tmp_path / "r3.pt").values(), torch.load(tmp_path / "p1.pt").values(), "np=3 vs one process")
 
 
-def _leaves(value):
-    if isinstance(value, dict):
-        for v in value.values():
-            yield from _leaves(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _leaves(v)
-    else:
-        yield value
-
-
 def _tensor_bytes(state: dict) -> int:
-    return sum(v.numel() * v.element_size() for v in _leaves(state) if torch.is_tensor(v) and v.dim())
+    return sum(v.numel() * v.element_size() for v in leaves(state) if torch.is_tensor(v) and v.dim())
 
 
 def test_sigkill_during_a_sharded_save_leaves_the_previous_checkpoint_in_use(tmp_path):

@@ -98,8 +98,8 @@ class TrainConfig:
                 "and before the job ends"})
     sharded_checkpoint: bool = field(default=False, metadata={
         "help": "every rank writes a part of each checkpoint in parallel (the weights and the optimizer state, "
-                "split by tensor), rank 0 the rest once every part is durable; resume and export read it as one. "
-                "Not with elastic"})
+                "split by tensor), rank 0 the rest once every part is durable; resume and export read it as one, "
+                "and it may resume at another world size (K adapts). Not with elastic"})
     stall_timeout: float = field(default=300.0, metadata={
         "help": "seconds without progress after which the job ends, naming the stalled rank (exit 75); Horovod "
                 "names the tensor it waits for before that; 0 off"})

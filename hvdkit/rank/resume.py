@@ -7,9 +7,10 @@ batch sizes, or (elastic) the ElasticSampler's position. Rank 0 reads the newest
 continue (another config, another world size) is refused on every rank with the same line,
 before anything is written.
 
-A sharded run (``zero``) saves its optimizer state as shards (hvdkit.zero.shards) and may resume at
-another world size: the accumulation steps K adapt so that the global batch, and with it the
-data position and the learning rate schedule, stay as they were; where K cannot, it is refused.
+A sharded run (``zero``, or ``sharded_checkpoint``) may resume at another world size: the
+accumulation steps K adapt so that the global batch, and with it the data position and the
+learning rate schedule, stay as they were; where K cannot, it is refused. (Its checkpoint says
+nothing the world size decides: ZeRO's shards are re-sliced, a sharded checkpoint is read whole.)
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class Checkpoints:
         """A sharded run resumed at another world size changes K before its loaders and step are
         made: rank 0 reads the checkpoint now, for restore(), and every rank takes its K."""
         cfg = self.cfg
-        if not (cfg.zero and cfg.checkpoint_dir and cfg.resume):
+        if not (self.sharded and cfg.checkpoint_dir and cfg.resume):
             return
         passes = None
         if self.hvd.rank() == 0:
@@ -132,19 +133,25 @@ class Checkpoints:
             return None
         path, state = found
         other_size = state["world_size"] != self.hvd.size()
-        sharded = bool(self.cfg.zero and state["config"].get("zero"))  # stage 1 and 2 shards are alike
-        adapted = ("zero",) * sharded + ("batches_per_allreduce",) * (sharded and other_size)
+        zero = bool(self.cfg.zero and state["config"].get("zero"))  # stage 1 and 2 shards are alike
+        sharded = self.sharded and bool(state["config"].get("zero") or state["config"].get("sharded_checkpoint"))
+        adapted = ("zero",) * zero + ("batches_per_allreduce",) * (sharded and other_size)
         conflict = config_resume_conflict(state["config"], self.cfg, adapted)
         if conflict:
             raise ConfigError(f"checkpoint {path} {conflict}")
         saved = state["world_size"]
-        if other_size and self.cfg.zero:
+        if other_size and sharded:
             return {**state, "path": str(path), "batches_per_allreduce": self._adapted_k(path, state)}
         if saved != self.hvd.size() and not self.cfg.elastic:  # elastic positions fit any size
             raise ConfigError(f"checkpoint {path} was written by {saved} ranks, this job has "
                               f"{self.hvd.size()}; resume with {saved} ranks (the data order and learning "
                               f"rate depend on it), or start afresh in another --checkpoint-dir")
         return {**state, "path": str(path)}
+
+    @property
+    def sharded(self) -> bool:
+        """This run shards its checkpoints: it may resume one at another world size."""
+        return bool(self.cfg.zero or self.cfg.sharded_checkpoint)
 
     def _adapted_k(self, path, state: dict) -> int:
         """K for this world size that keeps the checkpoint's global batch (size x batch x K);

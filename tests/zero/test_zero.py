@@ -125,11 +125,37 @@ def test_sharded_checkpoint_resumes_at_other_world_sizes_as_its_export(tmp_path)
     adamw.load_state_dict(plain)
     assert sorted(adamw.state_dict()["state"]) == [2, 3, 4, 5], "the frozen layer has no state"
 
-    for np, how, stage, k in ((1, None, 2, 6), (3, "horovodrun --mpi", 1, 2)):
+    _resumes_at_1_and_3_as_its_export(tmp_path, saved, exported, main, keys, ((1, None, dict(zero=2), 6),
+                                                                              (3, "horovodrun --mpi", dict(zero=1), 2)))
+
+
+def test_a_sharded_distributed_optimizer_checkpoint_resumes_at_other_world_sizes_as_its_export(tmp_path):
+    """--sharded-checkpoint without ZeRO: saved at np=2 (K=3), each rank writing a part of the
+    weights and the AdamW state; resumed at np=1 (K 6) and np=3 (K 2), as plain torch from its export."""
+    saved = tmp_path / "saved"
+    keys = dict(batch_size=2, batches_per_allreduce=3, checkpoint_steps=5, sharded_checkpoint="true")
+    _ok(_run([sys.executable, SCRIPT, "10", str(tmp_path / "np2.pt")], np=2, how="horovodrun --mpi",
+             env=_env(checkpoint_dir=saved, log_dir=tmp_path / "log2", **keys)))
+    newest = checkpoint.existing(str(saved))[-1]
+    assert newest.name == "ckpt-step000000010.pt"
+    raw = checkpoint.load(newest)
+    assert [p["file"] for p in raw["parts"]] == ["part-00001-of-00002.pt"], "rank 1 wrote a part"
+    assert any(isinstance(v, checkpoint.Part) for v in leaves(raw["optimizer"])), "AdamW state was split"
+    exported = tmp_path / "export"
+    _ok(run([sys.executable, "-m", "hvdkit", "checkpoint", "export", str(saved), str(exported)]))
+    main = checkpoint.load_whole(newest)
+    _resumes_at_1_and_3_as_its_export(tmp_path, saved, exported, main, keys, ((1, None, {}, 6),
+                                                                              (3, "horovodrun --mpi", {}, 2)))
+
+
+def _resumes_at_1_and_3_as_its_export(tmp_path, saved, exported, main, keys, sizes):
+    """Each resumed copy of ``saved`` at np 1 and 3 (K adapted) ends as plain torch continuing
+    from ``exported`` at that size, and np=3's as one process's."""
+    for np, how, more, k in sizes:
         resumed = tmp_path / f"resumed{np}"
         shutil.copytree(saved, resumed)
         proc = _ok(_run([sys.executable, SCRIPT, "16", str(tmp_path / f"r{np}.pt")], np=np, how=how,
-                        env=_env(zero=stage, checkpoint_dir=resumed, log_dir=tmp_path / f"logr{np}", **keys)))
+                        env=_env(checkpoint_dir=resumed, log_dir=tmp_path / f"logr{np}", **{**keys, **more})))
         assert f"batches_per_allreduce 3 -> {k} keeps the global batch of 12 samples" in proc.stderr
         assert "resumed from" in proc.stderr and "step 10" in proc.stderr
         _ok(_run([sys.executable, SCRIPT, "16", str(tmp_path / f"p{np}.pt"), "--export", str(exported)], np=np,

@@ -28,8 +28,11 @@ and end; then every process on the hosts ends and the hosts are removed. Exit: t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import random
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,8 +41,9 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from hvdkit import job
+from hvdkit import checkpoint, job
 from hvdkit.args import OneLineParser, checked, duration
+from hvdkit.rehearse import chaos as chaos_faults
 from hvdkit.rehearse.namespaces import (
     FIRST_HOST,
     MAX_HOSTS,
@@ -77,6 +81,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--slurm", action="store_true", help="make the hosts a Slurm cluster; COMMAND is an sbatch line")
     p.add_argument("--grace", type=duration, default=60.0,
                    help="after a stop signal, how long the command may take to save and end (default 60s)")
+    chaos = p.add_argument_group("chaos", "run the command through K faults, restarted after each, and hold its "
+                                          "final checkpoint to an undisturbed run's (docs/rehearse.md#chaos)")
+    chaos.add_argument("--chaos", type=int, metavar="K", help="how many faults")
+    chaos.add_argument("--chaos-seed", type=int, metavar="S", help="the schedule's seed (default: drawn, and printed)")
+    chaos.add_argument("--faults", metavar="LIST", help="the faults to draw from, comma-separated (default: all "
+                                                        "the hosts allow): " + ", ".join(chaos_faults.FAULTS))
+    chaos.add_argument("--reference", type=Path, metavar="DIR",
+                       help="the checkpoints of an undisturbed run of the command (default: run it first)")
+    chaos.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
+                       help="where the job writes its checkpoints (default: the command's --checkpoint-dir, "
+                            "else $HVDKIT_CHECKPOINT_DIR)")
+    chaos.add_argument("--out", type=Path, metavar="DIR",
+                       help="for the report and each attempt's output (default runs/rehearse/chaos-<time>)")
     return p
 
 
@@ -98,6 +115,31 @@ def check(args: argparse.Namespace, command: Sequence[str]) -> Optional[str]:
                 "(node0 runs the command, as the node you log in to)")
     if args.slurm and args.kill_host is not None:
         return "--kill-host is for launches on the hosts; under --slurm, drain a node with scontrol instead"
+    if args.chaos is None:
+        given = [flag for flag, value in (("--chaos-seed", args.chaos_seed), ("--faults", args.faults),
+                                          ("--reference", args.reference), ("--checkpoint-dir", args.checkpoint_dir),
+                                          ("--out", args.out)) if value is not None]
+        return f"{given[0]} goes with --chaos K" if given else None
+    return check_chaos(args, command)
+
+
+def check_chaos(args: argparse.Namespace, command: Sequence[str]) -> Optional[str]:
+    if args.chaos < 0:
+        return f"--chaos {args.chaos}: the number of faults is 0 or more"
+    if args.slurm or args.kill_host is not None:
+        return "--chaos strikes its own faults on launches from node0: not with --slurm or --kill-host"
+    problem = chaos_faults.menu(args.faults, args.hosts)[1]
+    if problem:
+        return problem
+    ckpt = args.checkpoint_dir or chaos_faults.command_checkpoint_dir(command, dict(os.environ))
+    if not ckpt:
+        return ("--chaos needs the job's checkpoint directory: give the command --checkpoint-dir, or set "
+                "HVDKIT_CHECKPOINT_DIR, or give --checkpoint-dir before '--'")
+    if Path(ckpt).is_dir() and any(Path(ckpt).iterdir()):
+        return (f"{ckpt} is not empty: a chaos run starts the job afresh there (and would resume what it holds); "
+                "name a new or empty directory")
+    if args.reference is not None and not checkpoint.existing(str(args.reference)):
+        return f"--reference {args.reference}: no checkpoint there (an undisturbed run's --checkpoint-dir)"
     return None
 
 
@@ -145,6 +187,11 @@ def main(argv: Sequence[str]) -> int:
         proc.send_signal(signum)
 
     handlers = job.Handlers(STOPS, on_stop).install()  # nohup's SIGHUP stays ignored
+    if args.chaos is not None:
+        try:
+            return _chaos(args, command, running)
+        finally:
+            handlers.restore()
     try:
         with Hosts(args.hosts, rate=args.bandwidth, delay=args.delay, cpus=args.cpus, own_tmp=args.slurm,
                    names=names(args.hosts)) as hosts:
@@ -190,6 +237,79 @@ def _rehearse(args: argparse.Namespace, command: list[str], hosts: Hosts, runnin
     finally:
         if cluster:
             cluster.stop()
+
+
+def _chaos(args: argparse.Namespace, command: list[str], running: dict) -> int:
+    """--chaos: the undisturbed run, the faults, the checks; the report; 0 only if all held."""
+    seed = args.chaos_seed if args.chaos_seed is not None else random.SystemRandom().randrange(1 << 31)
+    faults = chaos_faults.menu(args.faults, args.hosts)[0]
+    ckpt = Path(args.checkpoint_dir or chaos_faults.command_checkpoint_dir(command, dict(os.environ))).resolve()
+    out = (args.out or Path("runs/rehearse") / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    report = chaos_faults.Report(seed, faults, command, args.hosts, str(ckpt))
+    began = time.monotonic()
+    say(f"chaos: seed {seed}, {args.chaos} fault(s) from {', '.join(faults)}; the report in {out}")
+    ckpt.mkdir(parents=True, exist_ok=True)
+    # disk-full needs the directory on a filesystem of its own, made before the hosts so that it
+    # is the one every host's namespace sees.
+    small = "disk-full" in {s.fault for s in chaos_faults.plan(seed, args.chaos, faults, [1])}
+    prefix = None
+    try:
+        if small:
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "hvdkit-chaos", str(ckpt)], check=True,
+                           capture_output=True)
+        with Hosts(args.hosts, cpus=args.cpus, names=names(args.hosts)) as hosts:
+            prefix = hosts.prefix
+            env = dict(hosts.env(), **host_environment(hosts, args.slots, hosts.dir / "hostfile"))
+            run = chaos_faults.Chaos(command, hosts, env, ckpt, out, report, lambda m: say(f"chaos: {m}"), running)
+            final = run.reference(args.reference)
+            if final is not None:
+                if small:
+                    room = 4 * sum(p.stat().st_size for p in final.parent.rglob("*") if p.is_file()) + (64 << 20)
+                    subprocess.run(["mount", "-o", f"remount,size={room}", str(ckpt)], check=True,
+                                   capture_output=True)
+                strikes = chaos_faults.plan(seed, args.chaos, faults, report.reference["steps"])
+                say("chaos: the schedule: " + "; ".join(f"{s.number} {s.fault} at step {s.step}" for s in strikes)
+                    + f" (again: --chaos-seed {seed})")
+                run.run(strikes, final, limit=2 * args.chaos + 3)
+                report.strikes = [dataclasses.asdict(s) for s in strikes]
+                run.judge(final)
+    except Stopped as exc:
+        say(f"stopped by {signal.Signals(exc.signum).name}; every host and process it made is removed")
+        return exc.code
+    finally:
+        if small:
+            _unmount_keeping(ckpt, out)
+    if prefix:
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
+        kept = [line.split()[0] for line in listed if line.startswith(prefix)]
+        if kept:
+            report.left["namespaces"] = kept
+            report.problems.append(f"namespaces left: {', '.join(kept)}")
+    report.seconds = round(time.monotonic() - began, 1)
+    chaos_faults.write_report(report, out / "report.json")
+    print(report.table(), file=sys.stderr, flush=True)
+    for problem in report.problems:
+        say(f"chaos: {problem}")
+    if "signal" in running:
+        return job.stopped_by(running["signal"])
+    if report.problems:
+        say(f"chaos: FAILED ({len(report.problems)} problem(s)); replay: --chaos-seed {seed}; {out / 'report.json'}")
+        return job.FAILED
+    say(f"chaos: every fault survived, the final checkpoint equals the undisturbed run's, nothing left "
+        f"({report.seconds:.0f} s); {out / 'report.json'}")
+    return job.OK
+
+
+def _unmount_keeping(ckpt: Path, out: Path) -> None:
+    """disk-full's filesystem away, what it held moved into the directory beneath."""
+    staging = out / "checkpoints-moving"
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(ckpt, staging, ignore=shutil.ignore_patterns(chaos_faults.BALLAST))
+    subprocess.run(["umount", str(ckpt)], check=True, capture_output=True)
+    for entry in staging.iterdir():
+        shutil.move(str(entry), ckpt / entry.name)
+    staging.rmdir()
 
 
 def _wait(proc: subprocess.Popen, running: dict, grace: float) -> int:

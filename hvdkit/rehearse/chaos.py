@@ -1,0 +1,626 @@
+"""`hvdkit rehearse --chaos K`: a job run through K faults drawn at random, restarted after each
+ending as a scheduler requeues it, until it finishes; then held to an undisturbed run of the
+same command, bitwise.
+
+Each fault strikes at a moment the job's own files mark: once a checkpoint of step S or later
+has been written since the fault before (S drawn from the undisturbed run's checkpoint steps),
+or, for ``in-write``, once the write of such a checkpoint is under way (its temporary file is
+there). The schedule comes from the seed alone, so ``--chaos-seed S`` again strikes the same
+faults after the same checkpoints; where within a step they land is the machine's doing.
+
+What must hold, checked here and said in one line each otherwise: the job finishes; its final
+checkpoint equals the undisturbed run's in every tensor of the model and optimizer; no
+checkpoint, once written, is lost or stops reading; nothing is left running on the hosts after
+each ending, and no temporary file in the checkpoint directory at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from hvdkit import checkpoint, job
+from hvdkit.rehearse.namespaces import Hosts
+from hvdkit.zero import shards
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    hosts: int  # the fewest hosts it needs
+    ends: bool  # it ends the job (a restart follows); otherwise the job rides it out
+    help: str
+
+
+FAULTS = {f.name: f for f in (
+    Fault("kill", 1, True, "SIGKILL one rank"),
+    Fault("stall", 1, False, "SIGSTOP one rank for a few seconds, then SIGCONT"),
+    Fault("host-lost", 2, True, "a host other than node0 lost: its processes killed, its link down; back to "
+                                "restart"),
+    Fault("partition", 2, False, "a host other than node0 cut off the network for a few seconds"),
+    Fault("slow", 2, False, "a host other than node0 on a slow link (20mbit) for a few seconds"),
+    Fault("preempt", 1, True, "SIGTERM or SIGUSR1 to every rank, as a scheduler's preemption; then requeued"),
+    Fault("in-write", 1, True, "SIGKILL of the rank writing a checkpoint, while its temporary file is there"),
+    Fault("disk-full", 1, True, "the checkpoint directory's filesystem full before a save; space back for the restart"),
+    Fault("while-resuming", 1, True, "SIGKILL one rank, then another as the restarted job starts and resumes"),
+)}
+RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+NOT_RANKS = {"sh", "bash", "dash", "ssh", "sshd", "env", "timeout", "horovodrun", *job.MPI_LAUNCHERS, *job.MPI_DAEMONS}
+TICK = 0.005  # how often the checkpoint directory is looked at: a small checkpoint's write is short
+SETTLE = 15.0  # seconds after the command ends for its processes on the hosts to go
+RESUMED = re.compile(r"hvdkit: resumed from \S+ \(epoch \d+, step (\d+)")
+BALLAST = ".chaos-ballast"
+SLOW = "20mbit"  # slow's link (tc tbf; netem's delay is not in every kernel)
+TAG = re.compile(r"^\[\d+,\d+\]<std(?:out|err)>:|^\[\d+\]<std(?:out|err)>:")  # mpirun's and horovodrun's
+ENDING = re.compile(r"error|killed|signal|exited|failed|abort|cannot|stopped|does not answer|no space",
+                    re.IGNORECASE)  # disk-full's file, in the checkpoint directory's own filesystem
+
+
+def menu(names: Optional[str], hosts: int) -> tuple[list[str], Optional[str]]:
+    """The faults to draw from (--faults, or all that ``hosts`` allow) and what is wrong, in one line."""
+    if names is None:
+        return [n for n, f in FAULTS.items() if f.hosts <= hosts], None
+    chosen = [n.strip() for n in names.split(",") if n.strip()]
+    for name in chosen:
+        if name not in FAULTS:
+            return [], f"--faults: unknown fault {name!r}; the menu: {', '.join(FAULTS)}"
+        if FAULTS[name].hosts > hosts:
+            return [], (f"--faults {name} needs --hosts {FAULTS[name].hosts} or more: it fails a host other than "
+                        f"node0, which runs the command")
+    if not chosen:
+        return [], "--faults: name at least one fault: " + ", ".join(FAULTS)
+    return chosen, None
+
+
+@dataclass
+class Strike:
+    """One fault of the schedule, and what became of it."""
+    number: int
+    fault: str
+    step: int  # it strikes once a checkpoint of this step or later is written (or, in-write, being written)
+    pick: float  # which rank or host: a fraction of those there are
+    seconds: float  # how long a stall, partition or slow link lasts; the start delay of while-resuming's second kill
+    signal: str = ""  # preempt's
+    target: str = ""
+    phase: str = ""
+    attempt: int = 0
+    struck_after: float = 0.0  # seconds since the chaos began
+    ended: Optional[dict] = None  # the attempt it ended: exit code and its line
+    resumed_step: Optional[int] = None
+    back_training_seconds: Optional[float] = None
+
+    def describe(self) -> str:
+        what = f"{self.fault} {self.signal}".strip()
+        return f"fault {self.number} ({what}{' ' + self.target if self.target else ''} at checkpoint step {self.step})"
+
+
+def plan(seed: int, count: int, faults: Sequence[str], steps: Sequence[int]) -> list[Strike]:
+    """``count`` strikes drawn from ``seed``: the faults in shuffled rounds of the menu, so that
+    every fault comes once before any comes twice; their steps from ``steps`` (a checkpoint's,
+    not the last: a fault must find the job running), in order."""
+    rng = random.Random(seed)
+    names: list[str] = []
+    while len(names) < count:
+        names += rng.sample(list(faults), len(faults))
+    names = names[:count]
+    candidates = list(steps[:-1]) or list(steps)
+    at = sorted(rng.choice(candidates) for _ in names)
+    return [Strike(i + 1, name, step, rng.random(), round(rng.uniform(2.0, 6.0), 1),
+                   rng.choice(["SIGTERM", "SIGUSR1"]) if name == "preempt" else "")
+            for i, (name, step) in enumerate(zip(names, at, strict=True))]
+
+
+def command_checkpoint_dir(command: Sequence[str], environ: dict) -> Optional[str]:
+    """Where the command's job writes its checkpoints: its --checkpoint-dir, else HVDKIT_CHECKPOINT_DIR."""
+    for i, word in enumerate(command):
+        if word == "--checkpoint-dir" and i + 1 < len(command):
+            return command[i + 1]
+        if word.startswith("--checkpoint-dir="):
+            return word.split("=", 1)[1]
+    return environ.get("HVDKIT_CHECKPOINT_DIR")
+
+
+def ranks(hosts: Hosts) -> dict[int, tuple]:
+    """The job's ranks on the hosts: {rank: (psutil.Process, host)}. A rank is the process that
+    carries a launcher's rank variable and whose parent does not (its data workers do too)."""
+    import psutil
+
+    found: dict[int, tuple] = {}
+    for name in hosts.names:
+        for pid in hosts.pids(name):
+            try:
+                process = psutil.Process(pid)
+                if process.name() in NOT_RANKS or process.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                rank = _rank_of(process)
+                parent = process.parent()
+                if rank is None or (parent and parent.name() not in NOT_RANKS and _rank_of(parent) == rank):
+                    continue
+                found[rank] = (process, name)
+            except psutil.Error:
+                continue
+    return found
+
+
+def _rank_of(process) -> Optional[int]:
+    environ = process.environ()
+    for variable in RANK_VARIABLES:
+        if variable in environ:
+            return int(environ[variable])
+    return None
+
+
+def left_running(hosts: Hosts) -> list[str]:
+    """What runs on the hosts besides their sshd (and its sessions), as 'name (pid N) on host'."""
+    import psutil
+
+    kept = {proc.pid for proc in hosts.sshd.values()}
+    found = []
+    for name in hosts.names:
+        for pid in hosts.pids(name):
+            try:
+                process = psutil.Process(pid)
+                if pid in kept or process.name() == "sshd" or process.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                found.append(f"{' '.join(process.cmdline()[:3]) or process.name()} (pid {pid}) on {name}")
+            except psutil.Error:
+                continue
+    return found
+
+
+def partials(directory: Path) -> list[Path]:
+    """The temporary files of saves under way (or cut) in a checkpoint directory and its shard folders."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.rglob(f"*{job.PARTIAL}"))
+
+
+def _step_of_partial(path: Path) -> Optional[int]:
+    """The step a temporary file belongs to: its own name's, or its shard folder's."""
+    for part in (path.name, path.parent.name):
+        match = re.search(rf"{checkpoint.PREFIX}(\d+)", part)
+        if match:
+            return int(match[1])
+    return None
+
+
+def plain(path: Path) -> dict:
+    """What a checkpoint says of the training: step, model, optimizer (a sharded one's as one
+    process would hold it), scheduler and GradScaler."""
+    state = checkpoint.load_whole(path)
+    optimizer = state["optimizer"]
+    if shards.is_manifest(optimizer):
+        optimizer = shards.plain_optimizer_state(path, optimizer)
+    return {"step": state["step"], "model": state["model"], "optimizer": optimizer,
+            "scheduler": state.get("scheduler"), "scaler": state.get("scaler")}
+
+
+def difference(a, b, where: str = "") -> Optional[str]:
+    """Where two states differ, in a few words, or None when they are bitwise equal."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.shape != b.shape or a.dtype != b.dtype:
+            return f"{where}: {_kind(a)} against {_kind(b)}"
+        if torch.equal(a, b):
+            return None
+        gap = (a.double() - b.double()).abs().max().item() if a.is_floating_point() else "?"
+        return f"{where} differs (largest difference {gap:.3g})" if gap != "?" else f"{where} differs"
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return f"{where or 'the state'}: keys {sorted(map(str, set(a) ^ set(b)))[:4]} are in one only"
+        for key in a:
+            found = difference(a[key], b[key], f"{where}.{key}" if where else str(key))
+            if found:
+                return found
+        return None
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return f"{where}: {len(a)} items against {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            found = difference(x, y, f"{where}[{i}]")
+            if found:
+                return found
+        return None
+    return None if a == b else f"{where}: {a!r} against {b!r}"
+
+
+def _kind(value) -> str:
+    return f"{tuple(value.shape)} {value.dtype}" if torch.is_tensor(value) else type(value).__name__
+
+
+@dataclass
+class Attempt:
+    number: int
+    code: Optional[int] = None
+    line: str = ""
+    seconds: float = 0.0
+    log: str = ""
+
+
+@dataclass
+class Report:
+    seed: int
+    faults: list
+    command: list
+    hosts: int
+    checkpoint_dir: str
+    reference: dict = field(default_factory=dict)
+    strikes: list = field(default_factory=list)
+    attempts: list = field(default_factory=list)
+    final: dict = field(default_factory=dict)
+    left: dict = field(default_factory=dict)
+    checkpoints_read: list = field(default_factory=list)
+    problems: list = field(default_factory=list)
+    seconds: float = 0.0
+
+    def table(self) -> str:
+        rows = [("#", "fault", "target", "step", "phase", "ended", "back in", "resumed at")]
+        for s in self.strikes:
+            ended = f"exit {s['ended']['code']}: {s['ended']['line'][:60]}" if s.get("ended") else "rode it out"
+            back = f"{s['back_training_seconds']:.1f} s" if s.get("back_training_seconds") is not None else "-"
+            resumed = str(s["resumed_step"]) if s.get("resumed_step") is not None else "-"
+            rows.append((str(s["number"]), f"{s['fault']} {s['signal']}".strip(), s["target"] or "-", str(s["step"]),
+                         s["phase"] or "not struck", ended, back, resumed))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+class Chaos:
+    """One chaos run on ``hosts``: the undisturbed run (or ``reference``), then the faults."""
+
+    def __init__(self, command: list[str], hosts: Hosts, env: dict, ckpt: Path, out: Path, report: Report,
+                 say: Callable[[str], None], running: dict) -> None:
+        self.command, self.hosts, self.env, self.ckpt, self.out = command, hosts, env, ckpt, out
+        self.report, self.say, self.running = report, say, running
+        self.started = time.monotonic()
+        self.undo: list[Callable[[], None]] = []  # what ends an in-run fault early, at its attempt's end
+        self.timers: list[threading.Timer] = []
+        self.ballast: Optional[Path] = None
+        self.deadline = 600.0
+        self.second: Optional[dict] = None  # while-resuming's second kill, due in the next attempt
+        self.struck_at: dict[int, float] = {}  # a strike's number: when it struck (monotonic)
+        self.pending: list[Strike] = []
+        self.newest_seen = 0  # the newest checkpoint step ever written: it must not go
+
+    # -- the undisturbed run ---------------------------------------------------------------
+    def reference(self, given: Optional[Path]) -> Optional[Path]:
+        """The undisturbed run's newest checkpoint, and the steps of every checkpoint it wrote."""
+        if given is not None:
+            steps = [checkpoint.step_of(p) for p in checkpoint.existing(str(given))]
+            self.report.reference = {"dir": str(given), "steps": steps, "seconds": None}
+            return checkpoint.existing(str(given))[-1]
+        self.say("the undisturbed run first, for the final state to compare with")
+        seen: set[int] = set()
+        began = time.monotonic()
+        attempt = self._attempt(0, lambda: seen.update(self._written()))
+        if attempt.code != 0:
+            self.report.problems.append(f"the undisturbed run failed (exit {attempt.code}: {attempt.line}); "
+                                        f"its output: {attempt.log}")
+            return None
+        kept = self.out / "reference"
+        shutil.copytree(self.ckpt, kept)
+        for entry in list(self.ckpt.iterdir()):
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        seconds = time.monotonic() - began
+        self.deadline = max(120.0, 4 * seconds)
+        self.report.reference = {"dir": str(kept), "steps": sorted(seen), "seconds": round(seconds, 1)}
+        if not seen:
+            self.report.problems.append("the job wrote no checkpoint: --chaos needs one that checkpoints "
+                                        "(--checkpoint-dir and --checkpoint-steps)")
+            return None
+        return checkpoint.existing(str(kept))[-1]
+
+    # -- the faults -------------------------------------------------------------------------
+    def run(self, strikes: list[Strike], final: Path, limit: int) -> None:
+        """The attempts, striking ``strikes`` in order, until the job finishes at ``final``'s step."""
+        self.pending = list(strikes)
+        final_step = checkpoint.step_of(final)
+        previous: list[Strike] = []  # those that ended the attempt before: their time until training again
+        for number in range(1, limit + 1):
+            state = {"number": number, "known": self._written(), "started": None, "read": 0, "looked": 0.0,
+                     "log": self.out / f"attempt-{number}.log", "resumed": False, "mine": [], "previous": previous}
+            attempt = self._attempt(number, lambda state=state: self._watch(state))
+            self._undo()
+            mine = state["mine"]
+            for i, strike in enumerate(mine):  # a fault ridden out is not what ended the attempt
+                ridden = any(FAULTS[later.fault].ends for later in mine[i + 1:])
+                if FAULTS[strike.fault].ends or (attempt.code != 0 and not ridden):
+                    strike.ended = {"code": attempt.code, "line": attempt.line}
+            self._after(attempt, mine)
+            previous = [s for s in mine if s.ended]
+            if "signal" in self.running:
+                self.report.problems.append("stopped by a signal before the job finished")
+                return
+            if attempt.code == 0 and self._newest_step() == final_step:
+                for strike in self.pending:
+                    self.report.problems.append(f"{strike.describe()} did not strike: the job finished first")
+                return
+            if attempt.code == 0:
+                self.say(f"attempt {number} ended with exit 0 at step {self._newest_step()} of {final_step}: "
+                         "requeued, as a scheduler would")
+            elif not mine:
+                self.report.problems.append(f"attempt {number} ended with exit {attempt.code} and no fault struck "
+                                            f"it: {attempt.line} (output: {attempt.log})")
+                return
+            else:
+                self.say(f"attempt {number} ended: exit {attempt.code}: {attempt.line}")
+            self._prepare_restart()
+        self.report.problems.append(f"the job did not finish in {limit} attempts")
+
+    def _watch(self, state: dict) -> None:
+        """Every tick of an attempt: the newest checkpoint, the job's start and resume, and the
+        next fault if its moment has come."""
+        written = self._written()
+        self.newest_seen = max(self.newest_seen, *written) if written else self.newest_seen
+        self._look(state)
+        self._second_kill(state)
+        if self.pending and self._due(self.pending[0], state["known"], written):
+            strike = self.pending.pop(0)
+            state["known"] = written
+            state["mine"].append(strike)
+            try:
+                self._strike(strike, state["number"])
+            except (OSError, RuntimeError, ValueError) as exc:
+                self.report.problems.append(f"{strike.describe()} could not strike: {exc}")
+
+    def _due(self, strike: Strike, known: set[int], written: set[int]) -> bool:
+        if strike.fault == "in-write":
+            return any((_step_of_partial(p) or -1) >= strike.step for p in partials(self.ckpt))
+        return any(step >= strike.step for step in written - known)
+
+    def _strike(self, strike: Strike, attempt: int) -> None:
+        self.struck_at[strike.number] = now = time.monotonic()
+        strike.attempt, strike.struck_after = attempt, round(now - self.started, 1)
+        fault = strike.fault
+        strike.phase = "training"
+        if fault in ("host-lost", "partition", "slow"):
+            others = self.hosts.names[1:]
+            host = others[min(int(strike.pick * len(others)), len(others) - 1)]
+            strike.target = host
+            self.say(f"{strike.describe()}")
+            if fault == "host-lost":
+                self.hosts.lose(host)
+            elif fault == "partition":
+                self.hosts.link(host, up=False)
+                self._later(strike.seconds, lambda: self.hosts.link(host, up=True))
+            else:
+                self.hosts.shape(host, SLOW)
+                self._later(strike.seconds, lambda: self.hosts.unshape(host))
+            return
+        if fault == "disk-full":
+            strike.target = str(self.ckpt)
+            self.say(strike.describe())
+            self._fill()
+            return
+        found = ranks(self.hosts)
+        if not found:
+            strike.phase = "ending (no rank left to strike)"
+            return
+        if fault == "preempt":
+            strike.target = "every rank"
+            self.say(strike.describe())
+            for process, _ in found.values():
+                with contextlib.suppress(Exception):
+                    process.send_signal(getattr(signal, strike.signal))
+            return
+        if fault == "in-write":
+            rank = self._writer(found)
+        else:
+            rank = sorted(found)[min(int(strike.pick * len(found)), len(found) - 1)]
+        process, host = found[rank]
+        strike.target = f"rank {rank} ({host})"
+        self.say(strike.describe())
+        if fault == "stall":
+            process.send_signal(signal.SIGSTOP)
+            self._later(strike.seconds, lambda: process.send_signal(signal.SIGCONT))
+            return
+        with contextlib.suppress(Exception):
+            process.kill()
+        if fault == "in-write":
+            strike.phase = "checkpoint write" if partials(self.ckpt) else "checkpoint write (its write had just ended)"
+        if fault == "while-resuming":
+            self.second = {"strike": strike, "delay": strike.seconds / 4}
+
+    def _writer(self, found: dict) -> int:
+        """The rank whose temporary file is there (a shard's part names it), else rank 0."""
+        for path in partials(self.ckpt):
+            match = re.search(r"part-(\d+)-of-", path.name) or re.search(r"rank-(\d+)-of-", path.name)
+            if match and int(match[1]) in found:
+                return int(match[1])
+        return 0 if 0 in found else sorted(found)[0]
+
+    def _second_kill(self, state: dict) -> None:
+        """while-resuming's second kill: a rank of the restarted job, ``delay`` after its ranks appear."""
+        second = self.second
+        if not second or second["strike"].attempt == state["number"] or state["started"] is None:
+            return
+        if time.monotonic() - state["started"] < second["delay"]:
+            return
+        found = ranks(self.hosts)
+        if not found:
+            return
+        self.second = None
+        strike = second["strike"]
+        state["mine"].append(strike)
+        rank = sorted(found)[-1]
+        process, host = found[rank]
+        strike.phase = f"training, then rank {rank} killed again {second['delay']:.1f} s into the restart"
+        self.say(f"{strike.describe()}: and rank {rank} ({host}) as the job starts again")
+        with contextlib.suppress(Exception):
+            process.kill()
+
+    def _look(self, state: dict) -> None:
+        """Five times a second: whether the ranks are up, and the job's output so far for its
+        resume line (the time until the faults that ended the attempt before were overcome)."""
+        now = time.monotonic()
+        if now - state["looked"] < 0.2:
+            return
+        state["looked"] = now
+        if state["started"] is None and ranks(self.hosts):
+            state["started"] = now
+        previous = state["previous"]
+        if state["resumed"] or not previous:
+            return
+        with contextlib.suppress(OSError), open(state["log"], errors="replace") as log:
+            log.seek(state["read"])
+            text = log.read()
+            state["read"] += len(text.encode())
+            match = RESUMED.search(text)
+            if match:
+                state["resumed"] = True
+                for strike in previous:
+                    strike.resumed_step = int(match[1])
+                    strike.back_training_seconds = round(now - self.struck_at[strike.number], 1)
+
+    def _fill(self) -> None:
+        """Leave less room in the checkpoint's filesystem than half its newest checkpoint takes."""
+        newest = checkpoint.existing(str(self.ckpt))
+        need = sum(p.stat().st_size for p in [newest[-1], *checkpoint.shard_folder(newest[-1]).glob("*")]
+                   if p.is_file()) if newest else 1 << 20
+        free = shutil.disk_usage(self.ckpt).free
+        self.ballast = self.ckpt / BALLAST
+        with open(self.ballast, "wb") as f:
+            with contextlib.suppress(OSError):
+                os.posix_fallocate(f.fileno(), 0, max(0, free - need // 2))
+
+    def _later(self, seconds: float, action: Callable[[], None]) -> None:
+        done = threading.Event()
+
+        def once() -> None:
+            if not done.is_set():
+                done.set()
+                with contextlib.suppress(Exception):
+                    action()
+
+        timer = threading.Timer(seconds, once)
+        timer.daemon = True
+        timer.start()
+        self.timers.append(timer)
+        self.undo.append(once)
+
+    def _undo(self) -> None:
+        for timer in self.timers:
+            timer.cancel()
+        for action in self.undo:
+            action()
+        self.timers, self.undo = [], []
+
+    def _prepare_restart(self) -> None:
+        """As a scheduler requeues onto healthy nodes: lost hosts back, space freed."""
+        if self.ballast is not None:
+            self.ballast.unlink(missing_ok=True)
+            self.ballast = None
+        for name in self.hosts.names[1:]:
+            if self.hosts.sshd[name].poll() is not None:
+                self.hosts.link(name, up=True)
+                self.hosts.restart_sshd(name)
+
+    def _after(self, attempt: Attempt, mine: list[Strike]) -> None:
+        """After an ending: nothing of the job on the hosts; no written checkpoint lost."""
+        what = mine[-1].describe() if mine else f"attempt {attempt.number}"
+        deadline = time.monotonic() + SETTLE
+        left = left_running(self.hosts)
+        while left and time.monotonic() < deadline:
+            time.sleep(0.2)
+            left = left_running(self.hosts)
+        if left:
+            self.report.problems.append(f"after {what}: {len(left)} process(es) left running once the job ended: "
+                                        + "; ".join(left[:4]))
+            self.report.left.setdefault("processes", []).extend(left)
+            for name in self.hosts.names:
+                self.hosts.end_jobs(name)
+        if self.newest_seen and self._newest_step() < self.newest_seen:
+            self.report.problems.append(f"after {what}: checkpoint step {self.newest_seen} was written and is gone "
+                                        f"(the newest now: {self._newest_step()})")
+
+    def _attempt(self, number: int, watch: Callable[[], None]) -> Attempt:
+        """The command once, on node0, its output to a log; ``watch`` every tick until it ends."""
+        attempt = Attempt(number, log=str(self.out / f"attempt-{number}.log"))
+        began = time.monotonic()
+        with open(attempt.log, "w") as log:
+            self.running["proc"] = proc = subprocess.Popen(self.hosts.on(self.hosts.names[0], self.command),
+                                                           env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                                           process_group=0)
+            try:
+                while (code := job.wait_child(proc, timeout=TICK)) is None:
+                    watch()
+                    if time.monotonic() - began > self.deadline:
+                        self.report.problems.append(f"attempt {number} did not end within {self.deadline:.0f} s "
+                                                    f"(output: {attempt.log})")
+                        job.end_processes(job.tree(proc.pid), grace=5)
+                        code = job.wait_child(proc, timeout=10)
+                        break
+            finally:
+                self.running.pop("proc", None)
+        attempt.code, attempt.seconds = code, round(time.monotonic() - began, 1)
+        attempt.line = last_line(Path(attempt.log)) if code else ""
+        self.report.attempts.append(asdict(attempt))
+        return attempt
+
+    def _written(self) -> set[int]:
+        with contextlib.suppress(OSError):
+            return {int(name[len(checkpoint.PREFIX):-len(checkpoint.SUFFIX)]) for name in os.listdir(self.ckpt)
+                    if name.startswith(checkpoint.PREFIX) and name.endswith(checkpoint.SUFFIX)}
+        return set()
+
+    def _newest_step(self) -> int:
+        return max(self._written(), default=0)
+
+    # -- the end ------------------------------------------------------------------------------
+    def judge(self, final: Path) -> None:
+        """The final checkpoint against the undisturbed run's; every checkpoint still reads; no temporaries."""
+        existing = checkpoint.existing(str(self.ckpt))
+        for path in existing:
+            try:
+                plain(path)
+                self.report.checkpoints_read.append(path.name)
+            except checkpoint.CheckpointError as exc:
+                self.report.problems.append(f"checkpoint {path.name} does not read: {exc}")
+        left = [str(p) for p in partials(self.ckpt)]
+        if left:
+            self.report.left["temporary_files"] = left
+            self.report.problems.append(f"temporary files left in {self.ckpt}: {', '.join(left[:3])}")
+        if not existing:
+            self.report.problems.append(f"no checkpoint in {self.ckpt} at the end")
+            return
+        ours, theirs = plain(existing[-1]), plain(final)
+        differs = difference(ours, theirs)
+        self.report.final = {"checkpoint": str(existing[-1]), "reference": str(final), "equal": differs is None,
+                             "difference": differs}
+        if differs:
+            struck = [s for s in self.report.strikes if s.get("phase")] or [{}]
+            last = struck[-1]
+            after = f" after fault {last['number']} ({last['fault']})" if last else ""
+            self.report.problems.append(f"the final checkpoint differs from the undisturbed run's{after}: {differs}")
+
+
+def last_line(log: Path) -> str:
+    """The line a job ended with: its last line from hvdkit, else its last that names an error,
+    a signal or a failure (a launcher's), else its last line; without a rank's output tag."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return ""
+    lines = [TAG.sub("", line).strip() for line in text.splitlines()]
+    lines = [line for line in lines if line.strip("-= ")]
+    for wanted in (lambda line: line.startswith("hvdkit") and ENDING.search(line), ENDING.search):
+        for line in reversed(lines):
+            if wanted(line):
+                return line[:300]
+    return lines[-1][:300] if lines else ""
+
+
+def write_report(report: Report, path: Path) -> None:
+    job.write_whole(path, json.dumps(asdict(report), indent=1, default=str) + "\n")

@@ -1,0 +1,171 @@
+"""`hvdkit rehearse --chaos`: real jobs on namespace hosts through real faults, held to an
+undisturbed run (hvdkit.rehearse.chaos).
+
+One short run per launcher family, each a few faults at a fixed seed, the menu shared out among
+them; every run's final checkpoint is compared with one undisturbed run, made once on the same
+two hosts. Then two planted defects the tool must catch, and bad input.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from conftest import REPO, require_namespaces
+from hvdkit.rehearse import chaos
+from rehearse.test_rehearse import REHEARSE, environment, wait_for_none_left
+
+LOOP = str(REPO / "tests" / "programs" / "chaos_loop.py")
+TRAIN = ["hvdkit", "train", "--model", "mlp", "--image-size", "48", "--dataset", "synthetic", "--max-steps", "160",
+         "--checkpoint-steps", "20", "--warmup-epochs", "0", "--lr-schedule", "none", "--log-interval", "40"]
+# Each rank alone on its host, one thread wherever it runs: so every attempt computes as the undisturbed run did.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+MPIRUN = "mpirun -np 2 --hostfile $HVDKIT_HOSTFILE --allow-run-as-root -mca btl ^openib -x PATH -x OMP_NUM_THREADS"
+
+
+def test_bad_input_is_one_line_exit_2_and_nothing_made(tmp_path):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    command = ["--", "hvdkit", "train", "--checkpoint-dir", str(ckpt)]
+    cases = {
+        ("--chaos", "3", "--faults", "kill,meteor"): "--faults: unknown fault 'meteor'; the menu: kill, stall,",
+        ("--chaos", "-1"): "--chaos -1: the number of faults is 0 or more",
+        ("--hosts", "1", "--chaos", "2", "--faults", "kill,host-lost"):
+            "--faults host-lost needs --hosts 2 or more",
+        ("--hosts", "2", "--chaos", "2", "--faults", "partition", "--slurm"): "--chaos strikes its own faults",
+        ("--faults", "kill"): "--faults goes with --chaos K",
+    }
+    for args, words in cases.items():
+        proc = subprocess.run([*REHEARSE, *args, "--out", str(out), *command], capture_output=True, text=True,
+                              cwd=tmp_path)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert proc.stderr.count("\n") == 1 and words in proc.stderr, (args, proc.stderr)
+    (ckpt / "ckpt-step000000010.pt").parent.mkdir()
+    (ckpt / "ckpt-step000000010.pt").write_bytes(b"a user's")
+    proc = subprocess.run([*REHEARSE, "--chaos", "1", "--out", str(out), *command], capture_output=True, text=True)
+    assert proc.returncode == 2 and f"{ckpt} is not empty" in proc.stderr, proc.stderr
+    assert (ckpt / "ckpt-step000000010.pt").read_bytes() == b"a user's"
+    proc = subprocess.run([*REHEARSE, "--chaos", "1", "--", "hvdkit", "train"], capture_output=True, text=True,
+                          env={k: v for k, v in os.environ.items() if k != "HVDKIT_CHECKPOINT_DIR"})
+    assert proc.returncode == 2 and "--chaos needs the job's checkpoint directory" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"], "no report folder, nothing else"
+
+
+def test_a_seed_gives_the_same_schedule_and_every_fault_before_any_twice():
+    steps = [10, 20, 30, 40, 50]
+    first = chaos.plan(7, 12, list(chaos.FAULTS), steps)
+    assert first == chaos.plan(7, 12, list(chaos.FAULTS), steps)
+    assert first != chaos.plan(8, 12, list(chaos.FAULTS), steps)
+    assert sorted(s.fault for s in first[:len(chaos.FAULTS)]) == sorted(chaos.FAULTS)
+    assert [s.step for s in first] == sorted(s.step for s in first) and {s.step for s in first} <= {10, 20, 30, 40}
+
+
+def test_states_are_compared_bitwise_and_the_first_difference_named():
+    import torch
+
+    a = {"model": {"w": torch.ones(3)}, "optimizer": {"state": {0: {"step": torch.tensor(4.0)}}}, "step": 4}
+    b = {"model": {"w": torch.ones(3)}, "optimizer": {"state": {0: {"step": torch.tensor(4.0)}}}, "step": 4}
+    assert chaos.difference(a, b) is None
+    b["model"]["w"] = torch.ones(3).nextafter(torch.full((3,), 2.0))
+    assert chaos.difference(a, b).startswith("model.w differs (largest difference 1.19e-07)")
+
+
+def _chaos(tmp_path, name, seed, faults, command, reference=None, count=None, env=None):
+    """``hvdkit rehearse --hosts 2 --chaos`` as a user types it; its exit code, stderr and report."""
+    mark, ckpt, out = uuid.uuid4().hex, tmp_path / f"{name}-ckpt", tmp_path / f"{name}-out"
+    args = [*REHEARSE, "--hosts", "2", "--chaos", str(count or len(faults.split(","))), "--chaos-seed", str(seed),
+            "--faults", faults, "--out", str(out), "--checkpoint-dir", str(ckpt)]
+    if reference:
+        args += ["--reference", str(reference)]
+    environ = {**environment(mark), **ONE_THREAD, "HVDKIT_CHECKPOINT_DIR": str(ckpt), **(env or {})}
+    proc = subprocess.Popen([*args, "--", *command(ckpt)], env=environ, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    wait_for_none_left(proc.pid, mark, tmp_path)
+    report = json.loads((out / "report.json").read_text())
+    return proc.returncode, err, report
+
+
+def _survived(code, err, report, faults):
+    assert code == 0, err[-4000:]
+    assert [s["fault"] for s in report["strikes"]] == sorted(faults.split(","), key=[
+        s["fault"] for s in report["strikes"]].index)
+    assert all(s["phase"] for s in report["strikes"]), report["strikes"]
+    assert report["final"]["equal"] and report["problems"] == [] and report["left"] == {}, report
+    assert "every fault survived, the final checkpoint equals the undisturbed run's" in err
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory):
+    """hvdkit train's undisturbed run on two rehearsal hosts, made by the first chaos run: its
+    reference, which the other families' runs take with --reference."""
+    require_namespaces()
+    tmp_path = tmp_path_factory.mktemp("chaos")
+    faults = "kill,preempt,in-write"
+    code, err, report = _chaos(tmp_path, "launch", 11, faults,
+                               lambda ckpt: ["hvdkit", "launch", "-np", "2", "--", *TRAIN, "--checkpoint-dir",
+                                             str(ckpt)])
+    return tmp_path, faults, code, err, report
+
+
+@pytest.mark.slow
+def test_hvdkit_launch_survives_kill_preemption_and_a_kill_during_a_write(undisturbed):
+    tmp_path, faults, code, err, report = undisturbed
+    _survived(code, err, report, faults)
+    (in_write,) = [s for s in report["strikes"] if s["fault"] == "in-write"]
+    assert in_write["phase"].startswith("checkpoint write"), in_write
+    (preempt,) = [s for s in report["strikes"] if s["fault"] == "preempt"]
+    assert preempt["ended"]["line"].startswith(f"hvdkit launch: stopped by {preempt['signal']} at step ")
+    assert all(s["back_training_seconds"] for s in report["strikes"] if s["ended"]), report["strikes"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, faults, command", [
+    ("horovodrun --gloo", "stall,host-lost",
+     lambda ckpt: ["sh", "-c", f"horovodrun --gloo -np 2 -H $HVDKIT_HOSTS {' '.join(TRAIN)} --checkpoint-dir {ckpt}"]),
+    ("mpirun", "disk-full,while-resuming",
+     lambda ckpt: ["sh", "-c", f"{MPIRUN} {' '.join(TRAIN)} --checkpoint-dir {ckpt}"]),
+])
+def test_plain_launchers_survive_their_faults_and_end_as_the_undisturbed_run(tmp_path, undisturbed, family, faults,
+                                                                             command):
+    reference = undisturbed[4]["reference"]["dir"]
+    code, err, report = _chaos(tmp_path, family.split()[0], 12, faults, command, reference=reference)
+    _survived(code, err, report, faults)
+    if "disk-full" in faults:
+        (full,) = [s for s in report["strikes"] if s["fault"] == "disk-full"]
+        assert "No space left on device; the previous checkpoints are untouched" in full["ended"]["line"]
+
+
+@pytest.mark.slow
+def test_a_session_loop_under_horovodrun_mpi_survives_a_partition_a_slow_link_and_a_kill(tmp_path):
+    require_namespaces()
+    code, err, report = _chaos(tmp_path, "loop", 13, "partition,slow,kill", lambda ckpt: [
+        "sh", "-c", f"horovodrun --mpi -np 2 -H $HVDKIT_HOSTS {sys.executable} {LOOP} 120"],
+        env={"HVDKIT_CHECKPOINT_STEPS": "10"})
+    _survived(code, err, report, "partition,slow,kill")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plant, words", [
+    ("forget", "the final checkpoint differs from the undisturbed run's after fault 1 (kill): "),
+    ("linger", "after fault 1 (kill rank "),
+])
+def test_a_planted_defect_fails_the_chaos_run_naming_the_fault_and_what_differed(tmp_path, plant, words):
+    require_namespaces()
+    code, err, report = _chaos(tmp_path, plant, 5, "kill", lambda ckpt: [
+        "sh", "-c", f"horovodrun --gloo -np 2 -H $HVDKIT_HOSTS {sys.executable} {LOOP} 120 --plant {plant}"],
+        env={"HVDKIT_CHECKPOINT_STEPS": "10"})
+    assert code == 1, err[-3000:]
+    assert any(words in problem for problem in report["problems"]), report["problems"]
+    (line,) = [line for line in err.splitlines() if words in line]
+    assert line.startswith("hvdkit rehearse: chaos: ")
+    if plant == "linger":
+        assert "sleep 300" in line and "on node1" in line
+    assert "FAILED" in err.splitlines()[-1] and "--chaos-seed 5" in err.splitlines()[-1]

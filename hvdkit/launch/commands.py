@@ -15,7 +15,9 @@ from hvdkit.launch.hostfile import Host, LaunchError, host_list
 from hvdkit.launch.network import Network
 
 FORWARD_PREFIXES = ("NCCL_", "HOROVOD_", "HVDKIT_")  # HVDKIT_: config keys job scripts hand over
-FORWARD_NAMES = ("PYTHONPATH", "PATH", "LD_LIBRARY_PATH")
+# OMP_NUM_THREADS: a rank reads it for torch's threads (hvdkit.rank.startup); without it a rank
+# alone on another host would compute with more threads than the ranks here, and differently.
+FORWARD_NAMES = ("PYTHONPATH", "PATH", "LD_LIBRARY_PATH", "OMP_NUM_THREADS")
 
 
 TCP_INCLUDE = ("btl_tcp_if_include", "oob_tcp_if_include")

@@ -60,9 +60,11 @@ FAULTS = {f.name: f for f in (
 RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 NOT_RANKS = {"sh", "bash", "dash", "ssh", "sshd", "env", "timeout", "horovodrun", *job.MPI_LAUNCHERS, *job.MPI_DAEMONS}
 TICK = 0.005  # how often the checkpoint directory is looked at: a small checkpoint's write is short
-SETTLE = 15.0  # seconds after the command ends for its processes on the hosts to go
+GIVEN_DEADLINE = 1800.0  # seconds an attempt may take when the undisturbed run was not timed here
+SETTLE = 10.0  # seconds after the command ends for its processes on the hosts to go
 RESUMED = re.compile(r"hvdkit: resumed from \S+ \(epoch \d+, step (\d+)")
 BALLAST = ".chaos-ballast"
+DEFERS = re.compile(r"another rank ended first|the lines above say|that rank's own line")
 SLOW = "20mbit"  # slow's link (tc tbf; netem's delay is not in every kernel)
 TAG = re.compile(r"^\[\d+,\d+\]<std(?:out|err)>:|^\[\d+\]<std(?:out|err)>:")  # mpirun's and horovodrun's
 ENDING = re.compile(r"error|killed|signal|exited|failed|abort|cannot|stopped|does not answer|no space",
@@ -288,7 +290,7 @@ class Chaos:
         self.undo: list[Callable[[], None]] = []  # what ends an in-run fault early, at its attempt's end
         self.timers: list[threading.Timer] = []
         self.ballast: Optional[Path] = None
-        self.deadline = 600.0
+        self.deadline: Optional[float] = None  # for an attempt: four times the undisturbed run's time
         self.second: Optional[dict] = None  # while-resuming's second kill, due in the next attempt
         self.struck_at: dict[int, float] = {}  # a strike's number: when it struck (monotonic)
         self.pending: list[Strike] = []
@@ -300,11 +302,13 @@ class Chaos:
         if given is not None:
             steps = [checkpoint.step_of(p) for p in checkpoint.existing(str(given))]
             self.report.reference = {"dir": str(given), "steps": steps, "seconds": None}
+            self.deadline = GIVEN_DEADLINE
             return checkpoint.existing(str(given))[-1]
         self.say("the undisturbed run first, for the final state to compare with")
         seen: set[int] = set()
         began = time.monotonic()
         attempt = self._attempt(0, lambda: seen.update(self._written()))
+        self._after(attempt, [])
         if attempt.code != 0:
             self.report.problems.append(f"the undisturbed run failed (exit {attempt.code}: {attempt.line}); "
                                         f"its output: {attempt.log}")
@@ -529,7 +533,8 @@ class Chaos:
 
     def _after(self, attempt: Attempt, mine: list[Strike]) -> None:
         """After an ending: nothing of the job on the hosts; no written checkpoint lost."""
-        what = mine[-1].describe() if mine else f"attempt {attempt.number}"
+        what = mine[-1].describe() if mine else ("the undisturbed run" if attempt.number == 0
+                                                 else f"attempt {attempt.number}")
         deadline = time.monotonic() + SETTLE
         left = left_running(self.hosts)
         while left and time.monotonic() < deadline:
@@ -556,7 +561,7 @@ class Chaos:
             try:
                 while (code := job.wait_child(proc, timeout=TICK)) is None:
                     watch()
-                    if time.monotonic() - began > self.deadline:
+                    if self.deadline is not None and time.monotonic() - began > self.deadline:
                         self.report.problems.append(f"attempt {number} did not end within {self.deadline:.0f} s "
                                                     f"(output: {attempt.log})")
                         job.end_processes(job.tree(proc.pid), grace=5)
@@ -564,7 +569,7 @@ class Chaos:
                         break
             finally:
                 self.running.pop("proc", None)
-        attempt.code, attempt.seconds = code, round(time.monotonic() - began, 1)
+        attempt.code, attempt.seconds = job.shell_code(code), round(time.monotonic() - began, 1)
         attempt.line = last_line(Path(attempt.log)) if code else ""
         self.report.attempts.append(asdict(attempt))
         return attempt
@@ -607,15 +612,18 @@ class Chaos:
 
 
 def last_line(log: Path) -> str:
-    """The line a job ended with: its last line from hvdkit, else its last that names an error,
-    a signal or a failure (a launcher's), else its last line; without a rank's output tag."""
+    """The line a job ended with: its last line from hvdkit that says why (not a rank's pointer
+    to another's line), else its last that names an error, a signal or a failure (a launcher's),
+    else its last line; without a rank's output tag."""
     try:
         text = log.read_text(errors="replace")
     except OSError:
         return ""
     lines = [TAG.sub("", line).strip() for line in text.splitlines()]
     lines = [line for line in lines if line.strip("-= ")]
-    for wanted in (lambda line: line.startswith("hvdkit") and ENDING.search(line), ENDING.search):
+    own = [lambda line: line.startswith("hvdkit") and ENDING.search(line) and not DEFERS.search(line),
+           lambda line: line.startswith("hvdkit") and ENDING.search(line), ENDING.search]
+    for wanted in own:
         for line in reversed(lines):
             if wanted(line):
                 return line[:300]

@@ -39,7 +39,8 @@ def main() -> None:
             for parameter in net.parameters():
                 parameter.normal_(0, 0.1)
     if args.plant == "linger" and session.rank == 1:
-        subprocess.Popen(["sleep", "300"], start_new_session=True)
+        subprocess.Popen(["sleep", "300"], start_new_session=True, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     share = ROWS // session.size
     while session.global_step < args.steps:
         generator = torch.Generator().manual_seed(session.global_step)

@@ -62,6 +62,7 @@ from hvdkit.rank.state import RunState
 from hvdkit.rank.step import (
     NonFiniteError,
     TrainingStep,
+    gradient_buckets,
     lr_multiplier,
     use_fused_kernels,
 )
@@ -191,11 +192,14 @@ class Session:
             self.optimizer = zero.ShardedOptimizer(optimizer, hvd, cfg.zero, compression, cfg.batches_per_allreduce,
                                                    cfg.gradient_predivide_factor)
         else:
+            # Horovod's grouped allreduce has no Adasum and no pre/post-scaling: those go tensor by tensor.
+            grouped = not cfg.use_adasum and cfg.gradient_predivide_factor == 1.0
             self.optimizer = hvd.DistributedOptimizer(
                 optimizer, named_parameters=model.named_parameters(), compression=compression,
                 backward_passes_per_step=cfg.batches_per_allreduce,
                 op=hvd.Adasum if cfg.use_adasum else hvd.Average,
-                gradient_predivide_factor=cfg.gradient_predivide_factor)
+                gradient_predivide_factor=cfg.gradient_predivide_factor,
+                groups=gradient_buckets(model) if grouped else None)
             # Horovod's wrapper is a new optimizer over the same param groups: it keeps the
             # state you may have loaded into yours. A scheduler warns that it stepped before
             # the optimizer when the step it wrapped (yours) was not called; Horovod's is instead.

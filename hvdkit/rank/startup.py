@@ -36,7 +36,7 @@ def start(cfg: TrainConfig):
     import horovod.torch as hvd
 
     settings = {**performance_settings(torch.cuda.is_available(), env.detect().spans_hosts),
-                **stall_settings(cfg.stall_timeout)}
+                **stall_settings(cfg.stall_timeout), **reproducible_settings()}
     for name, value in ({} if cfg.elastic else settings).items():
         os.environ.setdefault(name, value)  # a variable the user exported wins
     hvd.init()
@@ -107,6 +107,12 @@ def stall_settings(timeout: float) -> dict:
     backstop = str(max(1, int(timeout)) + STALL_BACKSTOP_SECONDS)
     return {"HOROVOD_STALL_CHECK_TIME_SECONDS": str(max(1, int(min(60.0, timeout / 3)))),
             "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": backstop, "HOROVOD_GLOO_TIMEOUT_SECONDS": backstop}
+
+
+def reproducible_settings() -> dict:
+    """Horovod fuses each group of gradients (hvdkit.rank.step.gradient_buckets) alone, not with
+    whatever else is ready in the same cycle: the same buffers every step, so the same sums."""
+    return {"HOROVOD_DISABLE_GROUP_FUSION": "1"}
 
 
 # Open MPI's tuned allreduce from 1 MiB up: the ring (algorithm 4); below, its own fixed

@@ -56,6 +56,7 @@ from hvdkit.rehearse.namespaces import (
 )
 
 STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+ELASTIC = ("--elastic", "--min-np", "--max-np", "--host-discovery-script")  # in a command: an elastic job
 
 
 def _moment(text: str):
@@ -131,6 +132,10 @@ def check_chaos(args: argparse.Namespace, command: Sequence[str]) -> Optional[st
     problem = chaos_faults.menu(args.faults, args.hosts)[1]
     if problem:
         return problem
+    elastic = sorted({word for word in command if word in ELASTIC or word.startswith("--host-discovery-script")})
+    if elastic:
+        return (f"--chaos rehearses fixed-size jobs: an elastic command ({' '.join(elastic)}), whose hosts would "
+                "have to come back while it runs, is not one yet")
     ckpt = args.checkpoint_dir or chaos_faults.command_checkpoint_dir(command, dict(os.environ))
     if not ckpt:
         return ("--chaos needs the job's checkpoint directory: give the command --checkpoint-dir, or set "

@@ -36,6 +36,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_made(tmp_path):
             "--faults host-lost needs --hosts 2 or more",
         ("--hosts", "2", "--chaos", "2", "--faults", "partition", "--slurm"): "--chaos strikes its own faults",
         ("--faults", "kill"): "--faults goes with --chaos K",
+        ("--chaos", "2", "--", "horovodrun", "--min-np", "1"): "--chaos rehearses fixed-size jobs: an elastic command",
     }
     for args, words in cases.items():
         proc = subprocess.run([*REHEARSE, *args, "--out", str(out), *command], capture_output=True, text=True,
@@ -143,13 +144,23 @@ def test_plain_launchers_survive_their_faults_and_end_as_the_undisturbed_run(tmp
         assert "No space left on device; the previous checkpoints are untouched" in full["ended"]["line"]
 
 
-@pytest.mark.slow
-def test_a_session_loop_under_horovodrun_mpi_survives_a_partition_a_slow_link_and_a_kill(tmp_path):
+@pytest.fixture(scope="module")
+def loop_run(tmp_path_factory):
+    """A Session loop under plain horovodrun --mpi through a partition, a slow link and a kill: its
+    undisturbed run is the reference of the planted defects' runs, under the same launcher."""
     require_namespaces()
-    code, err, report = _chaos(tmp_path, "loop", 13, "partition,slow,kill", lambda ckpt: [
-        "sh", "-c", f"horovodrun --mpi -np 2 -H $HVDKIT_HOSTS {sys.executable} {LOOP} 120"],
-        env={"HVDKIT_CHECKPOINT_STEPS": "10"})
-    _survived(code, err, report, "partition,slow,kill")
+    tmp_path = tmp_path_factory.mktemp("loop")
+    return _chaos(tmp_path, "loop", 13, "partition,slow,kill", _loop(), env={"HVDKIT_CHECKPOINT_STEPS": "10"})
+
+
+def _loop(*args):
+    return lambda ckpt: ["sh", "-c", f"horovodrun --mpi -np 2 -H $HVDKIT_HOSTS {sys.executable} {LOOP} 120 "
+                                     + " ".join(args)]
+
+
+@pytest.mark.slow
+def test_a_session_loop_under_horovodrun_mpi_survives_a_partition_a_slow_link_and_a_kill(loop_run):
+    _survived(*loop_run, "partition,slow,kill")
 
 
 @pytest.mark.slow
@@ -157,15 +168,15 @@ def test_a_session_loop_under_horovodrun_mpi_survives_a_partition_a_slow_link_an
     ("forget", "the final checkpoint differs from the undisturbed run's after fault 1 (kill): "),
     ("linger", "after fault 1 (kill rank "),
 ])
-def test_a_planted_defect_fails_the_chaos_run_naming_the_fault_and_what_differed(tmp_path, plant, words):
-    require_namespaces()
-    code, err, report = _chaos(tmp_path, plant, 5, "kill", lambda ckpt: [
-        "sh", "-c", f"horovodrun --gloo -np 2 -H $HVDKIT_HOSTS {sys.executable} {LOOP} 120 --plant {plant}"],
-        env={"HVDKIT_CHECKPOINT_STEPS": "10"})
+def test_a_planted_defect_fails_the_chaos_run_naming_the_fault_and_what_differed(tmp_path, loop_run, plant, words):
+    code, err, report = _chaos(tmp_path, plant, 5, "kill", _loop("--plant", plant),
+                               reference=loop_run[2]["reference"]["dir"], env={"HVDKIT_CHECKPOINT_STEPS": "10"})
     assert code == 1, err[-3000:]
     assert any(words in problem for problem in report["problems"]), report["problems"]
     (line,) = [line for line in err.splitlines() if words in line]
     assert line.startswith("hvdkit rehearse: chaos: ")
     if plant == "linger":
         assert "sleep 300" in line and "on node1" in line
+    else:  # the weights it forgot, named
+        assert ": model.0.weight differs (largest difference " in line
     assert "FAILED" in err.splitlines()[-1] and "--chaos-seed 5" in err.splitlines()[-1]

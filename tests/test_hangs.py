@@ -54,12 +54,9 @@ def test_every_loop_shape_trains_to_the_canonical_weights(tmp_path, how, np):
     reference = torch.load(tmp_path / "out" / "canonical-0.pt")
     for shape in TRAINING:
         for run in range(3):
-            weights = torch.load(tmp_path / "out" / f"{shape}-{run}.pt")
-            if np == 2:  # a sum of two is the same in either order
-                assert_bitwise_equal(weights, reference)
-            else:  # three ranks' sums may round differently where Horovod fuses other tensors alongside
-                for name, value in reference.items():
-                    torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=f"{shape} {name}")
+            # Bitwise at 3 ranks too: the gradients go in fixed buckets, each fused alone, so every
+            # element is summed in the same order (hvdkit.rank.step.gradient_buckets).
+            assert_bitwise_equal(torch.load(tmp_path / "out" / f"{shape}-{run}.pt"), reference)
 
 
 ONE_LINE = {

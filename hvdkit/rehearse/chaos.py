@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+import inotify_simple as inotify
 import torch
 
 from hvdkit import checkpoint, job
@@ -59,14 +60,18 @@ FAULTS = {f.name: f for f in (
 )}
 RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 NOT_RANKS = {"sh", "bash", "dash", "ssh", "sshd", "env", "timeout", "horovodrun", *job.MPI_LAUNCHERS, *job.MPI_DAEMONS}
-TICK = 0.005  # how often the checkpoint directory is looked at: a small checkpoint's write is short
+TICK = 0.05  # how often the faults' moments are looked for, at most
 GIVEN_DEADLINE = 1800.0  # seconds an attempt may take when the undisturbed run was not timed here
-SETTLE = 10.0  # seconds after the command ends for its processes on the hosts to go
+# Seconds after the command ends for its processes on the hosts to go: a rank whose launcher is
+# gone ends itself once it has not answered for LOST_SECONDS (hvdkit.rank.lifeline).
+SETTLE = job.LOST_SECONDS + job.PROBE_SECONDS
 RESUMED = re.compile(r"hvdkit: resumed from \S+ \(epoch \d+, step (\d+)")
 BALLAST = ".chaos-ballast"
+STEPS_FILE = "chaos-steps.json"  # beside the undisturbed run's checkpoints: every step it wrote one at
 DEFERS = re.compile(r"another rank ended first|the lines above say|that rank's own line")
 SLOW = "20mbit"  # slow's link (tc tbf; netem's delay is not in every kernel)
 TAG = re.compile(r"^\[\d+,\d+\]<std(?:out|err)>:|^\[\d+\]<std(?:out|err)>:")  # mpirun's and horovodrun's
+TRAILING_TAG = re.compile(r"\[\d+(?:,\d+)?\]<std(?:out|err)>:$")  # a rank's next line, begun on this one
 ENDING = re.compile(r"error|killed|signal|exited|failed|abort|cannot|stopped|does not answer|no space",
                     re.IGNORECASE)  # disk-full's file, in the checkpoint directory's own filesystem
 
@@ -103,6 +108,8 @@ class Strike:
     ended: Optional[dict] = None  # the attempt it ended: exit code and its line
     resumed_step: Optional[int] = None
     back_training_seconds: Optional[float] = None
+    at_step: Optional[int] = None  # the newest checkpoint written, or being written, when it struck
+    steps_redone: Optional[int] = None  # from at_step back to the step it resumed at (at least that many)
 
     def describe(self) -> str:
         what = f"{self.fault} {self.signal}".strip()
@@ -265,16 +272,18 @@ class Report:
     left: dict = field(default_factory=dict)
     checkpoints_read: list = field(default_factory=list)
     problems: list = field(default_factory=list)
+    not_struck: list = field(default_factory=list)
     seconds: float = 0.0
 
     def table(self) -> str:
-        rows = [("#", "fault", "target", "step", "phase", "ended", "back in", "resumed at")]
+        rows = [("#", "fault", "target", "step", "phase", "ended", "back in", "resumed at", "redone")]
         for s in self.strikes:
             ended = f"exit {s['ended']['code']}: {s['ended']['line'][:60]}" if s.get("ended") else "rode it out"
             back = f"{s['back_training_seconds']:.1f} s" if s.get("back_training_seconds") is not None else "-"
             resumed = str(s["resumed_step"]) if s.get("resumed_step") is not None else "-"
+            redone = f">= {s['steps_redone']}" if s.get("steps_redone") is not None else "-"
             rows.append((str(s["number"]), f"{s['fault']} {s['signal']}".strip(), s["target"] or "-", str(s["step"]),
-                         s["phase"] or "not struck", ended, back, resumed))
+                         s["phase"] or "not struck", ended, back, resumed, redone))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
@@ -294,13 +303,20 @@ class Chaos:
         self.second: Optional[dict] = None  # while-resuming's second kill, due in the next attempt
         self.struck_at: dict[int, float] = {}  # a strike's number: when it struck (monotonic)
         self.pending: list[Strike] = []
+        # A small checkpoint is written in a few milliseconds: in-write hears of its temporary
+        # file from the kernel (inotify) rather than looking for it.
+        self.notify = inotify.INotify()
+        self.folders = {self.notify.add_watch(ckpt, inotify.flags.CREATE): ckpt}
+        self.writing: list[tuple[int, Path]] = []  # (step, temporary file) of writes begun since the last tick
         self.newest_seen = 0  # the newest checkpoint step ever written: it must not go
 
     # -- the undisturbed run ---------------------------------------------------------------
     def reference(self, given: Optional[Path]) -> Optional[Path]:
         """The undisturbed run's newest checkpoint, and the steps of every checkpoint it wrote."""
-        if given is not None:
-            steps = [checkpoint.step_of(p) for p in checkpoint.existing(str(given))]
+        if given is not None:  # its steps as its chaos run saw them written, else those it kept
+            listed = given / STEPS_FILE
+            steps = (json.loads(listed.read_text()) if listed.is_file()
+                     else [checkpoint.step_of(p) for p in checkpoint.existing(str(given))])
             self.report.reference = {"dir": str(given), "steps": steps, "seconds": None}
             self.deadline = GIVEN_DEADLINE
             return checkpoint.existing(str(given))[-1]
@@ -315,6 +331,7 @@ class Chaos:
             return None
         kept = self.out / "reference"
         shutil.copytree(self.ckpt, kept)
+        (kept / STEPS_FILE).write_text(json.dumps(sorted(seen)) + "\n")
         for entry in list(self.ckpt.iterdir()):
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
         seconds = time.monotonic() - began
@@ -349,7 +366,7 @@ class Chaos:
                 return
             if attempt.code == 0 and self._newest_step() == final_step:
                 for strike in self.pending:
-                    self.report.problems.append(f"{strike.describe()} did not strike: the job finished first")
+                    self._unstruck(strike, "the job finished first")
                 return
             if attempt.code == 0:
                 self.say(f"attempt {number} ended with exit 0 at step {self._newest_step()} of {final_step}: "
@@ -370,18 +387,29 @@ class Chaos:
         self.newest_seen = max(self.newest_seen, *written) if written else self.newest_seen
         self._look(state)
         self._second_kill(state)
+        if len(self.pending) > 1 and self.pending[0].fault == "in-write" and \
+                self._due(self.pending[1], state["known"], written):
+            missed = self.pending.pop(0)  # no write of its step was heard of before the next fault's moment
+            self._unstruck(missed, "no checkpoint write was seen under way before the next fault's moment")
         if self.pending and self._due(self.pending[0], state["known"], written):
             strike = self.pending.pop(0)
+            strike.at_step = max([self.newest_seen, *(step for step, _ in self.writing)])
             state["known"] = written
             state["mine"].append(strike)
             try:
                 self._strike(strike, state["number"])
             except (OSError, RuntimeError, ValueError) as exc:
                 self.report.problems.append(f"{strike.describe()} could not strike: {exc}")
+        self.writing = []
+
+    def _unstruck(self, strike: Strike, why: str) -> None:
+        """A fault of the schedule that found no moment: said, and in the report; not the job's failure."""
+        self.report.not_struck.append(f"{strike.describe()}: {why}")
+        self.say(f"warning: {strike.describe()} did not strike: {why}")
 
     def _due(self, strike: Strike, known: set[int], written: set[int]) -> bool:
         if strike.fault == "in-write":
-            return any((_step_of_partial(p) or -1) >= strike.step for p in partials(self.ckpt))
+            return any(step >= strike.step for step, _ in self.writing)
         return any(step >= strike.step for step in written - known)
 
     def _strike(self, strike: Strike, attempt: int) -> None:
@@ -487,6 +515,7 @@ class Chaos:
                 for strike in previous:
                     strike.resumed_step = int(match[1])
                     strike.back_training_seconds = round(now - self.struck_at[strike.number], 1)
+                    strike.steps_redone = max(0, (strike.at_step or 0) - strike.resumed_step)
 
     def _fill(self) -> None:
         """Leave less room in the checkpoint's filesystem than half its newest checkpoint takes."""
@@ -559,7 +588,9 @@ class Chaos:
                                                            env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                                            process_group=0)
             try:
-                while (code := job.wait_child(proc, timeout=TICK)) is None:
+                job.wait_child(proc, timeout=0)  # its reaper started: returncode is set once it ends
+                while (code := proc.returncode) is None:
+                    self._notice()  # returns as soon as a file appears in the checkpoint directory
                     watch()
                     if self.deadline is not None and time.monotonic() - began > self.deadline:
                         self.report.problems.append(f"attempt {number} did not end within {self.deadline:.0f} s "
@@ -573,6 +604,19 @@ class Chaos:
         attempt.line = last_line(Path(attempt.log)) if code else ""
         self.report.attempts.append(asdict(attempt))
         return attempt
+
+    def _notice(self) -> None:
+        """Wait up to a tick for files made in the checkpoint directory and its shard folders;
+        note the steps whose write has begun (a temporary file), for in-write."""
+        for event in self.notify.read(timeout=int(TICK * 1000)):
+            folder = self.folders.get(event.wd, self.ckpt)
+            if event.mask & inotify.flags.ISDIR and event.name.endswith(checkpoint.SHARDS):
+                with contextlib.suppress(OSError):
+                    self.folders[self.notify.add_watch(folder / event.name, inotify.flags.CREATE)] = folder / event.name
+            elif event.name.endswith(job.PARTIAL):
+                step = _step_of_partial(folder / event.name)
+                if step is not None:
+                    self.writing.append((step, folder / event.name))
 
     def _written(self) -> set[int]:
         with contextlib.suppress(OSError):
@@ -619,7 +663,7 @@ def last_line(log: Path) -> str:
         text = log.read_text(errors="replace")
     except OSError:
         return ""
-    lines = [TAG.sub("", line).strip() for line in text.splitlines()]
+    lines = [TAG.sub("", TRAILING_TAG.sub("", line)).strip() for line in text.splitlines()]
     lines = [line for line in lines if line.strip("-= ")]
     own = [lambda line: line.startswith("hvdkit") and ENDING.search(line) and not DEFERS.search(line),
            lambda line: line.startswith("hvdkit") and ENDING.search(line), ENDING.search]

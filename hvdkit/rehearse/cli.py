@@ -296,13 +296,14 @@ def _chaos(args: argparse.Namespace, command: list[str], running: dict) -> int:
     print(report.table(), file=sys.stderr, flush=True)
     for problem in report.problems:
         say(f"chaos: {problem}")
+    struck = len(report.strikes) - len(report.not_struck)
     if "signal" in running:
         return job.stopped_by(running["signal"])
     if report.problems:
         say(f"chaos: FAILED ({len(report.problems)} problem(s)); replay: --chaos-seed {seed}; {out / 'report.json'}")
         return job.FAILED
-    say(f"chaos: every fault survived, the final checkpoint equals the undisturbed run's, nothing left "
-        f"({report.seconds:.0f} s); {out / 'report.json'}")
+    say(f"chaos: {struck} of {len(report.strikes)} faults struck and survived, the final checkpoint equals the "
+        f"undisturbed run's, nothing left ({report.seconds:.0f} s); {out / 'report.json'}")
     return job.OK
 
 

@@ -9,6 +9,7 @@ import torch
 from hvdkit.config import TrainConfig
 from hvdkit.rank.step import (
     batch_len,
+    gradient_buckets,
     lr_multiplier,
     prepare_momentum,
     skips_on_device,
@@ -82,3 +83,17 @@ def test_fused_kernels_only_where_the_optimizer_left_the_choice_to_torch():
     assert not use_fused_kernels(torch.optim.RMSprop(params))
     dampened = torch.optim.SGD(params, lr=0.1, momentum=0.9, dampening=0.5)
     assert use_fused_kernels(dampened) and not skips_on_device(dampened), "its first step is not a plain one"
+
+
+def test_gradients_go_in_fixed_buckets_in_backward_order_and_sparse_ones_alone():
+    """The buckets Horovod reduces the gradients in (each fused alone, so the sums are the same
+    every run at any world size): trained parameters last-first, cut at the cap, as DDP's."""
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 256),
+                                torch.nn.Linear(256, 256), torch.nn.Linear(256, 4))
+    model[1].requires_grad_(False)
+    buckets = gradient_buckets(model, cap=256 * 256 * 4)
+    names = {id(p): name for name, p in model.named_parameters()}
+    assert [[names[id(p)] for p in bucket] for bucket in buckets] == [
+        ["3.bias", "3.weight", "2.bias"], ["2.weight"]], "the frozen layer and the sparse embedding left out"
+    assert gradient_buckets(model) == [[model[3].bias, model[3].weight, model[2].bias, model[2].weight]]
+

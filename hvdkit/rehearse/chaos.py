@@ -63,8 +63,10 @@ NOT_RANKS = {"sh", "bash", "dash", "ssh", "sshd", "env", "timeout", "horovodrun"
 TICK = 0.05  # how often the faults' moments are looked for, at most
 GIVEN_DEADLINE = 1800.0  # seconds an attempt may take when the undisturbed run was not timed here
 # Seconds after the command ends for its processes on the hosts to go: a rank whose launcher is
-# gone ends itself once it has not answered for LOST_SECONDS (hvdkit.rank.lifeline).
-SETTLE = job.LOST_SECONDS + job.PROBE_SECONDS
+# gone ends itself once it has not answered for LOST_SECONDS (hvdkit.rank.lifeline), found by a
+# probe up to one interval later that may itself take one; then the rank's own exit. 17 s was
+# too short by a hair: the soak's seed 107 saw a rank under plain horovodrun --gloo still there.
+SETTLE = job.LOST_SECONDS + 2 * job.PROBE_SECONDS + 3.0
 RESUMED = re.compile(r"hvdkit: resumed from \S+ \(epoch \d+, step (\d+)")
 BALLAST = ".chaos-ballast"
 STEPS_FILE = "chaos-steps.json"  # beside the undisturbed run's checkpoints: every step it wrote one at
@@ -564,11 +566,12 @@ class Chaos:
         """After an ending: nothing of the job on the hosts; no written checkpoint lost."""
         what = mine[-1].describe() if mine else ("the undisturbed run" if attempt.number == 0
                                                  else f"attempt {attempt.number}")
-        deadline = time.monotonic() + SETTLE
+        began = time.monotonic()
         left = left_running(self.hosts)
-        while left and time.monotonic() < deadline:
+        while left and time.monotonic() < began + SETTLE:
             time.sleep(0.2)
             left = left_running(self.hosts)
+        self.report.attempts[-1]["settled_seconds"] = None if left else round(time.monotonic() - began, 1)
         if left:
             self.report.problems.append(f"after {what}: {len(left)} process(es) left running once the job ended: "
                                         + "; ".join(left[:4]))

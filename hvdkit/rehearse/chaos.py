@@ -43,20 +43,19 @@ class Fault:
     name: str
     hosts: int  # the fewest hosts it needs
     ends: bool  # it ends the job (a restart follows); otherwise the job rides it out
-    help: str
 
 
+# What each does: docs/rehearse.md#chaos---chaos-k, and _strike below.
 FAULTS = {f.name: f for f in (
-    Fault("kill", 1, True, "SIGKILL one rank"),
-    Fault("stall", 1, False, "SIGSTOP one rank for a few seconds, then SIGCONT"),
-    Fault("host-lost", 2, True, "a host other than node0 lost: its processes killed, its link down; back to "
-                                "restart"),
-    Fault("partition", 2, False, "a host other than node0 cut off the network for a few seconds"),
-    Fault("slow", 2, False, "a host other than node0 on a slow link (20mbit) for a few seconds"),
-    Fault("preempt", 1, True, "SIGTERM or SIGUSR1 to every rank, as a scheduler's preemption; then requeued"),
-    Fault("in-write", 1, True, "SIGKILL of the rank writing a checkpoint, while its temporary file is there"),
-    Fault("disk-full", 1, True, "the checkpoint directory's filesystem full before a save; space back for the restart"),
-    Fault("while-resuming", 1, True, "SIGKILL one rank, then another as the restarted job starts and resumes"),
+    Fault("kill", 1, True),  # SIGKILL of one rank
+    Fault("stall", 1, False),  # SIGSTOP of one rank for a few seconds, then SIGCONT
+    Fault("host-lost", 2, True),  # a host other than node0 lost: processes killed, link down; back to restart
+    Fault("partition", 2, False),  # a host other than node0 off the network for a few seconds
+    Fault("slow", 2, False),  # a host other than node0 on a slow link for a few seconds
+    Fault("preempt", 1, True),  # SIGTERM or SIGUSR1 to every rank, as a scheduler's preemption; requeued
+    Fault("in-write", 1, True),  # SIGKILL of the rank writing a checkpoint, while its temporary file is there
+    Fault("disk-full", 1, True),  # the checkpoint directory's filesystem full before a save; space back to restart
+    Fault("while-resuming", 1, True),  # SIGKILL of one rank, then of another as the restarted job resumes
 )}
 RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 NOT_RANKS = {"sh", "bash", "dash", "ssh", "sshd", "env", "timeout", "horovodrun", *job.MPI_LAUNCHERS, *job.MPI_DAEMONS}
@@ -68,14 +67,14 @@ GIVEN_DEADLINE = 1800.0  # seconds an attempt may take when the undisturbed run 
 # too short by a hair: the soak's seed 107 saw a rank under plain horovodrun --gloo still there.
 SETTLE = job.LOST_SECONDS + 2 * job.PROBE_SECONDS + 3.0
 RESUMED = re.compile(r"hvdkit: resumed from \S+ \(epoch \d+, step (\d+)")
-BALLAST = ".chaos-ballast"
+BALLAST = ".chaos-ballast"  # disk-full's file, in the checkpoint directory's own filesystem
 STEPS_FILE = "chaos-steps.json"  # beside the undisturbed run's checkpoints: every step it wrote one at
 DEFERS = re.compile(r"another rank ended first|the lines above say|that rank's own line")
 SLOW = "20mbit"  # slow's link (tc tbf; netem's delay is not in every kernel)
 TAG = re.compile(r"^\[\d+,\d+\]<std(?:out|err)>:|^\[\d+\]<std(?:out|err)>:")  # mpirun's and horovodrun's
 TRAILING_TAG = re.compile(r"\[\d+(?:,\d+)?\]<std(?:out|err)>:$")  # a rank's next line, begun on this one
 ENDING = re.compile(r"error|killed|signal|exited|failed|abort|cannot|stopped|does not answer|no space",
-                    re.IGNORECASE)  # disk-full's file, in the checkpoint directory's own filesystem
+                    re.IGNORECASE)
 
 
 def menu(names: Optional[str], hosts: int) -> tuple[list[str], Optional[str]]:
@@ -438,6 +437,8 @@ class Chaos:
             self.say(strike.describe())
             self._fill()
             return
+        import psutil
+
         found = ranks(self.hosts)
         if not found:
             strike.phase = "ending (no rank left to strike)"
@@ -446,7 +447,7 @@ class Chaos:
             strike.target = "every rank"
             self.say(strike.describe())
             for process, _ in found.values():
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(psutil.Error):
                     process.send_signal(getattr(signal, strike.signal))
             return
         if fault == "in-write":
@@ -460,7 +461,7 @@ class Chaos:
             process.send_signal(signal.SIGSTOP)
             self._later(strike.seconds, lambda: process.send_signal(signal.SIGCONT))
             return
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(psutil.Error):
             process.kill()
         if fault == "in-write":
             strike.phase = "checkpoint write" if partials(self.ckpt) else "checkpoint write (its write had just ended)"

@@ -20,6 +20,9 @@ moment the job is where the failure should find it, however long its start took.
 ``--slurm`` makes the hosts a Slurm cluster (hvdkit.rehearse.slurm_cluster), runs the command (an sbatch
 line) on node0, the login node, and waits for every job it submitted to end.
 
+``--chaos K`` runs the command through K faults drawn from ``--chaos-seed``, restarting it after
+each ending, and holds its final checkpoint to an undisturbed run's (hvdkit.rehearse.chaos).
+
 A stop signal (Ctrl-C, SIGTERM, SIGHUP) goes to the command, which has ``--grace`` seconds to save
 and end; then every process on the hosts ends and the hosts are removed. Exit: the command's code
 (or 1 if a Slurm job did not complete), 128 + the signal after a stop, 2 for bad input.
@@ -83,7 +86,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=duration, default=60.0,
                    help="after a stop signal, how long the command may take to save and end (default 60s)")
     chaos = p.add_argument_group("chaos", "run the command through K faults, restarted after each, and hold its "
-                                          "final checkpoint to an undisturbed run's (docs/rehearse.md#chaos)")
+                                          "final checkpoint to an undisturbed run's (docs/rehearse.md#chaos---chaos-k)")
     chaos.add_argument("--chaos", type=int, metavar="K", help="how many faults")
     chaos.add_argument("--chaos-seed", type=int, metavar="S", help="the schedule's seed (default: drawn, and printed)")
     chaos.add_argument("--faults", metavar="LIST", help="the faults to draw from, comma-separated (default: all "

@@ -192,8 +192,10 @@ class Session:
             self.optimizer = zero.ShardedOptimizer(optimizer, hvd, cfg.zero, compression, cfg.batches_per_allreduce,
                                                    cfg.gradient_predivide_factor)
         else:
-            # Horovod's grouped allreduce has no Adasum and no pre/post-scaling: those go tensor by tensor.
-            grouped = not cfg.use_adasum and cfg.gradient_predivide_factor == 1.0
+            # Horovod's grouped allreduce has no Adasum and no pre/post-scaling: those go tensor by
+            # tensor. Nor elastic runs: Horovod agrees on the groups in a collective when the optimizer
+            # is made, which a worker joining a running job makes alone (it hung the rejoin).
+            grouped = not (cfg.elastic or cfg.use_adasum) and cfg.gradient_predivide_factor == 1.0
             self.optimizer = hvd.DistributedOptimizer(
                 optimizer, named_parameters=model.named_parameters(), compression=compression,
                 backward_passes_per_step=cfg.batches_per_allreduce,

@@ -135,7 +135,7 @@ def check_chaos(args: argparse.Namespace, command: Sequence[str]) -> Optional[st
     problem = chaos_faults.menu(args.faults, args.hosts)[1]
     if problem:
         return problem
-    elastic = sorted({word for word in command if word in ELASTIC or word.startswith("--host-discovery-script")})
+    elastic = sorted({word.split("=")[0] for word in command if word.split("=")[0] in ELASTIC})
     if elastic:
         return (f"--chaos rehearses fixed-size jobs: an elastic command ({' '.join(elastic)}), whose hosts would "
                 "have to come back while it runs, is not one yet")

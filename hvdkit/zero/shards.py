@@ -124,6 +124,16 @@ def plain_optimizer_state(main: Path, manifest: dict) -> dict:
     return {"state": {i: state for i, (state, _) in sorted(targets.items())}, "param_groups": groups}
 
 
+def plain_state(main: Path, state: dict) -> dict:
+    """What checkpoint ``main`` (its ``state`` read whole) says of the training, as one process
+    would hold it: step, model, optimizer (a sharded one's joined), scheduler and GradScaler."""
+    optimizer = state["optimizer"]
+    if is_manifest(optimizer):
+        optimizer = plain_optimizer_state(main, optimizer)
+    return {"step": state["step"], "model": state["model"], "optimizer": optimizer,
+            "scheduler": state.get("scheduler"), "scaler": state.get("scaler")}
+
+
 def export(source: str, output: str) -> Path:
     """Write the model and optimizer state_dicts of checkpoint ``source`` (a file, or the newest
     valid one in a directory) as plain torch files in the new directory ``output``:
@@ -139,12 +149,10 @@ def export(source: str, output: str) -> Path:
         path, state = found
     else:
         state = checkpoint.load_whole(path)
-    optimizer = state["optimizer"]
-    if is_manifest(optimizer):
-        optimizer = plain_optimizer_state(path, optimizer)
-    files = {"model.pt": state["model"], "optimizer.pt": optimizer}
-    if state.get("scheduler") is not None:
-        files["scheduler.pt"] = state["scheduler"]
+    plain = plain_state(path, state)
+    files = {"model.pt": plain["model"], "optimizer.pt": plain["optimizer"]}
+    if plain["scheduler"] is not None:
+        files["scheduler.pt"] = plain["scheduler"]
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:

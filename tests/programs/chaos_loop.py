@@ -1,6 +1,6 @@
 """A user's own loop for `hvdkit rehearse --chaos` (tests/rehearse/test_chaos.py).
 
-    chaos_loop.py STEPS [--plant forget|linger]
+    chaos_loop.py STEPS [--plant forget] [--plant linger]
 
 Trains with ``hvdkit.Session`` (checkpoint_dir, checkpoint_steps, ... from HVDKIT_* variables)
 to step STEPS: AdamW, a model of a few layers, each step's rows drawn from the step's number, so
@@ -8,7 +8,7 @@ a resumed run takes the steps an undisturbed one takes. Two planted defects, for
 catch:
 --plant forget: a resumed run starts its weights afresh (the resume skipped, as a loop that
     builds its model after loading the checkpoint would).
---plant linger: rank 1 starts a process of its own that outlives the job.
+--plant linger: rank 1, on the job's first start, starts a process of its own that outlives the job.
 """
 
 import argparse
@@ -26,7 +26,7 @@ ROWS = 8  # of a step, over all ranks
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("steps", type=int)
-    parser.add_argument("--plant", choices=["forget", "linger"])
+    parser.add_argument("--plant", choices=["forget", "linger"], action="append", default=[])
     args = parser.parse_args()
     torch.set_num_threads(1)
     session = hvdkit.Session()
@@ -34,11 +34,11 @@ def main() -> None:
     net = nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4))
     optimizer = torch.optim.AdamW(net.parameters(), lr=0.01)
     net, optimizer = session.setup(net, optimizer)
-    if args.plant == "forget" and session.global_step > 0:
+    if "forget" in args.plant and session.global_step > 0:
         with torch.no_grad():
             for parameter in net.parameters():
                 parameter.normal_(0, 0.1)
-    if args.plant == "linger" and session.rank == 1:
+    if "linger" in args.plant and session.rank == 1 and session.global_step == 0:
         subprocess.Popen(["sleep", "300"], start_new_session=True, stdin=subprocess.DEVNULL,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     share = ROWS // session.size

@@ -128,11 +128,11 @@ def test_plain_horovodrun_gloo_survives_a_stall_a_lost_host_and_a_kill_during_a_
 
 
 @pytest.mark.slow
-def test_plain_mpirun_survives_a_full_disk_and_a_kill_while_resuming(tmp_path, undisturbed):
-    code, err, report = _chaos(tmp_path, "mpirun", 12, "disk-full,while-resuming",
+def test_plain_mpirun_survives_a_full_disk_and_a_stall(tmp_path, undisturbed):
+    code, err, report = _chaos(tmp_path, "mpirun", 12, "disk-full,stall",
                                lambda ckpt: ["sh", "-c", f"{MPIRUN} {' '.join(TRAIN)} --checkpoint-dir {ckpt}"],
                                reference=undisturbed[2]["reference"]["dir"])
-    _survived(code, err, report, "disk-full,while-resuming")
+    _survived(code, err, report, "disk-full,stall")
     (full,) = [s for s in report["strikes"] if s["fault"] == "disk-full"]
     assert "No space left on device; the previous checkpoints are untouched" in full["ended"]["line"]
 
@@ -174,19 +174,18 @@ def test_a_session_loop_under_horovodrun_mpi_survives_a_partition_a_slow_link_an
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plant, words", [
-    ("forget", "the final checkpoint differs from the undisturbed run's after fault 1 (kill): "),
-    ("linger", "after fault 1 (kill rank "),
-])
-def test_a_planted_defect_fails_the_chaos_run_naming_the_fault_and_what_differed(tmp_path, loop_run, plant, words):
-    code, err, report = _chaos(tmp_path, plant, 5, "kill", _loop("--plant", plant),
+def test_planted_defects_fail_the_chaos_run_each_in_a_line_naming_the_fault_and_what_differed(tmp_path, loop_run):
+    """A loop that forgets its weights on resume and leaves a process of rank 1 running: both
+    caught in one run, each said in its own line."""
+    code, err, report = _chaos(tmp_path, "planted", 5, "kill", _loop("--plant", "forget", "--plant", "linger"),
                                reference=loop_run[2]["reference"]["dir"], env={"HVDKIT_CHECKPOINT_STEPS": "10"})
     assert code == 1, err[-3000:]
-    assert any(words in problem for problem in report["problems"]), report["problems"]
-    (line,) = [line for line in err.splitlines() if words in line]
-    assert line.startswith("hvdkit rehearse: chaos: ")
-    if plant == "linger":
-        assert "sleep 300" in line and "on node1" in line
-    else:  # the weights it forgot, named
-        assert ": model.0.weight differs (largest difference " in line
-    assert "FAILED" in err.splitlines()[-1] and "--chaos-seed 5" in err.splitlines()[-1]
+    forgot = "the final checkpoint differs from the undisturbed run's after fault 1 (kill): model.0.weight differs"
+    lingered = "after fault 1 (kill rank "
+    for words in (forgot, lingered):
+        assert sum(words in problem for problem in report["problems"]) == 1, report["problems"]
+        (line,) = [line for line in err.splitlines() if words in line]
+        assert line.startswith("hvdkit rehearse: chaos: "), line
+    (line,) = [line for line in err.splitlines() if lingered in line]
+    assert "left running once the job ended: sleep 300" in line and "on node1" in line, line
+    assert "FAILED (2 problem(s))" in err.splitlines()[-1] and "--chaos-seed 5" in err.splitlines()[-1]

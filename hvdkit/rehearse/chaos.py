@@ -12,6 +12,11 @@ What must hold, checked here and said in one line each otherwise: the job finish
 checkpoint equals the undisturbed run's in every tensor of the model and optimizer; no
 checkpoint, once written, is lost or stops reading; nothing is left running on the hosts after
 each ending, and no temporary file in the checkpoint directory at the end.
+
+An elastic job (horovodrun's --host-discovery-script) rides its faults out instead of ending:
+a lost host leaves the discovery's hostfile and comes back to it once the job has checkpointed
+without it. Its steps at a smaller world size take other batches and learning rates, so its
+final model is held to the undisturbed run's within a tolerance, not bitwise.
 """
 
 from __future__ import annotations
@@ -57,6 +62,17 @@ FAULTS = {f.name: f for f in (
     Fault("disk-full", 1, True),  # the checkpoint directory's filesystem full before a save; space back to restart
     Fault("while-resuming", 1, True),  # SIGKILL of one rank, then of another as the restarted job resumes
 )}
+# What an elastic job is rehearsed with: the faults it rides out, hosts coming back. Preemption,
+# a full disk and the kills around a write or a resume end it as they end a fixed-size job,
+# which the fixed-size rehearsal covers.
+ELASTIC_FAULTS = ("kill", "stall", "host-lost", "partition", "slow")
+# How far an elastic job's final model may be from the undisturbed run's, by default: the relative
+# L2 distance of their weights (docs/rehearse.md#elastic-jobs says what it measured). Not the
+# optimizer's state: momentum holds the last steps' gradients, of other batches at another size.
+ELASTIC_TOLERANCE = 0.25
+WORLD_SIZE_CHANGE = re.compile(r"hvdkit: elastic: world size (\d+) -> (\d+), going on from step (\d+); "
+                               r"about ([\d.]+) s lost")
+GIVE_BACK_SECONDS = 30.0  # a lost host is listed again at the latest this long after its loss
 RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 NOT_RANKS = {"sh", "bash", "dash", "ssh", "sshd", "env", "timeout", "horovodrun", *job.MPI_LAUNCHERS, *job.MPI_DAEMONS}
 TICK = 0.05  # how often the faults' moments are looked for, at most
@@ -77,14 +93,18 @@ ENDING = re.compile(r"error|killed|signal|exited|failed|abort|cannot|stopped|doe
                     re.IGNORECASE)
 
 
-def menu(names: Optional[str], hosts: int) -> tuple[list[str], Optional[str]]:
+def menu(names: Optional[str], hosts: int, elastic: bool = False) -> tuple[list[str], Optional[str]]:
     """The faults to draw from (--faults, or all that ``hosts`` allow) and what is wrong, in one line."""
+    allowed = ELASTIC_FAULTS if elastic else tuple(FAULTS)
     if names is None:
-        return [n for n, f in FAULTS.items() if f.hosts <= hosts], None
+        return [n for n in allowed if FAULTS[n].hosts <= hosts], None
     chosen = [n.strip() for n in names.split(",") if n.strip()]
     for name in chosen:
         if name not in FAULTS:
             return [], f"--faults: unknown fault {name!r}; the menu: {', '.join(FAULTS)}"
+        if name not in allowed:
+            return [], (f"--faults {name}: an elastic job is rehearsed with the faults it rides out: "
+                        f"{', '.join(ELASTIC_FAULTS)}")
         if FAULTS[name].hosts > hosts:
             return [], (f"--faults {name} needs --hosts {FAULTS[name].hosts} or more: it fails a host other than "
                         f"node0, which runs the command")
@@ -240,6 +260,36 @@ def difference(a, b, where: str = "") -> Optional[str]:
     return None if a == b else f"{where}: {a!r} against {b!r}"
 
 
+def distance(a, b) -> float:
+    """How far state ``a`` is from ``b``: the L2 norm of their floating tensors' differences over
+    that of ``b``'s, all taken together (inf where their structures differ)."""
+    pairs = list(_floating_pairs(a, b))
+    if any(x is None for x, _ in pairs):
+        return float("inf")
+    gap = sum(float((x.double() - y.double()).pow(2).sum()) for x, y in pairs)
+    size = sum(float(y.double().pow(2).sum()) for _, y in pairs)
+    return (gap / size) ** 0.5 if size else (0.0 if gap == 0 else float("inf"))
+
+
+def _floating_pairs(a, b):
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.shape != b.shape:
+            yield None, None
+        elif a.is_floating_point():
+            yield a, b
+    elif isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            yield None, None
+        for key in a.keys() & b.keys():
+            yield from _floating_pairs(a[key], b[key])
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            yield None, None
+            return
+        for x, y in zip(a, b, strict=True):
+            yield from _floating_pairs(x, y)
+
+
 def _kind(value) -> str:
     return f"{tuple(value.shape)} {value.dtype}" if torch.is_tensor(value) else type(value).__name__
 
@@ -268,6 +318,7 @@ class Report:
     checkpoints_read: list = field(default_factory=list)
     problems: list = field(default_factory=list)
     not_struck: list = field(default_factory=list)
+    world_size_changes: list = field(default_factory=list)  # an elastic job's, as it said them
     seconds: float = 0.0
 
     def table(self) -> str:
@@ -280,16 +331,24 @@ class Report:
             rows.append((str(s["number"]), f"{s['fault']} {s['signal']}".strip(), s["target"] or "-", str(s["step"]),
                          s["phase"] or "not struck", ended, back, resumed, redone))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+        lines += [f"world size {c['from']} -> {c['to']} at step {c['step']}, about {c['seconds_lost']} s lost"
+                  for c in self.world_size_changes]
+        return "\n".join(lines)
 
 
 class Chaos:
     """One chaos run on ``hosts``: the undisturbed run (or ``reference``), then the faults."""
 
     def __init__(self, command: list[str], hosts: Hosts, env: dict, ckpt: Path, out: Path, report: Report,
-                 say: Callable[[str], None], running: dict) -> None:
+                 say: Callable[[str], None], running: dict, elastic: bool = False,
+                 tolerance: Optional[float] = None) -> None:
         self.command, self.hosts, self.env, self.ckpt, self.out = command, hosts, env, ckpt, out
-        self.report, self.say, self.running = report, say, running
+        self.report, self.say, self.running, self.elastic = report, say, running, elastic
+        self.hostfile = Path(env["HVDKIT_HOSTS_FILE"])  # an elastic job's discovery reads it
+        self.listed = self.hostfile.read_text().splitlines()
+        self.tolerance = ELASTIC_TOLERANCE if tolerance is None else tolerance
+        self.away: dict[str, tuple[Strike, int, float]] = {}  # an elastic job's lost host: its strike, step, when
         self.started = time.monotonic()
         self.undo: list[Callable[[], None]] = []  # what ends an in-run fault early, at its attempt's end
         self.timers: list[threading.Timer] = []
@@ -349,10 +408,10 @@ class Chaos:
                      "log": self.out / f"attempt-{number}.log", "resumed": False, "mine": [], "previous": previous}
             attempt = self._attempt(number, lambda state=state: self._watch(state))
             self._undo()
+            self._world_size_changes(Path(attempt.log))
             mine = state["mine"]
-            for i, strike in enumerate(mine):  # a fault ridden out is not what ended the attempt
-                ridden = any(FAULTS[later.fault].ends for later in mine[i + 1:])
-                if FAULTS[strike.fault].ends or (attempt.code != 0 and not ridden):
+            for strike in mine:  # one ridden out is not what ended it, unless the last before a failure
+                if self._ends(strike.fault) or (attempt.code != 0 and strike is mine[-1]):
                     strike.ended = {"code": attempt.code, "line": attempt.line}
             self._after(attempt, mine)
             previous = [s for s in mine if s.ended]
@@ -375,11 +434,17 @@ class Chaos:
             self._prepare_restart()
         self.report.problems.append(f"the job did not finish in {limit} attempts")
 
+    def _ends(self, fault: str) -> bool:
+        return FAULTS[fault].ends and not self.elastic
+
     def _watch(self, state: dict) -> None:
         """Every tick of an attempt: the newest checkpoint, the job's start and resume, and the
         next fault if its moment has come."""
         written = self._written()
         self.newest_seen = max(self.newest_seen, *written) if written else self.newest_seen
+        for host, (_, newest, since) in list(self.away.items()):
+            if self.newest_seen > newest or time.monotonic() - since > GIVE_BACK_SECONDS:
+                self._give_back(host)
         self._look(state)
         self._second_kill(state)
         if len(self.pending) > 1 and self.pending[0].fault == "in-write" and \
@@ -417,7 +482,11 @@ class Chaos:
             host = others[min(int(strike.pick * len(others)), len(others) - 1)]
             strike.target = host
             self.say(f"{strike.describe()}")
-            if fault == "host-lost":
+            if fault == "host-lost" and self.elastic:  # out of discovery first, as a drained node
+                self.away[host] = (strike, self.newest_seen, time.monotonic())
+                self._list_hosts()
+                self.hosts.lose(host)
+            elif fault == "host-lost":
                 self.hosts.lose(host)
             elif fault == "partition":
                 self.hosts.link(host, up=False)
@@ -546,6 +615,30 @@ class Chaos:
         for action in self.undo:
             action()
         self.timers, self.undo = [], []
+        for host in list(self.away):
+            self._give_back(host)
+
+    def _list_hosts(self) -> None:
+        """The discovery's hostfile: every host but those away."""
+        kept = [line for line in self.listed if line.split()[0].split(":")[0] not in self.away]
+        job.write_whole(self.hostfile, "".join(line + "\n" for line in kept))
+
+    def _give_back(self, host: str) -> None:
+        """A lost host of an elastic job back: up, its sshd started, listed again for discovery."""
+        strike, _, since = self.away.pop(host)
+        self.hosts.link(host, up=True)
+        self.hosts.restart_sshd(host)
+        self._list_hosts()
+        strike.phase += f"; given back {time.monotonic() - since:.1f} s later, at checkpoint step {self.newest_seen}"
+        self.say(f"{host} given back {time.monotonic() - since:.1f} s after its loss "
+                 f"(the job's newest checkpoint then: step {self.newest_seen})")
+
+    def _world_size_changes(self, log: Path) -> None:
+        """An elastic job's changes of world size, from its own lines."""
+        with contextlib.suppress(OSError):
+            for match in WORLD_SIZE_CHANGE.finditer(log.read_text(errors="replace")):
+                self.report.world_size_changes.append({"from": int(match[1]), "to": int(match[2]),
+                                                       "step": int(match[3]), "seconds_lost": float(match[4])})
 
     def _prepare_restart(self) -> None:
         """As a scheduler requeues onto healthy nodes: lost hosts back, space freed."""
@@ -646,14 +739,30 @@ class Chaos:
             return
         if ours is None:  # the newest does not read: said above
             return
-        differs = difference(ours, plain(final))
+        reference = plain(final)
+        differs = difference(ours, reference)
         self.report.final = {"checkpoint": str(existing[-1]), "reference": str(final), "equal": differs is None,
                              "difference": differs}
-        if differs:
+        if self.elastic:
+            self._judge_elastic(ours, reference)
+        elif differs:
             struck = [s for s in self.report.strikes if s.get("phase")] or [{}]
             last = struck[-1]
             after = f" after fault {last['number']} ({last['fault']})" if last else ""
             self.report.problems.append(f"the final checkpoint differs from the undisturbed run's{after}: {differs}")
+
+
+    def _judge_elastic(self, ours: dict, reference: dict) -> None:
+        """The same final step; the model within the tolerance."""
+        if ours["step"] != reference["step"]:
+            self.report.problems.append(f"the final checkpoint is of step {ours['step']}, the undisturbed run's of "
+                                        f"step {reference['step']}")
+        gap = distance(ours["model"], reference["model"])
+        self.report.final.update(distance=gap, tolerance=self.tolerance)
+        if gap > self.tolerance:
+            self.report.problems.append(
+                f"the final model is {gap:.3g} from the undisturbed run's (relative L2 distance of the weights), over "
+                f"the tolerance {self.tolerance} (--tolerance): {self.report.final['difference']}")
 
 
 def last_line(log: Path) -> str:

@@ -96,6 +96,10 @@ def parser() -> argparse.ArgumentParser:
     chaos.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
                        help="where the job writes its checkpoints (default: the command's --checkpoint-dir, "
                             "else $HVDKIT_CHECKPOINT_DIR)")
+    chaos.add_argument("--tolerance", type=float, metavar="D",
+                       help="an elastic job's final model may be this far from the undisturbed run's: relative L2 "
+                            f"distance of the weights (default {chaos_faults.ELASTIC_TOLERANCE}); others are held "
+                            "bitwise")
     chaos.add_argument("--out", type=Path, metavar="DIR",
                        help="for the report and each attempt's output (default runs/rehearse/chaos-<time>)")
     return p
@@ -122,7 +126,7 @@ def check(args: argparse.Namespace, command: Sequence[str]) -> Optional[str]:
     if args.chaos is None:
         given = [flag for flag, value in (("--chaos-seed", args.chaos_seed), ("--faults", args.faults),
                                           ("--reference", args.reference), ("--checkpoint-dir", args.checkpoint_dir),
-                                          ("--out", args.out)) if value is not None]
+                                          ("--tolerance", args.tolerance), ("--out", args.out)) if value is not None]
         return f"{given[0]} goes with --chaos K" if given else None
     return check_chaos(args, command)
 
@@ -132,13 +136,13 @@ def check_chaos(args: argparse.Namespace, command: Sequence[str]) -> Optional[st
         return f"--chaos {args.chaos}: the number of faults is 0 or more"
     if args.slurm or args.kill_host is not None:
         return "--chaos strikes its own faults on launches from node0: not with --slurm or --kill-host"
-    problem = chaos_faults.menu(args.faults, args.hosts)[1]
+    problem = chaos_faults.menu(args.faults, args.hosts, elastic(command))[1]
     if problem:
         return problem
-    elastic = sorted({word.split("=")[0] for word in command if word.split("=")[0] in ELASTIC})
-    if elastic:
-        return (f"--chaos rehearses fixed-size jobs: an elastic command ({' '.join(elastic)}), whose hosts would "
-                "have to come back while it runs, is not one yet")
+    if args.tolerance is not None and not elastic(command):
+        return "--tolerance is for an elastic job's final model; a fixed-size job's is held bitwise"
+    if args.tolerance is not None and not args.tolerance >= 0:
+        return f"--tolerance {args.tolerance}: a distance, 0 or more"
     ckpt = args.checkpoint_dir or chaos_faults.command_checkpoint_dir(command, dict(os.environ))
     if not ckpt:
         return ("--chaos needs the job's checkpoint directory: give the command --checkpoint-dir, or set "
@@ -149,6 +153,11 @@ def check_chaos(args: argparse.Namespace, command: Sequence[str]) -> Optional[st
     if args.reference is not None and not checkpoint.existing(str(args.reference)):
         return f"--reference {args.reference}: no checkpoint there (an undisturbed run's --checkpoint-dir)"
     return None
+
+
+def elastic(command: Sequence[str]) -> bool:
+    """Whether the command runs an elastic job: an elastic flag anywhere in it, a shell's line too."""
+    return any(token.split("=")[0] in ELASTIC for word in command for token in word.split())
 
 
 def names(count: int) -> list[str]:
@@ -250,7 +259,7 @@ def _rehearse(args: argparse.Namespace, command: list[str], hosts: Hosts, runnin
 def _chaos(args: argparse.Namespace, command: list[str], running: dict) -> int:
     """--chaos: the undisturbed run, the faults, the checks; the report; 0 only if all held."""
     seed = args.chaos_seed if args.chaos_seed is not None else random.SystemRandom().randrange(1 << 31)
-    faults = chaos_faults.menu(args.faults, args.hosts)[0]
+    faults = chaos_faults.menu(args.faults, args.hosts, elastic(command))[0]
     ckpt = Path(args.checkpoint_dir or chaos_faults.command_checkpoint_dir(command, dict(os.environ))).resolve()
     out = (args.out or Path("runs/rehearse") / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -269,7 +278,8 @@ def _chaos(args: argparse.Namespace, command: list[str], running: dict) -> int:
         with Hosts(args.hosts, cpus=args.cpus, names=names(args.hosts)) as hosts:
             prefix = hosts.prefix
             env = dict(hosts.env(), **host_environment(hosts, args.slots, hosts.dir / "hostfile"))
-            run = chaos_faults.Chaos(command, hosts, env, ckpt, out, report, lambda m: say(f"chaos: {m}"), running)
+            run = chaos_faults.Chaos(command, hosts, env, ckpt, out, report, lambda m: say(f"chaos: {m}"), running,
+                                     elastic=elastic(command), tolerance=args.tolerance)
             final = run.reference(args.reference)
             if final is not None:
                 if small:
@@ -305,8 +315,11 @@ def _chaos(args: argparse.Namespace, command: list[str], running: dict) -> int:
     if report.problems:
         say(f"chaos: FAILED ({len(report.problems)} problem(s)); replay: --chaos-seed {seed}; {out / 'report.json'}")
         return job.FAILED
-    say(f"chaos: {struck} of {len(report.strikes)} faults struck and survived, the final checkpoint equals the "
-        f"undisturbed run's, nothing left ({report.seconds:.0f} s); {out / 'report.json'}")
+    close = ("equals the undisturbed run's" if report.final.get("equal") else
+             f"is {report.final['distance']:.2g} from the undisturbed run's (relative L2; an elastic job's "
+             f"tolerance {report.final['tolerance']})")
+    say(f"chaos: {struck} of {len(report.strikes)} faults struck and survived, the final checkpoint {close}, "
+        f"nothing left ({report.seconds:.0f} s); {out / 'report.json'}")
     return job.OK
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import re
 import shutil
 import signal
@@ -33,43 +32,16 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import inotify_simple as inotify
 import torch
 
 from hvdkit import checkpoint, job
+from hvdkit.rehearse.faults import ELASTIC_TOLERANCE, FAULTS, Strike
 from hvdkit.rehearse.namespaces import Hosts
 from hvdkit.zero import shards
 
-
-@dataclass(frozen=True)
-class Fault:
-    name: str
-    hosts: int  # the fewest hosts it needs
-    ends: bool  # it ends the job (a restart follows); otherwise the job rides it out
-
-
-# What each does: docs/rehearse.md#chaos---chaos-k, and _strike below.
-FAULTS = {f.name: f for f in (
-    Fault("kill", 1, True),  # SIGKILL of one rank
-    Fault("stall", 1, False),  # SIGSTOP of one rank for a few seconds, then SIGCONT
-    Fault("host-lost", 2, True),  # a host other than node0 lost: processes killed, link down; back to restart
-    Fault("partition", 2, False),  # a host other than node0 off the network for a few seconds
-    Fault("slow", 2, False),  # a host other than node0 on a slow link for a few seconds
-    Fault("preempt", 1, True),  # SIGTERM or SIGUSR1 to every rank, as a scheduler's preemption; requeued
-    Fault("in-write", 1, True),  # SIGKILL of the rank writing a checkpoint, while its temporary file is there
-    Fault("disk-full", 1, True),  # the checkpoint directory's filesystem full before a save; space back to restart
-    Fault("while-resuming", 1, True),  # SIGKILL of one rank, then of another as the restarted job resumes
-)}
-# What an elastic job is rehearsed with: the faults it rides out, hosts coming back. Preemption,
-# a full disk and the kills around a write or a resume end it as they end a fixed-size job,
-# which the fixed-size rehearsal covers.
-ELASTIC_FAULTS = ("kill", "stall", "host-lost", "partition", "slow")
-# How far an elastic job's final model may be from the undisturbed run's, by default: the relative
-# L2 distance of their weights (docs/rehearse.md#elastic-jobs says what it measured). Not the
-# optimizer's state: momentum holds the last steps' gradients, of other batches at another size.
-ELASTIC_TOLERANCE = 0.25
 WORLD_SIZE_CHANGE = re.compile(r"hvdkit: elastic: world size (\d+) -> (\d+), going on from step (\d+); "
                                r"about ([\d.]+) s lost")
 GIVE_BACK_SECONDS = 30.0  # a lost host is listed again at the latest this long after its loss
@@ -91,76 +63,6 @@ TAG = re.compile(r"^\[\d+,\d+\]<std(?:out|err)>:|^\[\d+\]<std(?:out|err)>:")  # 
 TRAILING_TAG = re.compile(r"\[\d+(?:,\d+)?\]<std(?:out|err)>:$")  # a rank's next line, begun on this one
 ENDING = re.compile(r"error|killed|signal|exited|failed|abort|cannot|stopped|does not answer|no space",
                     re.IGNORECASE)
-
-
-def menu(names: Optional[str], hosts: int, elastic: bool = False) -> tuple[list[str], Optional[str]]:
-    """The faults to draw from (--faults, or all that ``hosts`` allow) and what is wrong, in one line."""
-    allowed = ELASTIC_FAULTS if elastic else tuple(FAULTS)
-    if names is None:
-        return [n for n in allowed if FAULTS[n].hosts <= hosts], None
-    chosen = [n.strip() for n in names.split(",") if n.strip()]
-    for name in chosen:
-        if name not in FAULTS:
-            return [], f"--faults: unknown fault {name!r}; the menu: {', '.join(FAULTS)}"
-        if name not in allowed:
-            return [], (f"--faults {name}: an elastic job is rehearsed with the faults it rides out: "
-                        f"{', '.join(ELASTIC_FAULTS)}")
-        if FAULTS[name].hosts > hosts:
-            return [], (f"--faults {name} needs --hosts {FAULTS[name].hosts} or more: it fails a host other than "
-                        f"node0, which runs the command")
-    if not chosen:
-        return [], "--faults: name at least one fault: " + ", ".join(FAULTS)
-    return chosen, None
-
-
-@dataclass
-class Strike:
-    """One fault of the schedule, and what became of it."""
-    number: int
-    fault: str
-    step: int  # it strikes once a checkpoint of this step or later is written (or, in-write, being written)
-    pick: float  # which rank or host: a fraction of those there are
-    seconds: float  # how long a stall, partition or slow link lasts; the start delay of while-resuming's second kill
-    signal: str = ""  # preempt's
-    target: str = ""
-    phase: str = ""
-    attempt: int = 0
-    struck_after: float = 0.0  # seconds since the chaos began
-    ended: Optional[dict] = None  # the attempt it ended: exit code and its line
-    resumed_step: Optional[int] = None
-    back_training_seconds: Optional[float] = None
-    at_step: Optional[int] = None  # the newest checkpoint written, or being written, when it struck
-    steps_redone: Optional[int] = None  # from at_step back to the step it resumed at (at least that many)
-
-    def describe(self) -> str:
-        what = f"{self.fault} {self.signal}".strip()
-        return f"fault {self.number} ({what}{' ' + self.target if self.target else ''} at checkpoint step {self.step})"
-
-
-def plan(seed: int, count: int, faults: Sequence[str], steps: Sequence[int]) -> list[Strike]:
-    """``count`` strikes drawn from ``seed``: the faults in shuffled rounds of the menu, so that
-    every fault comes once before any comes twice; their steps from ``steps`` (a checkpoint's,
-    not the last: a fault must find the job running), in order."""
-    rng = random.Random(seed)
-    names: list[str] = []
-    while len(names) < count:
-        names += rng.sample(list(faults), len(faults))
-    names = names[:count]
-    candidates = list(steps[:-1]) or list(steps)
-    at = sorted(rng.choice(candidates) for _ in names)
-    return [Strike(i + 1, name, step, rng.random(), round(rng.uniform(2.0, 6.0), 1),
-                   rng.choice(["SIGTERM", "SIGUSR1"]) if name == "preempt" else "")
-            for i, (name, step) in enumerate(zip(names, at, strict=True))]
-
-
-def command_checkpoint_dir(command: Sequence[str], environ: dict) -> Optional[str]:
-    """Where the command's job writes its checkpoints: its --checkpoint-dir, else HVDKIT_CHECKPOINT_DIR."""
-    for i, word in enumerate(command):
-        if word == "--checkpoint-dir" and i + 1 < len(command):
-            return command[i + 1]
-        if word.startswith("--checkpoint-dir="):
-            return word.split("=", 1)[1]
-    return environ.get("HVDKIT_CHECKPOINT_DIR")
 
 
 def ranks(hosts: Hosts) -> dict[int, tuple]:
@@ -504,7 +406,8 @@ class Chaos:
 
         found = ranks(self.hosts)
         if not found:
-            strike.phase = "ending (no rank left to strike)"
+            strike.phase = ""
+            self._unstruck(strike, "no rank was left to strike: the job was ending")
             return
         if fault == "preempt":
             strike.target = "every rank"

@@ -44,9 +44,9 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from hvdkit import checkpoint, job
+from hvdkit import job
 from hvdkit.args import OneLineParser, checked, duration
-from hvdkit.rehearse import chaos as chaos_faults
+from hvdkit.rehearse import faults as fault_menu
 from hvdkit.rehearse.namespaces import (
     FIRST_HOST,
     MAX_HOSTS,
@@ -90,7 +90,7 @@ def parser() -> argparse.ArgumentParser:
     chaos.add_argument("--chaos", type=int, metavar="K", help="how many faults")
     chaos.add_argument("--chaos-seed", type=int, metavar="S", help="the schedule's seed (default: drawn, and printed)")
     chaos.add_argument("--faults", metavar="LIST", help="the faults to draw from, comma-separated (default: all "
-                                                        "the hosts allow): " + ", ".join(chaos_faults.FAULTS))
+                                                        "the hosts allow): " + ", ".join(fault_menu.FAULTS))
     chaos.add_argument("--reference", type=Path, metavar="DIR",
                        help="the checkpoints of an undisturbed run of the command (default: run it first)")
     chaos.add_argument("--checkpoint-dir", type=Path, metavar="DIR",
@@ -98,7 +98,7 @@ def parser() -> argparse.ArgumentParser:
                             "else $HVDKIT_CHECKPOINT_DIR)")
     chaos.add_argument("--tolerance", type=float, metavar="D",
                        help="an elastic job's final model may be this far from the undisturbed run's: relative L2 "
-                            f"distance of the weights (default {chaos_faults.ELASTIC_TOLERANCE}); others are held "
+                            f"distance of the weights (default {fault_menu.ELASTIC_TOLERANCE}); others are held "
                             "bitwise")
     chaos.add_argument("--out", type=Path, metavar="DIR",
                        help="for the report and each attempt's output (default runs/rehearse/chaos-<time>)")
@@ -136,20 +136,22 @@ def check_chaos(args: argparse.Namespace, command: Sequence[str]) -> Optional[st
         return f"--chaos {args.chaos}: the number of faults is 0 or more"
     if args.slurm or args.kill_host is not None:
         return "--chaos strikes its own faults on launches from node0: not with --slurm or --kill-host"
-    problem = chaos_faults.menu(args.faults, args.hosts, elastic(command))[1]
+    problem = fault_menu.menu(args.faults, args.hosts, elastic(command))[1]
     if problem:
         return problem
     if args.tolerance is not None and not elastic(command):
         return "--tolerance is for an elastic job's final model; a fixed-size job's is held bitwise"
     if args.tolerance is not None and not args.tolerance >= 0:
         return f"--tolerance {args.tolerance}: a distance, 0 or more"
-    ckpt = args.checkpoint_dir or chaos_faults.command_checkpoint_dir(command, dict(os.environ))
+    ckpt = args.checkpoint_dir or fault_menu.command_checkpoint_dir(command, dict(os.environ))
     if not ckpt:
         return ("--chaos needs the job's checkpoint directory: give the command --checkpoint-dir, or set "
                 "HVDKIT_CHECKPOINT_DIR, or give --checkpoint-dir before '--'")
     if Path(ckpt).is_dir() and any(Path(ckpt).iterdir()):
         return (f"{ckpt} is not empty: a chaos run starts the job afresh there (and would resume what it holds); "
                 "name a new or empty directory")
+    from hvdkit import checkpoint  # torch: not for the lines above
+
     if args.reference is not None and not checkpoint.existing(str(args.reference)):
         return f"--reference {args.reference}: no checkpoint there (an undisturbed run's --checkpoint-dir)"
     return None
@@ -258,18 +260,19 @@ def _rehearse(args: argparse.Namespace, command: list[str], hosts: Hosts, runnin
 
 def _chaos(args: argparse.Namespace, command: list[str], running: dict) -> int:
     """--chaos: the undisturbed run, the faults, the checks; the report; 0 only if all held."""
+    from hvdkit.rehearse import chaos  # torch: only once the arguments are good
     seed = args.chaos_seed if args.chaos_seed is not None else random.SystemRandom().randrange(1 << 31)
-    faults = chaos_faults.menu(args.faults, args.hosts, elastic(command))[0]
-    ckpt = Path(args.checkpoint_dir or chaos_faults.command_checkpoint_dir(command, dict(os.environ))).resolve()
+    faults = fault_menu.menu(args.faults, args.hosts, elastic(command))[0]
+    ckpt = Path(args.checkpoint_dir or fault_menu.command_checkpoint_dir(command, dict(os.environ))).resolve()
     out = (args.out or Path("runs/rehearse") / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
-    report = chaos_faults.Report(seed, faults, command, args.hosts, str(ckpt))
+    report = chaos.Report(seed, faults, command, args.hosts, str(ckpt))
     began = time.monotonic()
     say(f"chaos: seed {seed}, {args.chaos} fault(s) from {', '.join(faults)}; the report in {out}")
     ckpt.mkdir(parents=True, exist_ok=True)
     # disk-full needs the directory on a filesystem of its own, made before the hosts so that it
     # is the one every host's namespace sees.
-    small = "disk-full" in {s.fault for s in chaos_faults.plan(seed, args.chaos, faults, [1])}
+    small = "disk-full" in {s.fault for s in fault_menu.plan(seed, args.chaos, faults, [1])}
     prefix = None
     try:
         if small:
@@ -278,7 +281,7 @@ def _chaos(args: argparse.Namespace, command: list[str], running: dict) -> int:
         with Hosts(args.hosts, cpus=args.cpus, names=names(args.hosts)) as hosts:
             prefix = hosts.prefix
             env = dict(hosts.env(), **host_environment(hosts, args.slots, hosts.dir / "hostfile"))
-            run = chaos_faults.Chaos(command, hosts, env, ckpt, out, report, lambda m: say(f"chaos: {m}"), running,
+            run = chaos.Chaos(command, hosts, env, ckpt, out, report, lambda m: say(f"chaos: {m}"), running,
                                      elastic=elastic(command), tolerance=args.tolerance)
             final = run.reference(args.reference)
             if final is not None:
@@ -286,7 +289,7 @@ def _chaos(args: argparse.Namespace, command: list[str], running: dict) -> int:
                     room = 4 * sum(p.stat().st_size for p in final.parent.rglob("*") if p.is_file()) + (64 << 20)
                     subprocess.run(["mount", "-o", f"remount,size={room}", str(ckpt)], check=True,
                                    capture_output=True)
-                strikes = chaos_faults.plan(seed, args.chaos, faults, report.reference["steps"])
+                strikes = fault_menu.plan(seed, args.chaos, faults, report.reference["steps"])
                 say("chaos: the schedule: " + "; ".join(f"{s.number} {s.fault} at step {s.step}" for s in strikes)
                     + f" (again: --chaos-seed {seed})")
                 run.run(strikes, final, limit=2 * args.chaos + 3)
@@ -305,7 +308,7 @@ def _chaos(args: argparse.Namespace, command: list[str], running: dict) -> int:
             report.left["namespaces"] = kept
             report.problems.append(f"namespaces left: {', '.join(kept)}")
     report.seconds = round(time.monotonic() - began, 1)
-    chaos_faults.write_report(report, out / "report.json")
+    chaos.write_report(report, out / "report.json")
     print(report.table(), file=sys.stderr, flush=True)
     for problem in report.problems:
         say(f"chaos: {problem}")
@@ -325,9 +328,10 @@ def _chaos(args: argparse.Namespace, command: list[str], running: dict) -> int:
 
 def _unmount_keeping(ckpt: Path, out: Path) -> None:
     """disk-full's filesystem away, what it held moved into the directory beneath."""
+    from hvdkit.rehearse import chaos
     staging = out / "checkpoints-moving"
     shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(ckpt, staging, ignore=shutil.ignore_patterns(chaos_faults.BALLAST))
+    shutil.copytree(ckpt, staging, ignore=shutil.ignore_patterns(chaos.BALLAST))
     subprocess.run(["umount", str(ckpt)], check=True, capture_output=True)
     for entry in staging.iterdir():
         shutil.move(str(entry), ckpt / entry.name)

@@ -17,7 +17,7 @@ import uuid
 import pytest
 
 from conftest import REPO, require_namespaces
-from hvdkit.rehearse import chaos
+from hvdkit.rehearse import chaos, faults
 from rehearse.test_rehearse import REHEARSE, environment, wait_for_none_left
 
 LOOP = str(REPO / "tests" / "programs" / "chaos_loop.py")
@@ -62,10 +62,10 @@ def test_bad_input_is_one_line_exit_2_and_nothing_made(tmp_path):
 
 def test_a_seed_gives_the_same_schedule_and_every_fault_before_any_twice():
     steps = [10, 20, 30, 40, 50]
-    first = chaos.plan(7, 12, list(chaos.FAULTS), steps)
-    assert first == chaos.plan(7, 12, list(chaos.FAULTS), steps)
-    assert first != chaos.plan(8, 12, list(chaos.FAULTS), steps)
-    assert sorted(s.fault for s in first[:len(chaos.FAULTS)]) == sorted(chaos.FAULTS)
+    first = faults.plan(7, 12, list(faults.FAULTS), steps)
+    assert first == faults.plan(7, 12, list(faults.FAULTS), steps)
+    assert first != faults.plan(8, 12, list(faults.FAULTS), steps)
+    assert sorted(s.fault for s in first[:len(faults.FAULTS)]) == sorted(faults.FAULTS)
     assert [s.step for s in first] == sorted(s.step for s in first) and {s.step for s in first} <= {10, 20, 30, 40}
 
 
@@ -133,7 +133,7 @@ def test_an_elastic_job_under_plain_horovodrun_rides_out_a_stall_a_kill_and_a_lo
     (lost,) = [s for s in report["strikes"] if s["fault"] == "host-lost"]
     assert "; given back " in lost["phase"] and "node1 given back " in err, lost
     final = report["final"]
-    assert final["tolerance"] == chaos.ELASTIC_TOLERANCE and 0 < final["distance"] <= final["tolerance"], final
+    assert final["tolerance"] == faults.ELASTIC_TOLERANCE and 0 < final["distance"] <= final["tolerance"], final
     assert "3 of 3 faults struck and survived, the final checkpoint is " in err
 
 
@@ -156,7 +156,7 @@ def test_soak_seed_101_at_three_hosts_ends_bitwise_as_its_undisturbed_run(tmp_pa
     replayed: hvdkit launch, 3 ranks on 3 hosts, six faults from the whole menu at seed 101. Before
     hvdkit's fixed gradient buckets its final weights differed from the undisturbed run's by 0.0053."""
     require_namespaces()
-    code, err, report = _chaos(tmp_path, "seed101", 101, ",".join(chaos.FAULTS), lambda ckpt: [
+    code, err, report = _chaos(tmp_path, "seed101", 101, ",".join(faults.FAULTS), lambda ckpt: [
         "hvdkit", "launch", "-np", "3", "--", *SOAK_TRAIN, "--checkpoint-dir", str(ckpt)], count=6, hosts=3,
         env={"HVDKIT_CHECKPOINT_STEPS": "20"})
     assert code == 0, err[-4000:]

@@ -350,10 +350,10 @@ class Chaos:
         self._look(state)
         self._second_kill(state)
         if len(self.pending) > 1 and self.pending[0].fault == "in-write" and \
-                self._due(self.pending[1], state["known"], written):
+                self._due(self.pending[1], state, written):
             missed = self.pending.pop(0)  # no write of its step was heard of before the next fault's moment
             self._unstruck(missed, "no checkpoint write was seen under way before the next fault's moment")
-        if self.pending and self._due(self.pending[0], state["known"], written):
+        if self.pending and self._due(self.pending[0], state, written):
             strike = self.pending.pop(0)
             strike.at_step = max([self.newest_seen, *(step for step, _ in self.writing)])
             state["known"] = written
@@ -369,10 +369,15 @@ class Chaos:
         self.report.not_struck.append(f"{strike.describe()}: {why}")
         self.say(f"warning: {strike.describe()} did not strike: {why}")
 
-    def _due(self, strike: Strike, known: set[int], written: set[int]) -> bool:
+    def _due(self, strike: Strike, state: dict, written: set[int]) -> bool:
+        """Its moment: a checkpoint of its step or later written since the fault before (in-write:
+        being written); or, for the first fault of an attempt that began from such a checkpoint,
+        the job's line that it resumed (its next checkpoint may be its last, written as it ends)."""
         if strike.fault == "in-write":
             return any(step >= strike.step for step, _ in self.writing)
-        return any(step >= strike.step for step in written - known)
+        if state["resumed"] and not state["mine"] and max(state["known"], default=0) >= strike.step:
+            return True
+        return any(step >= strike.step for step in written - state["known"])
 
     def _strike(self, strike: Strike, attempt: int) -> None:
         self.struck_at[strike.number] = now = time.monotonic()
@@ -471,17 +476,16 @@ class Chaos:
         state["looked"] = now
         if state["started"] is None and ranks(self.hosts):
             state["started"] = now
-        previous = state["previous"]
-        if state["resumed"] or not previous:
+        if state["resumed"]:
             return
-        with contextlib.suppress(OSError), open(state["log"], errors="replace") as log:
+        with contextlib.suppress(OSError), open(state["log"], "rb") as log:
             log.seek(state["read"])
-            text = log.read()
-            state["read"] += len(text.encode())
-            match = RESUMED.search(text)
+            lines = log.read().rpartition(b"\n")[0]  # whole lines only: the next look reads the rest
+            state["read"] += len(lines) + 1 if lines else 0
+            match = RESUMED.search(lines.decode(errors="replace"))
             if match:
                 state["resumed"] = True
-                for strike in previous:
+                for strike in state["previous"]:
                     strike.resumed_step = int(match[1])
                     strike.back_training_seconds = round(now - self.struck_at[strike.number], 1)
                     strike.steps_redone = max(0, (strike.at_step or 0) - strike.resumed_step)

@@ -658,7 +658,6 @@ class Chaos:
             after = f" after fault {last['number']} ({last['fault']})" if last else ""
             self.report.problems.append(f"the final checkpoint differs from the undisturbed run's{after}: {differs}")
 
-
     def _judge_elastic(self, ours: dict, reference: dict) -> None:
         """The same final step; the model within the tolerance."""
         if ours["step"] != reference["step"]:

@@ -118,17 +118,25 @@ def world_size_changes(records: list) -> list:
     last train report before the change and the first after it, less the time the steps
     between them take (at the new size's pace, else the old one's): it counts detecting the
     change, the new rendezvous, a joining worker's start and the steps redone since the last
-    commit. Resets with no train report between them are one change."""
-    changes, reports, reset = [], [], None
+    commit. Resets with no train report between them are one change. A change before the first
+    train report is timed from the last timed record before it, at the config's world size."""
+    changes, reports, reset, size, before = [], [], None, None, None
     for record in records:
-        if record.get("event") == "reset" and reports:
+        event = record.get("event")
+        if event == "config":
+            size = record.get("world_size")
+        elif event == "reset" and (reports or before):
+            if not reports:
+                reports.append(before)
             reset = reset or record
-        elif record.get("event") == "train" and "time" in record:
+        elif event == "train" and "time" in record:
             reports.append(record)
             if reset is not None:
                 changes.append({"from": reports[-2].get("world_size"), "to": record.get("world_size"),
                                 "step": reset["step"], "_at": len(reports) - 1})
                 reset = None
+        elif not reports and size is not None and "time" in record and "step" in record:
+            before = {"step": record["step"], "time": record["time"], "world_size": size}
     for change in changes:
         at = change.pop("_at")
         before, after = reports[at - 1], reports[at]

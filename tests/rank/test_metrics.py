@@ -43,3 +43,19 @@ def test_world_size_changes_time_what_each_change_lost():
                                            {"from": 2, "to": 3, "step": 70, "lost_seconds": 11.5}]
     assert world_size_changes(records[:9]) == [{"from": 3, "to": 2, "step": 15, "lost_seconds": 4.5}]
     assert world_size_changes([train(5, 2, 1.0), {"event": "reset", "step": 5, "world_size": 1, "time": 2.0}]) == []
+
+
+def test_a_world_size_change_before_the_first_train_report_is_one():
+    """An elastic job that lost a host at step 32, before its first report at step 40 (a chaos
+    rehearsal's, seed 1: its summary listed no change): the change is timed from the checkpoint
+    record before it, at the config's world size."""
+    from hvdkit.rank.metrics import world_size_changes
+
+    records = [{"event": "config", "world_size": 2}, {"event": "checkpoint", "step": 20, "time": 1.0},
+               {"event": "test", "step": 32, "time": 1.2}, {"event": "checkpoint", "step": 32, "time": 1.25},
+               {"event": "reset", "step": 32, "world_size": 1, "time": 2.0},
+               {"event": "train", "step": 40, "world_size": 1, "time": 2.5},
+               {"event": "train", "step": 80, "world_size": 1, "time": 3.0}]
+    # 1.25 s from the checkpoint at 32 to the report at 40, less 8 steps at 0.0125 s.
+    assert world_size_changes(records) == [{"from": 2, "to": 1, "step": 32, "lost_seconds": 1.15}]
+    assert world_size_changes(records[:4] + records[5:]) == [], "no reset, no change"

@@ -255,6 +255,7 @@ class Chaos:
         self.undo: list[Callable[[], None]] = []  # what ends an in-run fault early, at its attempt's end
         self.timers: list[threading.Timer] = []
         self.ballast: Optional[Path] = None
+        self.room = 0  # what disk-full leaves free in the checkpoint directory's filesystem
         self.deadline: Optional[float] = None  # for an attempt: four times the undisturbed run's time
         self.second: Optional[dict] = None  # while-resuming's second kill, due in the next attempt
         self.struck_at: dict[int, float] = {}  # a strike's number: when it struck (monotonic)
@@ -345,6 +346,7 @@ class Chaos:
         next fault if its moment has come."""
         written = self._written()
         self.newest_seen = max(self.newest_seen, *written) if written else self.newest_seen
+        self._top_up()
         for host, (_, newest, since) in list(self.away.items()):
             if self.newest_seen > newest or time.monotonic() - since > GIVE_BACK_SECONDS:
                 self._give_back(host)
@@ -496,11 +498,20 @@ class Chaos:
         newest = checkpoint.existing(str(self.ckpt))
         need = sum(p.stat().st_size for p in [newest[-1], *checkpoint.shard_folder(newest[-1]).glob("*")]
                    if p.is_file()) if newest else 1 << 20
+        self.ballast, self.room = self.ckpt / BALLAST, need // 2
+        self._top_up()
+
+    def _top_up(self) -> None:
+        """The ballast grown by what the job has freed since (its rotation deletes old
+        checkpoints): the disk stays full until the job ends."""
+        if self.ballast is None:
+            return
         free = shutil.disk_usage(self.ckpt).free
-        self.ballast = self.ckpt / BALLAST
-        with open(self.ballast, "wb") as f:
+        if free <= self.room:
+            return
+        with open(self.ballast, "ab") as f:
             with contextlib.suppress(OSError):
-                os.posix_fallocate(f.fileno(), 0, max(0, free - need // 2))
+                os.posix_fallocate(f.fileno(), 0, f.seek(0, os.SEEK_END) + free - self.room)
 
     def _later(self, seconds: float, action: Callable[[], None]) -> None:
         done = threading.Event()

@@ -27,7 +27,8 @@ TRAIN = ["hvdkit", "train", "--model", "mlp", "--image-size", "48", "--dataset",
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 # The soak's (tests/programs/chaos_soak.sh), for the replay of its seed 101.
 SOAK_TRAIN = [*TRAIN[:TRAIN.index("--max-steps")], "--max-steps", "300", *TRAIN[TRAIN.index("--max-steps") + 2:]]
-MPIRUN = "mpirun -np 2 --hostfile $HVDKIT_HOSTFILE --allow-run-as-root -mca btl ^openib -x PATH -x OMP_NUM_THREADS"
+MPIRUN = ("mpirun -np 2 --hostfile $HVDKIT_HOSTFILE --allow-run-as-root -mca btl ^openib -x PATH -x OMP_NUM_THREADS "
+          "-x HVDKIT_CHECKPOINT_DIR -x HVDKIT_CHECKPOINT_STEPS")
 
 
 def test_bad_input_is_one_line_exit_2_and_nothing_made(tmp_path):
@@ -139,9 +140,11 @@ def test_an_elastic_job_under_plain_horovodrun_rides_out_a_stall_a_kill_and_a_lo
 
 @pytest.mark.slow
 def test_plain_mpirun_survives_a_full_disk_a_stall_and_a_kill_during_a_write(tmp_path):
+    """A Session loop under plain mpirun (the soak runs hvdkit train under it too)."""
     require_namespaces()
     code, err, report = _chaos(tmp_path, "mpirun", 12, "disk-full,stall,in-write",
-                               lambda ckpt: ["sh", "-c", f"{MPIRUN} {' '.join(TRAIN)} --checkpoint-dir {ckpt}"])
+                               lambda ckpt: ["sh", "-c", f"{MPIRUN} {sys.executable} {LOOP} 120"],
+                               env={"HVDKIT_CHECKPOINT_STEPS": "10"})
     _survived(code, err, report, "disk-full,stall,in-write")
     (full,) = [s for s in report["strikes"] if s["fault"] == "disk-full"]
     assert "No space left on device; the previous checkpoints are untouched" in full["ended"]["line"]

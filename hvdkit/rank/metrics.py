@@ -120,14 +120,14 @@ def world_size_changes(records: list) -> list:
     change, the new rendezvous, a joining worker's start and the steps redone since the last
     commit. Resets with no train report between them are one change. A change before the first
     train report is timed from the last timed record before it, at the config's world size."""
-    changes, reports, reset, size, before = [], [], None, None, None
+    changes, reports, reset, size, first = [], [], None, None, None
     for record in records:
         event = record.get("event")
         if event == "config":
             size = record.get("world_size")
-        elif event == "reset" and (reports or before):
+        elif event == "reset" and (reports or first):
             if not reports:
-                reports.append(before)
+                reports.append(first)
             reset = reset or record
         elif event == "train" and "time" in record:
             reports.append(record)
@@ -136,7 +136,7 @@ def world_size_changes(records: list) -> list:
                                 "step": reset["step"], "_at": len(reports) - 1})
                 reset = None
         elif not reports and size is not None and "time" in record and "step" in record:
-            before = {"step": record["step"], "time": record["time"], "world_size": size}
+            first = {"step": record["step"], "time": record["time"], "world_size": size}
     for change in changes:
         at = change.pop("_at")
         before, after = reports[at - 1], reports[at]

@@ -282,7 +282,7 @@ def _chaos(args: argparse.Namespace, command: list[str], running: dict) -> int:
             prefix = hosts.prefix
             env = dict(hosts.env(), **host_environment(hosts, args.slots, hosts.dir / "hostfile"))
             run = chaos.Chaos(command, hosts, env, ckpt, out, report, lambda m: say(f"chaos: {m}"), running,
-                                     elastic=elastic(command), tolerance=args.tolerance)
+                              elastic=elastic(command), tolerance=args.tolerance)
             final = run.reference(args.reference)
             if final is not None:
                 if small:

@@ -62,7 +62,7 @@ class Strike:
     """One fault of the schedule, and what became of it."""
     number: int
     fault: str
-    step: int  # it strikes once a checkpoint of this step or later is written (or, in-write, being written)
+    step: int  # it strikes once a checkpoint of this step or later is written (in-write: being written; see Chaos._due)
     pick: float  # which rank or host: a fraction of those there are
     seconds: float  # how long a stall, partition or slow link lasts; the start delay of while-resuming's second kill
     signal: str = ""  # preempt's

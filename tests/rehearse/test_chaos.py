@@ -102,14 +102,14 @@ def _chaos(tmp_path, name, seed, faults, command, reference=None, count=None, en
     return proc.returncode, err, report
 
 
-def _survived(code, err, report, faults):
+def _survived(code, err, report, names):
     assert code == 0, err[-4000:]
-    assert [s["fault"] for s in report["strikes"]] == sorted(faults.split(","), key=[
+    assert [s["fault"] for s in report["strikes"]] == sorted(names.split(","), key=[
         s["fault"] for s in report["strikes"]].index)
     assert all(s["phase"] for s in report["strikes"]), report["strikes"]
     assert report["final"]["equal"] and report["problems"] == [] and report["left"] == {}, report
     assert report["not_struck"] == [], report["not_struck"]
-    count = len(faults.split(","))
+    count = len(names.split(","))
     assert f"{count} of {count} faults struck and survived, the final checkpoint equals the undisturbed run's" in err
 
 
@@ -121,7 +121,7 @@ ELASTIC = ("horovodrun -np 2 --min-np 1 --max-np 2 --blacklist-cooldown-range 3 
 def test_an_elastic_job_under_plain_horovodrun_rides_out_a_stall_a_kill_and_a_lost_host_given_back(tmp_path):
     """hvdkit train --elastic under plain horovodrun (Gloo): a stall, a rank killed (the job goes on
     at one rank), then node1 lost (out of discovery, given back once the job has checkpointed
-    without it): the job finishes at the undisturbed run's step, its model within the tolerance.
+    without it): the job finishes, its model within the tolerance of the undisturbed run's.
     A smaller learning rate than the default's: there the synthetic task is chaotic and any change
     of world size sends the weights far (docs/rehearse.md#elastic-jobs)."""
     require_namespaces()

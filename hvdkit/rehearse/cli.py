@@ -12,6 +12,8 @@ hosts in its environment:
     HVDKIT_HOSTS       node0:1,node1:1     (horovodrun -H; `hvdkit launch` reads it by itself)
     HVDKIT_HOSTFILE    a hostfile, "node0 slots=1" lines (mpirun --hostfile, horovodrun --hostfile)
     HVDKIT_HOSTS_FILE  the same file, for elastic discovery (--host-discovery-script hvdkit-discover-hosts)
+    OMPI_MCA_hwloc_base_binding_policy=none   unless --cpus or already set: the hosts share this
+                       machine's cores, and plain mpirun would bind each host's first rank to core 0
 
 ``--kill-host I --after T`` fails nodeI T after the start: its processes die, its sshd too, its
 link goes down, and it leaves the hostfile, as a lost machine leaves a cluster's discovery.
@@ -42,7 +44,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from hvdkit import job
 from hvdkit.args import OneLineParser, checked, duration
@@ -59,6 +61,7 @@ from hvdkit.rehearse.namespaces import (
 )
 
 STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+BINDING = "OMPI_MCA_hwloc_base_binding_policy"  # mpirun's --bind-to, as a variable
 ELASTIC = ("--elastic", "--min-np", "--max-np", "--host-discovery-script")  # in a command: an elastic job
 
 
@@ -166,11 +169,17 @@ def names(count: int) -> list[str]:
     return [f"node{i}" for i in range(count)]
 
 
-def host_environment(hosts: Hosts, slots: int, hostfile: Path) -> dict:
-    """What the command sees of the hosts (the documented variable names above)."""
+def host_environment(hosts: Hosts, slots: int, hostfile: Path, environ: Mapping[str, str] = os.environ) -> dict:
+    """What the command sees of the hosts (the documented variable names above). Open MPI binds
+    ranks to cores by default, counting from core 0 on each host: on hosts that share this
+    machine's cores every host's first rank would compute on the same core, at half speed or
+    less, so binding is off unless each host has its own cores (--cpus) or the user chose it."""
     hostfile.write_text("".join(f"{name} slots={slots}\n" for name in hosts.names))
-    return {"HVDKIT_HOSTS": ",".join(f"{name}:{slots}" for name in hosts.names), "HVDKIT_HOSTFILE": str(hostfile),
+    seen = {"HVDKIT_HOSTS": ",".join(f"{name}:{slots}" for name in hosts.names), "HVDKIT_HOSTFILE": str(hostfile),
             "HVDKIT_HOSTS_FILE": str(hostfile)}
+    if not hosts.cpus and BINDING not in environ:
+        seen[BINDING] = "none"
+    return seen
 
 
 class Stopped(BaseException):

@@ -2,7 +2,9 @@
 undisturbed run (hvdkit.rehearse.chaos).
 
 One short run per launcher family, each a few faults at a fixed seed, the menu shared out among
-them, each held to its own undisturbed run (the planted defects' to the Session loop's): an
+them, each held to its own undisturbed run; the Session loop's under horovodrun --mpi is also
+the one plain mpirun's and the planted defects' runs are held to (the same loop ends bitwise the
+same whichever launcher started its ranks, and each run it spares is seconds of the suite): an
 elastic job under plain horovodrun (Gloo), plain mpirun, hvdkit launch replaying the soak's seed
 101 on 3 hosts, a Session loop under plain horovodrun --mpi. Then two planted defects the tool
 must catch, and bad input.
@@ -27,7 +29,7 @@ TRAIN = ["hvdkit", "train", "--model", "mlp", "--image-size", "48", "--dataset",
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 # The soak's (tests/programs/chaos_soak.sh), for the replay of its seed 101.
 SOAK_TRAIN = [*TRAIN[:TRAIN.index("--max-steps")], "--max-steps", "300", *TRAIN[TRAIN.index("--max-steps") + 2:]]
-MPIRUN = ("mpirun -np 2 --hostfile $HVDKIT_HOSTFILE --allow-run-as-root -mca btl ^openib -x PATH -x OMP_NUM_THREADS "
+MPIRUN = ("mpirun -np 2 --hostfile $HVDKIT_HOSTFILE --allow-run-as-root -x PATH -x OMP_NUM_THREADS "
           "-x HVDKIT_CHECKPOINT_DIR -x HVDKIT_CHECKPOINT_STEPS")
 
 
@@ -139,12 +141,12 @@ def test_an_elastic_job_under_plain_horovodrun_rides_out_a_stall_a_kill_and_a_lo
 
 
 @pytest.mark.slow
-def test_plain_mpirun_survives_a_full_disk_a_stall_and_a_kill_during_a_write(tmp_path):
-    """A Session loop under plain mpirun (the soak runs hvdkit train under it too)."""
-    require_namespaces()
+def test_plain_mpirun_survives_a_full_disk_a_stall_and_a_kill_during_a_write(tmp_path, loop_run):
+    """A Session loop under plain mpirun (the soak runs hvdkit train under it too), held to the
+    same loop's undisturbed run under horovodrun --mpi."""
     code, err, report = _chaos(tmp_path, "mpirun", 12, "disk-full,stall,in-write",
                                lambda ckpt: ["sh", "-c", f"{MPIRUN} {sys.executable} {LOOP} 120"],
-                               env={"HVDKIT_CHECKPOINT_STEPS": "10"})
+                               reference=loop_run[2]["reference"]["dir"], env={"HVDKIT_CHECKPOINT_STEPS": "10"})
     _survived(code, err, report, "disk-full,stall,in-write")
     (full,) = [s for s in report["strikes"] if s["fault"] == "disk-full"]
     assert "No space left on device; the previous checkpoints are untouched" in full["ended"]["line"]

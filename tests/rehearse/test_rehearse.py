@@ -199,3 +199,23 @@ def test_hvdkit_run_inside_a_rehearsal_spans_its_hosts(tmp_path):
     assert out.splitlines()[-1] == "['node0', 'node1']"
     assert list(tmp_path.iterdir()) == [], "the call's directory is removed"
     wait_for_none_left(proc.pid, mark, tmp_path)
+
+
+@pytest.mark.slow
+def test_plain_mpirun_leaves_ranks_unbound_on_hosts_that_share_the_cores(tmp_path):
+    """Open MPI binds each host's first rank to core 0: on hosts sharing this machine's cores,
+    every rank would compute on the same one (the chaos test under plain mpirun ran at half
+    speed). With --cpus each host has its own cores, and Open MPI's binding stays; so does a
+    binding the user chose."""
+    require_namespaces()
+    mark = uuid.uuid4().hex
+    line = "mpirun -np 2 --hostfile $HVDKIT_HOSTFILE --allow-run-as-root --report-bindings true"
+    chosen = {rehearse.BINDING: "core"}
+    for given, env, bound in (([], {}, 0), (["--cpus"], {}, 2), ([], chosen, 2)):
+        proc = subprocess.Popen([*REHEARSE, "--hosts", "2", *given, "--", "sh", "-c", line], cwd=tmp_path,
+                                env={**environment(mark), **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-3000:]
+        assert (out + err).count(" bound to ") == bound, (given, env, out + err)
+        wait_for_none_left(proc.pid, mark, tmp_path)

@@ -11,6 +11,15 @@ from hvdkit import job
 from hvdkit.job import LOST_SECONDS, PROBE_SECONDS
 
 
+ADDRESS, PORT = "HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT"
+
+
+def watches(environ) -> bool:
+    """Whether a process with this environment was started under horovodrun --gloo, whose
+    rendezvous server a rank there probes (a process the rank started has the same variables)."""
+    return bool(environ.get(ADDRESS)) and (environ.get(PORT) or "").isdigit()
+
+
 class Lifeline:
     """A rank started over ssh by `horovodrun --gloo` outlives its launcher: nothing on its
     host ends it when the launcher's host is gone or the launcher was killed (measured: after
@@ -28,10 +37,9 @@ class Lifeline:
 
     @classmethod
     def from_environ(cls, environ, rank: int) -> Optional["Lifeline"]:
-        address, port = environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR"), environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
-        if not address or not (port or "").isdigit():
+        if not watches(environ):
             return None  # not started by horovodrun --gloo (nor its elastic driver)
-        return cls(address, int(port), rank)
+        return cls(environ[ADDRESS], int(environ[PORT]), rank)
 
     def _watch(self) -> None:
         seen = time.monotonic()

@@ -39,6 +39,7 @@ import torch
 
 from hvdkit import checkpoint, job
 from hvdkit.rehearse.faults import ELASTIC_TOLERANCE, FAULTS, Strike
+from hvdkit.rank import lifeline
 from hvdkit.rehearse.namespaces import Hosts
 from hvdkit.zero import shards
 
@@ -49,11 +50,15 @@ RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK
 NOT_RANKS = {"sh", "bash", "dash", "ssh", "sshd", "env", "timeout", "horovodrun", *job.MPI_LAUNCHERS, *job.MPI_DAEMONS}
 TICK = 0.05  # how often the faults' moments are looked for, at most
 GIVEN_DEADLINE = 1800.0  # seconds an attempt may take when the undisturbed run was not timed here
-# Seconds after the command ends for its processes on the hosts to go: a rank whose launcher is
-# gone ends itself once it has not answered for LOST_SECONDS (hvdkit.rank.lifeline), found by a
-# probe up to one interval later that may itself take one; then the rank's own exit. 17 s was
-# too short by a hair: the soak's seed 107 saw a rank under plain horovodrun --gloo still there.
+# Seconds after the command ends for its processes on the hosts to go. A rank that horovodrun
+# --gloo started over ssh, whose launcher is gone, ends itself once it has not answered for
+# LOST_SECONDS (hvdkit.rank.lifeline), found by a probe up to one interval later that may itself
+# take one; then the rank's own exit. 17 s was too short by a hair: the soak's seed 107 saw a
+# rank under plain horovodrun --gloo still there. Anything else has no lifeline to wait for:
+# mpirun's daemons and hvdkit launch end what they started before they exit (every attempt of
+# the soak under them had nothing left at its end), so a few seconds for a process in its exit.
 SETTLE = job.LOST_SECONDS + 2 * job.PROBE_SECONDS + 3.0
+SETTLE_WITHOUT_LIFELINE = 5.0
 RESUMED = re.compile(r"hvdkit: resumed from \S+ \(epoch \d+, step (\d+)")
 BALLAST = ".chaos-ballast"  # disk-full's file, in the checkpoint directory's own filesystem
 STEPS_FILE = "chaos-steps.json"  # beside the undisturbed run's checkpoints: every step it wrote one at
@@ -95,8 +100,9 @@ def _rank_of(process) -> Optional[int]:
     return None
 
 
-def left_running(hosts: Hosts) -> list[str]:
-    """What runs on the hosts besides their sshd (and its sessions), as 'name (pid N) on host'."""
+def left_running(hosts: Hosts) -> list[tuple[str, bool]]:
+    """What runs on the hosts besides their sshd (and its sessions): ('name (pid N) on host',
+    whether a rank's lifeline will end it)."""
     import psutil
 
     kept = {proc.pid for proc in hosts.sshd.values()}
@@ -107,7 +113,8 @@ def left_running(hosts: Hosts) -> list[str]:
                 process = psutil.Process(pid)
                 if pid in kept or process.name() == "sshd" or process.status() == psutil.STATUS_ZOMBIE:
                     continue
-                found.append(f"{' '.join(process.cmdline()[:3]) or process.name()} (pid {pid}) on {name}")
+                found.append((f"{' '.join(process.cmdline()[:3]) or process.name()} (pid {pid}) on {name}",
+                              lifeline.watches(process.environ())))
             except psutil.Error:
                 continue
     return found
@@ -575,10 +582,12 @@ class Chaos:
                                                  else f"attempt {attempt.number}")
         began = time.monotonic()
         left = left_running(self.hosts)
-        while left and time.monotonic() < began + SETTLE:
+        while left and time.monotonic() < began + (SETTLE if any(ends for _, ends in left) else
+                                                    SETTLE_WITHOUT_LIFELINE):
             time.sleep(0.2)
             left = left_running(self.hosts)
         self.report.attempts[-1]["settled_seconds"] = None if left else round(time.monotonic() - began, 1)
+        left = [what for what, _ in left]
         if left:
             self.report.problems.append(f"after {what}: {len(left)} process(es) left running once the job ended: "
                                         + "; ".join(left[:4]))

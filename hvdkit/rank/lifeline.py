@@ -10,7 +10,6 @@ from typing import Callable, Optional
 from hvdkit import job
 from hvdkit.job import LOST_SECONDS, PROBE_SECONDS
 
-
 ADDRESS, PORT = "HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT"
 
 

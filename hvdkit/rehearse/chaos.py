@@ -38,8 +38,8 @@ import inotify_simple as inotify
 import torch
 
 from hvdkit import checkpoint, job
-from hvdkit.rehearse.faults import ELASTIC_TOLERANCE, FAULTS, Strike
 from hvdkit.rank import lifeline
+from hvdkit.rehearse.faults import ELASTIC_TOLERANCE, FAULTS, Strike
 from hvdkit.rehearse.namespaces import Hosts
 from hvdkit.zero import shards
 

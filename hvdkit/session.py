@@ -477,10 +477,11 @@ class Session:
             self._signal.restore()
             self._undo_hook()
 
-    def _release(self) -> None:
-        """Let go of what this run holds."""
+    def _release(self, watching: bool = False) -> None:
+        """Let go of what this run holds; ``watching`` keeps the watches on its launcher, which
+        end this rank should its launcher go while it is still ending."""
         self.watchdog.stop()
-        for watch in (self._lifeline, self._signal.launcher):
+        for watch in () if watching else (self._lifeline, self._signal.launcher):
             if watch:
                 watch.stop()
         for held in self._locks:
@@ -488,10 +489,13 @@ class Session:
 
     def _end_after_error(self) -> None:
         """One of hvdkit's errors ends this rank (stops.exit_on_own_errors): a save in flight
-        is finished first, so that the job ends with it written."""
+        is finished first, so that the job ends with it written. Horovod's shutdown can block
+        (joining its background thread, itself waiting in Gloo on a rank that is gone or frozen:
+        a chaos soak's rank on another host was still there 22 s after horovodrun had ended), so
+        the watches on the launcher stay until the process exits."""
         self._checkpoints.writer.abandon_parts()  # their ranks may have ended with this one
         self._checkpoints.writer.wait()
-        self._release()
+        self._release(watching=True)
         if self._reports.sink is not None:
             self._reports.sink.close()
         self.hvd.shutdown()

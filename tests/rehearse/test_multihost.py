@@ -27,6 +27,7 @@ from conftest import (
     run,
     untagged,
     wait_for,
+    wait_for_file,
 )
 from hvdkit import job
 from hvdkit.checks import selftest
@@ -317,3 +318,73 @@ def test_hosts_leave_nothing_behind_even_when_the_test_fails():
     netns_files = os.listdir("/etc/netns") if os.path.isdir("/etc/netns") else []
     assert [name for name in netns_files if name.startswith(f"{made.prefix}-")] == []
     assert not made.dir.exists()
+
+
+FROZEN_PEER = """
+import os, signal, sys, time
+from pathlib import Path
+
+import psutil
+import torch
+from torch import nn
+
+import hvdkit
+from hvdkit.config import ConfigError
+
+out = Path(sys.argv[1])
+session = hvdkit.Session()
+net = nn.Linear(4, 1)
+net, optimizer = session.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+for _ in range(3):
+    optimizer.zero_grad()
+    session.backward(net(torch.ones(2, 4)).sum())
+    session.step()
+(out / f".rank{session.rank}").write_text(str(os.getpid()))
+os.replace(out / f".rank{session.rank}", out / f"rank{session.rank}")  # whole, for the other rank
+if session.rank == 0:
+    os.kill(os.getpid(), signal.SIGSTOP)
+while not (out / "rank0").is_file() or psutil.Process(int((out / "rank0").read_text())).status() != "stopped":
+    time.sleep(0.05)
+(out / "raising").write_text("")
+raise ConfigError("planted: rank 1's own error while rank 0 is frozen")
+"""
+
+
+def test_a_gloo_rank_stuck_in_horovods_shutdown_still_ends_once_horovodrun_is_gone(hosts, tmp_path):
+    """Found by the chaos soak (seed 107, docs/rehearse.md#the-chaos-soak): rank 0 killed, rank
+    1 on another host raised one of hvdkit's errors, and Horovod's shutdown in its exit waited in
+    Gloo on a peer that would never answer; horovodrun was gone, but the rank's lifeline had been
+    stopped before that shutdown, and the rank was still there 22 s later. Here horovodrun runs
+    on h1 and its ranks over ssh on h2 and h3 (on its own host, its middleman would kill rank 0
+    with it, ending rank 1's wait): rank 0 is frozen (Gloo's timeout set to 120 s) and rank 1
+    raises; once horovodrun is killed, rank 1's lifeline ends it, saying so in its exit record.
+    Replaying seed 107 itself (80 s) left the rank in 4 of 13 runs before the fix; this forces
+    the same moment every time."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "frozen_peer.py").write_text(FROZEN_PEER)
+    env = dict(selftest.mpi_root_env(hosts.env()), PYTHONPATH=str(REPO), HOROVOD_GLOO_TIMEOUT_SECONDS="120",
+               HVDKIT_JOB_DIR=str(out), HVDKIT_LOG_DIR=str(tmp_path / "logs"))
+    proc = subprocess.Popen(hosts.on("h1", [mpi.find_program("horovodrun"), "--gloo", "-np", "2", "-H", "h2:1,h3:1",
+                                            sys.executable, str(tmp_path / "frozen_peer.py"), str(out)]),
+                            env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        try:
+            wait_for_file(out / "raising", proc, timeout=180)
+        except AssertionError:
+            pytest.fail(f"rank 1 did not reach its error: {proc.stderr.read()[-3000:]}")
+        rank1 = psutil.Process(int((out / "rank1").read_text()))
+        (horovodrun,) = [p for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+                         if p.name() == "horovodrun"]
+        horovodrun.kill()
+        gone, _ = psutil.wait_procs([rank1], timeout=60)  # well within Gloo's 120 s
+        assert gone, f"rank 1 (pid {rank1.pid}) still runs 60 s after horovodrun was killed"
+        (record,) = out.glob(f"exit-{rank1.pid}")
+        assert record.read_text().startswith(f"{job.LOST} rank 1: its launcher (horovodrun, rendezvous "), \
+            record.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for name in hosts.names:
+            hosts.end_jobs(name)

@@ -358,7 +358,7 @@ def test_a_gloo_rank_stuck_in_horovods_shutdown_still_ends_once_horovodrun_is_go
     on h1 and its ranks over ssh on h2 and h3 (on its own host, its middleman would kill rank 0
     with it, ending rank 1's wait): rank 0 is frozen (Gloo's timeout set to 120 s) and rank 1
     raises; once horovodrun is killed, rank 1's lifeline ends it, saying so in its exit record.
-    Replaying seed 107 itself (80 s) left the rank in 4 of 13 runs before the fix; this forces
+    Replaying seed 107 itself (80 s) left the rank in 4 of 20 runs before the fix; this forces
     the same moment every time."""
     out = tmp_path / "out"
     out.mkdir()

@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Optional, Sequence
 
 from hvdkit import job
 from hvdkit.args import OneLineParser, checked, duration
@@ -169,7 +169,7 @@ def names(count: int) -> list[str]:
     return [f"node{i}" for i in range(count)]
 
 
-def host_environment(hosts: Hosts, slots: int, hostfile: Path, environ: Mapping[str, str] = os.environ) -> dict:
+def host_environment(hosts: Hosts, slots: int, hostfile: Path) -> dict:
     """What the command sees of the hosts (the documented variable names above). Open MPI binds
     ranks to cores by default, counting from core 0 on each host: on hosts that share this
     machine's cores every host's first rank would compute on the same core, at half speed or
@@ -177,7 +177,7 @@ def host_environment(hosts: Hosts, slots: int, hostfile: Path, environ: Mapping[
     hostfile.write_text("".join(f"{name} slots={slots}\n" for name in hosts.names))
     seen = {"HVDKIT_HOSTS": ",".join(f"{name}:{slots}" for name in hosts.names), "HVDKIT_HOSTFILE": str(hostfile),
             "HVDKIT_HOSTS_FILE": str(hostfile)}
-    if not hosts.cpus and BINDING not in environ:
+    if not hosts.cpus and BINDING not in os.environ:
         seen[BINDING] = "none"
     return seen
 

@@ -53,10 +53,11 @@ GIVEN_DEADLINE = 1800.0  # seconds an attempt may take when the undisturbed run 
 # Seconds after the command ends for its processes on the hosts to go. A rank that horovodrun
 # --gloo started over ssh, whose launcher is gone, ends itself once it has not answered for
 # LOST_SECONDS (hvdkit.rank.lifeline), found by a probe up to one interval later that may itself
-# take one; then the rank's own exit. 17 s was too short by a hair: the soak's seed 107 saw a
-# rank under plain horovodrun --gloo still there. Anything else has no lifeline to wait for:
-# mpirun's daemons and hvdkit launch end what they started before they exit (every attempt of
-# the soak under them had nothing left at its end), so a few seconds for a process in its exit.
+# take one; then the rank's own exit (the soak's seed 107 left a rank there after 22 s: its
+# lifeline had been stopped on hvdkit.session's error path, since fixed). Anything else has no
+# lifeline to wait for: mpirun's daemons and hvdkit launch end what they started before they
+# exit (every attempt of the soak under them had nothing left at its end), so a few seconds for
+# a process in its exit.
 SETTLE = job.LOST_SECONDS + 2 * job.PROBE_SECONDS + 3.0
 SETTLE_WITHOUT_LIFELINE = 5.0
 RESUMED = re.compile(r"hvdkit: resumed from \S+ \(epoch \d+, step (\d+)")

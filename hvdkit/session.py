@@ -62,6 +62,7 @@ from hvdkit.rank.state import RunState
 from hvdkit.rank.step import (
     NonFiniteError,
     TrainingStep,
+    bucket_bytes,
     gradient_buckets,
     lr_multiplier,
     use_fused_kernels,
@@ -201,7 +202,7 @@ class Session:
                 backward_passes_per_step=cfg.batches_per_allreduce,
                 op=hvd.Adasum if cfg.use_adasum else hvd.Average,
                 gradient_predivide_factor=cfg.gradient_predivide_factor,
-                groups=gradient_buckets(model) if grouped else None)
+                groups=gradient_buckets(model, bucket_bytes(self.device)) if grouped else None)
             # Horovod's wrapper is a new optimizer over the same param groups: it keeps the
             # state you may have loaded into yours. A scheduler warns that it stepped before
             # the optimizer when the step it wrapped (yours) was not called; Horovod's is instead.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from typing import Optional, Sequence
@@ -28,6 +29,8 @@ from hvdkit.bench.workers import (
     synthetic_worker,
     zero_worker,
 )
+from hvdkit.launch.hostfile import LaunchError
+from hvdkit.rehearse.namespaces import LINK_RATE, bits_per_second
 
 _world_sizes = number_list(int, "1,2,4", "world sizes must be >= 1")
 _link_speeds = number_list(float, "10,25,100", "link speeds must be > 0")
@@ -99,6 +102,14 @@ def _checkpoint_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impl", choices=CHECKPOINT_IMPLS, help=argparse.SUPPRESS)
 
 
+def _link_rate(text: str) -> str:
+    try:
+        bits_per_second(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _byte_size(text: str) -> int:
     try:
         return parse_size(text)
@@ -150,6 +161,9 @@ def parser() -> argparse.ArgumentParser:
                      help="also run hvdkit with this setting (HOROVOD_*, OMPI_MCA_*, NCCL_*, ...), one run "
                           "per --knob; repeatable")
     syn.add_argument("--repeats", type=positive, default=1, help="rounds over the implementations (default 1)")
+    syn.add_argument("--link-rate", type=_link_rate, default=os.environ.get(LINK_RATE), metavar="RATE",
+                     help="the hosts' link, like 1gbit or 10gbit, for the network floor printed beside the figures "
+                          f"(default: ${LINK_RATE}, which `hvdkit rehearse --bandwidth` sets)")
     syn.add_argument("--impl", choices=SYNTHETIC_IMPLS, help=argparse.SUPPRESS)
     _launch_arguments(syn, files=True)
 
@@ -232,6 +246,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if under_launcher:
             raise BenchError("--compare and --knob launch each run themselves: run it without a launcher, with -np N")
         return compare_synthetic(args)
-    except (BenchError, RunFailed) as exc:
+    except (BenchError, RunFailed, LaunchError) as exc:
         print(f"hvdkit bench: {exc}", file=sys.stderr, flush=True)
-        return job.code_for(exc, (BenchError,))
+        return job.code_for(exc, (BenchError, LaunchError))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
+import os
 import re
 import shutil
 import socket
@@ -41,8 +42,9 @@ from hvdkit.bench.plots import (
 )
 from hvdkit.checks.selftest import mpi_root_env, parse_records
 from hvdkit.launch.mpi import find_program
-from hvdkit.launch.planner import local_slots
+from hvdkit.launch.planner import job_hosts, local_slots
 from hvdkit.launch.rank_output import untagged
+from hvdkit.rehearse.namespaces import bits_per_second
 
 
 class RunFailed(RuntimeError):
@@ -58,10 +60,10 @@ def free_port() -> int:
 def launch_command(args: argparse.Namespace, np: int, worker: Sequence[str],
                    knobs_set: Optional[dict] = None) -> list[str]:
     """`hvdkit launch` of ``worker`` on ``np`` ranks, with ``knobs_set`` in every rank and a
-    rendezvous for torch.distributed on the first host (this machine unless -H says otherwise)."""
-    master = "127.0.0.1"
-    if args.hosts:
-        master = args.hosts.split(",")[0].split(":")[0]
+    rendezvous for torch.distributed on rank 0's host: the first of the hosts the launch runs on,
+    whether -H, a rehearsal or a Slurm allocation lists them; this machine where none does."""
+    hosts = job_hosts(args.hosts, None, os.environ)
+    master = hosts[0].name if hosts else "127.0.0.1"
     cmd = [find_program("hvdkit") or "hvdkit", "launch", "-np", str(np), "--launcher", args.launcher,
            "-x", f"MASTER_ADDR={master}", "-x", f"MASTER_PORT={free_port()}"]
     for name, value in (knobs_set or {}).items():
@@ -130,15 +132,22 @@ def compare_synthetic(args: argparse.Namespace) -> int:
     # hvdkit / it within each round, where the two ran minutes apart: the spread the means hide
     per_round = {label: [h["total_img_sec"] / r["total_img_sec"] for h, r in zip(runs["hvdkit"], results, strict=True)]
                  for label, results in runs.items() if label != "hvdkit"}
+    compute_ms = statistics.fmean(r["compute_ms"] for results in runs.values() for r in results)
+    gradient_bytes = runs["hvdkit"][-1]["gradient_bytes"]
+    hosts = job_hosts(args.hosts, None, os.environ)
+    floor = estimate.floor(compute_ms, gradient_bytes / (2 if args.fp16_allreduce else 1), args.batch_size, np,
+                           bits_per_second(args.link_rate) / 1e9 if args.link_rate else None,
+                           hosts is not None and len({h.name for h in hosts}) > 1)
+    of_floor = {label: total / floor["img_sec"] for label, total in summary.items()} if floor else {}
     print(f"\n{'implementation':<{width}} {'total img/sec':>14} {'per ' + kind:>10} {'hvdkit / it':>12} "
-          f"{'per round':>12} {'CPU ms/step':>12} {'not training':>13}")
+          f"{'per round':>12} {'CPU ms/step':>12} {'not training':>13} {'of floor':>9}")
     for label, total in summary.items():
         spread = f"{min(per_round[label]):.2f}-{max(per_round[label]):.2f}" if label in per_round else "-"
         print(f"{label:<{width}} {total:>14.1f} {total / np:>10.1f} {summary['hvdkit'] / total:>12.3f} "
-              f"{spread:>12} {cpu[label][0]:>12.0f} {cpu[label][1]:>13.0f}")
+              f"{spread:>12} {cpu[label][0]:>12.0f} {cpu[label][1]:>13.0f} "
+              + (f"{of_floor[label]:>9.2f}" if floor else f"{'-':>9}"))
+    print(floor_line(floor, np))
     ratios = {f"hvdkit/{label}": summary["hvdkit"] / total for label, total in summary.items() if label != "hvdkit"}
-    compute_ms = statistics.fmean(r["compute_ms"] for results in runs.values() for r in results)
-    gradient_bytes = runs["hvdkit"][-1]["gradient_bytes"]
     print(f"\ncompute per step without allreduce: {compute_ms:.1f} ms per rank (all runs' mean); gradients: "
           f"{gradient_bytes} bytes; for many ranks: hvdkit bench estimate --compute-ms {compute_ms:.1f} "
           f"--gradient-bytes {gradient_bytes} --batch-size {args.batch_size}"
@@ -149,12 +158,27 @@ def compare_synthetic(args: argparse.Namespace) -> int:
                       "image_size": args.image_size, "repeats": args.repeats, "total_img_sec": summary,
                       "cpu_ms_per_step": {label: c[0] for label, c in cpu.items()},
                       "other_threads_cpu_ms_per_step": {label: c[1] for label, c in cpu.items()},
-                      "ratios": ratios,
+                      "ratios": ratios, "floor": floor, "of_floor": of_floor,
                       "round_ratios": {f"hvdkit/{label}": r for label, r in per_round.items()},
                       "runs": {label: [r["total_img_sec"] for r in rs] for label, rs in runs.items()},
                       "knobs": {label: rs[-1]["environment"]["knobs"] for label, rs in runs.items()},
                       "environment": runs["hvdkit"][-1]["environment"]}), flush=True)
     return 0
+
+
+def floor_line(floor: Optional[dict], np: int) -> str:
+    """What the floor column is measured against, in one line."""
+    if floor is None:
+        return ("network floor: not known, the ranks span hosts whose link rate was not given "
+                "(--link-rate 10gbit, or $HVDKIT_LINK_RATE)")
+    made_of = f"compute {floor['compute_ms']:.1f} ms"
+    if floor["gbit"] is not None:
+        made_of += (f", ring allreduce of {floor['gradient_bytes'] / 1e6:.1f} MB over {np} ranks on "
+                    f"{floor['gbit']:g} Gbit/s: {floor['allreduce_ms']:.1f} ms")
+    else:
+        made_of += ", no link between the ranks"
+    return (f"network floor: a step takes at least {floor['step_ms']:.1f} ms ({made_of}; {floor['bound']}-bound, "
+            f"fully overlapped): {floor['img_sec']:.1f} img/sec")
 
 
 def write_profiles(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:

@@ -15,6 +15,7 @@ are given; the shaped-link runs in docs/performance.md say which one CPUs follow
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 
 def ring_allreduce_seconds(nbytes: float, ranks: int, gbit: float, latency_s: float) -> float:
@@ -51,3 +52,17 @@ def estimate(compute_ms: float, gradient_bytes: float, batch_size: int, ranks: i
 def table(compute_ms: float, gradient_bytes: float, batch_size: int, ranks: list[int], gbits: list[float],
           latency_us: float = 25.0) -> list[dict]:
     return [asdict(estimate(compute_ms, gradient_bytes, batch_size, n, g, latency_us)) for g in gbits for n in ranks]
+
+
+def floor(compute_ms: float, gradient_bytes: float, batch_size: int, ranks: int, gbit: Optional[float],
+          across_hosts: bool) -> Optional[dict]:
+    """The fastest any data-parallel implementation could run one measured command: every step
+    at least its compute and, across hosts, at least the ring allreduce of its gradients on the
+    link, the two fully overlapped. None across hosts where the link's rate is not known."""
+    if across_hosts and gbit is None:
+        return None
+    comm_ms = ring_allreduce_seconds(gradient_bytes, ranks, gbit, 0.0) * 1e3 if across_hosts else 0.0
+    step_ms = max(compute_ms, comm_ms)
+    return {"compute_ms": compute_ms, "gradient_bytes": gradient_bytes, "np": ranks, "gbit": gbit if across_hosts
+            else None, "allreduce_ms": comm_ms, "step_ms": step_ms, "img_sec": ranks * batch_size / step_ms * 1e3,
+            "bound": "link" if comm_ms > compute_ms else "compute"}

@@ -137,7 +137,9 @@ def _start(args: argparse.Namespace):
 
     launch = env.detect()
     if args.impl == "horovod":
-        _apply_defaults(performance_settings(torch.cuda.is_available(), launch.spans_hosts))
+        import horovod.torch as hvd
+
+        _apply_defaults(performance_settings(torch.cuda.is_available(), launch.spans_hosts, gloo_built=hvd.gloo_built()))
     if args.impl in ("hvdkit", "own-loop"):  # the Session applies the same settings itself
         session = Session(batch_size=args.batch_size, fp16_allreduce=args.fp16_allreduce, amp=args.amp,
                           seed=args.seed)
@@ -341,7 +343,9 @@ def allreduce_worker(args: argparse.Namespace) -> None:
 
     launch = env.detect()
     if not args.no_tuning:
-        _apply_defaults(performance_settings(torch.cuda.is_available(), launch.spans_hosts))
+        import horovod.torch as hvd
+
+        _apply_defaults(performance_settings(torch.cuda.is_available(), launch.spans_hosts, gloo_built=hvd.gloo_built()))
     place_process(launch.local_rank or 0, launch.local_size or 1)
     sizes = size_range(args.sizes)
     _init_torch_distributed("gloo")

@@ -204,6 +204,21 @@ def _variables(items: Sequence[str]) -> tuple[dict, list]:
     return set_env, extra
 
 
+def job_hosts(hosts: Optional[str], hostfile: Optional[str], environ: Mapping[str, str]) -> Optional[list[Host]]:
+    """The hosts a launch from here runs on, in rank order, wherever they are listed: -H, --hostfile,
+    a rehearsal's $HVDKIT_HOSTS, the Slurm allocation; None where none is (this machine alone).
+    For what must know the hosts before the ranks start, such as torch.distributed's MASTER_ADDR."""
+    if hostfile:
+        return read_hostfile(hostfile)
+    if hosts:
+        return parse_hosts(hosts)
+    if "SLURM_JOB_NODELIST" in environ:
+        return slurm_hosts(environ)
+    if REHEARSAL_HOSTS in environ:
+        return parse_hosts(environ[REHEARSAL_HOSTS])
+    return None
+
+
 def _hosts(hosts: Optional[list], args: argparse.Namespace, launcher: str, environ: Mapping[str, str],
            is_elastic: bool) -> tuple[Optional[list], bool, str]:
     """The hosts (None: the launcher's own default) from those given with -H or --hostfile, whether

@@ -13,14 +13,16 @@ from __future__ import annotations
 import atexit
 import gc
 import hashlib
+import ipaddress
 import itertools
 import os
 import random
+import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 import numpy as np
 import torch
@@ -35,7 +37,7 @@ def start(cfg: TrainConfig):
     this rank's device and seeds; (horovod.torch, device)."""
     import horovod.torch as hvd
 
-    settings = {**performance_settings(torch.cuda.is_available(), env.detect().spans_hosts),
+    settings = {**performance_settings(torch.cuda.is_available(), env.detect().spans_hosts, gloo_built=hvd.gloo_built()),
                 **stall_settings(cfg.stall_timeout), **reproducible_settings()}
     for name, value in ({} if cfg.elastic else settings).items():
         os.environ.setdefault(name, value)  # a variable the user exported wins
@@ -122,7 +124,7 @@ ALLREDUCE_RULES = "1\n2\n1\n1\n2\n0 0 0 0\n1048576 4 0 0\n"
 
 
 def performance_settings(on_gpu: bool, spans_hosts: bool = False,
-                         environ: Optional[dict] = None) -> dict:
+                         environ: Optional[dict] = None, gloo_built: bool = False) -> dict:
     """Horovod and Open MPI knobs measured best for this loop (docs/performance.md).
 
     On CPUs the ranks' compute threads take every core, so a rank waiting in MPI must
@@ -138,7 +140,8 @@ def performance_settings(on_gpu: bool, spans_hosts: bool = False,
     the small allreduces of Horovod's negotiation keep Open MPI's choice (log2 N hops, not
     2(N-1)); unless ``environ`` already sets a coll_tuned variable of its own. And two TCP
     connections per pair of ranks: with one, a 16 MiB allreduce between two hosts moved
-    0.065-0.118 GB/s on a 1 Gbit/s link, from run to run; with two, 0.112-0.119. On GPUs, asynchronous
+    0.065-0.118 GB/s on a 1 Gbit/s link, from run to run; with two, 0.112-0.119. Where Horovod has
+    Gloo, Gloo moves the tensors across hosts (``gloo_data_settings``). On GPUs, asynchronous
     completion only.
     """
     if on_gpu:
@@ -154,7 +157,68 @@ def performance_settings(on_gpu: bool, spans_hosts: bool = False,
     if not any(name.startswith("OMPI_MCA_coll_tuned_") for name in environ):
         settings.update(OMPI_MCA_coll_tuned_use_dynamic_rules="1",
                         OMPI_MCA_coll_tuned_dynamic_rules_filename=str(allreduce_rules_file()))
+    if gloo_built:
+        settings.update(gloo_data_settings(environ))
     return settings
+
+
+def gloo_data_settings(environ: Mapping[str, str]) -> dict:
+    """Across hosts on CPUs, Gloo moves the tensors under the MPI controller too, which keeps the
+    negotiation, its stall inspector and Adasum (HOROVOD_CPU_OPERATIONS=gloo; hvdkit's Horovod
+    build makes it work, hvdkit/build/patches/0011): Open MPI's TCP transport polls through every
+    allreduce on the core that also computes, where Gloo waits in the kernel (docs/performance.md).
+
+    Gloo needs the interface that reaches the other hosts: the user's HOROVOD_GLOO_IFACE, else the
+    one holding the network `hvdkit launch` pinned Open MPI to, else the one this host's name
+    resolves to. Where none is found (a name resolving to loopback, as Debian's /etc/hosts has
+    it), MPI keeps the data: a Gloo bound to loopback could not reach the other hosts."""
+    if "HOROVOD_CPU_OPERATIONS" in environ:  # the user's choice, or horovodrun --gloo's
+        return {}
+    if environ.get("HOROVOD_GLOO_IFACE"):
+        return {"HOROVOD_CPU_OPERATIONS": "gloo"}
+    interface = interface_on(environ.get("OMPI_MCA_btl_tcp_if_include", ""))
+    if interface:
+        return {"HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": interface}
+    if interface_on(_own_address()):
+        return {"HOROVOD_CPU_OPERATIONS": "gloo"}
+    return {}
+
+
+def interface_on(networks: str) -> Optional[str]:
+    """This host's interface with an address in ``networks`` (Open MPI's if_include: CIDRs,
+    addresses or interface names, comma-separated; "^..." excludes and names none), not loopback."""
+    if not networks or networks.startswith("^"):
+        return None
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        for address in addresses:
+            if address.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            try:
+                ip = ipaddress.ip_address(address.address.split("%")[0])
+            except ValueError:
+                continue
+            if ip.is_loopback:
+                continue
+            for wanted in networks.split(","):
+                wanted = wanted.strip()
+                if wanted == name:
+                    return name
+                try:
+                    if ip in ipaddress.ip_network(wanted, strict=False):
+                        return name
+                except ValueError:
+                    continue
+    return None
+
+
+def _own_address() -> str:
+    """The address this host's name resolves to, or "" where it does not resolve."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return ""
 
 
 def allreduce_rules_file() -> Path:

@@ -14,6 +14,7 @@ hosts in its environment:
     HVDKIT_HOSTS_FILE  the same file, for elastic discovery (--host-discovery-script hvdkit-discover-hosts)
     OMPI_MCA_hwloc_base_binding_policy=none   unless --cpus or already set: the hosts share this
                        machine's cores, and plain mpirun would bind each host's first rank to core 0
+    HVDKIT_LINK_RATE   each host's link rate, with --bandwidth (1gbit): `hvdkit bench` reads it for its floor
 
 ``--kill-host I --after T`` fails nodeI T after the start: its processes die, its sshd too, its
 link goes down, and it leaves the hostfile, as a lost machine leaves a cluster's discovery.
@@ -51,6 +52,7 @@ from hvdkit.args import OneLineParser, checked, duration
 from hvdkit.rehearse import faults as fault_menu
 from hvdkit.rehearse.namespaces import (
     FIRST_HOST,
+    LINK_RATE,
     MAX_HOSTS,
     SUBNET,
     Hosts,
@@ -179,6 +181,8 @@ def host_environment(hosts: Hosts, slots: int, hostfile: Path) -> dict:
             "HVDKIT_HOSTS_FILE": str(hostfile)}
     if not hosts.cpus and BINDING not in os.environ:
         seen[BINDING] = "none"
+    if hosts.rate:
+        seen[LINK_RATE] = hosts.rate
     return seen
 
 

@@ -41,6 +41,7 @@ MAX_HOSTS = 254 - FIRST_HOST + 1
 DOCKER0 = "10.231.1.1/24"  # the same address on every host, as Docker's bridge has
 SSHD = "/usr/sbin/sshd"
 _made = itertools.count()  # sets of hosts this process has made: part of every name
+LINK_RATE = "HVDKIT_LINK_RATE"  # the hosts' link rate in tc's words, for what the command measures
 
 
 def bits_per_second(rate: str) -> float:

@@ -193,6 +193,33 @@ def test_drivers_refuse_to_run_under_a_launcher():
         assert proc.returncode == 2 and "without a launcher" in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize("hosts, environ, expected", [
+    (None, {}, "127.0.0.1"),
+    ("h1:1,h2:1", {}, "h1"),
+    (None, {"HVDKIT_HOSTS": "node0:1,node1:1"}, "node0"),  # inside `hvdkit rehearse`
+    (None, {"SLURM_JOB_NODELIST": "cn[07-08]", "SLURM_TASKS_PER_NODE": "1(x2)"}, "cn07"),
+    (None, {"SLURM_JOB_NODELIST": "cn[07-08]", "SLURM_TASKS_PER_NODE": "1(x2)", "HVDKIT_HOSTS": "node0:1"}, "cn07"),
+])
+def test_torch_distributed_meets_on_rank_0s_host_wherever_the_hosts_are_listed(monkeypatch, hosts, environ,
+                                                                                 expected):
+    """The DDP leg's MASTER_ADDR is the first host of the launch; 127.0.0.1 on a host of a
+    rehearsal left rank 1 waiting on its own loopback until --timeout."""
+    from hvdkit.bench import drivers
+
+    for name in ("HVDKIT_HOSTS", "SLURM_JOB_NODELIST", "SLURM_TASKS_PER_NODE", "SLURM_JOB_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    args = drivers.argparse.Namespace(hosts=hosts, launcher="auto", controller=None)
+    command = drivers.launch_command(args, 2, ["synthetic"])
+    assert f"MASTER_ADDR={expected}" in command
+
+
+def test_a_bad_host_list_is_one_line():
+    proc = run(HVDKIT + ["synthetic", "-np", "2", "-H", "h1:x", "--compare", "ddp"], timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "h1:x" in proc.stderr, proc.stderr
+
+
 # ---------------------------------------------------------------------------
 # Real launches.
 # ---------------------------------------------------------------------------

@@ -43,6 +43,28 @@ def test_fixed_horovod_sums_float16_exactly_and_waits_and_idles_without_spinning
         assert r["idle_cpu_s"] < 0.15 * r["idle_wall_s"], r
 
 
+def test_gloo_moves_the_data_under_the_mpi_controller(tmp_path, hvd_built):
+    """HOROVOD_CPU_OPERATIONS=gloo under mpirun, as hvdkit's ranks set it across hosts on CPUs:
+    every rank segfaulted in its first allreduce before 0011. The timeline says Gloo moved the
+    tensors; a process set added later, which has no Gloo context, is served by MPI."""
+    timeline = tmp_path / "timeline.json"
+    program = [sys.executable, str(REPO / "tests" / "programs" / "gloo_data_worker.py")]
+    env = {**os.environ, "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_DYNAMIC_PROCESS_SETS": "1",
+           "HOROVOD_TIMELINE": str(timeline), "OMP_NUM_THREADS": "1"}
+    proc = run([*planner.local_command("mpirun", 3, program)[:-len(program)], "-x", "HOROVOD_CPU_OPERATIONS",
+                "-x", "HOROVOD_DYNAMIC_PROCESS_SETS", "-x", "HOROVOD_TIMELINE", "-x", "OMP_NUM_THREADS", *program],
+               env=env, timeout=240)
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    results = sorted(selftest.parse_records(proc.stdout, "gloo_data"), key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == [0, 1, 2], proc.stdout[-2000:]
+    for r in results:
+        assert r["controller"] == "mpi" and r["sums_right"] and r["average_right"], r
+        assert r["allgather"] == [0, 1, 2] and r["broadcast"] == 10, r
+    assert [r.get("pair_sum") for r in results] == [2.0, 2.0, None]
+    activities = timeline.read_text()
+    assert "GLOO_ALLREDUCE" in activities and "MPI_ALLREDUCE" in activities, "Gloo for the global set, MPI for the pair"
+
+
 @pytest.mark.parametrize("mode", [[], ["--gloo"]], ids=["horovodrun", "horovodrun --gloo"])
 def test_horovodrun_knows_what_was_built_without_importing_torch(tmp_path, mode, hvd_built):
     """0004: horovodrun reads the controllers the build recorded in Horovod's metadata.json.

@@ -1,7 +1,11 @@
 """A rank's start-up (hvdkit.rank.startup): the settings exported before hvd.init()."""
 
+import ipaddress
+import socket
 
-from hvdkit.rank.startup import ALLREDUCE_RULES, performance_settings
+import psutil
+
+from hvdkit.rank.startup import ALLREDUCE_RULES, gloo_data_settings, interface_on, performance_settings
 
 
 def test_cpu_jobs_across_hosts_send_large_allreduces_by_the_ring():
@@ -20,3 +24,41 @@ def test_cpu_jobs_across_hosts_send_large_allreduces_by_the_ring():
                                 environ={"OMPI_MCA_coll_tuned_allreduce_algorithm": "3"})
     assert not any(name.startswith("OMPI_MCA_coll_tuned_") for name in mine) and "OMPI_MCA_btl_tcp_links" in mine
     assert performance_settings(on_gpu=True, spans_hosts=True, environ={}) == {"HOROVOD_ENABLE_ASYNC_COMPLETION": "1"}
+
+
+def _an_interface():
+    """(name, address) of this host's first non-loopback IPv4 interface."""
+    for name, addresses in psutil.net_if_addrs().items():
+        for address in addresses:
+            if address.family == socket.AF_INET and not ipaddress.ip_address(address.address).is_loopback:
+                return name, address.address
+    raise AssertionError("this host has no non-loopback IPv4 interface, which every test host has")
+
+
+def test_across_hosts_gloo_moves_the_tensors_on_the_interface_mpi_was_pinned_to():
+    """hvdkit launch pins Open MPI to the hosts' network (btl_tcp_if_include, a CIDR); the ranks
+    give Gloo the interface holding it, so its sockets reach the same hosts."""
+    name, address = _an_interface()
+    pinned = {"OMPI_MCA_btl_tcp_if_include": f"{address}/32"}
+    assert gloo_data_settings(pinned) == {"HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": name}
+    assert gloo_data_settings({"OMPI_MCA_btl_tcp_if_include": name})["HOROVOD_GLOO_IFACE"] == name
+    assert performance_settings(on_gpu=False, spans_hosts=True, environ=pinned, gloo_built=True)[
+        "HOROVOD_CPU_OPERATIONS"] == "gloo"
+    # one host: Open MPI's shared memory; a Horovod without Gloo, or GPUs: nothing changes
+    assert "HOROVOD_CPU_OPERATIONS" not in performance_settings(on_gpu=False, spans_hosts=False, environ=pinned,
+                                                                gloo_built=True)
+    assert "HOROVOD_CPU_OPERATIONS" not in performance_settings(on_gpu=False, spans_hosts=True, environ=pinned)
+    assert "HOROVOD_CPU_OPERATIONS" not in performance_settings(on_gpu=True, spans_hosts=True, environ=pinned,
+                                                                gloo_built=True)
+
+
+def test_the_users_choice_stands_and_no_interface_found_keeps_mpi():
+    assert gloo_data_settings({"HOROVOD_CPU_OPERATIONS": "mpi"}) == {}
+    assert gloo_data_settings({"HOROVOD_GLOO_IFACE": "ib0"}) == {"HOROVOD_CPU_OPERATIONS": "gloo"}
+    assert interface_on("^lo,docker0") is None, "an exclusion names no interface to use"
+    assert interface_on("127.0.0.0/8") is None, "loopback reaches no other host"
+    elsewhere = next(net for net in ("203.0.113.0/24", "198.51.100.0/24", "192.0.2.0/24")
+                     if not any(ipaddress.ip_address(a.address.split("%")[0]) in ipaddress.ip_network(net)
+                                for addresses in psutil.net_if_addrs().values() for a in addresses
+                                if a.family == socket.AF_INET))
+    assert interface_on(elsewhere) is None, f"{elsewhere}: a network this host is not on"

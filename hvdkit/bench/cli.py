@@ -29,7 +29,7 @@ from hvdkit.bench.workers import (
     synthetic_worker,
     zero_worker,
 )
-from hvdkit.launch.hostfile import LaunchError
+from hvdkit.launch.hostfile import LaunchError, parse_hosts
 from hvdkit.rehearse.namespaces import LINK_RATE, bits_per_second
 
 _world_sizes = number_list(int, "1,2,4", "world sizes must be >= 1")
@@ -215,6 +215,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser().parse_args(argv)
     under_launcher = env.detect().rank is not None
     try:
+        if getattr(args, "hosts", None):
+            parse_hosts(args.hosts)  # a bad host list fails here, before anything starts
         if args.bench == "allreduce":
             size_range(args.sizes)  # bad sizes fail here, before anything starts
             if args.worker:

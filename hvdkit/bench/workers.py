@@ -9,6 +9,7 @@ import json
 import os
 import socket
 import statistics
+import sys
 import time
 from functools import partial
 from typing import Callable
@@ -125,6 +126,20 @@ def synthetic_worker(args: argparse.Namespace) -> None:
     if comm.rank == 0:
         gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         _report(args, comm, kind, rows, compute_ms, gradient_bytes, per_rank, profiled)
+    if args.impl == "ddp":
+        _end_torch_distributed()
+
+
+def _end_torch_distributed() -> None:
+    """Every rank waits until all are done with the group, then exits without tearing it down:
+    torn down at exit while a peer was closing its sockets, Gloo's threads aborted a rank now and
+    then, after the results (exit 134). This leg started no MPI, which would want a finalize."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _start(args: argparse.Namespace):
@@ -139,7 +154,8 @@ def _start(args: argparse.Namespace):
     if args.impl == "horovod":
         import horovod.torch as hvd
 
-        _apply_defaults(performance_settings(torch.cuda.is_available(), launch.spans_hosts, gloo_built=hvd.gloo_built()))
+        _apply_defaults(performance_settings(torch.cuda.is_available(), launch.spans_hosts,
+                                             gloo_built=hvd.gloo_built()))
     if args.impl in ("hvdkit", "own-loop"):  # the Session applies the same settings itself
         session = Session(batch_size=args.batch_size, fp16_allreduce=args.fp16_allreduce, amp=args.amp,
                           seed=args.seed)
@@ -345,7 +361,8 @@ def allreduce_worker(args: argparse.Namespace) -> None:
     if not args.no_tuning:
         import horovod.torch as hvd
 
-        _apply_defaults(performance_settings(torch.cuda.is_available(), launch.spans_hosts, gloo_built=hvd.gloo_built()))
+        _apply_defaults(performance_settings(torch.cuda.is_available(), launch.spans_hosts,
+                                             gloo_built=hvd.gloo_built()))
     place_process(launch.local_rank or 0, launch.local_size or 1)
     sizes = size_range(args.sizes)
     _init_torch_distributed("gloo")

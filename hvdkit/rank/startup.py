@@ -37,7 +37,8 @@ def start(cfg: TrainConfig):
     this rank's device and seeds; (horovod.torch, device)."""
     import horovod.torch as hvd
 
-    settings = {**performance_settings(torch.cuda.is_available(), env.detect().spans_hosts, gloo_built=hvd.gloo_built()),
+    settings = {**performance_settings(torch.cuda.is_available(), env.detect().spans_hosts,
+                                       gloo_built=hvd.gloo_built()),
                 **stall_settings(cfg.stall_timeout), **reproducible_settings()}
     for name, value in ({} if cfg.elastic else settings).items():
         os.environ.setdefault(name, value)  # a variable the user exported wins

@@ -106,3 +106,14 @@ def checked(check: Callable[[str], object]) -> Callable[[str], str]:
             raise _bad(str(exc)) from None
         return text
     return parse
+
+
+LINK_RATE = "HVDKIT_LINK_RATE"  # the hosts' link rate in tc's words, for what the command measures
+
+
+def bits_per_second(rate: str) -> float:
+    """tc's rate words: '1gbit' -> 1e9, '30mbit' -> 3e7, '500kbit' -> 5e5."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg])bit", rate)
+    if not match:
+        raise ValueError(f"rate {rate!r}: expected a number and gbit, mbit or kbit, like 1gbit")
+    return float(match[1]) * {"k": 1e3, "m": 1e6, "g": 1e9}[match[2]]

@@ -9,7 +9,7 @@ import sys
 from typing import Optional, Sequence
 
 from hvdkit import env, job
-from hvdkit.args import OneLineParser, non_negative, number_list, positive
+from hvdkit.args import LINK_RATE, OneLineParser, bits_per_second, checked, non_negative, number_list, positive
 from hvdkit.bench.drivers import (
     CHECKPOINT_IMPLS,
     RunFailed,
@@ -30,7 +30,6 @@ from hvdkit.bench.workers import (
     zero_worker,
 )
 from hvdkit.launch.hostfile import LaunchError, parse_hosts
-from hvdkit.rehearse.namespaces import LINK_RATE, bits_per_second
 
 _world_sizes = number_list(int, "1,2,4", "world sizes must be >= 1")
 _link_speeds = number_list(float, "10,25,100", "link speeds must be > 0")
@@ -102,14 +101,6 @@ def _checkpoint_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impl", choices=CHECKPOINT_IMPLS, help=argparse.SUPPRESS)
 
 
-def _link_rate(text: str) -> str:
-    try:
-        bits_per_second(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-
-
 def _byte_size(text: str) -> int:
     try:
         return parse_size(text)
@@ -161,7 +152,7 @@ def parser() -> argparse.ArgumentParser:
                      help="also run hvdkit with this setting (HOROVOD_*, OMPI_MCA_*, NCCL_*, ...), one run "
                           "per --knob; repeatable")
     syn.add_argument("--repeats", type=positive, default=1, help="rounds over the implementations (default 1)")
-    syn.add_argument("--link-rate", type=_link_rate, default=os.environ.get(LINK_RATE), metavar="RATE",
+    syn.add_argument("--link-rate", type=checked(bits_per_second), default=os.environ.get(LINK_RATE), metavar="RATE",
                      help="the hosts' link, like 1gbit or 10gbit, for the network floor printed beside the figures "
                           f"(default: ${LINK_RATE}, which `hvdkit rehearse --bandwidth` sets)")
     syn.add_argument("--impl", choices=SYNTHETIC_IMPLS, help=argparse.SUPPRESS)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from hvdkit import env, job
+from hvdkit.args import bits_per_second
 from hvdkit.bench import estimate, profile
 from hvdkit.bench.environment import print_environment
 from hvdkit.bench.figures import (
@@ -44,7 +45,6 @@ from hvdkit.checks.selftest import mpi_root_env, parse_records
 from hvdkit.launch.mpi import find_program
 from hvdkit.launch.planner import job_hosts, local_slots
 from hvdkit.launch.rank_output import untagged
-from hvdkit.rehearse.namespaces import bits_per_second
 
 
 class RunFailed(RuntimeError):

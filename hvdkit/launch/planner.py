@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
 from hvdkit import job
-from hvdkit.args import OneLineParser
+from hvdkit.args import LINK_RATE, OneLineParser, bits_per_second
 from hvdkit.launch.commands import (
     MPIRUN_BUILDERS,
     LaunchSpec,
@@ -182,6 +182,8 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
         env = dict(set_env)
         if as_root and args.controller != "gloo":  # its mpirun refuses root without these
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        if args.controller != "gloo" and listed and len({h.name for h in hosts}) > 1:
+            env.update(data_path(environ))
         return Plan(launcher, reason, horovodrun_command(spec), env, tagged=True, ranks=placed,
                     hosts=hosts if listed else [])
     if launcher == "srun":
@@ -260,9 +262,32 @@ def _mpirun_plan(spec: LaunchSpec, reason: str, version_text: str, oversubscribe
                 spec.set_env["NCCL_SOCKET_IFNAME"] = spec.network.interface
             notes.append(f"network: {spec.network.interface} ({spec.network.cidr}), this host's route to "
                          f"{', '.join(spec.network.peers)}; MPI and NCCL pinned to it")
+    data = data_path(environ) if spec.hosts and len({h.name for h in spec.hosts}) > 1 else {}
+    if data:
+        spec.set_env.update(data)
+        notes.append(f"{LINK_RATE}={environ[LINK_RATE]}: MPI moves the tensors (HOROVOD_CPU_OPERATIONS=mpi), "
+                     f"as fast as Gloo or faster on links of {FAST_LINK_GBIT:g} Gbit/s and more")
     spec.forward = forwarded_names(environ, forward)
     return Plan("mpirun", f"{reason}; {flavor}", MPIRUN_BUILDERS[flavor](spec), {}, notes,
                 tagged=flavor == "openmpi", ranks=placed, hosts=watched)
+
+
+FAST_LINK_GBIT = 10
+
+
+def data_path(environ: Mapping[str, str]) -> dict:
+    """What moves a CPU job's tensors across hosts, set alike in every rank: on links the user (or a
+    rehearsal) says are 10 Gbit/s or faster, MPI (HOROVOD_CPU_OPERATIONS=mpi); else nothing, and the
+    ranks give Gloo the tensors (hvdkit.rank.startup.gloo_data_settings). Measured on both link
+    speeds: docs/performance.md#across-hosts."""
+    rate = environ.get(LINK_RATE)
+    if not rate or "HOROVOD_CPU_OPERATIONS" in environ:
+        return {}
+    try:
+        fast = bits_per_second(rate) >= FAST_LINK_GBIT * 1e9
+    except ValueError as exc:
+        raise LaunchError(f"{LINK_RATE}: {exc}") from None
+    return {"HOROVOD_CPU_OPERATIONS": "mpi"} if fast else {}
 
 
 def local_command(how: str, np: int, command: Sequence[str], hosts: Optional[str] = None) -> list[str]:

@@ -169,19 +169,18 @@ def gloo_data_settings(environ: Mapping[str, str]) -> dict:
     build makes it work, hvdkit/build/patches/0011): Open MPI's TCP transport polls through every
     allreduce on the core that also computes, where Gloo waits in the kernel (docs/performance.md).
 
-    Gloo needs the interface that reaches the other hosts: the user's HOROVOD_GLOO_IFACE, else the
-    one holding the network `hvdkit launch` pinned Open MPI to, else the one this host's name
-    resolves to. Where none is found (a name resolving to loopback, as Debian's /etc/hosts has
-    it), MPI keeps the data: a Gloo bound to loopback could not reach the other hosts."""
-    if "HOROVOD_CPU_OPERATIONS" in environ:  # the user's choice, or horovodrun --gloo's
+    Every rank must choose alike, so only from what the launcher gives all of them: the user's
+    HOROVOD_GLOO_IFACE, or the network `hvdkit launch` pins Open MPI to (btl_tcp_if_include on
+    mpirun's command line), whose interface on this host Gloo is given. Otherwise (srun, a plain
+    mpirun) MPI keeps the data; `hvdkit launch` also leaves it to MPI on links of 10 Gbit/s and
+    more (hvdkit.launch.planner), where MPI measured as fast or faster."""
+    if "HOROVOD_CPU_OPERATIONS" in environ:  # the user's or the launcher's choice, or horovodrun --gloo's
         return {}
     if environ.get("HOROVOD_GLOO_IFACE"):
         return {"HOROVOD_CPU_OPERATIONS": "gloo"}
     interface = interface_on(environ.get("OMPI_MCA_btl_tcp_if_include", ""))
     if interface:
         return {"HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": interface}
-    if interface_on(_own_address()):
-        return {"HOROVOD_CPU_OPERATIONS": "gloo"}
     return {}
 
 
@@ -212,14 +211,6 @@ def interface_on(networks: str) -> Optional[str]:
                 except ValueError:
                     continue
     return None
-
-
-def _own_address() -> str:
-    """The address this host's name resolves to, or "" where it does not resolve."""
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return ""
 
 
 def allreduce_rules_file() -> Path:

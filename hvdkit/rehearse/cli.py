@@ -48,16 +48,14 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from hvdkit import job
-from hvdkit.args import OneLineParser, checked, duration
+from hvdkit.args import LINK_RATE, OneLineParser, bits_per_second, checked, duration
 from hvdkit.rehearse import faults as fault_menu
 from hvdkit.rehearse.namespaces import (
     FIRST_HOST,
-    LINK_RATE,
     MAX_HOSTS,
     SUBNET,
     Hosts,
     HostsUnavailable,
-    bits_per_second,
     seconds,
     unavailable,
 )

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from hvdkit import job
+from hvdkit.args import bits_per_second
 
 SUBNET = "10.231.0"  # the hosts' routed network, /24
 FIRST_HOST = 11  # the hosts' addresses: SUBNET.11, .12, ... up to .254
@@ -41,17 +42,6 @@ MAX_HOSTS = 254 - FIRST_HOST + 1
 DOCKER0 = "10.231.1.1/24"  # the same address on every host, as Docker's bridge has
 SSHD = "/usr/sbin/sshd"
 _made = itertools.count()  # sets of hosts this process has made: part of every name
-LINK_RATE = "HVDKIT_LINK_RATE"  # the hosts' link rate in tc's words, for what the command measures
-
-
-def bits_per_second(rate: str) -> float:
-    """tc's rate words: '1gbit' -> 1e9, '30mbit' -> 3e7, '500kbit' -> 5e5."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg])bit", rate)
-    if not match:
-        raise ValueError(f"rate {rate!r}: expected a number and gbit, mbit or kbit, like 1gbit")
-    return float(match[1]) * {"k": 1e3, "m": 1e6, "g": 1e9}[match[2]]
-
-
 def seconds(delay: str) -> float:
     """tc's time words: '1ms' -> 0.001, '250us' -> 0.00025, '0.5s' -> 0.5."""
     match = re.fullmatch(r"(\d+(?:\.\d+)?)(us|ms|s)", delay)

@@ -67,6 +67,27 @@ def test_mpirun_across_hosts_is_pinned_to_that_network_unless_the_user_chose():
     assert result.watch == ["h1", "h2", "h3"] and _pinned_plan(["-np", "2", "--launcher", "mpirun"]).watch == []
 
 
+def test_on_links_of_10_gbits_and_more_mpi_moves_the_tensors_in_every_rank():
+    """Across hosts the ranks give Gloo the tensors (hvdkit.rank.startup.gloo_data_settings);
+    where the link is known fast, the launcher tells every rank alike to leave them to MPI."""
+    hosts = ["-np", "3", "-H", "h1:1,h2:1,h3:1"]
+    fast = _pinned_plan([*hosts, "--launcher", "mpirun"], {"HVDKIT_LINK_RATE": "10gbit"})
+    assert "HOROVOD_CPU_OPERATIONS=mpi" in fast.command and "HVDKIT_LINK_RATE" in fast.command
+    assert any(note.startswith("HVDKIT_LINK_RATE=10gbit: MPI moves the tensors") for note in fast.notes)
+    horovodrun = _pinned_plan([*hosts, "--launcher", "horovodrun"], {"HVDKIT_LINK_RATE": "25gbit"})
+    assert horovodrun.env["HOROVOD_CPU_OPERATIONS"] == "mpi"
+    for left in (_pinned_plan([*hosts, "--launcher", "mpirun"], {"HVDKIT_LINK_RATE": "1gbit"}),
+                 _pinned_plan([*hosts, "--launcher", "mpirun"]),
+                 _pinned_plan(["-np", "2", "--launcher", "mpirun"], {"HVDKIT_LINK_RATE": "10gbit"}),
+                 _pinned_plan([*hosts, "--launcher", "mpirun"], {"HVDKIT_LINK_RATE": "40gbit",
+                                                                 "HOROVOD_CPU_OPERATIONS": "gloo"})):
+        assert "HOROVOD_CPU_OPERATIONS=mpi" not in left.command
+    assert "HOROVOD_CPU_OPERATIONS" not in _pinned_plan([*hosts, "--launcher", "horovodrun", "--gloo"],
+                                                        {"HVDKIT_LINK_RATE": "25gbit"}).env
+    with pytest.raises(LaunchError, match=r"^HVDKIT_LINK_RATE: rate 'fast': expected a number and gbit"):
+        _pinned_plan([*hosts, "--launcher", "mpirun"], {"HVDKIT_LINK_RATE": "fast"})
+
+
 def test_a_host_that_does_not_resolve_is_one_line_before_the_job():
     args = planner.parser().parse_args(["-np", "2", "-H", "h1:1,nosuchhost:1", "--launcher", "mpirun"])
 

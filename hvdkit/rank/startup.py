@@ -142,8 +142,8 @@ def performance_settings(on_gpu: bool, spans_hosts: bool = False,
     2(N-1)); unless ``environ`` already sets a coll_tuned variable of its own. And two TCP
     connections per pair of ranks: with one, a 16 MiB allreduce between two hosts moved
     0.065-0.118 GB/s on a 1 Gbit/s link, from run to run; with two, 0.112-0.119. Where Horovod has
-    Gloo, Gloo moves the tensors across hosts (``gloo_data_settings``). On GPUs, asynchronous
-    completion only.
+    Gloo, Gloo may move the tensors across hosts (``gloo_data_settings`` says when). On GPUs,
+    asynchronous completion only.
     """
     if on_gpu:
         # Horovod's finalizer thread marks a GPU collective done once it is queued, and torch's

@@ -14,7 +14,8 @@ hosts in its environment:
     HVDKIT_HOSTS_FILE  the same file, for elastic discovery (--host-discovery-script hvdkit-discover-hosts)
     OMPI_MCA_hwloc_base_binding_policy=none   unless --cpus or already set: the hosts share this
                        machine's cores, and plain mpirun would bind each host's first rank to core 0
-    HVDKIT_LINK_RATE   each host's link rate, with --bandwidth (1gbit): `hvdkit bench` reads it for its floor
+    HVDKIT_LINK_RATE   each host's link rate, with --bandwidth (1gbit): `hvdkit bench` reads it for its floor,
+                       `hvdkit launch` to choose what moves the tensors
 
 ``--kill-host I --after T`` fails nodeI T after the start: its processes die, its sshd too, its
 link goes down, and it leaves the hostfile, as a lost machine leaves a cluster's discovery.

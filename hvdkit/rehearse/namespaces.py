@@ -42,6 +42,8 @@ MAX_HOSTS = 254 - FIRST_HOST + 1
 DOCKER0 = "10.231.1.1/24"  # the same address on every host, as Docker's bridge has
 SSHD = "/usr/sbin/sshd"
 _made = itertools.count()  # sets of hosts this process has made: part of every name
+
+
 def seconds(delay: str) -> float:
     """tc's time words: '1ms' -> 0.001, '250us' -> 0.00025, '0.5s' -> 0.5."""
     match = re.fullmatch(r"(\d+(?:\.\d+)?)(us|ms|s)", delay)

@@ -37,12 +37,16 @@ def start(cfg: TrainConfig):
     this rank's device and seeds; (horovod.torch, device)."""
     import horovod.torch as hvd
 
-    settings = {**performance_settings(torch.cuda.is_available(), env.detect().spans_hosts,
-                                       gloo_built=hvd.gloo_built()),
+    spans_hosts = env.detect().spans_hosts
+    settings = {**performance_settings(torch.cuda.is_available(), spans_hosts, gloo_built=hvd.gloo_built()),
                 **stall_settings(cfg.stall_timeout), **reproducible_settings()}
     for name, value in ({} if cfg.elastic else settings).items():
         os.environ.setdefault(name, value)  # a variable the user exported wins
     hvd.init()
+    hint = data_path_hint(spans_hosts and not cfg.elastic and not torch.cuda.is_available() and hvd.gloo_built()
+                          and hvd.mpi_enabled(), os.environ)
+    if hint and hvd.rank() == 0:
+        print(f"hvdkit: note: {hint}", file=sys.stderr, flush=True)
     problem = env.disagreement(env.detect(), hvd.rank(), hvd.size(), hvd.local_rank())
     if problem:
         print(f"hvdkit: warning: {problem}", file=sys.stderr, flush=True)
@@ -182,6 +186,17 @@ def gloo_data_settings(environ: Mapping[str, str]) -> dict:
     if interface:
         return {"HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": interface}
     return {}
+
+
+def data_path_hint(cpu_job_across_hosts_on_mpi: bool, environ: Mapping[str, str]) -> Optional[str]:
+    """What to pass where MPI moves a CPU job's tensors across hosts because nothing chose (srun,
+    a plain mpirun: ``gloo_data_settings`` found no network all ranks were given)."""
+    if not cpu_job_across_hosts_on_mpi or "HOROVOD_CPU_OPERATIONS" in environ:
+        return None
+    return ("Open MPI moves the tensors between hosts, polling through every allreduce on the cores that compute; "
+            "on links under 10 Gbit/s Gloo is faster (docs/launching.md): give every rank "
+            "HOROVOD_CPU_OPERATIONS=gloo (mpirun -x HOROVOD_CPU_OPERATIONS=gloo; srun passes your environment), "
+            "or start the job with hvdkit launch")
 
 
 def interface_on(networks: str) -> Optional[str]:

@@ -5,7 +5,13 @@ import socket
 
 import psutil
 
-from hvdkit.rank.startup import ALLREDUCE_RULES, gloo_data_settings, interface_on, performance_settings
+from hvdkit.rank.startup import (
+    ALLREDUCE_RULES,
+    data_path_hint,
+    gloo_data_settings,
+    interface_on,
+    performance_settings,
+)
 
 
 def test_cpu_jobs_across_hosts_send_large_allreduces_by_the_ring():
@@ -62,3 +68,10 @@ def test_the_users_choice_stands_and_no_interface_found_keeps_mpi():
                                 for addresses in psutil.net_if_addrs().values() for a in addresses
                                 if a.family == socket.AF_INET))
     assert interface_on(elsewhere) is None, f"{elsewhere}: a network this host is not on"
+
+
+def test_where_mpi_moves_the_tensors_because_nothing_chose_rank_0_says_what_to_pass():
+    hint = data_path_hint(True, {})
+    assert "HOROVOD_CPU_OPERATIONS=gloo" in hint and "\n" not in hint
+    assert data_path_hint(True, {"HOROVOD_CPU_OPERATIONS": "mpi"}) is None, "chosen: by you or hvdkit launch"
+    assert data_path_hint(False, {}) is None, "one host, GPUs, elastic or no Gloo: nothing to say"

@@ -42,6 +42,7 @@ from hvdkit.bench.plots import (
     write_allreduce_csv,
 )
 from hvdkit.checks.selftest import mpi_root_env, parse_records
+from hvdkit.launch.hostfile import several
 from hvdkit.launch.mpi import find_program
 from hvdkit.launch.planner import job_hosts, local_slots
 from hvdkit.launch.rank_output import untagged
@@ -134,10 +135,9 @@ def compare_synthetic(args: argparse.Namespace) -> int:
                  for label, results in runs.items() if label != "hvdkit"}
     compute_ms = statistics.fmean(r["compute_ms"] for results in runs.values() for r in results)
     gradient_bytes = runs["hvdkit"][-1]["gradient_bytes"]
-    hosts = job_hosts(args.hosts, None, os.environ)
     floor = estimate.floor(compute_ms, gradient_bytes / (2 if args.fp16_allreduce else 1), args.batch_size, np,
                            bits_per_second(args.link_rate) / 1e9 if args.link_rate else None,
-                           hosts is not None and len({h.name for h in hosts}) > 1)
+                           several(job_hosts(args.hosts, None, os.environ)))
     of_floor = {label: total / floor["img_sec"] for label, total in summary.items()} if floor else {}
     print(f"\n{'implementation':<{width}} {'total img/sec':>14} {'per ' + kind:>10} {'hvdkit / it':>12} "
           f"{'per round':>12} {'CPU ms/step':>12} {'not training':>13} {'of floor':>9}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 from hvdkit import slurm
 
@@ -92,6 +92,11 @@ def slurm_hosts(environ: Mapping[str, str]) -> list[Host]:
 
 def host_list(hosts: Sequence[Host]) -> str:
     return ",".join(f"{h.name}:{h.slots}" for h in hosts)
+
+
+def several(hosts: Optional[Sequence[Host]]) -> bool:
+    """Whether the hosts are more than one machine (one listed twice is one)."""
+    return hosts is not None and len({h.name for h in hosts}) > 1
 
 
 def ranks_by_host(hosts: Sequence[Host], np: int) -> dict[str, list[int]]:

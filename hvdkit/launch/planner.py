@@ -35,6 +35,7 @@ from hvdkit.launch.hostfile import (
     parse_hosts,
     ranks_by_host,
     read_hostfile,
+    several,
     slurm_hosts,
 )
 from hvdkit.launch.mpi import find_program, mpi_flavor, mpirun_version
@@ -182,7 +183,7 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
         env = dict(set_env)
         if as_root and args.controller != "gloo":  # its mpirun refuses root without these
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-        if args.controller != "gloo" and listed and len({h.name for h in hosts}) > 1:
+        if args.controller != "gloo" and listed and several(hosts):
             env.update(data_path(environ))
         return Plan(launcher, reason, horovodrun_command(spec), env, tagged=True, ranks=placed,
                     hosts=hosts if listed else [])
@@ -262,7 +263,7 @@ def _mpirun_plan(spec: LaunchSpec, reason: str, version_text: str, oversubscribe
                 spec.set_env["NCCL_SOCKET_IFNAME"] = spec.network.interface
             notes.append(f"network: {spec.network.interface} ({spec.network.cidr}), this host's route to "
                          f"{', '.join(spec.network.peers)}; MPI and NCCL pinned to it")
-    data = data_path(environ) if spec.hosts and len({h.name for h in spec.hosts}) > 1 else {}
+    data = data_path(environ) if several(spec.hosts) else {}
     if data:
         spec.set_env.update(data)
         notes.append(f"{LINK_RATE}={environ[LINK_RATE]}: MPI moves the tensors (HOROVOD_CPU_OPERATIONS=mpi), "

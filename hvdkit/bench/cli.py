@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 
 from hvdkit import env, job
 from hvdkit.args import LINK_RATE, OneLineParser, bits_per_second, checked, non_negative, number_list, positive
+from hvdkit.bench.allreduce_worker import allreduce_worker
 from hvdkit.bench.drivers import (
     CHECKPOINT_IMPLS,
     RunFailed,
@@ -24,11 +25,10 @@ from hvdkit.bench.figures import ZERO_IMPLS, BenchError, parse_size, size_range
 from hvdkit.bench.workers import (
     IMPL_HELP,
     SYNTHETIC_IMPLS,
-    allreduce_worker,
     checkpoint_worker,
     synthetic_worker,
-    zero_worker,
 )
+from hvdkit.bench.zero_worker import zero_worker
 from hvdkit.launch.hostfile import LaunchError, parse_hosts
 
 _world_sizes = number_list(int, "1,2,4", "world sizes must be >= 1")

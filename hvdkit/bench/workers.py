@@ -1,5 +1,6 @@
 """What runs in each rank: Horovod's synthetic benchmark (hvdkit, its own-loop, Horovod's loop,
-DDP) and the allreduce timings (mpi4py, torch.distributed, Horovod), each printing one JSON record."""
+DDP) and the checkpoint saves, each printing one JSON record; the allreduce timings are in
+hvdkit.bench.allreduce_worker, the sharded optimizers' in hvdkit.bench.zero_worker."""
 
 from __future__ import annotations
 
@@ -11,22 +12,14 @@ import socket
 import statistics
 import sys
 import time
-from functools import partial
 from typing import Callable
 
-from hvdkit import env, job
-from hvdkit.bench.drivers import RunFailed
+from hvdkit import env
 from hvdkit.bench.environment import environment
 from hvdkit.bench.figures import (
     BenchError,
-    algbw,
-    busbw,
     cross_rank_total,
-    default_iterations,
-    format_size,
-    gpt,
     rate_stats,
-    size_range,
 )
 from hvdkit.bench.profile import profile_steps
 
@@ -67,7 +60,7 @@ def _torch_comm() -> _Comm:
     return _Comm(dist.get_rank(), dist.get_world_size(), rows, dist.get_backend())
 
 
-def _init_torch_distributed(backend: str) -> None:
+def init_torch_distributed(backend: str) -> None:
     """torch.distributed from the launcher's ranks and the driver's MASTER_ADDR/PORT."""
     import torch.distributed as dist
 
@@ -81,7 +74,7 @@ def _init_torch_distributed(backend: str) -> None:
     atexit.register(dist.destroy_process_group)
 
 
-def _apply_defaults(settings: dict) -> None:
+def apply_defaults(settings: dict) -> None:
     for name, value in settings.items():
         os.environ.setdefault(name, value)  # what the user exported wins, as in the Trainer
 
@@ -154,7 +147,7 @@ def _start(args: argparse.Namespace):
     if args.impl == "horovod":
         import horovod.torch as hvd
 
-        _apply_defaults(performance_settings(torch.cuda.is_available(), launch.spans_hosts,
+        apply_defaults(performance_settings(torch.cuda.is_available(), launch.spans_hosts,
                                              gloo_built=hvd.gloo_built()))
     if args.impl in ("hvdkit", "own-loop"):  # the Session applies the same settings itself
         session = Session(batch_size=args.batch_size, fp16_allreduce=args.fp16_allreduce, amp=args.amp,
@@ -163,7 +156,7 @@ def _start(args: argparse.Namespace):
     if args.impl == "ddp":
         device = place_process(launch.local_rank or 0, launch.local_size or 1)
         # NCCL for the gradients, Gloo for the results gathered as CPU tensors (NCCL has no CPU backend).
-        _init_torch_distributed("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
+        init_torch_distributed("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
         return device, _torch_comm(), None, None
     import horovod.torch as hvd
 
@@ -335,283 +328,6 @@ def _compute_seconds(args: argparse.Namespace, device, images, labels) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
     return (time.perf_counter() - start) / args.num_batches_per_iter
-
-
-def _time_allreduce(run: Callable[[], None], iterations: int, barrier: Callable[[], None]) -> float:
-    """Seconds per call on this rank, after warmup, starting together."""
-    for _ in range(max(2, iterations // 10)):
-        run()
-    barrier()
-    start = time.perf_counter()
-    for _ in range(iterations):
-        run()
-    return (time.perf_counter() - start) / iterations
-
-
-def allreduce_worker(args: argparse.Namespace) -> None:
-    """Every size under raw MPI and torch.distributed first, then Horovod: its background
-    thread polls once it starts and must not run under the others' measurements. Each
-    implementation's result is checked once per size before it is timed."""
-    import torch
-    import torch.distributed as dist
-
-    from hvdkit.rank.startup import performance_settings, place_process
-
-    launch = env.detect()
-    if not args.no_tuning:
-        import horovod.torch as hvd
-
-        _apply_defaults(performance_settings(torch.cuda.is_available(), launch.spans_hosts,
-                                             gloo_built=hvd.gloo_built()))
-    place_process(launch.local_rank or 0, launch.local_size or 1)
-    sizes = size_range(args.sizes)
-    _init_torch_distributed("gloo")
-    rank, size = dist.get_rank(), dist.get_world_size()
-    seconds: dict[str, list[float]] = {}
-    skipped: dict[str, str] = {}
-    if os.environ.get("HOROVOD_CONTROLLER") == "gloo":
-        skipped["mpi4py"] = "a Gloo launch (horovodrun --gloo) has no MPI"
-    else:
-        seconds["mpi4py"] = _mpi4py_times(args, sizes, rank, size)
-    seconds["torch.distributed"] = _torch_times(args, sizes, rank, size)
-    import horovod.torch as hvd
-
-    hvd.init()
-    seconds.update(_horovod_times(args, hvd, sizes, rank, size))
-    _allreduce_report(args, seconds, sizes, skipped, "mpi" if hvd.mpi_enabled() else "gloo")
-    hvd.shutdown()
-
-
-def _checked(name: str, nbytes: int, rank: int, size: int, got: float, average: bool = False) -> None:
-    """Every rank gave rank + 1: the sum is size(size + 1)/2 (its average for Horovod's Average)."""
-    want = size * (size + 1) / 2 / (size if average else 1)
-    if abs(got - want) > 1e-3 * abs(want):
-        raise RunFailed(f"{name} allreduce of {format_size(nbytes)} gave {got} on rank {rank}, expected {want}")
-
-
-def _mpi4py_times(args: argparse.Namespace, sizes: list, rank: int, size: int) -> list[float]:
-    import numpy as np
-    from mpi4py import MPI
-
-    world, times = MPI.COMM_WORLD, []
-    for nbytes in sizes:
-        send = np.full(nbytes // 4, rank + 1, dtype=np.float32)
-        recv = np.empty_like(send)
-        world.Allreduce(send, recv, op=MPI.SUM)
-        _checked("mpi4py", nbytes, rank, size, float(recv[-1]))
-        times.append(_time_allreduce(partial(world.Allreduce, send, recv, op=MPI.SUM),
-                                     args.iters or default_iterations(nbytes), world.Barrier))
-    return times
-
-
-def _torch_times(args: argparse.Namespace, sizes: list, rank: int, size: int) -> list[float]:
-    import torch
-    import torch.distributed as dist
-
-    times = []
-    for nbytes in sizes:
-        tensor = torch.full((nbytes // 4,), float(rank + 1))
-        dist.all_reduce(tensor)
-        _checked("torch.distributed", nbytes, rank, size, float(tensor[-1]))
-        tensor.zero_()  # repeated in-place sums of zeros stay finite
-        times.append(_time_allreduce(partial(dist.all_reduce, tensor), args.iters or default_iterations(nbytes),
-                                     dist.barrier))
-    return times
-
-
-def _horovod_times(args: argparse.Namespace, hvd, sizes: list, rank: int, size: int) -> dict[str, list[float]]:
-    """In place (the DistributedOptimizer's path: allreduce_async_ and synchronize) and out of place."""
-    import torch
-
-    seconds = {}
-    for name in ("horovod in-place", "horovod out-of-place"):
-        times = []
-        for nbytes in sizes:
-            tensor = torch.full((nbytes // 4,), float(rank + 1))
-            tag = f"bench.{format_size(nbytes)}"  # one name per size, as gradients have: the response cache hits
-            if name == "horovod in-place":
-                def run(t=tensor, tag=tag):
-                    hvd.synchronize(hvd.allreduce_async_(t, op=hvd.Average, name=tag))
-                run()
-                got = float(tensor[-1])
-            else:
-                def run(t=tensor, tag=tag):
-                    return hvd.allreduce(t, op=hvd.Average, name=tag + ".out")
-                got = float(run()[-1])
-            _checked(name, nbytes, rank, size, got, average=True)
-            times.append(_time_allreduce(run, args.iters or default_iterations(nbytes), hvd.barrier))
-        seconds[name] = times
-    return seconds
-
-
-def _allreduce_report(args: argparse.Namespace, seconds: dict, sizes: list, skipped: dict, controller: str) -> None:
-    """Rank 0's JSON record: per size and implementation, the slowest rank's time (the collective's)."""
-    import torch.distributed as dist
-
-    names, size = list(seconds), dist.get_world_size()
-    gathered = [None] * size
-    dist.all_gather_object(gathered, [seconds[n] for n in names])
-    if dist.get_rank() != 0:
-        return
-    rows = []
-    for i, nbytes in enumerate(sizes):
-        row = {"bytes": nbytes, "count": nbytes // 4}
-        for j, name in enumerate(names):
-            t = max(per_rank[j][i] for per_rank in gathered)
-            bw = algbw(nbytes, t)
-            row[name] = {"time_us": t * 1e6, "algbw": bw, "busbw": busbw(bw, size)}
-        rows.append(row)
-    record = {"event": "bench.allreduce", "world_size": size, "implementations": names, "skipped": skipped,
-              "rows": rows, "environment": environment(controller=controller, tuning=not args.no_tuning)}
-    print(json.dumps(record), flush=True)
-
-
-# --- hvdkit bench zero ----------------------------------------------------------------------
-
-def zero_worker(args: argparse.Namespace) -> None:
-    """One rank of one loop: warm up, time the steps, report rates and bytes on rank 0."""
-    import horovod.torch as hvd
-    import torch
-
-    from hvdkit.rank.memory import PhasePeaks
-    from hvdkit.rank.startup import place_process
-    from hvdkit.zero import optimizer as zero
-
-    launch = env.detect()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    device = torch.device("cuda", launch.local_rank or 0) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if args.memory_cap:
-        _end_above(args.memory_cap, device)
-    model, inputs, loss_of = _zero_model(args)
-    model.to(device)
-    optimizer_class = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[args.optimizer]
-    if args.impl == "torch-zero":
-        import torch.distributed as dist
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        place_process(launch.local_rank or 0, launch.local_size or 1)
-        _init_torch_distributed("nccl" if device.type == "cuda" else "gloo")
-        rank, size = dist.get_rank(), dist.get_world_size()
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class, lr=1e-4)
-        gather = _torch_gather
-    else:
-        hvd.init()
-        rank, size = hvd.rank(), hvd.size()
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        inner = optimizer_class(model.parameters(), lr=1e-4)
-        optimizer = (hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
-                     if args.impl == "horovod" else zero.ShardedOptimizer(inner, hvd, int(args.impl[-1])))
-        gather = hvd.allgather_object
-    batch = [part.to(device) for part in inputs(torch.Generator().manual_seed(rank))]
-
-    peaks = PhasePeaks(device)
-
-    def step(when: str) -> None:
-        with peaks.phase(f"{when}: forward and backward"):
-            optimizer.zero_grad()
-            loss_of(model, batch).backward()
-        with peaks.phase(f"{when}: optimizer step"):
-            optimizer.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    try:
-        for n in range(args.warmup):
-            step("first step" if n == 0 else "steady")
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            step("steady")
-    except torch.cuda.OutOfMemoryError:  # past --memory-cap on a GPU
-        print(json.dumps({"event": "bench.zero.over", "cuda_allocated": torch.cuda.max_memory_allocated(device),
-                          "cap": args.memory_cap}), flush=True)
-        os._exit(job.OVER_CAP)
-    rate = args.batch_size * args.steps / (time.perf_counter() - start)
-    phases = peaks.summary()
-    held = {**_held(model, optimizer, zero), "phases": phases}
-    # The peak the cap and the table speak of: resident memory on a CPU, the allocator's on a GPU.
-    held["peak"] = held["peak_rss"] if device.type == "cpu" else max(v for k, v in phases.items() if k != "unit")
-    rows = gather({"samples_per_sec": rate, **held})
-    if rank == 0:
-        print(json.dumps({"event": "bench.zero", "impl": args.impl, "world_size": size, "model": args.model,
-                          "parameters": sum(p.numel() for p in model.parameters()),
-                          "samples_per_sec": sum(r["samples_per_sec"] for r in rows), "ranks": rows}), flush=True)
-
-
-def _zero_model(args: argparse.Namespace):
-    """(model, inputs, loss_of): the model, a function of a generator giving one rank's batch,
-    and the loss of a batch."""
-    import torch
-    import torch.nn.functional as F
-
-    from hvdkit import models
-
-    if args.model == "gpt":
-        def tokens(generator):
-            return [torch.randint(0, 256, (args.batch_size, args.seq_len + 1), generator=generator)]
-
-        def next_token_loss(model, batch):
-            (tokens,) = batch
-            return F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-
-        return gpt(args.width, args.layers, args.seq_len), tokens, next_token_loss
-
-    def images(generator):
-        return [torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=generator),
-                torch.randint(0, args.num_classes, (args.batch_size,), generator=generator)]
-
-    def class_loss(model, batch):
-        return F.cross_entropy(model(batch[0]), batch[1])
-
-    return models.build(args.model, 3, args.image_size, args.num_classes), images, class_loss
-
-
-def _end_above(cap: int, device) -> None:
-    """Watch this rank's resident memory from a thread; past ``cap``, say so and end the process
-    (its launcher then ends the others): a model that does not fit need not finish its steps.
-    On a GPU the allocator itself refuses to pass the cap (the worker ends on its error)."""
-    import threading
-
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(device).total_memory, device)
-        return
-    page = os.sysconf("SC_PAGE_SIZE")
-
-    def watch() -> None:
-        with open("/proc/self/statm") as statm:
-            while True:
-                statm.seek(0)
-                resident = int(statm.read().split()[1]) * page
-                if resident > cap:
-                    print(json.dumps({"event": "bench.zero.over", "rss": resident, "cap": cap}), flush=True)
-                    os._exit(job.OVER_CAP)
-                time.sleep(0.01)
-
-    threading.Thread(target=watch, name="hvdkit-memory-cap", daemon=True).start()
-
-
-def _held(model, optimizer, zero) -> dict:
-    """This rank's bytes after a step, counted from the tensors, and its peak resident memory."""
-    from hvdkit.rank.memory import memory_of, peak_rss
-
-    if isinstance(optimizer, zero.ShardedOptimizer):
-        return memory_of(optimizer)
-    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer steps its shard with this
-    params = list(model.parameters())
-    return {**zero.held_bytes(params, params, local.state.values()), "peak_rss": peak_rss()}
-
-
-def _torch_gather(value):
-    import torch.distributed as dist
-
-    rows = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, value)
-    return rows
 
 
 def checkpoint_worker(args: argparse.Namespace) -> None:

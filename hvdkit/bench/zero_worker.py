@@ -1,0 +1,159 @@
+"""What runs in each rank of `hvdkit bench zero`: a model trained under hvdkit's ZeRO stages,
+Horovod's DistributedOptimizer and torch's ZeroRedundancyOptimizer, printing one JSON record."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from hvdkit import env, job
+from hvdkit.bench.figures import gpt
+from hvdkit.bench.workers import init_torch_distributed
+
+
+def zero_worker(args: argparse.Namespace) -> None:
+    """One rank of one loop: warm up, time the steps, report rates and bytes on rank 0."""
+    import horovod.torch as hvd
+    import torch
+
+    from hvdkit.rank.memory import PhasePeaks
+    from hvdkit.rank.startup import place_process
+    from hvdkit.zero import optimizer as zero
+
+    launch = env.detect()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    device = torch.device("cuda", launch.local_rank or 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if args.memory_cap:
+        _end_above(args.memory_cap, device)
+    model, inputs, loss_of = _zero_model(args)
+    model.to(device)
+    optimizer_class = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[args.optimizer]
+    if args.impl == "torch-zero":
+        import torch.distributed as dist
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        place_process(launch.local_rank or 0, launch.local_size or 1)
+        init_torch_distributed("nccl" if device.type == "cuda" else "gloo")
+        rank, size = dist.get_rank(), dist.get_world_size()
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class, lr=1e-4)
+        gather = _torch_gather
+    else:
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        inner = optimizer_class(model.parameters(), lr=1e-4)
+        optimizer = (hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
+                     if args.impl == "horovod" else zero.ShardedOptimizer(inner, hvd, int(args.impl[-1])))
+        gather = hvd.allgather_object
+    batch = [part.to(device) for part in inputs(torch.Generator().manual_seed(rank))]
+
+    peaks = PhasePeaks(device)
+
+    def step(when: str) -> None:
+        with peaks.phase(f"{when}: forward and backward"):
+            optimizer.zero_grad()
+            loss_of(model, batch).backward()
+        with peaks.phase(f"{when}: optimizer step"):
+            optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    try:
+        for n in range(args.warmup):
+            step("first step" if n == 0 else "steady")
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step("steady")
+    except torch.cuda.OutOfMemoryError:  # past --memory-cap on a GPU
+        print(json.dumps({"event": "bench.zero.over", "cuda_allocated": torch.cuda.max_memory_allocated(device),
+                          "cap": args.memory_cap}), flush=True)
+        os._exit(job.OVER_CAP)
+    rate = args.batch_size * args.steps / (time.perf_counter() - start)
+    phases = peaks.summary()
+    held = {**_held(model, optimizer, zero), "phases": phases}
+    # The peak the cap and the table speak of: resident memory on a CPU, the allocator's on a GPU.
+    held["peak"] = held["peak_rss"] if device.type == "cpu" else max(v for k, v in phases.items() if k != "unit")
+    rows = gather({"samples_per_sec": rate, **held})
+    if rank == 0:
+        print(json.dumps({"event": "bench.zero", "impl": args.impl, "world_size": size, "model": args.model,
+                          "parameters": sum(p.numel() for p in model.parameters()),
+                          "samples_per_sec": sum(r["samples_per_sec"] for r in rows), "ranks": rows}), flush=True)
+
+
+def _zero_model(args: argparse.Namespace):
+    """(model, inputs, loss_of): the model, a function of a generator giving one rank's batch,
+    and the loss of a batch."""
+    import torch
+    import torch.nn.functional as F
+
+    from hvdkit import models
+
+    if args.model == "gpt":
+        def tokens(generator):
+            return [torch.randint(0, 256, (args.batch_size, args.seq_len + 1), generator=generator)]
+
+        def next_token_loss(model, batch):
+            (tokens,) = batch
+            return F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+
+        return gpt(args.width, args.layers, args.seq_len), tokens, next_token_loss
+
+    def images(generator):
+        return [torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=generator),
+                torch.randint(0, args.num_classes, (args.batch_size,), generator=generator)]
+
+    def class_loss(model, batch):
+        return F.cross_entropy(model(batch[0]), batch[1])
+
+    return models.build(args.model, 3, args.image_size, args.num_classes), images, class_loss
+
+
+def _end_above(cap: int, device) -> None:
+    """Watch this rank's resident memory from a thread; past ``cap``, say so and end the process
+    (its launcher then ends the others): a model that does not fit need not finish its steps.
+    On a GPU the allocator itself refuses to pass the cap (the worker ends on its error)."""
+    import threading
+
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(device).total_memory, device)
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def watch() -> None:
+        with open("/proc/self/statm") as statm:
+            while True:
+                statm.seek(0)
+                resident = int(statm.read().split()[1]) * page
+                if resident > cap:
+                    print(json.dumps({"event": "bench.zero.over", "rss": resident, "cap": cap}), flush=True)
+                    os._exit(job.OVER_CAP)
+                time.sleep(0.01)
+
+    threading.Thread(target=watch, name="hvdkit-memory-cap", daemon=True).start()
+
+
+def _held(model, optimizer, zero) -> dict:
+    """This rank's bytes after a step, counted from the tensors, and its peak resident memory."""
+    from hvdkit.rank.memory import memory_of, peak_rss
+
+    if isinstance(optimizer, zero.ShardedOptimizer):
+        return memory_of(optimizer)
+    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer steps its shard with this
+    params = list(model.parameters())
+    return {**zero.held_bytes(params, params, local.state.values()), "peak_rss": peak_rss()}
+
+
+def _torch_gather(value):
+    import torch.distributed as dist
+
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, value)
+    return rows

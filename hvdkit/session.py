@@ -49,6 +49,7 @@ from hvdkit import job
 from hvdkit.checkpoint import CheckpointError
 from hvdkit.config import ConfigError, TrainConfig, from_environ, from_mapping, validate
 from hvdkit.rank import orphan, startup, stops
+from hvdkit.rank.buckets import distributed_optimizer
 from hvdkit.rank.consistency import Consistency, DivergenceError
 from hvdkit.rank.lifeline import Lifeline
 from hvdkit.rank.loaders import Loaders
@@ -62,8 +63,6 @@ from hvdkit.rank.state import RunState
 from hvdkit.rank.step import (
     NonFiniteError,
     TrainingStep,
-    bucket_bytes,
-    gradient_buckets,
     lr_multiplier,
     use_fused_kernels,
 )
@@ -187,22 +186,13 @@ class Session:
         model = model.to(self.device)
         self.model, self.scheduler, self._state.inner = model, scheduler, optimizer
         self._input_format = self._memory_format(model)
-        compression = hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none
         if cfg.zero:
             zero.check(optimizer, model, cfg.zero)
+            compression = hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none
             self.optimizer = zero.ShardedOptimizer(optimizer, hvd, cfg.zero, compression, cfg.batches_per_allreduce,
                                                    cfg.gradient_predivide_factor)
         else:
-            # Horovod's grouped allreduce has no Adasum and no pre/post-scaling: those go tensor by
-            # tensor. Nor elastic runs: Horovod agrees on the groups in a collective when the optimizer
-            # is made, which a worker joining a running job makes alone (it hung the rejoin).
-            grouped = not (cfg.elastic or cfg.use_adasum) and cfg.gradient_predivide_factor == 1.0
-            self.optimizer = hvd.DistributedOptimizer(
-                optimizer, named_parameters=model.named_parameters(), compression=compression,
-                backward_passes_per_step=cfg.batches_per_allreduce,
-                op=hvd.Adasum if cfg.use_adasum else hvd.Average,
-                gradient_predivide_factor=cfg.gradient_predivide_factor,
-                groups=gradient_buckets(model, bucket_bytes(self.device)) if grouped else None)
+            self.optimizer = distributed_optimizer(cfg, hvd, optimizer, model, self.device)
             # Horovod's wrapper is a new optimizer over the same param groups: it keeps the
             # state you may have loaded into yours. A scheduler warns that it stepped before
             # the optimizer when the step it wrapped (yours) was not called; Horovod's is instead.

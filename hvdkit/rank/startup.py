@@ -117,7 +117,7 @@ def stall_settings(timeout: float) -> dict:
 
 
 def reproducible_settings() -> dict:
-    """Horovod fuses each group of gradients (hvdkit.rank.step.gradient_buckets) alone, not with
+    """Horovod fuses each group of gradients (hvdkit.rank.buckets.gradient_buckets) alone, not with
     whatever else is ready in the same cycle: the same buffers every step, so the same sums."""
     return {"HOROVOD_DISABLE_GROUP_FUSION": "1"}
 

@@ -28,42 +28,6 @@ from hvdkit.config import TrainConfig
 from hvdkit.rank.state import RunState, say
 from hvdkit.rank.stragglers import StepTimes
 
-# A gradient bucket's size. The first is torch DDP's 1 MiB (_DEFAULT_FIRST_BUCKET_BYTES), so that the
-# link starts with the first gradients backward makes. The others: DDP's 25 MiB (bucket_cap_mb) on
-# GPUs; 4 MiB on CPUs, where a bucket goes sooner and the link idles less while backward still
-# computes (docs/performance.md#gradient-buckets).
-FIRST_BUCKET_BYTES = 1 << 20
-BUCKET_BYTES = 25 << 20
-CPU_BUCKET_BYTES = 4 << 20
-
-
-def bucket_bytes(device: torch.device) -> int:
-    return CPU_BUCKET_BYTES if device.type == "cpu" else BUCKET_BYTES
-
-
-def gradient_buckets(model: nn.Module, cap: int = BUCKET_BYTES,
-                     first_cap: int = FIRST_BUCKET_BYTES) -> list[list[nn.Parameter]]:
-    """The groups Horovod's DistributedOptimizer reduces the gradients in: the trained parameters
-    in reverse order (about the order backward makes their gradients), a group closed once it
-    holds ``first_cap`` bytes (the first) or ``cap`` (the others), as DDP's buckets; each group
-    goes as soon as its last gradient is there. With group fusion off
-    (hvdkit.rank.startup.reproducible_settings) every group is one buffer, the same tensors at the
-    same offsets every step, so every element is summed in the same order and a run is bitwise
-    reproducible at any world size. Left to fuse whatever each cycle found ready, two undisturbed
-    runs at 3 ranks differed by 7e-9 after 20 steps and 5e-4 after 200 (found by `hvdkit rehearse
-    --chaos`); at 2 ranks a sum of two is the same either way. Sparse gradients (an embedding's
-    ``sparse=True``) cannot be grouped: they go alone, as before."""
-    sparse = {id(p) for m in model.modules() if getattr(m, "sparse", False) is True for p in m.parameters()}
-    buckets: list[list[nn.Parameter]] = [[]]
-    size = 0
-    for parameter in reversed([p for p in model.parameters() if p.requires_grad and id(p) not in sparse]):
-        buckets[-1].append(parameter)
-        size += parameter.numel() * parameter.element_size()
-        if size >= (first_cap if len(buckets) == 1 else cap):
-            buckets.append([])
-            size = 0
-    return [bucket for bucket in buckets if bucket]
-
 MAX_SKIPS_IN_A_ROW = 10
 SETTLE_AT_MOST_EVERY = 1000  # steps: a loop that never reports still reads its flags now and then
 

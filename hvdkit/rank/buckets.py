@@ -1,0 +1,150 @@
+"""Gradient buckets, and Horovod's DistributedOptimizer over them with gradients that live in them.
+
+The buckets are DDP's: the trained parameters in reverse order (about the order backward makes
+their gradients), the first closed at 1 MiB, the others at their cap. Each bucket's gradients are
+views of one flat tensor, as DDP's ``gradient_as_bucket_view``: the bucket goes to Horovod as one
+tensor, reduced in place, so Horovod copies nothing into its fusion buffer and nothing back out;
+the averaging's division is made before the sum on the training thread, where DDP makes it.
+A gradient that is not its view (after ``zero_grad()`` set it to None, backward made a new one)
+is copied into it once, when its bucket goes. Every rank reduces the same flat tensors in the same
+order every step, so a run stays bitwise reproducible at any world size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hvdkit.config import TrainConfig
+
+# The first bucket is DDP's 1 MiB (_DEFAULT_FIRST_BUCKET_BYTES), so that the link starts with the
+# first gradients backward makes. The others: DDP's 25 MiB (bucket_cap_mb) on GPUs; 4 MiB on CPUs,
+# where a bucket goes sooner and the link idles less while backward still computes
+# (docs/performance.md#gradient-buckets).
+FIRST_BUCKET_BYTES = 1 << 20
+BUCKET_BYTES = 25 << 20
+CPU_BUCKET_BYTES = 4 << 20
+
+
+def bucket_bytes(device: torch.device) -> int:
+    return CPU_BUCKET_BYTES if device.type == "cpu" else BUCKET_BYTES
+
+
+def gradient_buckets(model: nn.Module, cap: int = BUCKET_BYTES,
+                     first_cap: int = FIRST_BUCKET_BYTES) -> list[list[nn.Parameter]]:
+    """The buckets: the trained parameters in reverse order, a bucket closed once it holds
+    ``first_cap`` bytes (the first) or ``cap`` (the others). Each goes as soon as its last gradient
+    is there. Left to fuse whatever each cycle found ready, the same elements would be summed in
+    different orders from run to run (hvdkit.rank.startup.reproducible_settings). Sparse gradients
+    (an embedding's ``sparse=True``) cannot be grouped: they go alone."""
+    sparse = {id(p) for m in model.modules() if getattr(m, "sparse", False) is True for p in m.parameters()}
+    buckets: list[list[nn.Parameter]] = [[]]
+    size = 0
+    for parameter in reversed([p for p in model.parameters() if p.requires_grad and id(p) not in sparse]):
+        buckets[-1].append(parameter)
+        size += parameter.numel() * parameter.element_size()
+        if size >= (first_cap if len(buckets) == 1 else cap):
+            buckets.append([])
+            size = 0
+    return [bucket for bucket in buckets if bucket]
+
+
+def distributed_optimizer(cfg: TrainConfig, hvd, optimizer: torch.optim.Optimizer, model: nn.Module,
+                          device: torch.device) -> torch.optim.Optimizer:
+    """Horovod's DistributedOptimizer over ``optimizer``, with bucket views where Horovod's grouped
+    allreduce applies. Its grouped allreduce has no Adasum and no pre/post-scaling: those go tensor
+    by tensor. Nor elastic runs: Horovod agrees on the groups in a collective when the optimizer is
+    made, which a worker joining a running job makes alone (it hung the rejoin)."""
+    compression = hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none
+    grouped = not (cfg.elastic or cfg.use_adasum) and cfg.gradient_predivide_factor == 1.0
+    if grouped and hvd.size() > 1:
+        return with_bucket_views(optimizer, model.named_parameters(), compression, cfg.batches_per_allreduce,
+                                  gradient_buckets(model, bucket_bytes(device)))
+    return hvd.DistributedOptimizer(
+        optimizer, named_parameters=model.named_parameters(), compression=compression,
+        backward_passes_per_step=cfg.batches_per_allreduce, op=hvd.Adasum if cfg.use_adasum else hvd.Average,
+        gradient_predivide_factor=cfg.gradient_predivide_factor)
+
+
+def with_bucket_views(optimizer, named_parameters, compression, backward_passes_per_step: int,
+                       buckets: list[list[nn.Parameter]]):
+    """As hvd.DistributedOptimizer makes its class (the user's optimizer class with Horovod's
+    methods), with ``_BucketViews``' methods over Horovod's."""
+    from horovod.torch.optimizer import _DistributedOptimizer
+
+    methods = dict(_DistributedOptimizer.__dict__)
+    methods.update((name, value) for name, value in _BucketViews.__dict__.items() if callable(value))
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, buckets)
+
+
+class _BucketViews:
+    """The methods that replace Horovod's for buckets whose gradients are views of one tensor.
+    Never instantiated: ``with_bucket_views`` copies them into the optimizer's class, so they
+    name Horovod's methods explicitly instead of through ``super()``."""
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step, buckets) -> None:
+        from horovod.torch.optimizer import _DistributedOptimizer
+
+        _DistributedOptimizer.__init__(self, params, named_parameters, compression, backward_passes_per_step,
+                                       groups=buckets)
+        self._ranks = self.process_set.size()
+        self._flat: dict[tuple, torch.Tensor] = {}  # a bucket (Horovod's group) -> the tensor its gradients view
+        self._views: dict[nn.Parameter, torch.Tensor] = {}
+        ours = {frozenset(map(id, bucket)) for bucket in buckets}
+        for group in self._group_counts:  # Horovod's groups: ours, and one per parameter left out of them
+            kinds = {(p.dtype, p.device) for p in group}
+            if frozenset(map(id, group)) not in ours or len(kinds) != 1:
+                continue
+            dtype, device = kinds.pop()
+            flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=device)
+            offset = 0
+            for p in group:
+                self._views[p] = flat[offset:offset + p.numel()].view(p.shape)
+                offset += p.numel()
+                if p.grad is not None:
+                    self._views[p].copy_(p.grad)
+                    p.grad = self._views[p]
+            self._flat[group] = flat
+            self._requires_update.difference_update(group)  # Horovod's synchronize leaves them to ours
+
+    def _grouped_allreduce_grad_async(self, ps):
+        from horovod.torch.mpi_ops import Sum, allreduce_async_
+        from horovod.torch.optimizer import _DistributedOptimizer
+
+        flat = self._flat.get(ps)
+        if flat is None:
+            return _DistributedOptimizer._grouped_allreduce_grad_async(self, ps)
+        for p in ps:
+            view = self._views[p]
+            if p.grad is None:  # not used this step, on this rank: Horovod's zero gradient
+                view.zero_()
+                p.grad = view
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+                p.grad = view
+        flat.div_(self._ranks)
+        compressed, ctx = self._compression.compress(flat)
+        handle = allreduce_async_(compressed, name=f"bucket.{self._parameter_names.get(ps[0])}", op=Sum,
+                                  process_set=self.process_set)
+        return handle, (compressed, ctx)
+
+    def synchronize(self):
+        from horovod.torch.mpi_ops import synchronize
+        from horovod.torch.optimizer import _DistributedOptimizer
+
+        if self.process_set.included():
+            for group in self._flat:
+                if group not in self._handles:  # a parameter's gradient did not come on this rank this step
+                    for p in group:
+                        self._handles.pop(p, None)
+                    self._handles[group] = self._grouped_allreduce_grad_async(group)
+            for group, flat in self._flat.items():
+                handle, (compressed, ctx) = self._handles.pop(group)
+                output = synchronize(handle)
+                if compressed is not flat:
+                    flat.copy_(self._compression.decompress(output, ctx))
+                for p in group:
+                    self._allreduce_delay[p] = self.backward_passes_per_step
+                self._group_counts[group] = 0
+        _DistributedOptimizer.synchronize(self)

@@ -1,0 +1,103 @@
+"""Bucket views (hvdkit.rank.buckets) against Horovod's own DistributedOptimizer, in every rank of a
+real job: the same averaged gradients, step after step, in the loop shapes users write. Prints
+"buckets: ok" on rank 0, or fails with the assertion.
+
+`horovodrun -np N python tests/programs/buckets_worker.py`"""
+
+import copy
+
+import horovod.torch as hvd
+import torch
+from torch import nn
+
+from hvdkit.rank import buckets
+
+
+class Net(nn.Module):
+    """Buckets of several parameters, one frozen, and a branch only odd ranks use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+        self.frozen = nn.Linear(64, 64)
+        self.frozen.requires_grad_(False)
+        self.branch = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 3)
+
+    def forward(self, x):
+        h = self.frozen(self.body(x))
+        if hvd.rank() % 2:
+            h = h + self.branch(h)
+        return self.head(h)
+
+
+def pair(passes: int, fp16: bool):
+    """The model twice: under hvdkit's bucket views, and under Horovod's DistributedOptimizer."""
+    torch.manual_seed(0)
+    ours = Net()
+    theirs = copy.deepcopy(ours)
+    made = buckets.gradient_buckets(ours, cap=64 * 64 * 4, first_cap=64 * 3 * 4)  # several: the head's alone
+    optimizer = buckets.with_bucket_views(torch.optim.SGD(ours.parameters(), lr=0.1), ours.named_parameters(),
+                                           hvd.Compression.fp16 if fp16 else hvd.Compression.none, passes, made)
+    reference = hvd.DistributedOptimizer(
+        torch.optim.SGD(theirs.parameters(), lr=0.1), named_parameters=theirs.named_parameters(),
+        compression=hvd.Compression.fp16 if fp16 else hvd.Compression.none, backward_passes_per_step=passes)
+    assert len(made) >= 3 and len(optimizer._flat) == len(made), (len(made), len(optimizer._flat))
+    return ours, optimizer, theirs, reference
+
+
+def train(model, optimizer, steps: int, passes: int, zero_first: bool) -> list[list[torch.Tensor]]:
+    """The loop users write; the gradients after each step's synchronize."""
+    seen = []
+    for step in range(steps):
+        if zero_first:
+            optimizer.zero_grad()
+        for micro in range(passes):
+            torch.manual_seed(1000 * step + 10 * micro + hvd.rank())
+            loss = model(torch.randn(16, 8)).square().mean()
+            loss.backward()
+        optimizer.synchronize()
+        seen.append([p.grad.clone() if p.grad is not None else None for p in model.parameters()])
+        with optimizer.skip_synchronize():
+            optimizer.step()
+        if not zero_first:
+            optimizer.zero_grad()
+    return seen
+
+
+def check(passes: int, fp16: bool, zero_first: bool) -> None:
+    ours, optimizer, theirs, reference = pair(passes, fp16)
+    got = train(ours, optimizer, 4, passes, zero_first)
+    want = train(theirs, reference, 4, passes, zero_first)
+    exact = not fp16 and hvd.size() & (hvd.size() - 1) == 0  # halving, quartering is exact
+    for step, (a, b) in enumerate(zip(got, want)):
+        for name, x, y in zip([n for n, _ in ours.named_parameters()], a, b):
+            assert (x is None) == (y is None), (step, name)
+            if x is None:
+                continue
+            same = torch.equal(x, y) if exact else torch.allclose(x, y, rtol=1e-3 if fp16 else 1e-6, atol=1e-5 if fp16 else 1e-6)
+            assert same, f"passes {passes} fp16 {fp16}: step {step}, {name} differs by {(x - y).abs().max()}"
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        assert torch.allclose(a, b, atol=1e-5), "the weights part"
+    flats = {flat.untyped_storage().data_ptr() for flat in optimizer._flat.values()}
+    optimizer.zero_grad()
+    loss = ours(torch.randn(4, 8)).sum()
+    loss.backward()
+    optimizer.synchronize()
+    in_buckets = [p.grad.untyped_storage().data_ptr() in flats for p in ours.parameters() if p.requires_grad]
+    assert all(in_buckets), "every trained parameter's gradient is a view of its bucket after synchronize"
+    with optimizer.skip_synchronize():
+        optimizer.step()
+
+
+def main() -> None:
+    hvd.init()
+    for passes, fp16, zero_first in [(1, False, True), (1, False, False), (2, False, True), (1, True, True)]:
+        check(passes, fp16, zero_first)
+    if hvd.rank() == 0:
+        print("buckets: ok", flush=True)
+    hvd.join()
+
+
+if __name__ == "__main__":
+    main()

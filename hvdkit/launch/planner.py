@@ -184,7 +184,7 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
         if as_root and args.controller != "gloo":  # its mpirun refuses root without these
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
         if args.controller != "gloo" and listed and several(hosts):
-            env.update(data_path(environ))
+            env.update(data_path({**environ, **set_env}))
         return Plan(launcher, reason, horovodrun_command(spec), env, tagged=True, ranks=placed,
                     hosts=hosts if listed else [])
     if launcher == "srun":
@@ -263,7 +263,7 @@ def _mpirun_plan(spec: LaunchSpec, reason: str, version_text: str, oversubscribe
                 spec.set_env["NCCL_SOCKET_IFNAME"] = spec.network.interface
             notes.append(f"network: {spec.network.interface} ({spec.network.cidr}), this host's route to "
                          f"{', '.join(spec.network.peers)}; MPI and NCCL pinned to it")
-    data = data_path(environ) if several(spec.hosts) else {}
+    data = data_path({**environ, **spec.set_env}) if several(spec.hosts) else {}
     if data:
         spec.set_env.update(data)
         notes.append(f"{LINK_RATE}={environ[LINK_RATE]}: MPI moves the tensors (HOROVOD_CPU_OPERATIONS=mpi), "
@@ -282,7 +282,7 @@ def data_path(environ: Mapping[str, str]) -> dict:
     ranks give Gloo the tensors (hvdkit.rank.startup.gloo_data_settings). Measured on both link
     speeds: docs/performance.md#across-hosts."""
     rate = environ.get(LINK_RATE)
-    if not rate or "HOROVOD_CPU_OPERATIONS" in environ:
+    if not rate or "HOROVOD_CPU_OPERATIONS" in environ:  # the user's, exported or given with -x
         return {}
     try:
         fast = bits_per_second(rate) >= FAST_LINK_GBIT * 1e9

@@ -80,8 +80,13 @@ def test_on_links_of_10_gbits_and_more_mpi_moves_the_tensors_in_every_rank():
                  _pinned_plan([*hosts, "--launcher", "mpirun"]),
                  _pinned_plan(["-np", "2", "--launcher", "mpirun"], {"HVDKIT_LINK_RATE": "10gbit"}),
                  _pinned_plan([*hosts, "--launcher", "mpirun"], {"HVDKIT_LINK_RATE": "40gbit",
-                                                                 "HOROVOD_CPU_OPERATIONS": "gloo"})):
+                                                                 "HOROVOD_CPU_OPERATIONS": "gloo"}),
+                 _pinned_plan([*hosts, "-x", "HOROVOD_CPU_OPERATIONS=gloo", "--launcher", "mpirun"],
+                              {"HVDKIT_LINK_RATE": "40gbit"})):
         assert "HOROVOD_CPU_OPERATIONS=mpi" not in left.command
+    chosen = _pinned_plan([*hosts, "-x", "HOROVOD_CPU_OPERATIONS=gloo", "--launcher", "horovodrun"],
+                          {"HVDKIT_LINK_RATE": "25gbit"})
+    assert chosen.env["HOROVOD_CPU_OPERATIONS"] == "gloo", "the user's -x wins (hvdkit bench's --knob passes it so)"
     assert "HOROVOD_CPU_OPERATIONS" not in _pinned_plan([*hosts, "--launcher", "horovodrun", "--gloo"],
                                                         {"HVDKIT_LINK_RATE": "25gbit"}).env
     with pytest.raises(LaunchError, match=r"^HVDKIT_LINK_RATE: rate 'fast': expected a number and gbit"):

@@ -24,12 +24,13 @@ A Horovod script keeps its loop and hands hvdkit the parts that are easy to get 
 ``Session(**keys)`` and ``hvdkit train --key`` mean the same thing and are checked alike.
 
 ``Session`` is a facade, as Lightning Fabric's is: it holds the run's state (hvdkit.rank.state:
-model, optimizer, step, epoch) and delegates the work to parts it hands that state and whatever
-else each uses (none holds the Session), one concern per module: process set-up and tuning
-(hvdkit.rank.startup), loaders and the data position (hvdkit.rank.loaders), the training step
-(hvdkit.rank.step), resume and checkpoint state (hvdkit.rank.resume), metrics and the summary
-(hvdkit.rank.reports), stop signals (hvdkit.rank.stops), the ranks' copies of the model compared
-(hvdkit.rank.consistency) and each rank's compute and wait per step (hvdkit.rank.stragglers).
+model, optimizer, step, epoch) and delegates the work to parts it hands that state and whatever else
+each uses (none holds the Session), one concern per module: process set-up and tuning
+(hvdkit.rank.startup), loaders and the data position (hvdkit.rank.loaders), the distributed
+optimizer over gradient buckets (hvdkit.rank.buckets), the training step (hvdkit.rank.step), resume
+and checkpoint state (hvdkit.rank.resume), metrics and the summary (hvdkit.rank.reports), stop
+signals (hvdkit.rank.stops), the ranks' copies of the model compared (hvdkit.rank.consistency) and
+each rank's compute and wait per step (hvdkit.rank.stragglers).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""hvdkit's fixes to Horovod's source (hvdkit/build/patches/), on the installed build, under
-real launchers: float16 sums stay exact, a rank waiting on a collective sleeps instead of
-spinning, an idle rank's background thread sleeps instead of negotiating every cycle, a
-failed collective still raises, horovodrun knows what was built without importing torch, and
-horovodrun forwards stop signals to its ranks and ends what it started."""
+"""hvdkit's fixes to Horovod's source (hvdkit/build/patches/), on the installed build, under real
+launchers: float16 sums stay exact, a rank waiting on a collective sleeps instead of spinning, and
+so does its background thread in the MPI negotiation, an idle rank's background thread sleeps
+instead of negotiating every cycle, a failed collective still raises, horovodrun knows what was
+built without importing torch, and horovodrun forwards stop signals to its ranks and ends what it
+started."""
 
 import json
 import os
@@ -38,6 +39,10 @@ def test_fixed_horovod_sums_float16_exactly_and_waits_and_idles_without_spinning
     assert waiting["wait_wall_s"] > 1.5, waiting
     # Spinning costs the whole wait in CPU time: 1.96-1.98 s of 2.0 with Horovod's own wait.
     assert waiting["wait_cpu_s"] < 0.2 * waiting["wait_wall_s"], waiting
+    # Waiting for a late rank in the negotiation of a cached allreduce: Open MPI's blocking
+    # allreduce spun the background thread for the whole wait (2.0 s of CPU in 2.0 s, before 0013).
+    assert waiting["cached_wait_wall_s"] > 1.5 and waiting["cached_wait_cpu_s"] < 0.3 * waiting["cached_wait_wall_s"], \
+        waiting
     for r in results:
         # Cycling with nothing to do: 0.5-0.65 s of CPU a second under Gloo (0.1 ms cycle), before.
         assert r["idle_cpu_s"] < 0.15 * r["idle_wall_s"], r

@@ -70,15 +70,16 @@ def check(passes: int, fp16: bool, zero_first: bool) -> None:
     got = train(ours, optimizer, 4, passes, zero_first)
     want = train(theirs, reference, 4, passes, zero_first)
     exact = not fp16 and hvd.size() & (hvd.size() - 1) == 0  # halving, quartering is exact
-    for step, (a, b) in enumerate(zip(got, want)):
-        for name, x, y in zip([n for n, _ in ours.named_parameters()], a, b):
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        for name, x, y in zip([n for n, _ in ours.named_parameters()], a, b, strict=True):
             assert (x is None) == (y is None), (step, name)
             if x is None:
                 continue
-            same = torch.equal(x, y) if exact else torch.allclose(x, y, rtol=1e-3 if fp16 else 1e-6, atol=1e-5 if fp16 else 1e-6)
+            rtol, atol = (1e-3, 1e-5) if fp16 else (1e-6, 1e-6)
+            same = torch.equal(x, y) if exact else torch.allclose(x, y, rtol=rtol, atol=atol)
             assert same, f"passes {passes} fp16 {fp16}: step {step}, {name} differs by {(x - y).abs().max()}"
-    for a, b in zip(ours.parameters(), theirs.parameters()):
-        assert torch.allclose(a, b, atol=1e-5), "the weights part"
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-5), "the weights parted"
     flats = {flat.untyped_storage().data_ptr() for flat in optimizer._flat.values()}
     optimizer.zero_grad()
     loss = ours(torch.randn(4, 8)).sum()

@@ -26,6 +26,9 @@ _LAUNCHERS = (
     ("mpirun (MPICH/Hydra or Intel MPI)", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", None),
     ("PMIx launcher", "PMIX_RANK", None, None, None, None),
 )
+# The variables that only a launcher's ranks carry, which tell a rank's process from others: not
+# SLURM_PROCID, which a batch script and what it starts (a launcher among them) carry as well.
+RANK_VARIABLES = tuple(rank for _, rank, *_ in _LAUNCHERS if rank != "SLURM_PROCID")
 
 
 @dataclass(frozen=True)

@@ -226,3 +226,20 @@ def test_no_part_holds_the_session_or_reads_its_private_attributes():
             if isinstance(node, ast.Attribute) and node.attr == "proxy" and getattr(node.value, "id", "") == "weakref":
                 found.append(f"{path.relative_to(REPO)}:{node.lineno} weakref.proxy")
     assert found == []
+
+
+def test_the_launchers_rank_variables_are_listed_once():
+    """Which variable says a process is a rank, and which rank, is read from hvdkit.env's table by
+    every reader (the launcher's watch, the chaos rehearsal): two hand-made lists had drifted
+    apart (one without PMIx's)."""
+    names = {"HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"}
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "env.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                listed = {e.value for e in node.elts if isinstance(e, ast.Constant)} & names
+                if len(listed) >= 2:
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno} {sorted(listed)}")
+    assert found == []

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
+from hvdkit.env import RANK_VARIABLES
 from hvdkit.job import (
     JOB_DIR,
     KILL_AFTER_GRACE,
@@ -57,7 +58,6 @@ if TYPE_CHECKING:  # imported where used: `hvdkit doctor` runs without psutil
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 FORWARDERS = (*MPI_LAUNCHERS, SRUN)  # launchers that pass signals on to the ranks on other hosts
-RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 
 

@@ -38,6 +38,7 @@ import inotify_simple as inotify
 import torch
 
 from hvdkit import checkpoint, job
+from hvdkit.env import RANK_VARIABLES
 from hvdkit.rank import lifeline
 from hvdkit.rehearse.faults import ELASTIC_TOLERANCE, FAULTS, Strike
 from hvdkit.rehearse.namespaces import Hosts
@@ -46,7 +47,6 @@ from hvdkit.zero import shards
 WORLD_SIZE_CHANGE = re.compile(r"hvdkit: elastic: world size (\d+) -> (\d+), going on from step (\d+); "
                                r"about ([\d.]+) s lost")
 GIVE_BACK_SECONDS = 30.0  # a lost host is listed again at the latest this long after its loss
-RANK_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 NOT_RANKS = {"sh", "bash", "dash", "ssh", "sshd", "env", "timeout", "horovodrun", *job.MPI_LAUNCHERS, *job.MPI_DAEMONS}
 TICK = 0.05  # how often the faults' moments are looked for, at most
 GIVEN_DEADLINE = 1800.0  # seconds an attempt may take when the undisturbed run was not timed here

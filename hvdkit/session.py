@@ -49,12 +49,12 @@ from torch.utils.data import DataLoader
 from hvdkit import job
 from hvdkit.checkpoint import CheckpointError
 from hvdkit.config import ConfigError, TrainConfig, from_environ, from_mapping, validate
-from hvdkit.rank import orphan, startup, stops
+from hvdkit.rank import lockstep, orphan, startup, stops
 from hvdkit.rank.buckets import distributed_optimizer
 from hvdkit.rank.consistency import Consistency, DivergenceError
 from hvdkit.rank.lifeline import Lifeline
 from hvdkit.rank.loaders import Loaders
-from hvdkit.rank.lockstep import CALLS, Lockstep, LockstepError, RankEnded, where
+from hvdkit.rank.lockstep import Lockstep, LockstepError, RankEnded, where
 from hvdkit.rank.loggers import LoggerError
 from hvdkit.rank.memory import PhasePeaks
 from hvdkit.rank.metrics import Metrics
@@ -240,7 +240,7 @@ class Session:
         written when this returns, or with ``background`` (as the epochs' and periodic checkpoints
         are) once the state is copied, a thread writing it (``async_checkpoint``; finished before the
         next checkpoint and in finish())."""
-        self._meet(CALLS[2])
+        self._meet(lockstep.SAVE)
         self._step.settle()
         self._checkpoints.save(wait=not background)
 
@@ -287,7 +287,7 @@ class Session:
         """Every rank at the end of its batches after the same steps; True where that took a stop
         the loop did not ask should_stop() about (its checkpoint is written)."""
         self.watchdog.beat(f"the end of epoch {self.epoch + 1} after step {self.global_step}")
-        self._meet(CALLS[6])
+        self._meet(lockstep.EPOCH_END)
         return self._take_stop()
 
     # -- the step (hvdkit.rank.step) ------------------------------------------------------------
@@ -303,7 +303,7 @@ class Session:
         """Backward of one micro-batch's loss, averaged over the step's micro-batches and
         scaled for fp16. The last micro-batch's backward starts the allreduce; the step's
         first starts its meeting (hvdkit.rank.lockstep), ahead of the gradients."""
-        with self._waiting(CALLS[0]):  # the gradients' allreduces start here
+        with self._waiting(lockstep.STEP):  # the gradients' allreduces start here
             self._start_step()
             with self._state.peaks.phase("backward"):
                 self._step.backward(loss)
@@ -317,7 +317,7 @@ class Session:
         self._record_saves()
         self._start_step()
         phase = "optimizer step" if "first optimizer step" in self._state.peaks.peaks else "first optimizer step"
-        with self._waiting(CALLS[0]), self._state.peaks.phase(phase):
+        with self._waiting(lockstep.STEP), self._state.peaks.phase(phase):
             self._times.waiting()  # for a rank late to the step, the others wait here (hvdkit.rank.stragglers)
             self._lockstep.collect()
             self._times.waited()
@@ -339,14 +339,14 @@ class Session:
         about ends the run here (its checkpoint written); else this step's meeting starts."""
         if self._lockstep.pending is None:
             self._end_stopped()
-            self._lockstep.submit(CALLS[0], self.global_step, self._signal.received or 0)
+            self._lockstep.submit(lockstep.STEP, self.global_step, self._signal.received or 0)
 
     def check_consistency(self) -> None:
         """Check now that every rank holds the same weights, buffers and optimizer state (all
         ranks call it at the same point); a difference raises DivergenceError naming the ranks,
         which ends the job with one line and exit code 77 (see hvdkit.rank.consistency). It also runs
         every ``check_consistency_steps`` steps and before every checkpoint."""
-        self._meet(CALLS[5])
+        self._meet(lockstep.CHECK_CONSISTENCY)
         self._step.settle()
         self._consistency.check()
 
@@ -363,7 +363,7 @@ class Session:
         """The sample-weighted means of everything log()ged since the last report, over all
         ranks, in one allreduce; rank 0 shows and writes them with ``extra`` (e.g. lr) and the
         throughput."""
-        self._meet(CALLS[3])
+        self._meet(lockstep.REPORT)
         self._step.settle()
         return self._reports.report(stage, extra)
 
@@ -371,7 +371,7 @@ class Session:
         """Means over the whole evaluation set, and its size: ``metrics_of(batch)`` gives
         (samples, means) for each batch of this rank's share (every rank needs one); training
         metrics logged since the last report are kept for the next one."""
-        self._meet(CALLS[4])
+        self._meet(lockstep.EVALUATE)
         return self._reports.evaluate(eval_loader, metrics_of, self.autocast())
 
     @property
@@ -396,7 +396,7 @@ class Session:
             raise RuntimeError("hvdkit: an elastic loop calls session.load_elastic(sampler) before its first step, "
                                "so that the checkpoint of a stop records the sampler's position")
         if not self._unread_step:  # no step since the last call: meet now
-            self._meet(CALLS[1])
+            self._meet(lockstep.SHOULD_STOP)
         self._unread_step = False
         return self._take_stop()
 
@@ -452,7 +452,7 @@ class Session:
         that was not requeued. The signal handlers go last: a requeue makes Slurm SIGTERM every
         task within milliseconds of scontrol's answer, which must not cut the report short."""
         if not self.cfg.elastic:  # elastic workers may be leaving or joining
-            self._meet(CALLS[7])  # before the handlers go: its error is said in one line
+            self._meet(lockstep.FINISH)  # before the handlers go: its error is said in one line
             self._step.settle()
             self._take_stop()
         self._checkpoints.finish()  # the last save durable before a requeue reads it and before the exit

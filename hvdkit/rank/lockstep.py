@@ -26,14 +26,20 @@ from horovod.common.exceptions import HorovodInternalError
 
 from hvdkit import job
 
-# What each call is, in the lines that name it; the number is its code in the allreduce.
-CALLS = ("session.step()", "session.should_stop()", "session.save()", "session.report()", "session.evaluate()",
-         "session.check_consistency()", "the end of an epoch (session.epochs() or session.join())",
-         "session.finish()")
-ENDS = (CALLS[6], CALLS[7])  # a rank that arrives here has taken all its steps
+# What each call is, in the lines that name it; its place in CALLS, plus one, is its code in the allreduce.
+STEP = "session.step()"
+SHOULD_STOP = "session.should_stop()"
+SAVE = "session.save()"
+REPORT = "session.report()"
+EVALUATE = "session.evaluate()"
+CHECK_CONSISTENCY = "session.check_consistency()"
+EPOCH_END = "the end of an epoch (session.epochs() or session.join())"
+FINISH = "session.finish()"
+CALLS = (STEP, SHOULD_STOP, SAVE, REPORT, EVALUATE, CHECK_CONSISTENCY, EPOCH_END, FINISH)
+ENDS = (EPOCH_END, FINISH)  # a rank that arrives here has taken all its steps
 RANK_ZERO_HABIT = {  # what the call does on rank 0 alone, for the line that says to call it everywhere
-    CALLS[2]: "rank 0 alone writes the file", CALLS[3]: "rank 0 alone prints and writes the metrics",
-    CALLS[4]: "each rank evaluates its share of the data", CALLS[5]: "every rank's copy is compared",
+    SAVE: "rank 0 alone writes the file", REPORT: "rank 0 alone prints and writes the metrics",
+    EVALUATE: "each rank evaluates its share of the data", CHECK_CONSISTENCY: "every rank's copy is compared",
 }
 FIELDS = 3  # call, steps taken, stop signal; in float64, exact for any step count
 
@@ -96,7 +102,7 @@ class Lockstep:
 
 
 def where(call: str, steps: int) -> str:
-    return f"{call} (step {steps + 1})" if call == CALLS[0] else f"{call} after step {steps}"
+    return f"{call} (step {steps + 1})" if call == STEP else f"{call} after step {steps}"
 
 
 def mismatch(rows: list[list[float]]) -> Optional[str]:
@@ -114,7 +120,7 @@ def mismatch(rows: list[list[float]]) -> Optional[str]:
         return f"rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)} at {where(*place)}"
 
     # The odd one out: the place the fewest ranks are at, a call other than step() on a tie.
-    odd = min(groups, key=lambda place: (len(groups[place]), place[0] == CALLS[0]))
+    odd = min(groups, key=lambda place: (len(groups[place]), place[0] == STEP))
     others = [place for place in groups if place != odd]
     seen = f"{who(odd)}, {'; '.join(who(place) for place in others)}"
     calls = {place[0] for place in groups}

@@ -21,6 +21,7 @@ def test_cpu_jobs_across_hosts_send_large_allreduces_by_the_ring():
     assert one_host == {"OMPI_MCA_mpi_yield_when_idle": "1", "HOROVOD_CYCLE_TIME": "0.1"}
     hosts = performance_settings(on_gpu=False, spans_hosts=True, environ={})
     assert hosts["OMPI_MCA_coll_tuned_use_dynamic_rules"] == "1" and hosts["OMPI_MCA_btl_tcp_links"] == "2"
+    assert hosts["HOROVOD_CYCLE_TIME"] == "5", "across hosts the background thread negotiates every 5 ms"
     rules = open(hosts["OMPI_MCA_coll_tuned_dynamic_rules_filename"]).read()
     assert rules == ALLREDUCE_RULES
     # allreduce (2), every communicator, below 1 MiB Open MPI's own choice (0), from 1 MiB the ring (4)

@@ -6,8 +6,9 @@ views of one flat tensor, as DDP's ``gradient_as_bucket_view``: the bucket goes 
 tensor, reduced in place, so Horovod copies nothing into its fusion buffer and nothing back out;
 the averaging's division is made before the sum on the training thread, where DDP makes it.
 A gradient that is not its view (after ``zero_grad()`` set it to None, backward made a new one)
-is copied into it once, when its bucket goes. Every rank reduces the same flat tensors in the same
-order every step, so a run stays bitwise reproducible at any world size.
+is copied into it once, when its bucket goes. Every rank reduces the same flat tensors every step,
+none fused with another (with group fusion off, Horovod makes each allreduce a group of its own:
+hvdkit.rank.startup.reproducible_settings), so a run stays bitwise reproducible at any world size.
 """
 
 from __future__ import annotations

@@ -194,11 +194,6 @@ class Session:
                                                    cfg.gradient_predivide_factor)
         else:
             self.optimizer = distributed_optimizer(cfg, hvd, optimizer, model, self.device)
-            # Horovod's wrapper is a new optimizer over the same param groups: it keeps the
-            # state you may have loaded into yours. A scheduler warns that it stepped before
-            # the optimizer when the step it wrapped (yours) was not called; Horovod's is instead.
-            self.optimizer.state = optimizer.state
-            optimizer._opt_called = True
         with self._state.peaks.phase("setup and resume"):
             if cfg.elastic:
                 self._checkpoints.read_elastic()

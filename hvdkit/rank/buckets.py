@@ -59,12 +59,19 @@ def distributed_optimizer(cfg: TrainConfig, hvd, optimizer: torch.optim.Optimize
     compression = hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none
     grouped = not (cfg.elastic or cfg.use_adasum) and cfg.gradient_predivide_factor == 1.0
     if grouped and hvd.size() > 1:
-        return with_bucket_views(optimizer, model.named_parameters(), compression, cfg.batches_per_allreduce,
-                                  gradient_buckets(model, bucket_bytes(device)))
-    return hvd.DistributedOptimizer(
-        optimizer, named_parameters=model.named_parameters(), compression=compression,
-        backward_passes_per_step=cfg.batches_per_allreduce, op=hvd.Adasum if cfg.use_adasum else hvd.Average,
-        gradient_predivide_factor=cfg.gradient_predivide_factor)
+        wrapped = with_bucket_views(optimizer, model.named_parameters(), compression, cfg.batches_per_allreduce,
+                                    gradient_buckets(model, bucket_bytes(device)))
+    else:
+        wrapped = hvd.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(), compression=compression,
+            backward_passes_per_step=cfg.batches_per_allreduce, op=hvd.Adasum if cfg.use_adasum else hvd.Average,
+            gradient_predivide_factor=cfg.gradient_predivide_factor)
+    # Horovod's wrapper is a new optimizer over the same param groups: it keeps the state you may
+    # have loaded into yours. A scheduler warns that it stepped before the optimizer when the step
+    # it wrapped (yours) was not called; Horovod's is instead.
+    wrapped.state = optimizer.state
+    optimizer._opt_called = True
+    return wrapped
 
 
 def with_bucket_views(optimizer, named_parameters, compression, backward_passes_per_step: int,

@@ -1,4 +1,4 @@
-"""What only a GPU exercises: NCCL collectives, fp16 autocast with GradScaler, pinned memory and
+"""What only a GPU exercises: NCCL collectives, gradient bucket views, fp16 autocast with GradScaler, pinned memory and
 the end-of-epoch lockstep, each in real ranks started by horovodrun (Gloo controller: no MPI needed on a
 GPU node). One rank per GPU of this machine.
 
@@ -42,6 +42,14 @@ def test_nccl_allreduce_and_broadcast_on_the_gpu():
         assert record["allreduce_exact"] and record["half_exact"] and record["broadcast_exact"], record
     # NCCL's own log: the collectives went through NCCL, not a copy to the CPU and Gloo.
     assert "NCCL INFO" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+
+
+def test_bucket_views_average_as_horovods_own_optimizer_on_the_gpu():
+    """hvdkit's buckets as views of one CUDA tensor each, through NCCL, against Horovod's
+    DistributedOptimizer (tests/rank/test_buckets.py runs the same worker on CPUs)."""
+    worker = [sys.executable, str(REPO / "tests" / "programs" / "buckets_worker.py")]
+    proc = run(planner.local_command("horovodrun --gloo", ranks(), worker), timeout=300)
+    assert proc.returncode == 0 and "buckets: ok on cuda" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
 def test_own_loop_pins_batches_scales_fp16_and_joins_on_the_device(tmp_path):

@@ -1,10 +1,12 @@
 """Bucket views (hvdkit.rank.buckets) against Horovod's own DistributedOptimizer, in every rank of a
-real job: the same averaged gradients, step after step, in the loop shapes users write. Prints
-"buckets: ok" on rank 0, or fails with the assertion.
+real job: the same averaged gradients, step after step, in the loop shapes users write, on each
+rank's GPU where there is one (tests/checks/test_gpu.py). Prints "buckets: ok on <device type>" on
+rank 0, or fails with the assertion.
 
 `horovodrun -np N python tests/programs/buckets_worker.py`"""
 
 import copy
+import os
 
 import horovod.torch as hvd
 import torch
@@ -31,10 +33,10 @@ class Net(nn.Module):
         return self.head(h)
 
 
-def pair(passes: int, fp16: bool):
+def pair(passes: int, fp16: bool, device: torch.device):
     """The model twice: under hvdkit's bucket views, and under Horovod's DistributedOptimizer."""
     torch.manual_seed(0)
-    ours = Net()
+    ours = Net().to(device)
     theirs = copy.deepcopy(ours)
     made = buckets.gradient_buckets(ours, cap=64 * 64 * 4, first_cap=64 * 3 * 4)  # several: the head's alone
     optimizer = buckets.with_bucket_views(torch.optim.SGD(ours.parameters(), lr=0.1), ours.named_parameters(),
@@ -46,7 +48,8 @@ def pair(passes: int, fp16: bool):
     return ours, optimizer, theirs, reference
 
 
-def train(model, optimizer, steps: int, passes: int, zero_first: bool) -> list[list[torch.Tensor]]:
+def train(model, optimizer, steps: int, passes: int, zero_first: bool,
+          device: torch.device) -> list[list[torch.Tensor]]:
     """The loop users write; the gradients after each step's synchronize."""
     seen = []
     for step in range(steps):
@@ -54,7 +57,7 @@ def train(model, optimizer, steps: int, passes: int, zero_first: bool) -> list[l
             optimizer.zero_grad()
         for micro in range(passes):
             torch.manual_seed(1000 * step + 10 * micro + hvd.rank())
-            loss = model(torch.randn(16, 8)).square().mean()
+            loss = model(torch.randn(16, 8, device=device)).square().mean()
             loss.backward()
         optimizer.synchronize()
         seen.append([p.grad.clone() if p.grad is not None else None for p in model.parameters()])
@@ -65,10 +68,10 @@ def train(model, optimizer, steps: int, passes: int, zero_first: bool) -> list[l
     return seen
 
 
-def check(passes: int, fp16: bool, zero_first: bool) -> None:
-    ours, optimizer, theirs, reference = pair(passes, fp16)
-    got = train(ours, optimizer, 4, passes, zero_first)
-    want = train(theirs, reference, 4, passes, zero_first)
+def check(passes: int, fp16: bool, zero_first: bool, device: torch.device) -> None:
+    ours, optimizer, theirs, reference = pair(passes, fp16, device)
+    got = train(ours, optimizer, 4, passes, zero_first, device)
+    want = train(theirs, reference, 4, passes, zero_first, device)
     exact = not fp16 and hvd.size() & (hvd.size() - 1) == 0  # halving, quartering is exact
     for step, (a, b) in enumerate(zip(got, want, strict=True)):
         for name, x, y in zip([n for n, _ in ours.named_parameters()], a, b, strict=True):
@@ -82,7 +85,7 @@ def check(passes: int, fp16: bool, zero_first: bool) -> None:
         assert torch.allclose(a, b, atol=1e-5), "the weights parted"
     flats = {flat.untyped_storage().data_ptr() for flat in optimizer._flat.values()}
     optimizer.zero_grad()
-    loss = ours(torch.randn(4, 8)).sum()
+    loss = ours(torch.randn(4, 8, device=device)).sum()
     loss.backward()
     optimizer.synchronize()
     in_buckets = [p.grad.untyped_storage().data_ptr() in flats for p in ours.parameters() if p.requires_grad]
@@ -93,10 +96,17 @@ def check(passes: int, fp16: bool, zero_first: bool) -> None:
 
 def main() -> None:
     hvd.init()
+    device = torch.device("cuda", hvd.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if hvd.size() == 1:
+        # One GPU: Horovod's optimizer hooks its gradients at one rank only when elastic, a variable
+        # it reads when the optimizer is made (its C++ read it at init), so both optimizers reduce.
+        os.environ["HOROVOD_ELASTIC"] = "1"
     for passes, fp16, zero_first in [(1, False, True), (1, False, False), (2, False, True), (1, True, True)]:
-        check(passes, fp16, zero_first)
+        check(passes, fp16, zero_first, device)
     if hvd.rank() == 0:
-        print("buckets: ok", flush=True)
+        print(f"buckets: ok on {device.type}", flush=True)
     hvd.join()
 
 

@@ -52,4 +52,4 @@ def test_bucket_views_average_as_horovods_own_optimizer_in_the_loops_users_write
     per step, fp16 compression, a branch only some ranks use, a frozen layer; and the gradients
     are views of their buckets after synchronize (tests/programs/buckets_worker.py)."""
     proc = run([*launcher, sys.executable, str(REPO / "tests" / "programs" / "buckets_worker.py")], timeout=240)
-    assert proc.returncode == 0 and "buckets: ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 and "buckets: ok on cpu" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]

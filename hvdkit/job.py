@@ -185,10 +185,9 @@ def write_whole(path: Path, data, durable: bool = False) -> None:
     resume) sees the old file or the new, never half. The temporary is this process's own, so
     ranks writing one path do not collide. ``durable`` (checkpoints) also syncs the data and the
     directory entry, so that a machine's crash keeps the file, and then lets the page cache drop
-    it: a checkpoint of gigabytes would push the training data out, and on this VM each next
-    write cost up to ten times the kernel time while the cache was full of them (0.33 s a GB
-    against 0.65-3.4 s, 2026-11-27). A heartbeat or a record that the next write replaces needs
-    neither."""
+    it: a checkpoint of gigabytes would push the training data out, and slow each next write
+    while the cache is full of them (docs/performance-notes.md#figures-behind-the-code). A
+    heartbeat or a record that the next write replaces needs neither."""
     path = Path(path)
     partial = path.with_name(f".{path.name}.{os.getpid()}{PARTIAL}")
     try:

@@ -64,12 +64,12 @@ from hvdkit.rank.state import RunState
 from hvdkit.rank.step import (
     NonFiniteError,
     TrainingStep,
+    input_format,
     lr_multiplier,
     use_fused_kernels,
 )
 from hvdkit.rank.stragglers import StepTimes
 from hvdkit.rank.watchdog import Watchdog
-from hvdkit.zero import optimizer as zero
 
 # hvdkit's own errors: each ends every rank with one line instead of a traceback per rank.
 OWN_ERRORS = (ConfigError, CheckpointError, NonFiniteError, DivergenceError, LockstepError, RankEnded, LoggerError)
@@ -79,6 +79,16 @@ def _state_field(name: str, doc: str) -> property:
     """A Session attribute kept in its RunState, which its parts read."""
     return property(lambda self: getattr(self._state, name), lambda self, value: setattr(self._state, name, value),
                     doc=doc)
+
+
+def _take_loggers(loggers: Union[str, Sequence, None], keys: dict) -> list:
+    """``Session(loggers=...)``: the names go to the ``logger`` key (as ``--logger``), the Logger
+    objects of your own are returned."""
+    if loggers is None:
+        return []
+    loggers = [loggers] if isinstance(loggers, str) else list(loggers)
+    keys["logger"] = ",".join(name for name in loggers if isinstance(name, str)) or "none"
+    return [logger for logger in loggers if not isinstance(logger, str)]
 
 
 class Session:
@@ -101,11 +111,7 @@ class Session:
                  **keys) -> None:
         if config is None:  # your own loop: HVDKIT_<KEY> variables, then your keywords
             config = from_mapping(from_environ(os.environ))
-        if isinstance(loggers, str):
-            loggers = [loggers]
-        own_loggers = [logger for logger in loggers or () if not isinstance(logger, str)]
-        if loggers is not None:
-            keys["logger"] = ",".join(name for name in loggers if isinstance(name, str)) or "none"
+        own_loggers = _take_loggers(loggers, keys)
         self.cfg = cfg = validate(from_mapping(keys, base=config))
         self.hvd, self.device = hvd, device = startup.start(cfg)
         self.watchdog = Watchdog(0 if cfg.elastic else cfg.stall_timeout, self.rank)
@@ -186,14 +192,8 @@ class Session:
         self.watchdog.beat("setup()")  # the stall limit counts from here: loading data before it is not a stall
         model = model.to(self.device)
         self.model, self.scheduler, self._state.inner = model, scheduler, optimizer
-        self._input_format = self._memory_format(model)
-        if cfg.zero:
-            zero.check(optimizer, model, cfg.zero)
-            compression = hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none
-            self.optimizer = zero.ShardedOptimizer(optimizer, hvd, cfg.zero, compression, cfg.batches_per_allreduce,
-                                                   cfg.gradient_predivide_factor)
-        else:
-            self.optimizer = distributed_optimizer(cfg, hvd, optimizer, model, self.device)
+        self._input_format = input_format(cfg, model, self.device)
+        self.optimizer = distributed_optimizer(cfg, hvd, optimizer, model, self.device)
         with self._state.peaks.phase("setup and resume"):
             if cfg.elastic:
                 self._checkpoints.read_elastic()
@@ -214,16 +214,6 @@ class Session:
         self.watchdog.share(job_dir or str(Path(self.log_dir) / "ranks"), own=not job_dir)
         self._reports.restart_window()
         return model, self.optimizer
-
-    def _memory_format(self, model: nn.Module) -> torch.memory_format:
-        """The images' memory format: channels_last for a model with 2-D convolutions on a GPU
-        (``channels_last``), so that cuDNN runs them in NHWC, as tensor cores take it. The weights
-        stay contiguous: Horovod's collectives refuse a channels-last tensor (and a weight's
-        gradient follows its weight's layout)."""
-        convolutional = any(isinstance(m, nn.Conv2d) for m in model.modules())
-        if self.cfg.channels_last and convolutional and self.device.type == "cuda":
-            return torch.channels_last
-        return torch.preserve_format
 
     def lr_multiplier(self) -> float:
         """Peak learning rate / base_lr for this world size, by ``lr_scaling``."""

@@ -243,3 +243,22 @@ def test_the_launchers_rank_variables_are_listed_once():
                 if len(listed) >= 2:
                     found.append(f"{path.relative_to(REPO)}:{node.lineno} {sorted(listed)}")
     assert found == []
+
+
+MODULE_LINES = 500
+
+
+def test_no_module_is_over_five_hundred_lines():
+    """A module past 500 lines holds more than one role; split it by role (as bench/, rehearse/
+    and zero/ were), not by cutting it in halves."""
+    found = [f"{path.relative_to(REPO)}: {lines} lines" for path in sorted(PACKAGE.rglob("*.py"))
+             if (lines := len(path.read_text().splitlines())) > MODULE_LINES]
+    assert found == []
+
+
+def test_no_method_of_the_session_is_over_forty_lines():
+    """The Session delegates: a method that grows past 40 lines is doing a part's work."""
+    tree = ast.parse((PACKAGE / "session.py").read_text())
+    found = [f"{node.name}: {node.end_lineno - node.lineno + 1} lines" for node in ast.walk(tree)
+             if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > 40]
+    assert found == []

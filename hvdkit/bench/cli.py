@@ -19,7 +19,6 @@ from hvdkit.bench.drivers import (
     compare_synthetic,
     print_estimate,
     scaling,
-    zero,
 )
 from hvdkit.bench.figures import ZERO_IMPLS, BenchError, parse_size, size_range
 from hvdkit.bench.workers import (
@@ -28,6 +27,7 @@ from hvdkit.bench.workers import (
     checkpoint_worker,
     synthetic_worker,
 )
+from hvdkit.bench.zero_drivers import zero
 from hvdkit.bench.zero_worker import zero_worker
 from hvdkit.launch.hostfile import LaunchError, parse_hosts
 

@@ -1,4 +1,5 @@
-"""Gradient buckets, and Horovod's DistributedOptimizer over them with gradients that live in them.
+"""The optimizer made distributed: Horovod's DistributedOptimizer over gradient buckets whose
+gradients live in them, or hvdkit.zero's sharded optimizer.
 
 The buckets are DDP's: the trained parameters in reverse order (about the order backward makes
 their gradients), the first closed at 1 MiB, the others at their cap. Each bucket's gradients are
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from hvdkit.config import TrainConfig
+from hvdkit.zero import optimizer as zero
 
 # The first bucket is DDP's 1 MiB (_DEFAULT_FIRST_BUCKET_BYTES), so that the link starts with the
 # first gradients backward makes. The others: DDP's 25 MiB (bucket_cap_mb) on GPUs; 4 MiB on CPUs,
@@ -51,12 +53,17 @@ def gradient_buckets(model: nn.Module, cap: int = BUCKET_BYTES,
 
 
 def distributed_optimizer(cfg: TrainConfig, hvd, optimizer: torch.optim.Optimizer, model: nn.Module,
-                          device: torch.device) -> torch.optim.Optimizer:
-    """Horovod's DistributedOptimizer over ``optimizer``, with bucket views where Horovod's grouped
-    allreduce applies. Its grouped allreduce has no Adasum and no pre/post-scaling: those go tensor
-    by tensor. Nor elastic runs: Horovod agrees on the groups in a collective when the optimizer is
+                          device: torch.device):
+    """``optimizer`` made distributed as ``cfg`` says: with ``zero``, hvdkit.zero's ShardedOptimizer;
+    else Horovod's DistributedOptimizer, with bucket views where Horovod's grouped allreduce
+    applies. Its grouped allreduce has no Adasum and no pre/post-scaling: those go tensor by
+    tensor. Nor elastic runs: Horovod agrees on the groups in a collective when the optimizer is
     made, which a worker joining a running job makes alone (it hung the rejoin)."""
     compression = hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none
+    if cfg.zero:
+        zero.check(optimizer, model, cfg.zero)
+        return zero.ShardedOptimizer(optimizer, hvd, cfg.zero, compression, cfg.batches_per_allreduce,
+                                     cfg.gradient_predivide_factor)
     grouped = not (cfg.elastic or cfg.use_adasum) and cfg.gradient_predivide_factor == 1.0
     if grouped and hvd.size() > 1:
         wrapped = with_bucket_views(optimizer, model.named_parameters(), compression, cfg.batches_per_allreduce,

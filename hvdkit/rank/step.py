@@ -91,6 +91,17 @@ def to_device(batch: Any, device: torch.device, memory_format: torch.memory_form
     return batch
 
 
+def input_format(cfg: TrainConfig, model: nn.Module, device: torch.device) -> torch.memory_format:
+    """The images' memory format: channels_last for a model with 2-D convolutions on a GPU
+    (``channels_last``), so that cuDNN runs them in NHWC, as tensor cores take it. The weights
+    stay contiguous: Horovod's collectives refuse a channels-last tensor (and a weight's
+    gradient follows its weight's layout)."""
+    convolutional = any(isinstance(m, nn.Conv2d) for m in model.modules())
+    if cfg.channels_last and convolutional and device.type == "cuda":
+        return torch.channels_last
+    return torch.preserve_format
+
+
 def batch_len(batch: Any) -> int:
     """Samples in a batch: the leading size of its first tensor."""
     if isinstance(batch, torch.Tensor):
@@ -186,9 +197,8 @@ class TrainingStep:
         return bad.reshape(())  # 0-d, as GradScaler's found_inf: the fused kernels take no other
 
     def _parameters(self) -> list:
-        """The model's parameters, listed once per model: walking a resnet50's modules takes
-        0.26 ms of the host's time (this machine, 2026-11-27), which on a fast GPU the next step's
-        kernels may wait for."""
+        """The model's parameters, listed once per model: walking the modules every step takes host
+        time that a fast GPU's next kernels may wait for (docs/performance-notes.md#figures-behind-the-code)."""
         model = self.state.model
         if self._listed is None or self._listed[0] is not model:
             self._listed = (model, list(model.parameters()))
@@ -283,8 +293,8 @@ def use_fused_kernels(optimizer, convert: bool = True) -> bool:
     groups are all fused then tells GradScaler to hand it found_inf. True if every group is fused.
 
     The Session converts on GPUs only: on a CPU, reading the flag costs no device sync, and
-    torch's fused CPU kernels run a parallel region per tensor, which on busy cores took 127 ms a
-    step for 100 tensors of 16x16 against 0.7 ms with foreach (2 threads, 2026-11-27)."""
+    torch's fused CPU kernels run a parallel region per tensor, which on busy cores is far slower
+    than foreach (docs/own-loop.md)."""
     if not isinstance(optimizer, FUSABLE):
         return False
     for group in optimizer.param_groups if convert else ():

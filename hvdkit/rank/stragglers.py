@@ -11,10 +11,9 @@ more than ``straggler_threshold`` above the median of the other ranks', by at le
 of their whole step (compute and wait: what the slow rank costs each step), for ``IN_A_ROW``
 reports in a row, once, with its host and how much slower it is. A slow node or loader is slow at
 every step; a busy machine's jitter is not, and the two conditions keep it quiet. The median
-leaves out the few steps a rank spent descheduled (CI: a mean of 3.0 against 1.4 ms, with other
-tests on the two cores, and every rank alike when run alone); the fraction of the whole step
-leaves out a millisecond more where every rank waits long for the allreduce (measured: 4.8
-against 6.0 ms of compute, and 13 ms of waiting on both, with a third process on the cores).
+leaves out the few steps a rank spent descheduled, which raise a busy rank's mean alone; the
+fraction of the whole step leaves out a millisecond more of compute where every rank waits long
+for the allreduce, as ranks sharing busy cores do.
 Reports, evaluation and checkpoints are not step time: the clock restarts after them.
 """
 

@@ -30,227 +30,37 @@ import signal
 import subprocess
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional
 
 import inotify_simple as inotify
-import torch
 
 from hvdkit import checkpoint, job
-from hvdkit.env import RANK_VARIABLES
-from hvdkit.rank import lifeline
+from hvdkit.rehearse import processes, verdict
 from hvdkit.rehearse.faults import ELASTIC_TOLERANCE, FAULTS, Strike
 from hvdkit.rehearse.namespaces import Hosts
-from hvdkit.zero import shards
 
-WORLD_SIZE_CHANGE = re.compile(r"hvdkit: elastic: world size (\d+) -> (\d+), going on from step (\d+); "
-                               r"about ([\d.]+) s lost")
 GIVE_BACK_SECONDS = 30.0  # a lost host is listed again at the latest this long after its loss
-NOT_RANKS = {"sh", "bash", "dash", "ssh", "sshd", "env", "timeout", "horovodrun", *job.MPI_LAUNCHERS, *job.MPI_DAEMONS}
 TICK = 0.05  # how often the faults' moments are looked for, at most
 GIVEN_DEADLINE = 1800.0  # seconds an attempt may take when the undisturbed run was not timed here
 # Seconds after the command ends for its processes on the hosts to go. A rank that horovodrun
-# --gloo started over ssh, whose launcher is gone, ends itself once it has not answered for
+# --gloo started over ssh, its launcher gone, ends itself once it has not answered for
 # LOST_SECONDS (hvdkit.rank.lifeline), found by a probe up to one interval later that may itself
-# take one; then the rank's own exit (the soak's seed 107 left a rank there after 22 s: its
-# lifeline had been stopped on hvdkit.session's error path, since fixed). Anything else has no
-# lifeline to wait for: mpirun's daemons and hvdkit launch end what they started before they
-# exit (every attempt of the soak under them had nothing left at its end), so a few seconds for
-# a process in its exit.
+# take one. mpirun's daemons and hvdkit launch end what they started before they exit: a few
+# seconds for a process in its exit.
 SETTLE = job.LOST_SECONDS + 2 * job.PROBE_SECONDS + 3.0
 SETTLE_WITHOUT_LIFELINE = 5.0
 RESUMED = re.compile(r"hvdkit: resumed from \S+ \(epoch \d+, step (\d+)")
 BALLAST = ".chaos-ballast"  # disk-full's file, in the checkpoint directory's own filesystem
 STEPS_FILE = "chaos-steps.json"  # beside the undisturbed run's checkpoints: every step it wrote one at
-DEFERS = re.compile(r"another rank ended first|the lines above say|that rank's own line")
 SLOW = "20mbit"  # slow's link (tc tbf; netem's delay is not in every kernel)
-TAG = re.compile(r"^\[\d+,\d+\]<std(?:out|err)>:|^\[\d+\]<std(?:out|err)>:")  # mpirun's and horovodrun's
-TRAILING_TAG = re.compile(r"\[\d+(?:,\d+)?\]<std(?:out|err)>:$")  # a rank's next line, begun on this one
-ENDING = re.compile(r"error|killed|signal|exited|failed|abort|cannot|stopped|does not answer|no space",
-                    re.IGNORECASE)
-
-
-def ranks(hosts: Hosts) -> dict[int, tuple]:
-    """The job's ranks on the hosts: {rank: (psutil.Process, host)}. A rank is the process that
-    carries a launcher's rank variable and whose parent does not (its data workers do too)."""
-    import psutil
-
-    found: dict[int, tuple] = {}
-    for name in hosts.names:
-        for pid in hosts.pids(name):
-            try:
-                process = psutil.Process(pid)
-                if process.name() in NOT_RANKS or process.status() == psutil.STATUS_ZOMBIE:
-                    continue
-                rank = _rank_of(process)
-                parent = process.parent()
-                if rank is None or (parent and parent.name() not in NOT_RANKS and _rank_of(parent) == rank):
-                    continue
-                found[rank] = (process, name)
-            except psutil.Error:
-                continue
-    return found
-
-
-def _rank_of(process) -> Optional[int]:
-    environ = process.environ()
-    for variable in RANK_VARIABLES:
-        if variable in environ:
-            return int(environ[variable])
-    return None
-
-
-def left_running(hosts: Hosts) -> list[tuple[str, bool]]:
-    """What runs on the hosts besides their sshd (and its sessions): ('name (pid N) on host',
-    whether a rank's lifeline will end it)."""
-    import psutil
-
-    kept = {proc.pid for proc in hosts.sshd.values()}
-    found = []
-    for name in hosts.names:
-        for pid in hosts.pids(name):
-            try:
-                process = psutil.Process(pid)
-                if pid in kept or process.name() == "sshd" or process.status() == psutil.STATUS_ZOMBIE:
-                    continue
-                found.append((f"{' '.join(process.cmdline()[:3]) or process.name()} (pid {pid}) on {name}",
-                              lifeline.watches(process.environ())))
-            except psutil.Error:
-                continue
-    return found
-
-
-def partials(directory: Path) -> list[Path]:
-    """The temporary files of saves under way (or cut) in a checkpoint directory and its shard folders."""
-    if not directory.is_dir():
-        return []
-    return sorted(p for p in directory.rglob(f"*{job.PARTIAL}"))
-
-
-def _step_of_partial(path: Path) -> Optional[int]:
-    """The step a temporary file belongs to: its own name's, or its shard folder's."""
-    for part in (path.name, path.parent.name):
-        match = re.search(rf"{checkpoint.PREFIX}(\d+)", part)
-        if match:
-            return int(match[1])
-    return None
-
-
-def plain(path: Path) -> dict:
-    """Checkpoint ``path`` verified and read as one process would hold it (hvdkit.zero.shards)."""
-    return shards.plain_state(path, checkpoint.load_whole(path))
-
-
-def difference(a, b, where: str = "") -> Optional[str]:
-    """Where two states differ, in a few words, or None when they are bitwise equal."""
-    if torch.is_tensor(a) or torch.is_tensor(b):
-        if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.shape != b.shape or a.dtype != b.dtype:
-            return f"{where}: {_kind(a)} against {_kind(b)}"
-        if torch.equal(a, b):
-            return None
-        gap = (a.double() - b.double()).abs().max().item() if a.is_floating_point() else "?"
-        return f"{where} differs (largest difference {gap:.3g})" if gap != "?" else f"{where} differs"
-    if isinstance(a, dict) and isinstance(b, dict):
-        if set(a) != set(b):
-            return f"{where or 'the state'}: keys {sorted(map(str, set(a) ^ set(b)))[:4]} are in one only"
-        for key in a:
-            found = difference(a[key], b[key], f"{where}.{key}" if where else str(key))
-            if found:
-                return found
-        return None
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return f"{where}: {len(a)} items against {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            found = difference(x, y, f"{where}[{i}]")
-            if found:
-                return found
-        return None
-    return None if a == b else f"{where}: {a!r} against {b!r}"
-
-
-def distance(a, b) -> float:
-    """How far state ``a`` is from ``b``: the L2 norm of their floating tensors' differences over
-    that of ``b``'s, all taken together (inf where their structures differ)."""
-    pairs = list(_floating_pairs(a, b))
-    if any(x is None for x, _ in pairs):
-        return float("inf")
-    gap = sum(float((x.double() - y.double()).pow(2).sum()) for x, y in pairs)
-    size = sum(float(y.double().pow(2).sum()) for _, y in pairs)
-    return (gap / size) ** 0.5 if size else (0.0 if gap == 0 else float("inf"))
-
-
-def _floating_pairs(a, b):
-    if torch.is_tensor(a) or torch.is_tensor(b):
-        if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.shape != b.shape:
-            yield None, None
-        elif a.is_floating_point():
-            yield a, b
-    elif isinstance(a, dict) and isinstance(b, dict):
-        if set(a) != set(b):
-            yield None, None
-        for key in a.keys() & b.keys():
-            yield from _floating_pairs(a[key], b[key])
-    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            yield None, None
-            return
-        for x, y in zip(a, b, strict=True):
-            yield from _floating_pairs(x, y)
-
-
-def _kind(value) -> str:
-    return f"{tuple(value.shape)} {value.dtype}" if torch.is_tensor(value) else type(value).__name__
-
-
-@dataclass
-class Attempt:
-    number: int
-    code: Optional[int] = None
-    line: str = ""
-    seconds: float = 0.0
-    log: str = ""
-
-
-@dataclass
-class Report:
-    seed: int
-    faults: list
-    command: list
-    hosts: int
-    checkpoint_dir: str
-    reference: dict = field(default_factory=dict)
-    strikes: list = field(default_factory=list)
-    attempts: list = field(default_factory=list)
-    final: dict = field(default_factory=dict)
-    left: dict = field(default_factory=dict)
-    checkpoints_read: list = field(default_factory=list)
-    problems: list = field(default_factory=list)
-    not_struck: list = field(default_factory=list)
-    world_size_changes: list = field(default_factory=list)  # an elastic job's, as it said them
-    seconds: float = 0.0
-
-    def table(self) -> str:
-        rows = [("#", "fault", "target", "step", "phase", "ended", "back in", "resumed at", "redone")]
-        for s in self.strikes:
-            ended = f"exit {s['ended']['code']}: {s['ended']['line'][:60]}" if s.get("ended") else "rode it out"
-            back = f"{s['back_training_seconds']:.1f} s" if s.get("back_training_seconds") is not None else "-"
-            resumed = str(s["resumed_step"]) if s.get("resumed_step") is not None else "-"
-            redone = f">= {s['steps_redone']}" if s.get("steps_redone") is not None else "-"
-            rows.append((str(s["number"]), f"{s['fault']} {s['signal']}".strip(), s["target"] or "-", str(s["step"]),
-                         s["phase"] or "not struck", ended, back, resumed, redone))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-        lines += [f"world size {c['from']} -> {c['to']} at step {c['step']}, about {c['seconds_lost']} s lost"
-                  for c in self.world_size_changes]
-        return "\n".join(lines)
 
 
 class Chaos:
     """One chaos run on ``hosts``: the undisturbed run (or ``reference``), then the faults."""
 
-    def __init__(self, command: list[str], hosts: Hosts, env: dict, ckpt: Path, out: Path, report: Report,
+    def __init__(self, command: list[str], hosts: Hosts, env: dict, ckpt: Path, out: Path, report: verdict.Report,
                  say: Callable[[str], None], running: dict, elastic: bool = False,
                  tolerance: Optional[float] = None) -> None:
         self.command, self.hosts, self.env, self.ckpt, self.out = command, hosts, env, ckpt, out
@@ -319,7 +129,7 @@ class Chaos:
                      "log": self.out / f"attempt-{number}.log", "resumed": False, "mine": [], "previous": previous}
             attempt = self._attempt(number, lambda state=state: self._watch(state))
             self._undo()
-            self._world_size_changes(Path(attempt.log))
+            self.report.world_size_changes += verdict.world_size_changes(Path(attempt.log))
             mine = state["mine"]
             for strike in mine:  # one ridden out is not what ended it, unless the last before a failure
                 if self._ends(strike.fault) or (attempt.code != 0 and strike is mine[-1]):
@@ -420,7 +230,7 @@ class Chaos:
             return
         import psutil
 
-        found = ranks(self.hosts)
+        found = processes.ranks(self.hosts)
         if not found:
             strike.phase = ""
             self._unstruck(strike, "no rank was left to strike: the job was ending")
@@ -446,13 +256,14 @@ class Chaos:
         with contextlib.suppress(psutil.Error):
             process.kill()
         if fault == "in-write":
-            strike.phase = "checkpoint write" if partials(self.ckpt) else "checkpoint write (its write had just ended)"
+            strike.phase = ("checkpoint write" if processes.partials(self.ckpt)
+                            else "checkpoint write (its write had just ended)")
         if fault == "while-resuming":
             self.second = {"strike": strike, "delay": strike.seconds / 4}
 
     def _writer(self, found: dict) -> int:
         """The rank whose temporary file is there (a shard's part names it), else rank 0."""
-        for path in partials(self.ckpt):
+        for path in processes.partials(self.ckpt):
             match = re.search(r"part-(\d+)-of-", path.name) or re.search(r"rank-(\d+)-of-", path.name)
             if match and int(match[1]) in found:
                 return int(match[1])
@@ -465,7 +276,7 @@ class Chaos:
             return
         if time.monotonic() - state["started"] < second["delay"]:
             return
-        found = ranks(self.hosts)
+        found = processes.ranks(self.hosts)
         if not found:
             return
         self.second = None
@@ -485,7 +296,7 @@ class Chaos:
         if now - state["looked"] < 0.2:
             return
         state["looked"] = now
-        if state["started"] is None and ranks(self.hosts):
+        if state["started"] is None and processes.ranks(self.hosts):
             state["started"] = now
         if state["resumed"]:
             return
@@ -560,13 +371,6 @@ class Chaos:
         self.say(f"{host} given back {time.monotonic() - since:.1f} s after its loss "
                  f"(the job's newest checkpoint then: step {self.newest_seen})")
 
-    def _world_size_changes(self, log: Path) -> None:
-        """An elastic job's changes of world size, from its own lines."""
-        with contextlib.suppress(OSError):
-            for match in WORLD_SIZE_CHANGE.finditer(log.read_text(errors="replace")):
-                self.report.world_size_changes.append({"from": int(match[1]), "to": int(match[2]),
-                                                       "step": int(match[3]), "seconds_lost": float(match[4])})
-
     def _prepare_restart(self) -> None:
         """As a scheduler requeues onto healthy nodes: lost hosts back, space freed."""
         if self.ballast is not None:
@@ -577,16 +381,16 @@ class Chaos:
                 self.hosts.link(name, up=True)
                 self.hosts.restart_sshd(name)
 
-    def _after(self, attempt: Attempt, mine: list[Strike]) -> None:
+    def _after(self, attempt: verdict.Attempt, mine: list[Strike]) -> None:
         """After an ending: nothing of the job on the hosts; no written checkpoint lost."""
         what = mine[-1].describe() if mine else ("the undisturbed run" if attempt.number == 0
                                                  else f"attempt {attempt.number}")
         began = time.monotonic()
-        left = left_running(self.hosts)
+        left = processes.left_running(self.hosts)
         while left and time.monotonic() < began + (SETTLE if any(ends for _, ends in left) else
                                                     SETTLE_WITHOUT_LIFELINE):
             time.sleep(0.2)
-            left = left_running(self.hosts)
+            left = processes.left_running(self.hosts)
         self.report.attempts[-1]["settled_seconds"] = None if left else round(time.monotonic() - began, 1)
         left = [what for what, _ in left]
         if left:
@@ -599,9 +403,9 @@ class Chaos:
             self.report.problems.append(f"after {what}: checkpoint step {self.newest_seen} was written and is gone "
                                         f"(the newest now: {self._newest_step()})")
 
-    def _attempt(self, number: int, watch: Callable[[], None]) -> Attempt:
+    def _attempt(self, number: int, watch: Callable[[], None]) -> verdict.Attempt:
         """The command once, on node0, its output to a log; ``watch`` every tick until it ends."""
-        attempt = Attempt(number, log=str(self.out / f"attempt-{number}.log"))
+        attempt = verdict.Attempt(number, log=str(self.out / f"attempt-{number}.log"))
         began = time.monotonic()
         with open(attempt.log, "w") as log:
             self.running["proc"] = proc = subprocess.Popen(self.hosts.on(self.hosts.names[0], self.command),
@@ -621,7 +425,7 @@ class Chaos:
             finally:
                 self.running.pop("proc", None)
         attempt.code, attempt.seconds = job.shell_code(code), round(time.monotonic() - began, 1)
-        attempt.line = last_line(Path(attempt.log)) if code else ""
+        attempt.line = verdict.last_line(Path(attempt.log)) if code else ""
         self.report.attempts.append(asdict(attempt))
         return attempt
 
@@ -634,7 +438,7 @@ class Chaos:
                 with contextlib.suppress(OSError):
                     self.folders[self.notify.add_watch(folder / event.name, inotify.flags.CREATE)] = folder / event.name
             elif event.name.endswith(job.PARTIAL):
-                step = _step_of_partial(folder / event.name)
+                step = processes.step_of_partial(folder / event.name)
                 if step is not None:
                     self.writing.append((step, folder / event.name))
 
@@ -654,12 +458,12 @@ class Chaos:
         ours = None  # the newest one's state, read once
         for path in existing:
             try:
-                ours = plain(path)
+                ours = verdict.plain(path)
                 self.report.checkpoints_read.append(path.name)
             except checkpoint.CheckpointError as exc:
                 ours = None
                 self.report.problems.append(f"checkpoint {path.name} does not read: {exc}")
-        left = [str(p) for p in partials(self.ckpt)]
+        left = [str(p) for p in processes.partials(self.ckpt)]
         if left:
             self.report.left["temporary_files"] = left
             self.report.problems.append(f"temporary files left in {self.ckpt}: {', '.join(left[:3])}")
@@ -668,8 +472,8 @@ class Chaos:
             return
         if ours is None:  # the newest does not read: said above
             return
-        reference = plain(final)
-        differs = difference(ours, reference)
+        reference = verdict.plain(final)
+        differs = verdict.difference(ours, reference)
         self.report.final = {"checkpoint": str(existing[-1]), "reference": str(final), "equal": differs is None,
                              "difference": differs}
         if self.elastic:
@@ -683,33 +487,10 @@ class Chaos:
     def _judge_elastic(self, ours: dict, reference: dict) -> None:
         """The model within the tolerance (at whatever step the job's own end came: --epochs
         takes more steps at a smaller world size)."""
-        gap = distance(ours["model"], reference["model"])
+        gap = verdict.distance(ours["model"], reference["model"])
         self.report.final.update(distance=gap, tolerance=self.tolerance, step=ours["step"],
                                  reference_step=reference["step"])
         if gap > self.tolerance:
             self.report.problems.append(
                 f"the final model is {gap:.3g} from the undisturbed run's (relative L2 distance of the weights), over "
                 f"the tolerance {self.tolerance} (--tolerance): {self.report.final['difference']}")
-
-
-def last_line(log: Path) -> str:
-    """The line a job ended with: its last line from hvdkit that says why (not a rank's pointer
-    to another's line), else its last that names an error, a signal or a failure (a launcher's),
-    else its last line; without a rank's output tag."""
-    try:
-        text = log.read_text(errors="replace")
-    except OSError:
-        return ""
-    lines = [TAG.sub("", TRAILING_TAG.sub("", line)).strip() for line in text.splitlines()]
-    lines = [line for line in lines if line.strip("-= ")]
-    own = [lambda line: line.startswith("hvdkit") and ENDING.search(line) and not DEFERS.search(line),
-           lambda line: line.startswith("hvdkit") and ENDING.search(line), ENDING.search]
-    for wanted in own:
-        for line in reversed(lines):
-            if wanted(line):
-                return line[:300]
-    return lines[-1][:300] if lines else ""
-
-
-def write_report(report: Report, path: Path) -> None:
-    job.write_whole(path, json.dumps(asdict(report), indent=1, default=str) + "\n")

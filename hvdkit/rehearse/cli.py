@@ -272,13 +272,13 @@ def _rehearse(args: argparse.Namespace, command: list[str], hosts: Hosts, runnin
 
 def _chaos(args: argparse.Namespace, command: list[str], running: dict) -> int:
     """--chaos: the undisturbed run, the faults, the checks; the report; 0 only if all held."""
-    from hvdkit.rehearse import chaos  # torch: only once the arguments are good
+    from hvdkit.rehearse import chaos, verdict  # torch: only once the arguments are good
     seed = args.chaos_seed if args.chaos_seed is not None else random.SystemRandom().randrange(1 << 31)
     faults = fault_menu.menu(args.faults, args.hosts, elastic(command))[0]
     ckpt = Path(args.checkpoint_dir or fault_menu.command_checkpoint_dir(command, dict(os.environ))).resolve()
     out = (args.out or Path("runs/rehearse") / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
-    report = chaos.Report(seed, faults, command, args.hosts, str(ckpt))
+    report = verdict.Report(seed, faults, command, args.hosts, str(ckpt))
     began = time.monotonic()
     say(f"chaos: seed {seed}, {args.chaos} fault(s) from {', '.join(faults)}; the report in {out}")
     ckpt.mkdir(parents=True, exist_ok=True)
@@ -320,7 +320,7 @@ def _chaos(args: argparse.Namespace, command: list[str], running: dict) -> int:
             report.left["namespaces"] = kept
             report.problems.append(f"namespaces left: {', '.join(kept)}")
     report.seconds = round(time.monotonic() - began, 1)
-    chaos.write_report(report, out / "report.json")
+    verdict.write_report(report, out / "report.json")
     print(report.table(), file=sys.stderr, flush=True)
     for problem in report.problems:
         say(f"chaos: {problem}")

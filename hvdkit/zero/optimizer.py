@@ -38,15 +38,14 @@ import contextlib
 import importlib.metadata
 import math
 import os
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
 
 from hvdkit.config import ConfigError
+from hvdkit.zero.layout import BUCKET_BYTES, Bucket, layout
 
-BUCKET_BYTES = 8 * 1024 * 1024  # than 32 MiB: a lower peak, and faster on CPUs (docs/zero.md)
 STAGE2_IN_FLIGHT = 2  # stage 2: buckets' reduce-scatters in flight at once, each holding a flat gradient
 IN_FLIGHT_VARIABLE = "HVDKIT_ZERO_IN_FLIGHT"
 
@@ -92,52 +91,6 @@ def collectives_in_flight(device: torch.device, environ=os.environ) -> bool:
     if environ.get(IN_FLIGHT_VARIABLE) in ("0", "1"):
         return environ[IN_FLIGHT_VARIABLE] == "1"
     return device.type == "cuda"
-
-
-@dataclass
-class Bucket:
-    """Parameters reduced and updated as one flat vector; ``params`` index the optimizer's
-    parameters in the order its state_dict numbers them."""
-
-    group: int
-    params: list[int]
-    shapes: list[tuple]
-    offsets: list[int]
-    length: int
-
-    def slice_length(self, size: int) -> int:
-        return math.ceil(self.length / size)
-
-    def describe(self) -> dict:
-        return {"group": self.group, "params": self.params, "shapes": [list(s) for s in self.shapes],
-                "offsets": self.offsets, "length": self.length}
-
-    @classmethod
-    def from_description(cls, d: dict) -> "Bucket":
-        return cls(d["group"], list(d["params"]), [tuple(s) for s in d["shapes"]], list(d["offsets"]), d["length"])
-
-
-def layout(param_groups: list[dict], bucket_bytes: int = BUCKET_BYTES) -> list[Bucket]:
-    """The buckets of the trainable parameters: the same on every rank and at every world size."""
-    numbered, index = [], 0
-    for g, group in enumerate(param_groups):
-        for p in group["params"]:
-            numbered.append((g, index, p))
-            index += 1
-    buckets: list[Bucket] = []
-    current: Optional[Bucket] = None
-    key = None
-    for g, i, p in reversed(numbered):
-        if not p.requires_grad:
-            continue
-        if current is None or key != (g, p.dtype, p.device) or current.length * p.element_size() >= bucket_bytes:
-            current, key = Bucket(g, [], [], [], 0), (g, p.dtype, p.device)
-            buckets.append(current)
-        current.params.append(i)
-        current.shapes.append(tuple(p.shape))
-        current.offsets.append(current.length)
-        current.length += p.numel()
-    return buckets
 
 
 class ShardedOptimizer:

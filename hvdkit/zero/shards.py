@@ -26,7 +26,8 @@ import torch
 
 from hvdkit import checkpoint
 from hvdkit.checkpoint import CheckpointError
-from hvdkit.zero.optimizer import Bucket, ShardedOptimizer
+from hvdkit.zero.layout import Bucket
+from hvdkit.zero.optimizer import ShardedOptimizer
 
 
 def file_name(rank: int, size: int) -> str:

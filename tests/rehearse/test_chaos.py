@@ -19,7 +19,7 @@ import uuid
 import pytest
 
 from conftest import REPO, require_namespaces
-from hvdkit.rehearse import chaos, faults
+from hvdkit.rehearse import faults, verdict
 from rehearse.test_rehearse import REHEARSE, environment, wait_for_none_left
 
 LOOP = str(REPO / "tests" / "programs" / "chaos_loop.py")
@@ -77,9 +77,9 @@ def test_states_are_compared_bitwise_and_the_first_difference_named():
 
     a = {"model": {"w": torch.ones(3)}, "optimizer": {"state": {0: {"step": torch.tensor(4.0)}}}, "step": 4}
     b = {"model": {"w": torch.ones(3)}, "optimizer": {"state": {0: {"step": torch.tensor(4.0)}}}, "step": 4}
-    assert chaos.difference(a, b) is None
+    assert verdict.difference(a, b) is None
     b["model"]["w"] = torch.ones(3).nextafter(torch.full((3,), 2.0))
-    assert chaos.difference(a, b).startswith("model.w differs (largest difference 1.19e-07)")
+    assert verdict.difference(a, b).startswith("model.w differs (largest difference 1.19e-07)")
 
 
 def _chaos(tmp_path, name, seed, faults, command, reference=None, count=None, env=None, hosts=2):

@@ -1,0 +1,81 @@
+"""The job's processes on the rehearsal hosts, and what an ending leaves there: its ranks (to
+strike), whatever still runs after it, the temporary files of cut saves (hvdkit.rehearse.chaos)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Optional
+
+from hvdkit import checkpoint, job
+from hvdkit.env import RANK_VARIABLES
+from hvdkit.rank import lifeline
+from hvdkit.rehearse.namespaces import Hosts
+
+NOT_RANKS = {"sh", "bash", "dash", "ssh", "sshd", "env", "timeout", "horovodrun", *job.MPI_LAUNCHERS, *job.MPI_DAEMONS}
+
+
+def ranks(hosts: Hosts) -> dict[int, tuple]:
+    """The job's ranks on the hosts: {rank: (psutil.Process, host)}. A rank is the process that
+    carries a launcher's rank variable and whose parent does not (its data workers do too)."""
+    import psutil
+
+    found: dict[int, tuple] = {}
+    for name in hosts.names:
+        for pid in hosts.pids(name):
+            try:
+                process = psutil.Process(pid)
+                if process.name() in NOT_RANKS or process.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                rank = _rank_of(process)
+                parent = process.parent()
+                if rank is None or (parent and parent.name() not in NOT_RANKS and _rank_of(parent) == rank):
+                    continue
+                found[rank] = (process, name)
+            except psutil.Error:
+                continue
+    return found
+
+
+def _rank_of(process) -> Optional[int]:
+    environ = process.environ()
+    for variable in RANK_VARIABLES:
+        if variable in environ:
+            return int(environ[variable])
+    return None
+
+
+def left_running(hosts: Hosts) -> list[tuple[str, bool]]:
+    """What runs on the hosts besides their sshd (and its sessions): ('name (pid N) on host',
+    whether a rank's lifeline will end it)."""
+    import psutil
+
+    kept = {proc.pid for proc in hosts.sshd.values()}
+    found = []
+    for name in hosts.names:
+        for pid in hosts.pids(name):
+            try:
+                process = psutil.Process(pid)
+                if pid in kept or process.name() == "sshd" or process.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                found.append((f"{' '.join(process.cmdline()[:3]) or process.name()} (pid {pid}) on {name}",
+                              lifeline.watches(process.environ())))
+            except psutil.Error:
+                continue
+    return found
+
+
+def partials(directory: Path) -> list[Path]:
+    """The temporary files of saves under way (or cut) in a checkpoint directory and its shard folders."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.rglob(f"*{job.PARTIAL}"))
+
+
+def step_of_partial(path: Path) -> Optional[int]:
+    """The step a temporary file belongs to: its own name's, or its shard folder's."""
+    for part in (path.name, path.parent.name):
+        match = re.search(rf"{checkpoint.PREFIX}(\d+)", part)
+        if match:
+            return int(match[1])
+    return None

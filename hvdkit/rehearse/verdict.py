@@ -1,0 +1,167 @@
+"""What a chaos run is held to and what it reports (hvdkit.rehearse.chaos): checkpoints read as
+one process holds them and compared, bitwise or by distance; the line each attempt ended with;
+the report, its table and its file."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from hvdkit import checkpoint, job
+from hvdkit.zero import shards
+
+DEFERS = re.compile(r"another rank ended first|the lines above say|that rank's own line")
+TAG = re.compile(r"^\[\d+,\d+\]<std(?:out|err)>:|^\[\d+\]<std(?:out|err)>:")  # mpirun's and horovodrun's
+TRAILING_TAG = re.compile(r"\[\d+(?:,\d+)?\]<std(?:out|err)>:$")  # a rank's next line, begun on this one
+WORLD_SIZE_CHANGE = re.compile(r"hvdkit: elastic: world size (\d+) -> (\d+), going on from step (\d+); "
+                               r"about ([\d.]+) s lost")
+ENDING = re.compile(r"error|killed|signal|exited|failed|abort|cannot|stopped|does not answer|no space",
+                    re.IGNORECASE)
+
+
+def plain(path: Path) -> dict:
+    """Checkpoint ``path`` verified and read as one process would hold it (hvdkit.zero.shards)."""
+    return shards.plain_state(path, checkpoint.load_whole(path))
+
+
+def difference(a, b, where: str = "") -> Optional[str]:
+    """Where two states differ, in a few words, or None when they are bitwise equal."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.shape != b.shape or a.dtype != b.dtype:
+            return f"{where}: {_kind(a)} against {_kind(b)}"
+        if torch.equal(a, b):
+            return None
+        gap = (a.double() - b.double()).abs().max().item() if a.is_floating_point() else "?"
+        return f"{where} differs (largest difference {gap:.3g})" if gap != "?" else f"{where} differs"
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return f"{where or 'the state'}: keys {sorted(map(str, set(a) ^ set(b)))[:4]} are in one only"
+        for key in a:
+            found = difference(a[key], b[key], f"{where}.{key}" if where else str(key))
+            if found:
+                return found
+        return None
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return f"{where}: {len(a)} items against {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            found = difference(x, y, f"{where}[{i}]")
+            if found:
+                return found
+        return None
+    return None if a == b else f"{where}: {a!r} against {b!r}"
+
+
+def distance(a, b) -> float:
+    """How far state ``a`` is from ``b``: the L2 norm of their floating tensors' differences over
+    that of ``b``'s, all taken together (inf where their structures differ)."""
+    pairs = list(_floating_pairs(a, b))
+    if any(x is None for x, _ in pairs):
+        return float("inf")
+    gap = sum(float((x.double() - y.double()).pow(2).sum()) for x, y in pairs)
+    size = sum(float(y.double().pow(2).sum()) for _, y in pairs)
+    return (gap / size) ** 0.5 if size else (0.0 if gap == 0 else float("inf"))
+
+
+def _floating_pairs(a, b):
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.shape != b.shape:
+            yield None, None
+        elif a.is_floating_point():
+            yield a, b
+    elif isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            yield None, None
+        for key in a.keys() & b.keys():
+            yield from _floating_pairs(a[key], b[key])
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            yield None, None
+            return
+        for x, y in zip(a, b, strict=True):
+            yield from _floating_pairs(x, y)
+
+
+def _kind(value) -> str:
+    return f"{tuple(value.shape)} {value.dtype}" if torch.is_tensor(value) else type(value).__name__
+
+
+@dataclass
+class Attempt:
+    number: int
+    code: Optional[int] = None
+    line: str = ""
+    seconds: float = 0.0
+    log: str = ""
+
+
+@dataclass
+class Report:
+    seed: int
+    faults: list
+    command: list
+    hosts: int
+    checkpoint_dir: str
+    reference: dict = field(default_factory=dict)
+    strikes: list = field(default_factory=list)
+    attempts: list = field(default_factory=list)
+    final: dict = field(default_factory=dict)
+    left: dict = field(default_factory=dict)
+    checkpoints_read: list = field(default_factory=list)
+    problems: list = field(default_factory=list)
+    not_struck: list = field(default_factory=list)
+    world_size_changes: list = field(default_factory=list)  # an elastic job's, as it said them
+    seconds: float = 0.0
+
+    def table(self) -> str:
+        rows = [("#", "fault", "target", "step", "phase", "ended", "back in", "resumed at", "redone")]
+        for s in self.strikes:
+            ended = f"exit {s['ended']['code']}: {s['ended']['line'][:60]}" if s.get("ended") else "rode it out"
+            back = f"{s['back_training_seconds']:.1f} s" if s.get("back_training_seconds") is not None else "-"
+            resumed = str(s["resumed_step"]) if s.get("resumed_step") is not None else "-"
+            redone = f">= {s['steps_redone']}" if s.get("steps_redone") is not None else "-"
+            rows.append((str(s["number"]), f"{s['fault']} {s['signal']}".strip(), s["target"] or "-", str(s["step"]),
+                         s["phase"] or "not struck", ended, back, resumed, redone))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+        lines += [f"world size {c['from']} -> {c['to']} at step {c['step']}, about {c['seconds_lost']} s lost"
+                  for c in self.world_size_changes]
+        return "\n".join(lines)
+
+
+def last_line(log: Path) -> str:
+    """The line a job ended with: its last line from hvdkit that says why (not a rank's pointer
+    to another's line), else its last that names an error, a signal or a failure (a launcher's),
+    else its last line; without a rank's output tag."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return ""
+    lines = [TAG.sub("", TRAILING_TAG.sub("", line)).strip() for line in text.splitlines()]
+    lines = [line for line in lines if line.strip("-= ")]
+    own = [lambda line: line.startswith("hvdkit") and ENDING.search(line) and not DEFERS.search(line),
+           lambda line: line.startswith("hvdkit") and ENDING.search(line), ENDING.search]
+    for wanted in own:
+        for line in reversed(lines):
+            if wanted(line):
+                return line[:300]
+    return lines[-1][:300] if lines else ""
+
+
+def world_size_changes(log: Path) -> list[dict]:
+    """An elastic job's changes of world size, from its own lines."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return []
+    return [{"from": int(m[1]), "to": int(m[2]), "step": int(m[3]), "seconds_lost": float(m[4])}
+            for m in WORLD_SIZE_CHANGE.finditer(text)]
+
+
+def write_report(report: Report, path: Path) -> None:
+    job.write_whole(path, json.dumps(asdict(report), indent=1, default=str) + "\n")

@@ -8,13 +8,14 @@ on a fresh machine.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import multiprocessing
 import pickle
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -292,3 +293,14 @@ def build(cfg: TrainConfig) -> Datasets:
     if cfg.dataset not in DATASETS:
         raise DataError(f"data: unknown dataset {cfg.dataset!r}; choose one of: {', '.join(DATASETS)}")
     return DATASETS[cfg.dataset](cfg)
+
+
+def batch_len(batch: Any) -> int:
+    """Samples in a batch: the leading size of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return len(batch)
+    values = batch.values() if isinstance(batch, dict) else batch
+    for value in values:
+        with contextlib.suppress(TypeError):
+            return batch_len(value)
+    raise TypeError("batch: holds no tensor")

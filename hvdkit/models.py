@@ -3,8 +3,10 @@ synchronized batch norm for any model."""
 
 from __future__ import annotations
 
+import random
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -18,6 +20,14 @@ TORCHVISION_MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "mobilene
 
 class UnknownModel(ConfigError):
     pass
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators: the same initial weights (and the same draws
+    after them) in every run with this seed."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def mlp(in_channels: int, image_size: int, num_classes: int) -> nn.Module:

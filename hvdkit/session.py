@@ -20,22 +20,19 @@ A Horovod script keeps its loop and hands hvdkit the parts that are easy to get 
                 break
     session.finish()
 
-``Trainer`` is a loop over this class. Everything it reads is a ``TrainConfig`` key, so
-``Session(**keys)`` and ``hvdkit train --key`` mean the same thing and are checked alike.
+``Trainer`` is a loop over this class; ``Session(**keys)`` and ``hvdkit train --key`` read the
+same ``TrainConfig`` keys, checked alike (docs/own-loop.md).
 
-``Session`` is a facade, as Lightning Fabric's is: it holds the run's state (hvdkit.rank.state:
-model, optimizer, step, epoch) and delegates the work to parts it hands that state and whatever else
-each uses (none holds the Session), one concern per module: process set-up and tuning
-(hvdkit.rank.startup), loaders and the data position (hvdkit.rank.loaders), the distributed
-optimizer over gradient buckets (hvdkit.rank.buckets), the training step (hvdkit.rank.step), resume
-and checkpoint state (hvdkit.rank.resume), metrics and the summary (hvdkit.rank.reports), stop
-signals (hvdkit.rank.stops), the ranks' copies of the model compared (hvdkit.rank.consistency) and
-each rank's compute and wait per step (hvdkit.rank.stragglers).
+``Session`` is a facade, as Lightning Fabric's is: it holds the run's state (hvdkit.rank.state)
+and delegates to parts handed that state and what else each uses (none holds the Session):
+process set-up (hvdkit.rank.startup), loaders and the data position (rank.loaders), the
+distributed optimizer (rank.buckets), the step (rank.step), the ranks' meetings (rank.lockstep),
+checkpoints and resume (rank.resume), reports (rank.reports), stop signals (rank.stops), how the
+run ends (rank.ending), the ranks' copies compared (rank.consistency), stragglers (rank.stragglers).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 from pathlib import Path
@@ -52,15 +49,16 @@ from hvdkit.config import ConfigError, TrainConfig, from_environ, from_mapping, 
 from hvdkit.rank import lockstep, orphan, startup, stops
 from hvdkit.rank.buckets import distributed_optimizer
 from hvdkit.rank.consistency import Consistency, DivergenceError
+from hvdkit.rank.ending import Ending
 from hvdkit.rank.lifeline import Lifeline
 from hvdkit.rank.loaders import Loaders
 from hvdkit.rank.lockstep import Lockstep, LockstepError, RankEnded, where
-from hvdkit.rank.loggers import LoggerError
+from hvdkit.rank.loggers import LoggerError, take_loggers
 from hvdkit.rank.memory import PhasePeaks
 from hvdkit.rank.metrics import Metrics
 from hvdkit.rank.reports import Reports
 from hvdkit.rank.resume import Checkpoints
-from hvdkit.rank.state import RunState
+from hvdkit.rank.state import RunState, state_field
 from hvdkit.rank.step import (
     NonFiniteError,
     TrainingStep,
@@ -75,22 +73,6 @@ from hvdkit.rank.watchdog import Watchdog
 OWN_ERRORS = (ConfigError, CheckpointError, NonFiniteError, DivergenceError, LockstepError, RankEnded, LoggerError)
 
 
-def _state_field(name: str, doc: str) -> property:
-    """A Session attribute kept in its RunState, which its parts read."""
-    return property(lambda self: getattr(self._state, name), lambda self, value: setattr(self._state, name, value),
-                    doc=doc)
-
-
-def _take_loggers(loggers: Union[str, Sequence, None], keys: dict) -> list:
-    """``Session(loggers=...)``: the names go to the ``logger`` key (as ``--logger``), the Logger
-    objects of your own are returned."""
-    if loggers is None:
-        return []
-    loggers = [loggers] if isinstance(loggers, str) else list(loggers)
-    keys["logger"] = ",".join(name for name in loggers if isinstance(name, str)) or "none"
-    return [logger for logger in loggers if not isinstance(logger, str)]
-
-
 class Session:
     """Horovod started for one training process, and the distributed parts of its loop.
 
@@ -102,20 +84,18 @@ class Session:
     with Horovod itself. hvdkit's own errors that your loop does not catch end every rank with
     one line (see hvdkit.rank.stops).
 
-    ``loggers``: where rank 0's reports go besides metrics.jsonl (hvdkit.rank.loggers): names
-    (``"mlflow,csv"`` or a list, as ``--logger``) and Logger objects of your own, such as
-    ``MLflow(tracking_uri=...)``.
+    ``loggers``: where rank 0's reports go besides metrics.jsonl: names (as ``--logger``) and
+    Logger objects of your own, such as ``MLflow(tracking_uri=...)`` (hvdkit.rank.loggers).
     """
 
     def __init__(self, config: Optional[TrainConfig] = None, loggers: Union[str, Sequence, None] = None,
                  **keys) -> None:
         if config is None:  # your own loop: HVDKIT_<KEY> variables, then your keywords
             config = from_mapping(from_environ(os.environ))
-        own_loggers = _take_loggers(loggers, keys)
+        own_loggers = take_loggers(loggers, keys)
         self.cfg = cfg = validate(from_mapping(keys, base=config))
         self.hvd, self.device = hvd, device = startup.start(cfg)
         self.watchdog = Watchdog(0 if cfg.elastic else cfg.stall_timeout, self.rank)
-        self._lifeline = Lifeline.from_environ(os.environ, self.rank)  # horovodrun --gloo's ranks
         self.amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
         # fp16 needs loss scaling, bf16 does not.
         self._state = state = RunState(
@@ -123,11 +103,8 @@ class Session:
             peaks=PhasePeaks(device))
         # Elastic: a stop signal on the driver's host ends the job (with a checkpoint); elsewhere
         # it ends that worker alone, as Horovod has it (a node drained or preempted), and the job goes on.
-        try:
-            self._signal = stops.StopSignal(install=not cfg.elastic or orphan.started_by_horovodrun_here(),
-                                            rank=self.rank, where=lambda watchdog=self.watchdog: watchdog.where)
-        except ValueError as exc:  # HVDKIT_STOP_GRACE
-            raise ConfigError(str(exc)) from None
+        self._signal = stops.StopSignal(install=not cfg.elastic or orphan.started_by_horovodrun_here(),
+                                        rank=self.rank, where=lambda watchdog=self.watchdog: watchdog.where)
         self._lockstep = Lockstep(self.hvd, strict=not cfg.elastic)
         self._unread_step = False  # a step's agreement that should_stop() has not read yet
         self._times = StepTimes(self.rank, self.size, cfg.straggler_threshold)
@@ -135,14 +112,15 @@ class Session:
         self._consistency = Consistency(cfg, hvd, device, state)
         self._loaders = Loaders(cfg, hvd, device, state)
         self._checkpoints = Checkpoints(cfg, hvd, state, self._loaders, self._consistency, self.watchdog)
-        self._locks: list = []
+        self._ending = Ending(cfg, hvd, state, self._lockstep, self._signal, self._checkpoints, self._reports,
+                              self.watchdog, Lifeline.from_environ(os.environ, self.rank))  # horovodrun --gloo's
         self._input_format = torch.preserve_format  # channels_last for a convolutional model on a GPU, from setup()
         # Horovod's shutdown met outside hvdkit's calls (your own loss.backward()) is said in one line too.
-        self._undo_hook = stops.exit_on_own_errors(
+        self._ending.undo_hook = stops.exit_on_own_errors(
             self.rank, OWN_ERRORS + (() if cfg.elastic else (HorovodInternalError,)), (ConfigError, LockstepError),
-            self._end_after_error)
+            self._ending.after_error)
         state.log_dir = cfg.log_dir or startup.run_dir(cfg, hvd)
-        self._locks = startup.lock_directories(cfg, hvd, state.log_dir)
+        self._ending.locks = startup.lock_directories(cfg, hvd, state.log_dir)
         self._checkpoints.read_ahead()  # a sharded run resumed at another size adapts K before its step and loaders
         self._step = TrainingStep(cfg, hvd, device, state, self._times, self._checkpoints.kept)
         if self._signal.installed:  # a rank whose launcher is gone stops as on SIGTERM
@@ -158,18 +136,18 @@ class Session:
                           doc="Each rank's compute and wait per step (hvdkit.rank.stragglers)")
 
     # -- where the run is (hvdkit.rank.state), shared with the parts below -------------------
-    global_step = _state_field("global_step", "optimizer steps taken")
-    epoch = _state_field("epoch", "epochs finished")
-    total_steps = _state_field("total_steps", "for the progress bar; set it if you know it, epochs() does")
-    stopped = _state_field("stopped", "the ranks agreed on a stop and its checkpoint is written")
-    exit_code = _state_field("exit_code", "non-zero after a stop that was not requeued")
-    log_dir = _state_field("log_dir", "metrics, heartbeats and the run's lock")
-    model = _state_field("model", "the model setup() placed on this rank's device")
-    optimizer = _state_field("optimizer", "Horovod's DistributedOptimizer (or the sharded one) setup() made")
-    scheduler = _state_field("scheduler", "stepped once per optimizer step by step()")
-    scaler = _state_field("scaler", "fp16's GradScaler (amp on a GPU)")
-    extra = _state_field("extra", "your own picklable state, saved in checkpoints and restored on resume")
-    resumed_config = _state_field("resumed_config", "the config keys of the checkpoint resumed from")
+    global_step = state_field("global_step", "optimizer steps taken")
+    epoch = state_field("epoch", "epochs finished")
+    total_steps = state_field("total_steps", "for the progress bar; set it if you know it, epochs() does")
+    stopped = state_field("stopped", "the ranks agreed on a stop and its checkpoint is written")
+    exit_code = state_field("exit_code", "non-zero after a stop that was not requeued")
+    log_dir = state_field("log_dir", "metrics, heartbeats and the run's lock")
+    model = state_field("model", "the model setup() placed on this rank's device")
+    optimizer = state_field("optimizer", "Horovod's DistributedOptimizer (or the sharded one) setup() made")
+    scheduler = state_field("scheduler", "stepped once per optimizer step by step()")
+    scaler = state_field("scaler", "fp16's GradScaler (amp on a GPU)")
+    extra = state_field("extra", "your own picklable state, saved in checkpoints and restored on resume")
+    resumed_config = state_field("resumed_config", "the config keys of the checkpoint resumed from")
 
     def print(self, *args, **kwargs) -> None:
         """print() on rank 0 only."""
@@ -246,6 +224,12 @@ class Session:
         Give a Dataset, or a DataLoader whose dataset, collate_fn and drop_last are kept."""
         return self._loaders.train(data_or_loader, batch_size, shuffle, loader_args)
 
+    def elastic_loader(self, dataset, batch_size: Optional[int] = None, **loader_args) -> DataLoader:
+        """Elastic: a training DataLoader over Horovod's ElasticSampler (``loader.sampler``), which
+        shares what is left of an epoch among the ranks of the moment; hand the sampler to
+        ``load_elastic`` and to Horovod's ``TorchState``."""
+        return self._loaders.elastic(dataset, batch_size, loader_args)
+
     def eval_loader(self, data_or_loader, batch_size: Optional[int] = None, **loader_args) -> DataLoader:
         """This rank's share of an evaluation set (a Dataset, or a DataLoader whose dataset and
         collate_fn are kept): every sample on exactly one rank, none twice."""
@@ -273,7 +257,7 @@ class Session:
         the loop did not ask should_stop() about (its checkpoint is written)."""
         self.watchdog.beat(f"the end of epoch {self.epoch + 1} after step {self.global_step}")
         self._meet(lockstep.EPOCH_END)
-        return self._take_stop()
+        return self._ending.take_stop(self._step)
 
     # -- the step (hvdkit.rank.step) ------------------------------------------------------------
     def micro_batches(self, batch: Any) -> list:
@@ -288,7 +272,7 @@ class Session:
         """Backward of one micro-batch's loss, averaged over the step's micro-batches and
         scaled for fp16. The last micro-batch's backward starts the allreduce; the step's
         first starts its meeting (hvdkit.rank.lockstep), ahead of the gradients."""
-        with self._waiting(lockstep.STEP):  # the gradients' allreduces start here
+        with self._lockstep.waiting(lockstep.STEP, self.global_step, self.rank):  # the gradients' allreduces start here
             self._start_step()
             with self._state.peaks.phase("backward"):
                 self._step.backward(loss)
@@ -299,10 +283,10 @@ class Session:
         self.watchdog.beat(f"training step {self.global_step + 1}")
         self._checkpoints.check()  # a background save that failed ends the run at the next step
         self._checkpoints.before_update()  # its copy of the weights, made during this forward and backward
-        self._record_saves()
+        self._ending.record_saves()
         self._start_step()
         phase = "optimizer step" if "first optimizer step" in self._state.peaks.peaks else "first optimizer step"
-        with self._waiting(lockstep.STEP), self._state.peaks.phase(phase):
+        with self._lockstep.waiting(lockstep.STEP, self.global_step, self.rank), self._state.peaks.phase(phase):
             self._times.waiting()  # for a rank late to the step, the others wait here (hvdkit.rank.stragglers)
             self._lockstep.collect()
             self._times.waited()
@@ -377,58 +361,20 @@ class Session:
         workers on horovodrun's host (see __init__)."""
         if self.stopped:
             return True
-        if self.cfg.elastic and self._checkpoints.elastic_sampler is None:
-            raise RuntimeError("hvdkit: an elastic loop calls session.load_elastic(sampler) before its first step, "
-                               "so that the checkpoint of a stop records the sampler's position")
+        self._checkpoints.require_elastic_sampler()
         if not self._unread_step:  # no step since the last call: meet now
             self._meet(lockstep.SHOULD_STOP)
         self._unread_step = False
-        return self._take_stop()
+        return self._ending.take_stop(self._step)
 
     def _meet(self, call: str) -> None:
         """Every rank at ``call`` after the same steps, or one line saying who is where (hvdkit.rank.lockstep)."""
         self.watchdog.beat(where(call, self.global_step))
-        with self._waiting(call):
-            self._lockstep.collect()  # a step's meeting, where the loop called backward() without step()
-            self._lockstep.meet(call, self.global_step, self._signal.received or 0)
-
-    @contextlib.contextmanager
-    def _waiting(self, call: str):
-        """Horovod's shutdown by another rank (it raised, returned early or was killed), said in
-        one line here; elastic runs recover from it instead."""
-        try:
-            yield
-        except HorovodInternalError:
-            if self.cfg.elastic:
-                raise
-            self._lockstep.read_after_shutdown()
-            raise RankEnded(f"Horovod shut down while rank {self.rank} waited in {where(call, self.global_step)}: "
-                            f"another rank ended (it raised, returned early or was killed) or Horovod's stall "
-                            f"inspector ended the job; the lines above say which") from None
-
-    def _take_stop(self) -> bool:
-        """Whether the run stops here: the ranks agreed on a stop, and its checkpoint is now written."""
-        if self.stopped or not self._lockstep.signum:
-            return self.stopped
-        self.stopped = True
-        self._step.settle()
-        self._record_saves()  # the save in flight, if written, tells how long this one may take
-        self._checkpoints.warn_if_late(self._signal.grace, self._signal.grace_left())
-        if self.cfg.elastic:
-            self.save_elastic(self._checkpoints.elastic_sampler)
-        else:
-            self._checkpoints.save()
-        return True
-
-    def _record_saves(self) -> None:
-        """The metrics gain a record of each checkpoint written (rank 0's): what it held training
-        (the stall) and what its write took."""
-        for record in self._checkpoints.take_done(self._signal.grace):
-            self._reports.metrics().write({"event": "checkpoint", **record})
+        self._lockstep.meet_now(call, self.global_step, self._signal.received or 0, self.rank)
 
     def _end_stopped(self) -> None:
         """A stop the loop did not ask should_stop() about: checkpoint, summary and exit here."""
-        if self._take_stop():
+        if self._ending.take_stop(self._step):
             raise SystemExit(self.finish()["exit_code"])
 
     def finish(self, summary: Optional[dict] = None) -> dict:
@@ -438,44 +384,7 @@ class Session:
         task within milliseconds of scontrol's answer, which must not cut the report short."""
         if not self.cfg.elastic:  # elastic workers may be leaving or joining
             self._meet(lockstep.FINISH)  # before the handlers go: its error is said in one line
-            self._step.settle()
-            self._take_stop()
-        self._checkpoints.finish()  # the last save durable before a requeue reads it and before the exit
-        self._record_saves()
-        try:
-            self._release()
-            if self.stopped:
-                self.exit_code = stops.conclude(self._lockstep.signum, self.rank, self.global_step,
-                                                self.cfg.checkpoint_dir, self.cfg.max_requeues,
-                                                reason=self._signal.reason_for(self._lockstep.signum))
-            return self._reports.summary({"checkpoints": self._checkpoints.timings(), **(summary or {})},
-                                         self.skipped_steps)
-        finally:
-            self._signal.restore()
-            self._undo_hook()
-
-    def _release(self, watching: bool = False) -> None:
-        """Let go of what this run holds; ``watching`` keeps the watches on its launcher, which
-        end this rank should its launcher go while it is still ending."""
-        self.watchdog.stop()
-        for watch in () if watching else (self._lifeline, self._signal.launcher):
-            if watch:
-                watch.stop()
-        for held in self._locks:
-            held.release()
-
-    def _end_after_error(self) -> None:
-        """One of hvdkit's errors ends this rank (stops.exit_on_own_errors): a save in flight
-        is finished first, so that the job ends with it written. Horovod's shutdown can block
-        (joining its background thread, itself waiting in Gloo on a rank that is gone or frozen:
-        a chaos soak's rank on another host was still there 22 s after horovodrun had ended), so
-        the watches on the launcher stay until the process exits."""
-        self._checkpoints.writer.abandon_parts()  # their ranks may have ended with this one
-        self._checkpoints.writer.wait()
-        self._release(watching=True)
-        if self._reports.sink is not None:
-            self._reports.sink.close()
-        self.hvd.shutdown()
+        return self._ending.finish(self._step, summary)
 
     def elastic_reset(self, step: int) -> None:
         """Elastic: call it from a reset callback. Records the reset in rank 0's sink (which may

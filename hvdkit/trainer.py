@@ -19,10 +19,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from hvdkit import checkpoint, data, models
 from hvdkit.config import ConfigError, TrainConfig, validate
-from hvdkit.models import sync_batch_norm
-from hvdkit.rank import loaders
-from hvdkit.rank.startup import seed_everything
-from hvdkit.rank.step import batch_len
+from hvdkit.data import batch_len
+from hvdkit.models import seed_everything, sync_batch_norm
 from hvdkit.session import Session
 
 # A loss function takes the model and one micro-batch (already on the device) and returns the
@@ -255,10 +253,9 @@ class Trainer:
         model = self._prepare()
         model, optimizer = session.setup(model, self.make_optimizer(model.parameters()))
         base_lrs = [group["lr"] for group in optimizer.param_groups]
-        sampler = hvd.elastic.ElasticSampler(self.train_set, shuffle=True, seed=cfg.seed)
+        loader = session.elastic_loader(self.train_set)
+        sampler = loader.sampler
         session.load_elastic(sampler)  # a restarted job goes on from its checkpoint
-        loader = DataLoader(self.train_set, batch_size=cfg.batch_size * cfg.batches_per_allreduce, sampler=sampler,
-                            **loaders.loader_options(cfg, session.rank, session.device.type == "cuda"))
         state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=session.epoch,
                                        step=session.global_step)
 

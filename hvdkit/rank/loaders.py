@@ -46,6 +46,13 @@ class Loaders:
         self.made.append(made)
         return made
 
+    def elastic(self, dataset, batch_size: Optional[int], loader_args: dict) -> DataLoader:
+        """Over Horovod's ElasticSampler, whose position Horovod's state and the checkpoints keep."""
+        dataset, batch_size, options = self._parts(dataset, batch_size, loader_args, kept=("collate_fn",))
+        sampler = self.hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=self.cfg.seed)
+        self.micro_size = batch_size
+        return DataLoader(dataset, batch_size=batch_size * self.cfg.batches_per_allreduce, sampler=sampler, **options)
+
     def evaluation(self, data_or_loader, batch_size: Optional[int], loader_args: dict) -> DataLoader:
         dataset, batch_size, options = self._parts(data_or_loader, batch_size, loader_args, kept=("collate_fn",))
         return DataLoader(dataset, batch_size=batch_size,

@@ -19,6 +19,7 @@ allgather) starts is how ranks fell a step out of line.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -99,6 +100,27 @@ class Lockstep:
     def meet(self, call: str, steps: int, signum: int) -> int:
         self.submit(call, steps, signum)
         return self.collect()
+
+    def meet_now(self, call: str, steps: int, signum: int, rank: int) -> int:
+        """Every rank at ``call`` after ``steps`` steps, or one line saying who is where; a step's
+        meeting still open (the loop called backward() without step()) is read first."""
+        with self.waiting(call, steps, rank):
+            self.collect()
+            return self.meet(call, steps, signum)
+
+    @contextlib.contextmanager
+    def waiting(self, call: str, steps: int, rank: int):
+        """Horovod's shutdown by another rank (it raised, returned early or was killed), said in
+        one line here; elastic runs (not strict) recover from it instead."""
+        try:
+            yield
+        except HorovodInternalError:
+            if not self.strict:
+                raise
+            self.read_after_shutdown()
+            raise RankEnded(f"Horovod shut down while rank {rank} waited in {where(call, steps)}: another rank ended "
+                            f"(it raised, returned early or was killed) or Horovod's stall inspector ended the job; "
+                            f"the lines above say which") from None
 
 
 def where(call: str, steps: int) -> str:

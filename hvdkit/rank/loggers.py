@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from hvdkit import job
 
@@ -74,6 +74,16 @@ def scalars(prefix: str, values: dict) -> dict[str, float]:
     for name, value in values.items():
         walk(f"{prefix}/{name}" if prefix else name, value)
     return flat
+
+
+def take_loggers(loggers: Union[str, Sequence, None], keys: dict) -> list:
+    """``Session(loggers=...)``: the names go to the ``logger`` key (as ``--logger``), the Logger
+    objects of your own are returned."""
+    if loggers is None:
+        return []
+    loggers = [loggers] if isinstance(loggers, str) else list(loggers)
+    keys["logger"] = ",".join(name for name in loggers if isinstance(name, str)) or "none"
+    return [logger for logger in loggers if not isinstance(logger, str)]
 
 
 class Logger:

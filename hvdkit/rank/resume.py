@@ -321,6 +321,12 @@ class Checkpoints:
             self.write(sampler=sampler.state_dict())
             self.writer.finish()  # written when it returns: a reset may follow, and the loop may read it
 
+    def require_elastic_sampler(self) -> None:
+        """An elastic run stops with the sampler's position in its checkpoint: refuse to go on without it."""
+        if self.cfg.elastic and self.elastic_sampler is None:
+            raise RuntimeError("hvdkit: an elastic loop calls session.load_elastic(sampler) before its first step, "
+                               "so that the checkpoint of a stop records the sampler's position")
+
     def load_elastic(self, sampler) -> bool:
         """Elastic: apply the checkpoint this process read in setup(); False if there is none."""
         run = self.state

@@ -29,6 +29,7 @@ import torch
 
 from hvdkit import env, job
 from hvdkit.config import ConfigError, TrainConfig
+from hvdkit.models import seed_everything
 from hvdkit.rank.lock import DirectoryInUse, DirectoryLock
 
 
@@ -241,12 +242,6 @@ def allreduce_rules_file() -> Path:
     if not path.exists():
         job.write_whole(path, ALLREDUCE_RULES)  # ranks on one host may race: each replace is whole
     return path
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def rng_state() -> dict:

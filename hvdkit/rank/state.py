@@ -34,3 +34,10 @@ def say(hvd, message: str) -> None:
     """``message`` on stderr from rank 0 only: one line for the job, not one a rank."""
     if hvd.rank() == 0:
         print(message, file=sys.stderr, flush=True)
+
+
+def state_field(name: str, doc: str) -> property:
+    """An attribute of the object holding a RunState as ``_state`` (the Session), kept in that
+    state, which the parts read."""
+    return property(lambda self: getattr(self._state, name), lambda self, value: setattr(self._state, name, value),
+                    doc=doc)

@@ -102,17 +102,6 @@ def input_format(cfg: TrainConfig, model: nn.Module, device: torch.device) -> to
     return torch.preserve_format
 
 
-def batch_len(batch: Any) -> int:
-    """Samples in a batch: the leading size of its first tensor."""
-    if isinstance(batch, torch.Tensor):
-        return len(batch)
-    values = batch.values() if isinstance(batch, dict) else batch
-    for value in values:
-        with contextlib.suppress(TypeError):
-            return batch_len(value)
-    raise TypeError("batch: holds no tensor")
-
-
 class TrainingStep:
     """The step of one run: it steps the state's model, optimizer, scaler and scheduler, timed by
     ``times``; ``kept()`` says which checkpoint a run stopped by a non-finite step leaves."""

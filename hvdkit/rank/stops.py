@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 from hvdkit import job
+from hvdkit.config import ConfigError
 from hvdkit.rank import orphan
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -45,6 +46,10 @@ class StopSignal:
     """Remembers that a stop was asked for; installed for the loop's lifetime."""
 
     def __init__(self, install: bool = True, rank: int = 0, where: Callable[[], str] = lambda: "its loop") -> None:
+        try:
+            self.grace = job.stop_grace()  # checked now, not when the stop comes
+        except ValueError as exc:  # HVDKIT_STOP_GRACE
+            raise ConfigError(str(exc)) from None
         self.received: Optional[int] = None
         self.reason: Optional[str] = None  # why, when it was not a signal (hvdkit.rank.orphan)
         self.output_file: Optional[Path] = None  # for output nothing reads any more (hvdkit.rank.orphan.keep_output)
@@ -55,7 +60,6 @@ class StopSignal:
             self._handlers.install()  # nohup's SIGHUP stays ignored
         self.installed = install
         self.rank, self.where = rank, where
-        self.grace = job.stop_grace()  # checked now, not when the stop comes
         self.since: Optional[float] = None  # time.monotonic() of the first stop
         self._countdown: Optional[threading.Timer] = None
         self._wakeup = self._wake_on_signals() if install else None

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hvdkit.config import TrainConfig
+from hvdkit.data import batch_len
 from hvdkit.rank.step import (
-    batch_len,
     lr_multiplier,
     prepare_momentum,
     skips_on_device,

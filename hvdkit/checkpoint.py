@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
-from hvdkit import job
+from hvdkit.system import wholefiles
 
 PREFIX = "ckpt-step"
 SUFFIX = ".pt"
@@ -365,7 +365,7 @@ def join_parts(path: Path, state: dict) -> dict:
 
 def clean_partials(directory: str) -> None:
     """Remove the temporaries of saves that were killed mid-write (the checkpoints stay as they were)."""
-    for stale in Path(directory).glob(f".{PREFIX}*{SUFFIX}.*{job.PARTIAL}"):
+    for stale in Path(directory).glob(f".{PREFIX}*{SUFFIX}.*{wholefiles.PARTIAL}"):
         stale.unlink(missing_ok=True)
 
 
@@ -417,9 +417,9 @@ def write(target: Path, state: dict) -> str:
         if target.name.startswith(PREFIX):
             clean_partials(str(target.parent))
         else:
-            for stale in target.parent.glob(f".{target.name}.*{job.PARTIAL}"):  # left by a save that was killed
+            for stale in target.parent.glob(f".{target.name}.*{wholefiles.PARTIAL}"):  # left by a save that was killed
                 stale.unlink(missing_ok=True)
-        job.write_whole(target, stream, durable=True)
+        wholefiles.write_whole(target, stream, durable=True)
     except OSError as exc:
         raise CheckpointError(f"cannot write checkpoint {target}: {exc.strerror or exc}; "
                               f"the previous checkpoints are untouched") from None

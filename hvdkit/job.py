@@ -11,19 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import socket
 import sys
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Optional, Sequence
+from typing import Mapping, Optional
 
-if TYPE_CHECKING:  # imported where used: a rank and `hvdkit doctor` may run without psutil
-    import subprocess
-
-    import psutil
+from hvdkit.system.wholefiles import write_whole
 
 
 @dataclass(frozen=True)
@@ -74,30 +67,12 @@ def shell_code(returncode: int) -> int:
 
 # The programs that start ranks, by process name: a rank looks for them among its ancestors
 # (hvdkit.rank.orphan), hvdkit launch among its children (hvdkit.launch.supervise).
-MPI_LAUNCHERS = ("mpirun", "mpiexec", "orterun", "prterun")  # they pass a signal on to the ranks on every host
-MPI_DAEMONS = ("orted", "prted", "hydra_pmi_proxy")  # what they start on each host, the ranks' parents
-HOROVODRUN = "horovodrun"
-SRUN = "srun"  # Slurm ends its tasks itself when srun goes
-
 JOB_DIR = "HVDKIT_JOB_DIR"  # set by `hvdkit launch` for its ranks: where they leave exit records
 STOP_GRACE = "HVDKIT_STOP_GRACE"
 GRACE_SECONDS = 10.0  # as Slurm's KillWait and Kubernetes' grace period, shorter: a stopped job holds its nodes
 KILL_AFTER_GRACE = 3.0  # the ranks' own count ends them first, each saying where it was
 PROBE_SECONDS = 2.0  # how often a host (hvdkit launch) or a launcher (a rank's lifeline) is probed
 LOST_SECONDS = 15.0  # no answer for this long: it is gone (a link flap shorter than this is not)
-
-
-def probe(address: str, port: int, timeout: float = PROBE_SECONDS) -> Optional[bool]:
-    """One TCP connection to ``address:port``: True if accepted, False if refused (the host is
-    up, nothing listens there), None if nothing answered within ``timeout``. A rank probes its
-    launcher's server this way (hvdkit.rank.lifeline), `hvdkit launch` the other hosts."""
-    try:
-        with socket.create_connection((address, port), timeout=timeout):
-            return True
-    except ConnectionRefusedError:
-        return False
-    except OSError:  # timed out, unreachable
-        return None
 
 
 def stop_grace(environ: Mapping[str, str] = os.environ) -> float:
@@ -115,102 +90,15 @@ def stop_grace(environ: Mapping[str, str] = os.environ) -> float:
     return seconds
 
 
-def unless_nohup(signals: Sequence[int]) -> list[int]:
-    """``signals`` less SIGHUP where it is ignored: `nohup` ignores it so that a job outlives its
-    terminal, and hvdkit keeps it so."""
-    return [sig for sig in signals if sig != signal.SIGHUP or signal.getsignal(sig) != signal.SIG_IGN]
-
-
-class Handlers:
-    """The one way hvdkit handles signals: ``handler`` for ``signals`` from ``install()`` (or the
-    start of a ``with`` block) until ``restore()`` (or its end), the previous handlers after.
-    nohup's SIGHUP stays ignored (unless_nohup). Only the main thread can set handlers: in any
-    other, nothing is set (the job still ends with its caller, by PR_SET_PDEATHSIG)."""
-
-    def __init__(self, signals: Sequence[int], handler) -> None:
-        self.signals, self.handler = signals, handler
-        self.previous: dict = {}  # signal: the handler before, to restore or to pass a signal on to
-
-    def install(self) -> "Handlers":
-        if threading.current_thread() is threading.main_thread():
-            self.previous = {sig: signal.signal(sig, self.handler) for sig in unless_nohup(self.signals)}
-        return self
-
-    def restore(self) -> None:
-        previous, self.previous = self.previous, {}
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-    __enter__ = install
-
-    def __exit__(self, *exc) -> None:
-        self.restore()
-
-
-def wait_child(proc: "subprocess.Popen", timeout: Optional[float] = None) -> Optional[int]:
-    """``proc``'s exit code (None after ``timeout`` seconds), once a reaper thread has it. A
-    signal handler that raises interrupts this sleep, never Popen.wait: raised inside it, it can
-    leave its lock held (between its acquire and its try), and the next wait then blocks for
-    good (a caller ended by `timeout 20` hung so, its job gone)."""
-    if getattr(proc, "_hvdkit_reaper", None) is None:
-        proc._hvdkit_reaper = threading.Thread(target=proc.wait, name="hvdkit-reaper", daemon=True)
-        proc._hvdkit_reaper.start()
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while proc.returncode is None:
-        if deadline is not None and time.monotonic() > deadline:
-            return None
-        time.sleep(0.05)
-    return proc.returncode
-
-
 def end_rank(code: int, line: str) -> None:
     """A rank's last line, recorded, and its exit, from the thread that ends it (the watchdog, a
     stop's countdown, the lifeline). The line may have nowhere to go, its reader's launcher gone
-    (BrokenPipeError): that must not keep the rank alive. Raised here, it ended the thread
-    instead, and a rank on another host outlived its job (found once Gloo's 30 s timeout no
-    longer ended such ranks first)."""
+    (BrokenPipeError): that must not keep the rank alive, as it would were the thread ended
+    by the error instead."""
     with contextlib.suppress(OSError, ValueError):
         print(f"hvdkit: {line}", file=sys.stderr, flush=True)
     record_exit(code, line)
     os._exit(code)
-
-
-PARTIAL = ".partial"  # write_whole's temporary: ``.NAME.PID.partial`` beside the file
-
-
-def write_whole(path: Path, data, durable: bool = False) -> None:
-    """Write ``data`` (bytes, text, a tuple of bytes-like parts: no copy joins them, or a function
-    that writes into the open file: a checkpoint streamed) to ``path`` through a temporary beside
-    it, replaced in one step: a reader (another rank, the launcher, a
-    resume) sees the old file or the new, never half. The temporary is this process's own, so
-    ranks writing one path do not collide. ``durable`` (checkpoints) also syncs the data and the
-    directory entry, so that a machine's crash keeps the file, and then lets the page cache drop
-    it: a checkpoint of gigabytes would push the training data out, and slow each next write
-    while the cache is full of them (docs/performance-notes.md#figures-behind-the-code). A
-    heartbeat or a record that the next write replaces needs neither."""
-    path = Path(path)
-    partial = path.with_name(f".{path.name}.{os.getpid()}{PARTIAL}")
-    try:
-        with open(partial, "wb") as file:
-            if callable(data):
-                data(file)
-            else:
-                for part in data if isinstance(data, tuple) else (data,):
-                    file.write(part.encode() if isinstance(part, str) else part)
-            if durable:
-                file.flush()
-                os.fsync(file.fileno())
-                with contextlib.suppress(OSError):  # advice: a filesystem may not take it
-                    os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
-    if durable:
-        directory = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
 
 
 def record_exit(code: int, message: str) -> None:
@@ -235,66 +123,3 @@ def rank_exit_code(directory: Path) -> Optional[int]:
     return None
 
 
-# ---------------------------------------------------------------------------
-# Ending processes: by PID, only what we started.
-# ---------------------------------------------------------------------------
-
-def tree(pid: int) -> list["psutil.Process"]:
-    """The process ``pid`` and every process below it; none once it has ended and been reaped."""
-    import psutil
-
-    try:
-        top = psutil.Process(pid)
-        return [*top.children(recursive=True), top]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def processes(pids: Sequence[int]) -> list["psutil.Process"]:
-    """The processes of ``pids`` still running (for end_processes)."""
-    import psutil
-
-    found = []
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            found.append(psutil.Process(pid))
-    return found
-
-
-def end_processes(processes: Sequence["psutil.Process"], grace: float) -> None:
-    """The one way hvdkit ends processes (a launcher's leftovers, a rehearsal's hosts, a test
-    cluster's daemons). End ``processes``, by PID, those already gone passed over: SIGTERM, then
-    SIGKILL to what is left after ``grace`` seconds (SIGKILL at once where ``grace`` is 0); waits
-    until they are gone. A child of ours is left for its owner to collect (a Popen's wait gets its
-    real code; psutil's wait_procs would reap it and leave the Popen 0)."""
-    import psutil
-
-    alive = list(processes)
-    if grace > 0:
-        for process in alive:
-            with contextlib.suppress(psutil.Error):
-                process.terminate()
-        alive = _wait_gone(alive, grace)
-    for process in alive:
-        with contextlib.suppress(psutil.Error):
-            process.kill()
-    _wait_gone(alive, max(grace, 5.0))
-
-
-def _wait_gone(processes: Sequence["psutil.Process"], timeout: float) -> list:
-    """Those of ``processes`` still running after ``timeout`` seconds; an exited child (a zombie)
-    counts as gone, not collected."""
-    import psutil
-
-    def running(process) -> bool:
-        try:
-            return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
-
-    deadline = time.monotonic() + timeout
-    alive = [p for p in processes if running(p)]
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.02)
-        alive = [p for p in alive if running(p)]
-    return alive

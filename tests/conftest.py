@@ -11,6 +11,7 @@ import pytest
 
 from hvdkit.checks import selftest
 from hvdkit.launch.rank_output import untagged
+from hvdkit.system import proctree
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -196,12 +197,12 @@ def kill_tree(proc):
     from hvdkit import job
     from hvdkit.launch import supervise
 
-    processes = job.tree(proc.pid)
+    processes = proctree.tree(proc.pid)
     job_dirs = set()
     for process in processes:
         with contextlib.suppress(psutil.Error):
             job_dirs.add(process.environ().get(job.JOB_DIR))
-    job.end_processes(processes, grace=0)
+    proctree.end_processes(processes, grace=0)
     proc.wait(timeout=30)
     for job_dir in job_dirs - {None}:
         supervise.remove_job_dir(job_dir)

@@ -27,6 +27,7 @@ from conftest import (
 from hvdkit import checkpoint, job
 from hvdkit.checks import selftest
 from hvdkit.launch import planner
+from hvdkit.system import wholefiles
 
 pytestmark = pytest.mark.slow
 
@@ -277,7 +278,7 @@ def big_state(launcher, ckpt, logs, *args):
 
 
 def partials(ckpt):
-    return sorted(p.name for p in ckpt.glob(f".{checkpoint.PREFIX}*{job.PARTIAL}"))
+    return sorted(p.name for p in ckpt.glob(f".{checkpoint.PREFIX}*{wholefiles.PARTIAL}"))
 
 
 def start_until_second_save(launcher, ckpt, logs):
@@ -777,15 +778,15 @@ def test_a_failed_whole_write_leaves_the_old_file_and_no_temporary(tmp_path):
     target = tmp_path / "record.json"
     target.write_text("old")
     with pytest.raises(TypeError):
-        job.write_whole(target, (b"half of the new", object()))  # fails after its first part is written
+        wholefiles.write_whole(target, (b"half of the new", object()))  # fails after its first part is written
     assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["record.json"]
-    job.write_whole(target, "new")
+    wholefiles.write_whole(target, "new")
     assert target.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["record.json"]
 
 
 def test_a_killed_save_leaves_no_temporary_file(tmp_path):
     """A save killed mid-write leaves .ckpt-step….pt.PID.partial; the next save removes it."""
-    stale = tmp_path / f".{checkpoint.path_for(str(tmp_path), 5).name}.4242{job.PARTIAL}"
+    stale = tmp_path / f".{checkpoint.path_for(str(tmp_path), 5).name}.4242{wholefiles.PARTIAL}"
     stale.write_bytes(b"half a checkpoint")
     checkpoint.save(str(tmp_path), 6, {"step": 6}, keep=3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-step000000006.pt"]

@@ -198,18 +198,26 @@ def test_the_code_check_finds_literals_and_computed_codes():
     assert code_literals("def f():\n    return job.stopped_by(2) if x else job.OK\n") == []
 
 
-def test_one_of_each_lives_in_job_py():
-    """Signal handlers (job.Handlers: nohup's SIGHUP kept), a whole file (job.write_whole) and a
-    process tree's end (job.end_processes) each have one home. A loader worker ignores the stop signals for good
-    (rank/loaders.py), which no handler restores."""
-    patterns = {"signal.signal(": "job.Handlers", "os.replace(": "job.write_whole", "os.kill(": "job.end_processes"}
+def test_one_of_each_lives_in_hvdkit_system():
+    """Signal handlers (sighandlers.Handlers: nohup's SIGHUP kept), a whole file
+    (wholefiles.write_whole) and a process tree's end (proctree.end_processes) each have one home,
+    in hvdkit/system/. A loader worker ignores the stop signals for good (rank/loaders.py), which no
+    handler restores."""
+    patterns = {"signal.signal(": "sighandlers.Handlers", "os.replace(": "wholefiles.write_whole",
+                "os.kill(": "proctree.end_processes"}
+    homes = {"signal.signal(": "system/sighandlers.py", "os.replace(": "system/wholefiles.py",
+             "os.kill(": "system/proctree.py"}
     allowed = {("rank/loaders.py", "signal.signal("),  # a worker's SIG_IGN, for good
                ("rank/consistency.py", "os.replace("),  # checkpoints set aside: a move, not a write
                ("launch/spawn.py", "os.kill(")}  # the caller's own signal's default action, on itself
     found = sorted({f"{path.relative_to(PACKAGE)}: {pattern} (use {use})" for path in PACKAGE.rglob("*.py")
-                    if path.name != "job.py" for pattern, use in patterns.items()
-                    if pattern in path.read_text() and (str(path.relative_to(PACKAGE)), pattern) not in allowed})
+                    for pattern, use in patterns.items()
+                    if pattern in path.read_text() and str(path.relative_to(PACKAGE)) != homes[pattern]
+                    and (str(path.relative_to(PACKAGE)), pattern) not in allowed})
     assert found == []
+    for pattern, use in patterns.items():
+        name = use.split(".")[1]
+        assert re.search(rf"^(def|class) {name}\b", (PACKAGE / homes[pattern]).read_text(), re.M), (use, homes[pattern])
 
 
 def test_no_part_holds_the_session_or_reads_its_private_attributes():

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from hvdkit import env, job
+from hvdkit import env
 from hvdkit.args import bits_per_second
 from hvdkit.bench import estimate, profile
 from hvdkit.bench.environment import print_environment
@@ -38,6 +38,7 @@ from hvdkit.launch.hostfile import several
 from hvdkit.launch.mpi import find_program
 from hvdkit.launch.planner import job_hosts, local_slots
 from hvdkit.launch.rank_output import untagged
+from hvdkit.system import wholefiles
 
 
 class RunFailed(RuntimeError):
@@ -329,7 +330,7 @@ def checkpoint_compare(args: argparse.Namespace) -> int:
               "checkpoint_bytes": size, "checkpoint_every": args.checkpoint_every, "steps": args.steps,
               "repeats": args.repeats, "table": table, "stall_ratio": stall_ratio,
               "runs": {impl: rs for impl, rs in runs.items()}}
-    job.write_whole(out / "checkpoint.json", json.dumps(record, indent=1) + "\n")
+    wholefiles.write_whole(out / "checkpoint.json", json.dumps(record, indent=1) + "\n")
     print(f"wrote {out}/checkpoint.json")
     print(json.dumps(record), flush=True)
     return 0

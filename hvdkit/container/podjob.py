@@ -30,6 +30,7 @@ from hvdkit import job
 from hvdkit.build.toolchain import last_line
 from hvdkit.container import pods
 from hvdkit.container.engine import Engine, EngineError, Mount
+from hvdkit.system import proctree, sighandlers
 
 READY_SECONDS = 60.0
 
@@ -162,12 +163,12 @@ def run(pods: PodJob) -> int:
             subprocess.Popen(pods.engine.stop([pods.launcher_name], timeout=pods.grace),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-    with job.Handlers((signal.SIGINT, signal.SIGTERM, signal.SIGHUP), delete_the_launcher), pods:
+    with sighandlers.Handlers((signal.SIGINT, signal.SIGTERM, signal.SIGHUP), delete_the_launcher), pods:
         if stopping:
             return job.stopped_by(stopping[0])
         # Its own session: a Ctrl-C reaches the launcher as the pod's deletion, not also by podman's proxy.
         launcher = subprocess.Popen(pods.launcher_command(), stdin=subprocess.DEVNULL, start_new_session=True)
-        code = job.wait_child(launcher)
+        code = proctree.wait_child(launcher)
     print(f"hvdkit mpijob: launcher exited {code}" + (f" after {signal.Signals(stopping[0]).name}" if stopping else ""),
           file=sys.stderr, flush=True)
     return job.shell_code(code)

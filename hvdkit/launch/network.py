@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from hvdkit import job
 from hvdkit.job import LOST_SECONDS, PROBE_SECONDS
+from hvdkit.system import probes
 
 PROBE_PORT = 22  # ssh, which horovodrun and mpirun use to start the ranks; a refusal is an answer too
 
@@ -92,7 +92,7 @@ def routable_network(names: Sequence[str], resolve: Callable[[str], str] = socke
 
 def answers(address: str, port: int = PROBE_PORT, timeout: float = PROBE_SECONDS) -> bool:
     """Whether the host's network stack answers a TCP connection (accepted or refused)."""
-    return job.probe(address, port, timeout) is not None
+    return probes.probe(address, port, timeout) is not None
 
 
 class HostWatch:

@@ -37,6 +37,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from hvdkit import job
 from hvdkit.launch import rank_output, supervise
+from hvdkit.system import proctree, sighandlers, wholefiles
 
 LAUNCH_FLAGS = {"horovodrun": ["--launcher", "horovodrun"], "mpirun": ["--launcher", "mpirun"],
                 "gloo": ["--launcher", "horovodrun", "--gloo"]}
@@ -98,9 +99,9 @@ def run(fn: Callable, *args: Any, np: int = 2, launcher: str = "horovodrun", hos
                   for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
         for relay in relays:
             relay.start()
-        handlers = job.Handlers(ENDING, _raise_ended).install()
+        handlers = sighandlers.Handlers(ENDING, _raise_ended).install()
         try:
-            code = job.wait_child(proc)
+            code = proctree.wait_child(proc)
         except KeyboardInterrupt:
             _stop(proc, signal.SIGINT, "Ctrl-C")
             raise
@@ -118,11 +119,11 @@ def run(fn: Callable, *args: Any, np: int = 2, launcher: str = "horovodrun", hos
 
 
 def _raise_ended(signum, frame) -> None:
-    """ENDING's handler while the caller waits: _Ended, raised in job.wait_child's sleep."""
+    """ENDING's handler while the caller waits: _Ended, raised in proctree.wait_child's sleep."""
     raise _Ended(signum)
 
 
-def _end_by(signum: int, handlers: job.Handlers) -> None:
+def _end_by(signum: int, handlers: sighandlers.Handlers) -> None:
     """With the job ended, the caller gets what it would have had: its own handler, if it had
     one, else the default action (its end) by the same signal."""
     handler = handlers.previous.get(signum, signal.SIG_DFL)
@@ -141,15 +142,15 @@ def _stop(proc: subprocess.Popen, signum: int, what: str) -> None:
     print(f"hvdkit.run: {what} passed to every rank; waiting up to {grace:g} s for them to save and end",
           file=sys.stderr, flush=True)
     try:
-        if job.wait_child(proc, timeout=grace + job.KILL_AFTER_GRACE) is None:
+        if proctree.wait_child(proc, timeout=grace + job.KILL_AFTER_GRACE) is None:
             _kill_tree(proc)
     except (KeyboardInterrupt, _Ended):
         _kill_tree(proc)
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
-    job.end_processes(job.tree(proc.pid), grace=0)
-    job.wait_child(proc)
+    proctree.end_processes(proctree.tree(proc.pid), grace=0)
+    proctree.wait_child(proc)
 
 
 def _relay(stream, name: str) -> None:
@@ -205,7 +206,7 @@ def _type_name(kind: type) -> str:
 
 def _leave(directory: Path, name: str, data: bytes) -> None:
     """Write ``name`` in the run directory at once: the caller never reads half a file."""
-    job.write_whole(directory / name, data)
+    wholefiles.write_whole(directory / name, data)
 
 
 def _fail(directory: Path, rank: int, record: dict) -> None:

@@ -37,21 +37,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 from hvdkit.env import RANK_VARIABLES
-from hvdkit.job import (
-    JOB_DIR,
-    KILL_AFTER_GRACE,
-    LOST,
-    MPI_LAUNCHERS,
-    SRUN,
-    Handlers,
-    end_processes,
-    rank_exit_code,
-    shell_code,
-    stop_grace,
-    stopped_by,
-    wait_child,
-)
+from hvdkit.job import JOB_DIR, KILL_AFTER_GRACE, LOST, rank_exit_code, shell_code, stop_grace, stopped_by
 from hvdkit.launch import network, rank_output
+from hvdkit.system.proctree import MPI_LAUNCHERS, SRUN, end_processes, wait_child
+from hvdkit.system.sighandlers import Handlers
 
 if TYPE_CHECKING:  # imported where used: `hvdkit doctor` runs without psutil
     import psutil

@@ -36,6 +36,7 @@ from torch import nn
 
 from hvdkit import checkpoint, job
 from hvdkit.rank.state import RunState
+from hvdkit.system import wholefiles
 
 SET_ASIDE = ".diverged"  # suffix of a checkpoint written after the last check that passed
 _INTEGER_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -184,4 +185,4 @@ class Consistency:
 
 def _write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    job.write_whole(path, json.dumps(data, indent=1) + "\n")
+    wholefiles.write_whole(path, json.dumps(data, indent=1) + "\n")

@@ -9,6 +9,7 @@ from typing import Callable, Optional
 
 from hvdkit import job
 from hvdkit.job import LOST_SECONDS, PROBE_SECONDS
+from hvdkit.system import probes
 
 ADDRESS, PORT = "HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT"
 
@@ -43,7 +44,7 @@ class Lifeline:
     def _watch(self) -> None:
         seen = time.monotonic()
         while not self._stop.wait(self.every):
-            if job.probe(self.address, self.port, timeout=self.every):
+            if probes.probe(self.address, self.port, timeout=self.every):
                 seen = time.monotonic()
             elif time.monotonic() - seen >= self.lost_after:
                 self.on_lost(f"rank {self.rank}: its launcher (horovodrun, rendezvous {self.address}:{self.port}) "

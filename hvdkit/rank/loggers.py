@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from hvdkit import job
+from hvdkit.system import wholefiles
 
 
 class LoggerError(RuntimeError):
@@ -332,7 +333,7 @@ def _write_pairs(path: Path, values: dict) -> None:
 
 
 def _replace(path: Path, write) -> None:
-    """Write ``path`` whole (job.write_whole): a kill mid-write leaves the old file."""
+    """Write ``path`` whole (wholefiles.write_whole): a kill mid-write leaves the old file."""
     text = io.StringIO(newline="")
     write(text)
-    job.write_whole(path, text.getvalue())
+    wholefiles.write_whole(path, text.getvalue())

@@ -29,9 +29,10 @@ from typing import Callable, Optional
 
 import psutil
 
-from hvdkit import job
+from hvdkit.system import proctree
 
-LAUNCHERS = (job.HOROVODRUN, *job.MPI_LAUNCHERS, *job.MPI_DAEMONS)  # not srun: Slurm ends its tasks itself
+# Not srun: Slurm ends its tasks itself.
+LAUNCHERS = (proctree.HOROVODRUN, *proctree.MPI_LAUNCHERS, *proctree.MPI_DAEMONS)
 SHELLS = ("sh", "bash", "dash")
 CHECK_SECONDS = 0.5
 
@@ -79,7 +80,7 @@ def started_by_horovodrun_here() -> bool:
     """Whether horovodrun is among this rank's launchers: an elastic worker on the host that
     runs the job's driver, where a stop signal means the job's end (the driver gets it too).
     Workers horovodrun started on other hosts (through ssh) are not."""
-    return any(_launcher_name(parent) == job.HOROVODRUN for parent in launcher_chain())
+    return any(_launcher_name(parent) == proctree.HOROVODRUN for parent in launcher_chain())
 
 
 def describe(process: psutil.Process) -> str:

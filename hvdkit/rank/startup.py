@@ -27,10 +27,11 @@ from typing import Mapping, Optional
 import numpy as np
 import torch
 
-from hvdkit import env, job
+from hvdkit import env
 from hvdkit.config import ConfigError, TrainConfig
 from hvdkit.models import seed_everything
 from hvdkit.rank.lock import DirectoryInUse, DirectoryLock
+from hvdkit.system import wholefiles
 
 
 def start(cfg: TrainConfig):
@@ -240,7 +241,7 @@ def allreduce_rules_file() -> Path:
     digest = hashlib.sha256(ALLREDUCE_RULES.encode()).hexdigest()[:12]
     path = Path(tempfile.gettempdir()) / f"hvdkit-allreduce-{digest}.rules"
     if not path.exists():
-        job.write_whole(path, ALLREDUCE_RULES)  # ranks on one host may race: each replace is whole
+        wholefiles.write_whole(path, ALLREDUCE_RULES)  # ranks on one host may race: each replace is whole
     return path
 
 

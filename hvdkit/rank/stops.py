@@ -37,6 +37,7 @@ from typing import Callable, Mapping, Optional
 from hvdkit import job
 from hvdkit.config import ConfigError
 from hvdkit.rank import orphan
+from hvdkit.system import sighandlers
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 REQUEUE_SIGNAL = signal.SIGUSR1
@@ -55,7 +56,7 @@ class StopSignal:
         self.output_file: Optional[Path] = None  # for output nothing reads any more (hvdkit.rank.orphan.keep_output)
         self.launcher: Optional[orphan.LauncherWatch] = None  # set by hvdkit.rank.orphan.watch
         self.step = 0  # the loop's step, for the message of a second Ctrl-C
-        self._handlers = job.Handlers(SIGNALS, self._handle)
+        self._handlers = sighandlers.Handlers(SIGNALS, self._handle)
         if install:
             self._handlers.install()  # nohup's SIGHUP stays ignored
         self.installed = install
@@ -220,7 +221,7 @@ def leave_rank0_the_word(rank: Optional[int]) -> None:
     rank 0 has spoken and exited."""
     if not rank:
         return
-    job.Handlers(SIGNALS, signal.SIG_DFL).install()  # for good: this rank is ending
+    sighandlers.Handlers(SIGNALS, signal.SIG_DFL).install()  # for good: this rank is ending
     time.sleep(SPEAKER_GRACE)
 
 

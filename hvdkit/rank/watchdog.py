@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from hvdkit import job
+from hvdkit.system import wholefiles
 
 HEARTBEAT_SECONDS = 1.0
 FROZEN_SECONDS = 5.0  # a rank whose watchdog thread has not written for this long is frozen or gone
@@ -98,7 +99,7 @@ class Watchdog:
         try:
             if self._own:  # a launcher's job directory is the launcher's: gone with it, not made again
                 self.shared.mkdir(parents=True, exist_ok=True)
-            job.write_whole(self._path(self.rank), json.dumps(record))
+            wholefiles.write_whole(self._path(self.rank), json.dumps(record))
             self._written = now
         except OSError:
             pass  # heartbeats only improve the message; never fail training for them

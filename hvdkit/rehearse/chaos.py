@@ -40,6 +40,7 @@ from hvdkit import checkpoint, job
 from hvdkit.rehearse import processes, verdict
 from hvdkit.rehearse.faults import ELASTIC_TOLERANCE, FAULTS, Strike
 from hvdkit.rehearse.namespaces import Hosts
+from hvdkit.system import proctree, wholefiles
 
 GIVE_BACK_SECONDS = 30.0  # a lost host is listed again at the latest this long after its loss
 TICK = 0.05  # how often the faults' moments are looked for, at most
@@ -359,7 +360,7 @@ class Chaos:
     def _list_hosts(self) -> None:
         """The discovery's hostfile: every host but those away."""
         kept = [line for line in self.listed if line.split()[0].split(":")[0] not in self.away]
-        job.write_whole(self.hostfile, "".join(line + "\n" for line in kept))
+        wholefiles.write_whole(self.hostfile, "".join(line + "\n" for line in kept))
 
     def _give_back(self, host: str) -> None:
         """A lost host of an elastic job back: up, its sshd started, listed again for discovery."""
@@ -412,15 +413,15 @@ class Chaos:
                                                            env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                                            process_group=0)
             try:
-                job.wait_child(proc, timeout=0)  # its reaper started: returncode is set once it ends
+                proctree.wait_child(proc, timeout=0)  # its reaper started: returncode is set once it ends
                 while (code := proc.returncode) is None:
                     self._notice()  # returns as soon as a file appears in the checkpoint directory
                     watch()
                     if self.deadline is not None and time.monotonic() - began > self.deadline:
                         self.report.problems.append(f"attempt {number} did not end within {self.deadline:.0f} s "
                                                     f"(output: {attempt.log})")
-                        job.end_processes(job.tree(proc.pid), grace=5)
-                        code = job.wait_child(proc, timeout=10)
+                        proctree.end_processes(proctree.tree(proc.pid), grace=5)
+                        code = proctree.wait_child(proc, timeout=10)
                         break
             finally:
                 self.running.pop("proc", None)
@@ -437,7 +438,7 @@ class Chaos:
             if event.mask & inotify.flags.ISDIR and event.name.endswith(checkpoint.SHARDS):
                 with contextlib.suppress(OSError):
                     self.folders[self.notify.add_watch(folder / event.name, inotify.flags.CREATE)] = folder / event.name
-            elif event.name.endswith(job.PARTIAL):
+            elif event.name.endswith(wholefiles.PARTIAL):
                 step = processes.step_of_partial(folder / event.name)
                 if step is not None:
                     self.writing.append((step, folder / event.name))

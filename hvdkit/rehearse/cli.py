@@ -60,6 +60,7 @@ from hvdkit.rehearse.namespaces import (
     seconds,
     unavailable,
 )
+from hvdkit.system import proctree, sighandlers
 
 STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 BINDING = "OMPI_MCA_hwloc_base_binding_policy"  # mpirun's --bind-to, as a variable
@@ -217,7 +218,7 @@ def main(argv: Sequence[str]) -> int:
         say(f"{signal.Signals(signum).name}: passed to the command, which has {args.grace:.0f} s to end")
         proc.send_signal(signum)
 
-    handlers = job.Handlers(STOPS, on_stop).install()  # nohup's SIGHUP stays ignored
+    handlers = sighandlers.Handlers(STOPS, on_stop).install()  # nohup's SIGHUP stays ignored
     if args.chaos is not None:
         try:
             return _chaos(args, command, running)
@@ -353,7 +354,7 @@ def _unmount_keeping(ckpt: Path, out: Path) -> None:
 def _wait(proc: subprocess.Popen, running: dict, grace: float) -> int:
     """The command's exit code; after a stop signal, at most ``grace`` seconds more."""
     while True:
-        code = job.wait_child(proc, timeout=0.5)  # on_stop may raise: never inside Popen.wait
+        code = proctree.wait_child(proc, timeout=0.5)  # on_stop may raise: never inside Popen.wait
         if code is not None:
             return code
         if "signal" in running and time.monotonic() - running.setdefault("since", time.monotonic()) > grace:
@@ -380,7 +381,7 @@ def _kill_later(hosts: Hosts, args: argparse.Namespace, running: dict) -> thread
     timer = threading.Timer(0 if args.after == ON_SIGNAL else args.after, lose)
     timer.daemon = True
     if args.after == ON_SIGNAL:
-        fail = job.Handlers((signal.SIGUSR1,), lambda signum, frame: timer.ident or timer.start())
+        fail = sighandlers.Handlers((signal.SIGUSR1,), lambda signum, frame: timer.ident or timer.start())
         fail.install()  # the first SIGUSR1 fails the host; kept until the command ends
         say(f"{name} fails on SIGUSR1: kill -USR1 {os.getpid()}")
     else:

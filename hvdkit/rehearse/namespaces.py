@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from hvdkit import job
 from hvdkit.args import bits_per_second
+from hvdkit.system import proctree
 
 SUBNET = "10.231.0"  # the hosts' routed network, /24
 FIRST_HOST = 11  # the hosts' addresses: SUBNET.11, .12, ... up to .254
@@ -302,14 +302,14 @@ class Hosts:
         their collectives' timeouts (Gloo's: 30 s)."""
         deadline = time.monotonic() + 10
         while self.pids(name) and time.monotonic() < deadline:  # sshd may fork a session as we go
-            job.end_processes(job.processes(self.pids(name)), grace=0)
+            proctree.end_processes(proctree.processes(self.pids(name)), grace=0)
         time.sleep(1.0)
         self.link(name, up=False)
 
     def end_jobs(self, name: str) -> None:
         """End every process on host ``name`` but its sshd (what a lost host left behind)."""
         keep = self.sshd[name].pid
-        job.end_processes(job.processes([pid for pid in self.pids(name) if pid != keep]), grace=0)
+        proctree.end_processes(proctree.processes([pid for pid in self.pids(name) if pid != keep]), grace=0)
 
     def commands(self, name: str) -> list[str]:
         """The names of the processes on host ``name``, its sshd and ssh sessions included."""
@@ -332,8 +332,8 @@ class Hosts:
 
     def remove(self) -> None:
         """End every process on the hosts, then remove namespaces, their files and keys."""
-        job.end_processes(job.processes(self.pids()), grace=5)
-        job.end_processes(job.processes(self.pids()), grace=0)  # any started while they ended
+        proctree.end_processes(proctree.processes(self.pids()), grace=5)
+        proctree.end_processes(proctree.processes(self.pids()), grace=0)  # any started while they ended
         for proc in self.sshd.values():
             proc.wait(timeout=10)
         for ns in [self.ns(n) for n in self.names] + [self.switch]:

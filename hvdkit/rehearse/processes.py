@@ -7,12 +7,14 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from hvdkit import checkpoint, job
+from hvdkit import checkpoint
 from hvdkit.env import RANK_VARIABLES
 from hvdkit.rank import lifeline
 from hvdkit.rehearse.namespaces import Hosts
+from hvdkit.system import proctree, wholefiles
 
-NOT_RANKS = {"sh", "bash", "dash", "ssh", "sshd", "env", "timeout", "horovodrun", *job.MPI_LAUNCHERS, *job.MPI_DAEMONS}
+NOT_RANKS = {"sh", "bash", "dash", "ssh", "sshd", "env", "timeout", proctree.HOROVODRUN, *proctree.MPI_LAUNCHERS,
+             *proctree.MPI_DAEMONS}
 
 
 def ranks(hosts: Hosts) -> dict[int, tuple]:
@@ -69,7 +71,7 @@ def partials(directory: Path) -> list[Path]:
     """The temporary files of saves under way (or cut) in a checkpoint directory and its shard folders."""
     if not directory.is_dir():
         return []
-    return sorted(p for p in directory.rglob(f"*{job.PARTIAL}"))
+    return sorted(p for p in directory.rglob(f"*{wholefiles.PARTIAL}"))
 
 
 def step_of_partial(path: Path) -> Optional[int]:

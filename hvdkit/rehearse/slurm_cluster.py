@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from hvdkit import job
+from hvdkit.system import proctree
 
 BINARIES = ("munged", "munge", "slurmctld", "slurmd", "sbatch", "sinfo", "scontrol")
 
@@ -55,7 +55,7 @@ def end_munge(pid: Optional[int]) -> None:
     """End the munged that ensure_munge started (``pid``), by its PID; nothing if it started none."""
     if pid is None:
         return
-    job.end_processes(job.processes([pid]), grace=10)
+    proctree.end_processes(proctree.processes([pid]), grace=10)
 
 
 class SlurmCluster:
@@ -136,7 +136,7 @@ PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE St
 
     def stop(self) -> None:
         self.run(["scancel", "--full", "--user", "root"])
-        job.end_processes(job.processes([proc.pid for proc in reversed(self.processes)]), grace=20)
+        proctree.end_processes(proctree.processes([proc.pid for proc in reversed(self.processes)]), grace=20)
         for proc in self.processes:
             proc.wait()  # collected (end_processes waited for them to end)
         end_munge(self.munged)

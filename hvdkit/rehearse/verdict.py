@@ -12,7 +12,8 @@ from typing import Optional
 
 import torch
 
-from hvdkit import checkpoint, job
+from hvdkit import checkpoint
+from hvdkit.system import wholefiles
 from hvdkit.zero import shards
 
 DEFERS = re.compile(r"another rank ended first|the lines above say|that rank's own line")
@@ -164,4 +165,4 @@ def world_size_changes(log: Path) -> list[dict]:
 
 
 def write_report(report: Report, path: Path) -> None:
-    job.write_whole(path, json.dumps(asdict(report), indent=1, default=str) + "\n")
+    wholefiles.write_whole(path, json.dumps(asdict(report), indent=1, default=str) + "\n")

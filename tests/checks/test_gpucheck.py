@@ -37,7 +37,8 @@ def test_reads_pytest_report_and_counts_skips_on_a_gpu_machine_as_failures(tmp_p
                 str(REPO / "tests" / "checks" / "test_gpu.py")], cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:]
     counts = gpucheck.junit_counts(report.read_text())
-    assert counts == {"passed": 0, "failed": 0, "skipped": 3}
+    gpu_tests = (REPO / "tests" / "checks" / "test_gpu.py").read_text().count("\ndef test_")
+    assert counts == {"passed": 0, "failed": 0, "skipped": gpu_tests} and gpu_tests >= 4
     assert not gpucheck.tests_step(counts).ok
     assert gpucheck.tests_step({"passed": 3, "failed": 0, "skipped": 0}).ok
 

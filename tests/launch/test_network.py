@@ -11,6 +11,7 @@ from conftest import MPICH, OPENMPI, run
 from hvdkit.launch import network, planner
 from hvdkit.launch.hostfile import LaunchError
 from hvdkit.launch.network import NetworkError
+from hvdkit.system import probes
 
 WORKER = ["python", "train.py"]
 
@@ -127,14 +128,13 @@ def test_a_probe_tells_a_listener_from_a_refusal():
     will do). Silence (None) needs a host that drops packets: test_multihost's lost host."""
     import socket
 
-    from hvdkit import job
 
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
         port = server.getsockname()[1]
-        assert job.probe("127.0.0.1", port) is True
-    assert job.probe("127.0.0.1", port) is False and network.answers("127.0.0.1", port)
+        assert probes.probe("127.0.0.1", port) is True
+    assert probes.probe("127.0.0.1", port) is False and network.answers("127.0.0.1", port)
 
 
 def test_a_host_gone_when_the_launcher_failed_is_named_with_its_ranks_at_once():

@@ -16,6 +16,7 @@ import pytest
 from conftest import REPO, run
 from hvdkit import job
 from hvdkit.launch import supervise
+from hvdkit.system import proctree, sighandlers
 
 SUPERVISE = ("import json, os, sys\n"
              "from hvdkit.launch import supervise\n"
@@ -75,7 +76,7 @@ def test_a_stop_reaches_the_ranks_and_a_rank_that_does_not_end_is_killed_after_t
         caller.send_signal(signal.SIGTERM)
         _, stderr = caller.communicate(timeout=30)
     finally:
-        job.end_processes(job.tree(caller.pid), grace=0)
+        proctree.end_processes(proctree.tree(caller.pid), grace=0)
     assert got.exists(), "the rank got the stop signal itself"
     assert caller.returncode == job.stopped_by(signal.SIGKILL)
     assert stderr.splitlines()[-1] == (f"hvdkit launch: the job did not end within {0.2 + job.KILL_AFTER_GRACE:g} s "
@@ -94,18 +95,18 @@ def test_end_processes_kills_what_ignores_sigterm_after_the_grace():
     proc = subprocess.Popen(["sh", "-c", "trap '' TERM; sleep 300 & wait"])
     try:
         deadline = time.monotonic() + 10
-        while len(job.tree(proc.pid)) < 2 and time.monotonic() < deadline:
+        while len(proctree.tree(proc.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
-        processes = job.tree(proc.pid)
+        processes = proctree.tree(proc.pid)
         assert [p.pid for p in processes][-1] == proc.pid and len(processes) == 2, "the child, then the top"
         started = time.monotonic()
-        job.end_processes(processes, grace=0.3)
+        proctree.end_processes(processes, grace=0.3)
         assert time.monotonic() - started >= 0.3, "SIGTERM is ignored: they are killed once the grace is over"
         proc.wait(timeout=5)
         assert all(gone(p.pid) for p in processes)
     finally:
-        job.end_processes(job.tree(proc.pid), grace=0)
-    assert job.tree(proc.pid) == []
+        proctree.end_processes(proctree.tree(proc.pid), grace=0)
+    assert proctree.tree(proc.pid) == []
 
 
 def test_a_stop_arriving_as_the_launcher_exits_is_no_traceback():
@@ -151,13 +152,13 @@ def test_the_job_directory_is_removed_while_a_rank_elsewhere_still_writes_into_i
 
 def test_handlers_keep_nohups_sighup_ignored_and_restore_the_others():
     """`nohup hvdkit launch ...` ignores SIGHUP so that the job outlives the terminal: no handler
-    of hvdkit's takes it back (job.Handlers: the one way signals are handled)."""
+    of hvdkit's takes it back (sighandlers.Handlers: the one way signals are handled)."""
     def mine(signum, frame):
         pass
 
     before = signal.signal(signal.SIGHUP, signal.SIG_IGN), signal.getsignal(signal.SIGUSR2)
     try:
-        with job.Handlers((signal.SIGHUP, signal.SIGUSR2), mine) as handlers:
+        with sighandlers.Handlers((signal.SIGHUP, signal.SIGUSR2), mine) as handlers:
             assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN and signal.getsignal(signal.SIGUSR2) is mine
             assert list(handlers.previous) == [signal.SIGUSR2]
         assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN and signal.getsignal(signal.SIGUSR2) == before[1]
@@ -166,7 +167,7 @@ def test_handlers_keep_nohups_sighup_ignored_and_restore_the_others():
 
 
 def test_a_handler_that_raises_during_a_wait_leaves_the_next_wait_working():
-    """The hang spawn.py met: a raise inside Popen.wait can leave its lock held. job.wait_child
+    """The hang spawn.py met: a raise inside Popen.wait can leave its lock held. proctree.wait_child
     sleeps instead, so the caller's handler raises there and the next wait returns the code."""
     class Raised(Exception):
         pass
@@ -175,8 +176,8 @@ def test_a_handler_that_raises_during_a_wait_leaves_the_next_wait_working():
         raise Raised
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.0); raise SystemExit(3)"])
-    with job.Handlers((signal.SIGUSR2,), raising):
+    with sighandlers.Handlers((signal.SIGUSR2,), raising):
         threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR2)).start()
         with pytest.raises(Raised):
-            job.wait_child(child)
-        assert job.wait_child(child, timeout=30) == 3
+            proctree.wait_child(child)
+        assert proctree.wait_child(child, timeout=30) == 3

@@ -450,13 +450,15 @@ def _held_copies(monkeypatch):
     """The thread's deferred copies held until the event is set (a test seam in hvdkit's own code)."""
     import threading
 
-    release, real_copy = threading.Event(), checkpoint._copy
+    from hvdkit.checkpoint import writer
+
+    release, real_copy = threading.Event(), writer._copy
 
     def held_copy(copies):
         release.wait(30)
         return real_copy(copies)
 
-    monkeypatch.setattr(checkpoint, "_copy", held_copy)
+    monkeypatch.setattr(writer, "_copy", held_copy)
     return release
 
 

@@ -12,8 +12,9 @@ from hvdkit import job
 PACKAGE = REPO / "hvdkit"
 # What runs inside every rank: it must start without the launcher's code, which may be absent
 # from a rank's image and would pull the launch side's concerns into a rank.
-RANK_SIDE = [*sorted((PACKAGE / "rank").glob("*.py")), *(PACKAGE / name for name in (
-    "session.py", "trainer.py", "job.py", "data.py", "models.py", "config.py", "checkpoint.py", "env.py"))]
+RANK_SIDE = [*sorted((PACKAGE / "rank").glob("*.py")), *sorted((PACKAGE / "checkpoint").glob("*.py")),
+             *sorted((PACKAGE / "system").glob("*.py")), *(PACKAGE / name for name in (
+                 "session.py", "trainer.py", "job.py", "data.py", "models.py", "config.py", "env.py"))]
 
 
 def imported(path: Path) -> set:
@@ -287,3 +288,28 @@ def test_the_trainer_imports_what_a_users_own_loop_could():
         elif isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names if alias.name.startswith("hvdkit")}
     assert found and found - allowed == set()
+
+
+def test_no_checkpoint_file_name_is_parsed_outside_its_writers():
+    """A checkpoint's names (the file, its parts, ZeRO's shards) are made and read in the checkpoint
+    package (ZeRO's shard names also in hvdkit/zero/shards.py, their writer): any other module asks
+    it (existing, step_of, step_in, rank_of_part, is_shard_folder) instead of matching names itself."""
+    homes = {"zero/shards.py", *(str(p.relative_to(PACKAGE)) for p in (PACKAGE / "checkpoint").glob("*.py"))}
+    names = re.compile(r"checkpoint\.(PREFIX|SUFFIX|SHARDS)\b|ckpt-step|(part|rank)-[^\s\"']*-of-")
+    found = [f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}" for path in sorted(PACKAGE.rglob("*.py"))
+             if str(path.relative_to(PACKAGE)) not in homes
+             for number, line in enumerate(path.read_text().splitlines(), 1) if names.search(line)]
+    assert found == []
+
+
+def test_every_package_is_installed():
+    """setup.cfg lists hvdkit's packages by hand: a package missing there imports in a checkout and
+    is absent from a wheel or an image."""
+    listed = set()
+    lines = (REPO / "setup.cfg").read_text().split("packages =", 1)[1].splitlines()[1:]
+    for line in lines:
+        if not line.startswith((" ", "\t")) or not line.strip():
+            break
+        listed.add(line.strip())
+    found = {".".join(path.parent.relative_to(REPO).parts) for path in PACKAGE.rglob("__init__.py")}
+    assert found - listed == set()

@@ -265,9 +265,9 @@ class Chaos:
     def _writer(self, found: dict) -> int:
         """The rank whose temporary file is there (a shard's part names it), else rank 0."""
         for path in processes.partials(self.ckpt):
-            match = re.search(r"part-(\d+)-of-", path.name) or re.search(r"rank-(\d+)-of-", path.name)
-            if match and int(match[1]) in found:
-                return int(match[1])
+            rank = checkpoint.rank_of_part(path.name)
+            if rank in found:
+                return rank
         return 0 if 0 in found else sorted(found)[0]
 
     def _second_kill(self, state: dict) -> None:
@@ -435,7 +435,7 @@ class Chaos:
         note the steps whose write has begun (a temporary file), for in-write."""
         for event in self.notify.read(timeout=int(TICK * 1000)):
             folder = self.folders.get(event.wd, self.ckpt)
-            if event.mask & inotify.flags.ISDIR and event.name.endswith(checkpoint.SHARDS):
+            if event.mask & inotify.flags.ISDIR and checkpoint.is_shard_folder(event.name):
                 with contextlib.suppress(OSError):
                     self.folders[self.notify.add_watch(folder / event.name, inotify.flags.CREATE)] = folder / event.name
             elif event.name.endswith(wholefiles.PARTIAL):
@@ -444,10 +444,7 @@ class Chaos:
                     self.writing.append((step, folder / event.name))
 
     def _written(self) -> set[int]:
-        with contextlib.suppress(OSError):
-            return {int(name[len(checkpoint.PREFIX):-len(checkpoint.SUFFIX)]) for name in os.listdir(self.ckpt)
-                    if name.startswith(checkpoint.PREFIX) and name.endswith(checkpoint.SUFFIX)}
-        return set()
+        return {checkpoint.step_of(path) for path in checkpoint.existing(str(self.ckpt))}
 
     def _newest_step(self) -> int:
         return max(self._written(), default=0)

@@ -3,7 +3,6 @@ strike), whatever still runs after it, the temporary files of cut saves (hvdkit.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Optional
 
@@ -76,8 +75,5 @@ def partials(directory: Path) -> list[Path]:
 
 def step_of_partial(path: Path) -> Optional[int]:
     """The step a temporary file belongs to: its own name's, or its shard folder's."""
-    for part in (path.name, path.parent.name):
-        match = re.search(rf"{checkpoint.PREFIX}(\d+)", part)
-        if match:
-            return int(match[1])
-    return None
+    step = checkpoint.step_in(path.name)
+    return step if step is not None else checkpoint.step_in(path.parent.name)

@@ -8,7 +8,6 @@ on a fresh machine.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import multiprocessing
 import pickle
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from hvdkit import nested
 from hvdkit.config import ConfigError, TrainConfig
 
 DIGITS_TEST_SIZE = 360  # a fixed 20% of the 1,797 digits, the same on every rank and run
@@ -296,11 +296,8 @@ def build(cfg: TrainConfig) -> Datasets:
 
 
 def batch_len(batch: Any) -> int:
-    """Samples in a batch: the leading size of its first tensor."""
-    if isinstance(batch, torch.Tensor):
-        return len(batch)
-    values = batch.values() if isinstance(batch, dict) else batch
-    for value in values:
-        with contextlib.suppress(TypeError):
-            return batch_len(value)
+    """Samples in a batch: the leading size of its first tensor that has one."""
+    for _, leaf in nested.leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.dim():
+            return len(leaf)
     raise TypeError("batch: holds no tensor")

@@ -14,7 +14,7 @@ PACKAGE = REPO / "hvdkit"
 # from a rank's image and would pull the launch side's concerns into a rank.
 RANK_SIDE = [*sorted((PACKAGE / "rank").glob("*.py")), *sorted((PACKAGE / "checkpoint").glob("*.py")),
              *sorted((PACKAGE / "system").glob("*.py")), *(PACKAGE / name for name in (
-                 "session.py", "trainer.py", "job.py", "data.py", "models.py", "config.py", "env.py"))]
+                 "session.py", "trainer.py", "job.py", "data.py", "models.py", "config.py", "env.py", "nested.py"))]
 
 
 def imported(path: Path) -> set:
@@ -313,3 +313,22 @@ def test_every_package_is_installed():
         listed.add(line.strip())
     found = {".".join(path.parent.relative_to(REPO).parts) for path in PACKAGE.rglob("__init__.py")}
     assert found - listed == set()
+
+
+def test_tensors_nested_in_containers_are_walked_in_one_place():
+    """Batches, checkpoints and compared states are walked by hvdkit/nested.py: a function of its
+    own that recurses through dicts to reach tensors is a second walker to keep in step."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "nested.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            source = ast.unparse(node)
+            recurses = any(isinstance(call, ast.Call) and getattr(call.func, "id", None) == node.name
+                           for call in ast.walk(node))
+            tensors = "Tensor" in source or "is_tensor" in source
+            if recurses and "isinstance" in source and "dict" in source and tensors:
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}")
+    assert found == []

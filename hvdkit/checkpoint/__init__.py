@@ -28,7 +28,6 @@ from hvdkit.checkpoint.format import (
     path_for,
     rank_of_part,
     read_checked,
-    rebuild,
     shard_folder,
     step_in,
     step_of,
@@ -39,7 +38,7 @@ from hvdkit.checkpoint.writer import Writer, save
 
 __all__ = ["MAGIC", "PART_WAIT_SECONDS", "PREFIX", "SHARDS", "SUFFIX", "CheckpointError", "Part", "Writer",
            "check_shards", "clean_partials", "existing", "is_shard_folder", "join_parts", "load", "load_latest",
-           "load_whole", "part_name", "path_for", "rank_of_part", "read_checked", "rebuild", "save", "shard_folder",
+           "load_whole", "part_name", "path_for", "rank_of_part", "read_checked", "save", "shard_folder",
            "split", "step_in", "step_of", "write"]
 
 

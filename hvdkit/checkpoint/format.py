@@ -6,12 +6,11 @@ module reads names through these functions (tests/test_layout.py)."""
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import io
 import re
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -69,23 +68,6 @@ def clean_partials(directory: str) -> None:
     """Remove the temporaries of saves that were killed mid-write (the checkpoints stay as they were)."""
     for stale in Path(directory).glob(f".{PREFIX}*{SUFFIX}.*{wholefiles.PARTIAL}"):
         stale.unlink(missing_ok=True)
-
-
-def rebuild(value: Any, tensor: Callable[[torch.Tensor, tuple], Any], other: Callable[[Any], Any],
-             place: tuple = ()) -> Any:
-    """``value`` with each tensor replaced by ``tensor(it, its place)`` and each other leaf by
-    ``other(it)``; dicts are copied shallowly, keeping their class and attributes (a state_dict's
-    _metadata), lists and tuples rebuilt."""
-    if isinstance(value, torch.Tensor):
-        return tensor(value, place)
-    if isinstance(value, dict):
-        copied = copy.copy(value)
-        for key, item in value.items():
-            copied[key] = rebuild(item, tensor, other, (*place, key))
-        return copied
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(rebuild(item, tensor, other, (*place, i)) for i, item in enumerate(value))
-    return other(value)
 
 
 class _Hashing:

@@ -13,7 +13,8 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from hvdkit.checkpoint.format import MAGIC, CheckpointError, read_checked, rebuild, shard_folder
+from hvdkit.checkpoint.format import MAGIC, CheckpointError, read_checked, shard_folder
+from hvdkit.nested import rebuild
 
 
 class Part:
@@ -46,7 +47,7 @@ def split(state: dict, shared: Iterable[torch.Tensor], size: int) -> tuple[dict,
             tensors.append(value)
         return value
 
-    rebuild(state, number, lambda leaf: leaf)
+    rebuild(state, number)
     owner, load = {}, [0] * size
     for n in sorted(range(len(tensors)), key=lambda n: -tensors[n].nbytes):
         owner[n] = rank = load.index(min(load))
@@ -60,7 +61,7 @@ def split(state: dict, shared: Iterable[torch.Tensor], size: int) -> tuple[dict,
         n = numbers.get(identity(value)) if value.layout == torch.strided else None
         return value if n is None or not owner[n] else Part(part_name(owner[n], size), n)
 
-    return rebuild(state, placed, lambda leaf: leaf), parts
+    return rebuild(state, placed), parts
 
 
 PART_WAIT_SECONDS = 600.0  # a rank whose part does not appear by then failed, or does not share the directory
@@ -109,4 +110,4 @@ def join_parts(path: Path, state: dict) -> dict:
         tensors.update({(entry["file"], n): tensor for n, tensor in part.items()})
     whole = {key: value for key, value in state.items() if key != "parts"}
     return rebuild(whole, lambda tensor, place: tensor,
-                    lambda leaf: tensors[leaf.file, leaf.number] if isinstance(leaf, Part) else leaf)
+                   lambda leaf, place: tensors[leaf.file, leaf.number] if isinstance(leaf, Part) else leaf)

@@ -26,11 +26,11 @@ from hvdkit.checkpoint.format import (
     CheckpointError,
     existing,
     path_for,
-    rebuild,
     shard_folder,
     write,
 )
 from hvdkit.checkpoint.parts import await_parts
+from hvdkit.nested import rebuild
 
 
 def save(directory: str, step: int, state: dict, keep: int) -> Path:
@@ -192,7 +192,7 @@ class Writer:
             seen[key] = buffer
             return buffer
 
-        staged = rebuild(state, held, copy.deepcopy)
+        staged = rebuild(state, held, lambda leaf, place: copy.deepcopy(leaf))
         ready = None
         if on_gpu:
             ready = torch.cuda.Event()

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from hvdkit import nested
 from hvdkit.config import TrainConfig
 from hvdkit.rank.state import RunState, say
 from hvdkit.rank.stragglers import StepTimes
@@ -49,46 +50,32 @@ def lr_multiplier(cfg: TrainConfig, size: int, local_size: int, on_gpu_with_nccl
 
 def split_batch(batch: Any, size: int) -> list:
     """``batch`` (tensors nested in tuples, lists and dicts) as chunks of at most ``size`` samples."""
-    if isinstance(batch, torch.Tensor):
-        return list(batch.split(size))
-    if isinstance(batch, dict):
-        parts = {key: split_batch(value, size) for key, value in batch.items()}
-        count = _same_count(parts.values())
-        return [{key: chunks[i] for key, chunks in parts.items()} for i in range(count)]
-    if isinstance(batch, (tuple, list)):
-        parts = [split_batch(value, size) for value in batch]
-        count = _same_count(parts)
-        return [type(batch)(chunks[i] for chunks in parts) if not _is_namedtuple(batch)
-                else type(batch)(*(chunks[i] for chunks in parts)) for i in range(count)]
-    raise TypeError(f"batch: cannot split a {type(batch).__name__}; batches are tensors nested in "
-                    f"tuples, lists and dicts")
+    chunks: dict[tuple, tuple] = {}
 
+    def split(tensor: torch.Tensor, place: tuple) -> torch.Tensor:
+        chunks[place] = tensor.split(size)
+        return tensor
 
-def _same_count(parts) -> int:
-    counts = {len(chunks) for chunks in parts}
+    def refuse(leaf: Any, place: tuple) -> Any:
+        raise TypeError(f"batch: cannot split a {type(leaf).__name__}; batches are tensors nested in "
+                        f"tuples, lists and dicts")
+
+    nested.rebuild(batch, split, refuse)
+    counts = {len(parts) for parts in chunks.values()}
     if len(counts) != 1:
         raise ValueError("batch: its tensors hold different numbers of samples")
-    return counts.pop()
-
-
-def _is_namedtuple(value) -> bool:
-    return isinstance(value, tuple) and hasattr(value, "_fields")
+    return [nested.rebuild(batch, lambda tensor, place, i=i: chunks[place][i], refuse) for i in range(counts.pop())]
 
 
 def to_device(batch: Any, device: torch.device, memory_format: torch.memory_format = torch.preserve_format) -> Any:
     """``batch`` with every tensor moved to ``device`` (asynchronously from pinned memory), its
     4-D floating-point tensors in ``memory_format``."""
-    if isinstance(batch, torch.Tensor):
-        if batch.dim() == 4 and batch.is_floating_point():
-            return batch.to(device, non_blocking=True, memory_format=memory_format)
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {key: to_device(value, device, memory_format) for key, value in batch.items()}
-    if _is_namedtuple(batch):
-        return type(batch)(*(to_device(value, device, memory_format) for value in batch))
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(to_device(value, device, memory_format) for value in batch)
-    return batch
+    def move(tensor: torch.Tensor, place: tuple) -> torch.Tensor:
+        if tensor.dim() == 4 and tensor.is_floating_point():
+            return tensor.to(device, non_blocking=True, memory_format=memory_format)
+        return tensor.to(device, non_blocking=True)
+
+    return nested.rebuild(batch, move)
 
 
 def input_format(cfg: TrainConfig, model: nn.Module, device: torch.device) -> torch.memory_format:

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from hvdkit import checkpoint
+from hvdkit import checkpoint, nested
 from hvdkit.system import wholefiles
 from hvdkit.zero import shards
 
@@ -30,62 +30,43 @@ def plain(path: Path) -> dict:
     return shards.plain_state(path, checkpoint.load_whole(path))
 
 
-def difference(a, b, where: str = "") -> Optional[str]:
+def difference(a, b) -> Optional[str]:
     """Where two states differ, in a few words, or None when they are bitwise equal."""
-    if torch.is_tensor(a) or torch.is_tensor(b):
-        if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.shape != b.shape or a.dtype != b.dtype:
-            return f"{where}: {_kind(a)} against {_kind(b)}"
-        if torch.equal(a, b):
-            return None
-        gap = (a.double() - b.double()).abs().max().item() if a.is_floating_point() else "?"
-        return f"{where} differs (largest difference {gap:.3g})" if gap != "?" else f"{where} differs"
-    if isinstance(a, dict) and isinstance(b, dict):
-        if set(a) != set(b):
-            return f"{where or 'the state'}: keys {sorted(map(str, set(a) ^ set(b)))[:4]} are in one only"
-        for key in a:
-            found = difference(a[key], b[key], f"{where}.{key}" if where else str(key))
-            if found:
-                return found
-        return None
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return f"{where}: {len(a)} items against {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            found = difference(x, y, f"{where}[{i}]")
-            if found:
-                return found
-        return None
-    return None if a == b else f"{where}: {a!r} against {b!r}"
+    ours, theirs = list(nested.leaves(a)), list(nested.leaves(b))
+    if [place for place, _ in ours] != [place for place, _ in theirs]:
+        only = sorted(map(nested.place_text, {p for p, _ in ours} ^ {p for p, _ in theirs}))
+        return f"the state: {only[:4]} are in one only" if only else "the state: its entries are in another order"
+    for (place, x), (_, y) in zip(ours, theirs, strict=True):
+        where = nested.place_text(place)
+        if torch.is_tensor(x) or torch.is_tensor(y):
+            if not (torch.is_tensor(x) and torch.is_tensor(y)) or x.shape != y.shape or x.dtype != y.dtype:
+                return f"{where}: {_kind(x)} against {_kind(y)}"
+            if torch.equal(x, y):
+                continue
+            if not x.is_floating_point():
+                return f"{where} differs"
+            return f"{where} differs (largest difference {(x.double() - y.double()).abs().max().item():.3g})"
+        if x != y:
+            return f"{where}: {x!r} against {y!r}"
+    return None
 
 
 def distance(a, b) -> float:
     """How far state ``a`` is from ``b``: the L2 norm of their floating tensors' differences over
     that of ``b``'s, all taken together (inf where their structures differ)."""
-    pairs = list(_floating_pairs(a, b))
-    if any(x is None for x, _ in pairs):
+    ours, theirs = dict(nested.leaves(a)), dict(nested.leaves(b))
+    if set(ours) != set(theirs):
         return float("inf")
-    gap = sum(float((x.double() - y.double()).pow(2).sum()) for x, y in pairs)
-    size = sum(float(y.double().pow(2).sum()) for _, y in pairs)
+    gap = size = 0.0
+    for place, x in ours.items():
+        y = theirs[place]
+        if torch.is_tensor(x) or torch.is_tensor(y):
+            if not (torch.is_tensor(x) and torch.is_tensor(y)) or x.shape != y.shape:
+                return float("inf")
+            if x.is_floating_point():
+                gap += float((x.double() - y.double()).pow(2).sum())
+                size += float(y.double().pow(2).sum())
     return (gap / size) ** 0.5 if size else (0.0 if gap == 0 else float("inf"))
-
-
-def _floating_pairs(a, b):
-    if torch.is_tensor(a) or torch.is_tensor(b):
-        if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.shape != b.shape:
-            yield None, None
-        elif a.is_floating_point():
-            yield a, b
-    elif isinstance(a, dict) and isinstance(b, dict):
-        if set(a) != set(b):
-            yield None, None
-        for key in a.keys() & b.keys():
-            yield from _floating_pairs(a[key], b[key])
-    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            yield None, None
-            return
-        for x, y in zip(a, b, strict=True):
-            yield from _floating_pairs(x, y)
 
 
 def _kind(value) -> str:

@@ -512,13 +512,15 @@ def test_a_save_waits_for_the_one_in_flight_and_a_failed_one_is_said_once(tmp_pa
     """The thread is held at the write (a test seam in hvdkit's own code): the next save must wait."""
     import threading
 
-    release, real_save = threading.Event(), checkpoint.save
+    from hvdkit.checkpoint import writer as checkpoint_writer
+
+    release, real_save = threading.Event(), checkpoint_writer.save
 
     def held_save(*args, **kwargs):
         release.wait(30)
         return real_save(*args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "save", held_save)
+    monkeypatch.setattr(checkpoint_writer, "save", held_save)
     writer = checkpoint.Writer()
     writer.save(str(tmp_path), 1, {"step": 1}, keep=3)
     assert writer.in_flight()

@@ -794,3 +794,25 @@ def test_a_killed_save_leaves_no_temporary_file(tmp_path):
     stale.write_bytes(b"half a checkpoint")
     checkpoint.save(str(tmp_path), 6, {"step": 6}, keep=3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-step000000006.pt"]
+
+
+GOLDEN_CHECKPOINTS = REPO / "tests" / "golden" / "checkpoints"
+
+
+@pytest.mark.parametrize("kind", ["sharded", "zero"])
+def test_checkpoints_written_by_an_earlier_hvdkit_load_whole_and_export(kind, tmp_path):
+    """A checkpoint of each format written at e52fb9d (tests/golden/checkpoints/README.md): a
+    sharded save's parts and ZeRO's shards join into the same state, bit for bit, as the plain
+    checkpoint of the same two steps, and each exports to plain torch files."""
+    from hvdkit.rehearse import verdict
+
+    plain_path, path = (checkpoint.existing(str(GOLDEN_CHECKPOINTS / name))[-1] for name in ("plain", kind))
+    plain, state = verdict.plain(plain_path), verdict.plain(path)
+    assert plain["step"] == 2 and list(plain["model"]) == ["1.weight", "1.bias", "3.weight", "3.bias", "5.weight",
+                                                            "5.bias"]
+    assert verdict.difference(plain, state) is None
+    for source, out in ((plain_path, tmp_path / "plain"), (path, tmp_path / kind)):
+        proc = run([sys.executable, "-m", "hvdkit", "checkpoint", "export", str(source), str(out)])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    for name in ("model.pt", "optimizer.pt"):
+        assert verdict.difference(torch.load(tmp_path / "plain" / name), torch.load(tmp_path / kind / name)) is None

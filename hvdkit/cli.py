@@ -97,7 +97,7 @@ def train(args: argparse.Namespace) -> int:
     try:
         cfg = config.from_args(args)
         trainer = Trainer(cfg)
-        summary = trainer.fit_elastic() if cfg.elastic else trainer.fit()
+        summary = trainer.fit()
     except OWN_ERRORS as exc:
         if args.debug:
             raise

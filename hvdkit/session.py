@@ -27,8 +27,9 @@ same ``TrainConfig`` keys, checked alike (docs/own-loop.md).
 and delegates to parts handed that state and what else each uses (none holds the Session):
 process set-up (hvdkit.rank.startup), loaders and the data position (rank.loaders), the
 distributed optimizer (rank.buckets), the step (rank.step), the ranks' meetings (rank.lockstep),
-checkpoints and resume (rank.resume), reports (rank.reports), stop signals (rank.stops), how the
-run ends (rank.ending), the ranks' copies compared (rank.consistency), stragglers (rank.stragglers).
+checkpoints and resume (rank.checkpoints), reports (rank.reports), stop signals (rank.stops), how the
+run ends (rank.ending), the ranks' copies compared (rank.consistency), stragglers (rank.stragglers),
+elastic runs (rank.elastic).
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ from hvdkit.checkpoint import CheckpointError
 from hvdkit.config import ConfigError, TrainConfig, from_environ, from_mapping, validate
 from hvdkit.rank import lockstep, orphan, startup, stops
 from hvdkit.rank.buckets import distributed_optimizer
+from hvdkit.rank.checkpoints import RunCheckpoints
 from hvdkit.rank.consistency import Consistency, DivergenceError
+from hvdkit.rank.elastic import Elastic
 from hvdkit.rank.ending import Ending
 from hvdkit.rank.lifeline import Lifeline
 from hvdkit.rank.loaders import Loaders
@@ -57,12 +60,12 @@ from hvdkit.rank.loggers import LoggerError, take_loggers
 from hvdkit.rank.memory import PhasePeaks
 from hvdkit.rank.metrics import Metrics
 from hvdkit.rank.reports import Reports
-from hvdkit.rank.resume import Checkpoints
 from hvdkit.rank.state import RunState, state_field
 from hvdkit.rank.step import (
     NonFiniteError,
     TrainingStep,
     input_format,
+    lr_lambda,
     lr_multiplier,
     use_fused_kernels,
 )
@@ -105,24 +108,25 @@ class Session:
         # it ends that worker alone, as Horovod has it (a node drained or preempted), and the job goes on.
         self._signal = stops.StopSignal(install=not cfg.elastic or orphan.started_by_horovodrun_here(),
                                         rank=self.rank, where=lambda watchdog=self.watchdog: watchdog.where)
-        self._lockstep = Lockstep(self.hvd, strict=not cfg.elastic)
-        self._unread_step = False  # a step's agreement that should_stop() has not read yet
-        self._times = StepTimes(self.rank, self.size, cfg.straggler_threshold)
-        self._reports = Reports(cfg, hvd, device, state, self._times, own_loggers)
-        self._consistency = Consistency(cfg, hvd, device, state)
-        self._loaders = Loaders(cfg, hvd, device, state)
-        self._checkpoints = Checkpoints(cfg, hvd, state, self._loaders, self._consistency, self.watchdog)
-        self._ending = Ending(cfg, hvd, state, self._lockstep, self._signal, self._checkpoints, self._reports,
-                              self.watchdog, Lifeline.from_environ(os.environ, self.rank))  # horovodrun --gloo's
-        self._input_format = torch.preserve_format  # channels_last for a convolutional model on a GPU, from setup()
-        # Horovod's shutdown met outside hvdkit's calls (your own loss.backward()) is said in one line too.
-        self._ending.undo_hook = stops.exit_on_own_errors(
-            self.rank, OWN_ERRORS + (() if cfg.elastic else (HorovodInternalError,)), (ConfigError, LockstepError),
-            self._ending.after_error)
         state.log_dir = cfg.log_dir or startup.run_dir(cfg, hvd)
-        self._ending.locks = startup.lock_directories(cfg, hvd, state.log_dir)
-        self._checkpoints.read_ahead()  # a sharded run resumed at another size adapts K before its step and loaders
-        self._step = TrainingStep(cfg, hvd, device, state, self._times, self._checkpoints.kept)
+        self._unread_step = False  # a step's agreement that should_stop() has not read yet
+        self._input_format = torch.preserve_format  # channels_last for a convolutional model on a GPU, from setup()
+        # The parts, each handed what it uses; none holds the Session.
+        self._lockstep = meetings = Lockstep(hvd, strict=not cfg.elastic)
+        self._times = times = StepTimes(self.rank, self.size, cfg.straggler_threshold)
+        self._reports = reports = Reports(cfg, hvd, device, state, times, own_loggers)
+        self._consistency = consistency = Consistency(cfg, hvd, device, state)
+        self._loaders = loaders = Loaders(cfg, hvd, device, state)
+        self._checkpoints = checkpoints = RunCheckpoints(cfg, hvd, state, loaders, consistency, self.watchdog)
+        # Own errors in one line from here, Horovod's shutdown met outside hvdkit's calls (your own
+        # loss.backward()) too; then the directories' locks. Lifeline: horovodrun --gloo's.
+        self._ending = Ending(cfg, hvd, state, meetings, self._signal, checkpoints, reports, self.watchdog,
+                              Lifeline.from_environ(os.environ, self.rank),
+                              OWN_ERRORS + (() if cfg.elastic else (HorovodInternalError,)),
+                              (ConfigError, LockstepError))
+        checkpoints.read_ahead()  # a sharded run resumed at another size adapts K before its step and loaders
+        self._step = step = TrainingStep(cfg, hvd, device, state, times, checkpoints.kept)
+        self._elastic = Elastic(cfg, hvd, state, loaders, checkpoints, reports, times, meetings, step.settle)
         if self._signal.installed:  # a rank whose launcher is gone stops as on SIGTERM
             orphan.watch(self._signal, Path(self.log_dir) / "ranks" / f"rank-{self.rank}-after-launcher.log")
 
@@ -154,18 +158,13 @@ class Session:
         if self.rank == 0:
             print(*args, **kwargs, flush=True)
 
-    # -- model, optimizer, resume (hvdkit.rank.resume) ------------------------------------------
+    # -- model, optimizer, resume (hvdkit.rank.checkpoints) ------------------------------------------
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler=None):
         """(model, optimizer): the model on this rank's device, the optimizer wrapped in
         Horovod's DistributedOptimizer (or, with ``zero``, hvdkit.zero's ShardedOptimizer), and
-        every rank holding the same state.
-
-        That state is the newest valid checkpoint in ``checkpoint_dir`` (see hvdkit.rank.resume),
-        else rank 0's initial weights. A fresh optimizer's state is empty, so only parameters
-        are broadcast: Horovod's broadcast_optimizer_state would take a zero-gradient step to
-        create state, which with AdamW's weight decay moves the weights. A ``scheduler`` is
-        stepped once per optimizer step by ``step()``.
-        """
+        every rank holding the same state: the newest valid checkpoint in ``checkpoint_dir``, else
+        rank 0's initial weights (hvdkit.rank.checkpoints). A ``scheduler`` is stepped once per
+        optimizer step by ``step()``."""
         cfg, hvd = self.cfg, self.hvd
         self.watchdog.beat("setup()")  # the stall limit counts from here: loading data before it is not a stall
         model = model.to(self.device)
@@ -173,15 +172,8 @@ class Session:
         self._input_format = input_format(cfg, model, self.device)
         self.optimizer = distributed_optimizer(cfg, hvd, optimizer, model, self.device)
         with self._state.peaks.phase("setup and resume"):
-            if cfg.elastic:
-                self._checkpoints.read_elastic()
-            else:
-                state = self._checkpoints.restore()
-                if state is None:
-                    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-                else:
-                    self._signal.step = self.global_step
-                    self._loaders.resumed_batches = state.get("loader_batches")
+            self._checkpoints.take_over(model)
+        self._signal.step = self.global_step
         # After the resume, whose param groups replace these.
         use_fused_kernels(self.optimizer.inner if cfg.zero else self.optimizer,
                           convert=cfg.fused_optimizer and self.device.type == "cuda")
@@ -207,14 +199,20 @@ class Session:
         self._step.settle()
         self._checkpoints.save(wait=not background)
 
+    def run(self, loop: Callable[[], Any]) -> Any:
+        """``loop()``, your epochs, once; in an elastic run inside Horovod's ``hvd.elastic.run``, which
+        after a change of hosts restores the last commit on every rank and calls it again from
+        there (hvdkit.rank.elastic). Make the training loader with ``loader()`` first."""
+        return self._elastic.run(loop) if self.cfg.elastic else loop()
+
     def save_elastic(self, sampler) -> None:
-        """Elastic: rank 0 writes the state just committed, so that the whole job can be resumed."""
+        """Elastic, your own ``hvd.elastic.run``: rank 0 writes the state just committed."""
         self._step.settle()
         self._checkpoints.save_elastic(sampler)
 
     def load_elastic(self, sampler) -> bool:
-        """Elastic: load the checkpoint this process read in setup() (no collective: workers may
-        be joining); False if none. The sampler's position goes into a stop's checkpoint."""
+        """Elastic, your own ``hvd.elastic.run``: load the checkpoint read in setup() (no collective);
+        False if none. The sampler's position goes into a stop's checkpoint."""
         return self._checkpoints.load_elastic(sampler)
 
     # -- data (hvdkit.rank.loaders) -------------------------------------------------------------
@@ -225,9 +223,8 @@ class Session:
         return self._loaders.train(data_or_loader, batch_size, shuffle, loader_args)
 
     def elastic_loader(self, dataset, batch_size: Optional[int] = None, **loader_args) -> DataLoader:
-        """Elastic: a training DataLoader over Horovod's ElasticSampler (``loader.sampler``), which
-        shares what is left of an epoch among the ranks of the moment; hand the sampler to
-        ``load_elastic`` and to Horovod's ``TorchState``."""
+        """Elastic, your own ``hvd.elastic.run``: a loader over Horovod's ElasticSampler (``loader.sampler``),
+        for ``load_elastic`` and Horovod's ``TorchState``. ``loader()`` makes it for ``run()``."""
         return self._loaders.elastic(dataset, batch_size, loader_args)
 
     def eval_loader(self, data_or_loader, batch_size: Optional[int] = None, **loader_args) -> DataLoader:
@@ -236,14 +233,22 @@ class Session:
         return self._loaders.evaluation(data_or_loader, batch_size, loader_args)
 
     def steps_per_epoch(self) -> int:
-        """Optimizer steps in a whole epoch of the first loader()."""
+        """Optimizer steps in a whole epoch of the first loader() (elastic: at this world size)."""
         return self._loaders.steps_per_epoch()
+
+    def lr_lambda(self, factor: Callable[[float, float], float]) -> Callable[[int], float]:
+        """For LambdaLR, after loader(): ``factor(epochs done, lr_multiplier())`` at each step, the epochs
+        fractional (elastic: the epoch's samples processed), the multiplier at the world size of the moment."""
+        return lr_lambda(self.cfg, self.hvd, self.device.type == "cuda" and self.hvd.nccl_built(),
+                         self._loaders.progress(), factor)
 
     def epochs(self, count: int, max_steps: Optional[int] = None) -> Iterator[int]:
         """Epoch numbers from where a resume left off to ``count``; after each: join, then
         checkpoint (after what the loop body does past its batches, evaluation say). A resumed
         epoch continues at the sample where its checkpoint was taken, in the same order. Ends
         early when ``should_stop()`` agreed to stop, or at ``max_steps``."""
+        if self.cfg.elastic:  # the epoch ends when its samples are processed, by whichever ranks there were
+            return self._elastic.epochs(count, max_steps)
         return self._loaders.epochs(count, max_steps, self._epoch_ended, functools.partial(self.save, background=True))
 
     def join(self) -> None:
@@ -290,10 +295,12 @@ class Session:
             self._times.waiting()  # for a rank late to the step, the others wait here (hvdkit.rank.stragglers)
             self._lockstep.collect()
             self._times.waited()
+            self._elastic.before_update()  # (each does nothing but in session.run() of an elastic run)
             self._step.apply()
         self.global_step += 1
         self._unread_step = True
         self._signal.step = self.global_step  # the steps done, for a second Ctrl-C's message
+        self._elastic.stepped(stopping=bool(self._lockstep.signum))
         consistency, checkpoint = self._consistency.due(), self._checkpoints.due()
         if consistency or checkpoint:  # the steps' non-finite flags are read here, not in every step
             self._step.settle()
@@ -356,9 +363,7 @@ class Session:
         """True on every rank at the same step once any rank got SIGTERM, SIGHUP, SIGINT or SIGUSR1
         (see hvdkit.rank.stops), with that step's checkpoint written. Call it after step(): it reads
         what the ranks agreed in the step's meeting, at no extra wait. A loop that does not call
-        it stops as well, at its next step or epoch's end: the checkpoint is written there and
-        the process exits with the stop's code. Elastic runs stop alike on a signal to the
-        workers on horovodrun's host (see __init__)."""
+        it stops as well, at its next step or epoch's end, and exits with the stop's code."""
         if self.stopped:
             return True
         self._checkpoints.require_elastic_sampler()
@@ -387,11 +392,8 @@ class Session:
         return self._ending.finish(self._step, summary)
 
     def elastic_reset(self, step: int) -> None:
-        """Elastic: call it from a reset callback. Records the reset in rank 0's sink (which may
-        now be another process); a stop allreduce started before it belongs to the old ranks."""
-        self._lockstep.pending = None
-        self._reports.elastic_reset(step)
-        self._times.resize(self.rank, self.size)  # the table has a row per rank
+        """Elastic, your own ``hvd.elastic.run``: call it from a reset callback (hvdkit.rank.elastic)."""
+        self._elastic.reset(step)
 
     def world_size_changes(self) -> list:
         """Elastic: each change of world size in metrics.jsonl, with the seconds it lost."""

@@ -2,8 +2,9 @@
 
 ``Trainer.fit`` reads top to bottom: start the session, shard the data, build the
 optimizer and its learning-rate schedule, set up (resume or broadcast), then per epoch the
-steps, a report every ``log_interval`` steps, an evaluation, and a checkpoint. What a step
-does lives in ``train_step``, which the elastic loop and the benchmark share.
+steps, a report every ``log_interval`` steps, an evaluation, and a checkpoint; ``session.run``
+runs those epochs, inside Horovod's elastic run for an elastic job. What a step does lives in
+``train_step``, which the benchmark shares.
 """
 
 from __future__ import annotations
@@ -160,6 +161,8 @@ class Trainer:
         return torch.compile(model) if self.cfg.compile else model
 
     def fit(self) -> dict:
+        """Train, evaluate after each epoch, return the summary. Elastic runs (``elastic``) take the
+        same loop, which Session.run() runs again from the last commit after a change of hosts."""
         cfg = self.cfg
         session = self.session = Session(cfg)
         loader = session.loader(self.train_set)
@@ -168,31 +171,33 @@ class Trainer:
         optimizer = self.make_optimizer(model.parameters())
         per_epoch = session.steps_per_epoch()
         total_steps = min(cfg.epochs * per_epoch, cfg.max_steps or math.inf)
-        multiplier = session.lr_multiplier()
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: lr_factor(cfg, step / per_epoch, total_steps / per_epoch, multiplier))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, session.lr_lambda(
+            lambda epoch, multiplier: lr_factor(cfg, epoch, total_steps / per_epoch, multiplier)))
         model, optimizer = session.setup(model, optimizer, scheduler)
-        self._continue_schedule(scheduler, per_epoch, total_steps, multiplier)
+        self._continue_schedule(scheduler, per_epoch, total_steps)
+        result = {"train": {"loss": math.nan}, "test": {}}
 
-        train, test = {"loss": math.nan}, {}
-        for epoch in session.epochs(cfg.epochs, max_steps=total_steps):
-            model.train()
-            for batch in loader:
-                lr = optimizer.param_groups[0]["lr"]
-                train_step(session, model, self.loss_fn, batch)
-                if session.report_due():
-                    train = session.report("train", epoch=epoch + 1, lr=lr, world_size=session.size)
-                if session.should_stop() or session.global_step >= total_steps:
+        def epochs() -> None:
+            for epoch in session.epochs(cfg.epochs, max_steps=cfg.max_steps or None):
+                model.train()
+                for batch in loader:
+                    lr = optimizer.param_groups[0]["lr"]
+                    train_step(session, model, self.loss_fn, batch)
+                    if session.report_due():
+                        result["train"] = session.report("train", epoch=epoch + 1, lr=lr, world_size=session.size)
+                    if session.should_stop() or session.global_step >= (cfg.max_steps or math.inf):
+                        break
+                if session.stopped:
                     break
-            if session.stopped:
-                break
-            test = self.evaluate(test_loader)
+                result["test"] = self.evaluate(test_loader)
 
-        if not test and not session.stopped:  # resumed at its end; a stopped job has no time to spare
-            test = self.evaluate(test_loader)
-        return session.finish(self.summary(train, test))
+        session.run(epochs)
+        if not result["test"] and not session.stopped:  # resumed at its end; a stopped job has no time to spare
+            result["test"] = self.evaluate(test_loader)
+        elastic = {"elastic": True, "world_size_changes": session.world_size_changes()} if cfg.elastic else {}
+        return session.finish({**elastic, **self.summary(result["train"], result["test"])})
 
-    def _continue_schedule(self, scheduler, per_epoch: int, total_steps: int, multiplier: float) -> None:
+    def _continue_schedule(self, scheduler, per_epoch: int, total_steps: int) -> None:
         """After a resume the learning rate at each step is this run's schedule at that step.
 
         That matters when the run trains longer (or shorter) than the checkpointed one meant to:
@@ -209,7 +214,7 @@ class Trainer:
             return
         step = session.global_step
         if cfg.lr_schedule == "cosine":
-            old_lr, new_lr = (lr_factor(cfg, step / per_epoch, end / per_epoch, multiplier) * cfg.base_lr
+            old_lr, new_lr = (lr_factor(cfg, step / per_epoch, end / per_epoch, session.lr_multiplier()) * cfg.base_lr
                               for end in (old_total, total_steps))
             change = f"the cosine decay now ends at step {total_steps}: lr at step {step} {old_lr:.4g} -> {new_lr:.4g}"
         else:
@@ -238,72 +243,3 @@ class Trainer:
             rates["tokens_per_sec"] = samples_per_sec * self.tokens_per_sample
         return {**self.names, **{f"train_{k}": v for k, v in train.items()},
                 **{f"test_{k}": v for k, v in test.items()}, **rates}
-
-    def fit_elastic(self) -> dict:
-        """Elastic training: ranks may leave or join; the job goes on with those left.
-
-        Horovod restores the last committed state (model, optimizer, sampler position, epoch,
-        step) on every rank after a change, and the ElasticSampler shares the rest of the
-        epoch among the new set of ranks. The learning rate follows the current world size.
-        A stop signal ends it as it ends fit(): all ranks at one step, with a checkpoint.
-        """
-        cfg = self.cfg
-        session = self.session = Session(cfg)
-        hvd = session.hvd
-        model = self._prepare()
-        model, optimizer = session.setup(model, self.make_optimizer(model.parameters()))
-        base_lrs = [group["lr"] for group in optimizer.param_groups]
-        loader = session.elastic_loader(self.train_set)
-        sampler = loader.sampler
-        session.load_elastic(sampler)  # a restarted job goes on from its checkpoint
-        state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=session.epoch,
-                                       step=session.global_step)
-
-        state.register_reset_callbacks([lambda: session.elastic_reset(state.step)])
-        final_step = cfg.max_steps or math.inf
-        result = {"train": {}, "test": {}}
-
-        def commit(checkpoint_due: bool) -> None:
-            if checkpoint_due:  # first: the commit may hand over to a new set of hosts
-                session.save_elastic(sampler)
-            state.commit()  # also where Horovod applies a change of hosts
-
-        @hvd.elastic.run
-        def train(state) -> None:
-            # Horovod's sync broadcast rank 0's weights and then gave a joining worker's empty
-            # optimizer its state with a zero-gradient step, which with weight decay moves that
-            # worker's weights alone; they would stay apart for the rest of the run (found by
-            # hvdkit.rank.consistency). So rank 0's weights once more, after the sync.
-            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-            session.global_step, session.epoch = state.step, state.epoch
-            while state.epoch < cfg.epochs and state.step < final_step:
-                model.train()
-                for batch in loader:
-                    factor = lr_factor(cfg, state.epoch + sampler.processed_num / len(self.train_set), cfg.epochs,
-                                       session.lr_multiplier())
-                    for group, base_lr in zip(optimizer.param_groups, base_lrs, strict=True):
-                        group["lr"] = base_lr * factor
-                    train_step(session, model, self.loss_fn, batch)
-                    sampler.record_batch(0, loader.batch_size)
-                    state.step = session.global_step
-                    if state.step % cfg.log_interval == 0:
-                        result["train"] = session.report("train", epoch=state.epoch + 1, lr=base_lrs[0] * factor,
-                                                         world_size=session.size)
-                    if session.should_stop():  # every rank at this step; the checkpoint is written
-                        return
-                    checkpoint_due = bool(cfg.checkpoint_steps) and state.step % cfg.checkpoint_steps == 0
-                    if state.step % cfg.commit_steps == 0 or checkpoint_due:
-                        commit(checkpoint_due)
-                    if state.step >= final_step:
-                        break
-                else:
-                    state.epoch += 1
-                    sampler.set_epoch(state.epoch)
-                session.epoch = state.epoch
-                result["test"] = self.evaluate(session.eval_loader(self.test_set))
-                commit(checkpoint_due=True)  # each epoch's end, as fit() does
-
-        train(state)
-        changes = session.world_size_changes()
-        return session.finish({"elastic": True, "world_size_changes": changes,
-                               **self.summary(result["train"], result["test"])})

@@ -435,7 +435,8 @@ def test_a_sharded_state_splits_by_bytes_and_joins_whole(tmp_path):
     assert type(main["model"]["norm"]) is type(model) and state["model"]["a"] is tied, "the state is left as it was"
     writers = [checkpoint.Writer(background=rank == 1) for rank in range(3)]
     for rank in (2, 1):
-        writers[rank].save(str(tmp_path), 7, parts[rank], keep=3, part=checkpoint.part_name(rank, 3), deferred=shared)
+        writers[rank].save(str(tmp_path), 7, None, keep=3, part=(checkpoint.part_name(rank, 3), parts[rank]),
+                           deferred=shared)
     writers[0].save(str(tmp_path), 7, main, keep=3, parts=[checkpoint.part_name(r, 3) for r in (1, 2)])
     writers[1].finish()
     whole = checkpoint.load_whole(checkpoint.path_for(str(tmp_path), 7))

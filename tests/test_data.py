@@ -132,6 +132,11 @@ def test_shard_sampler_covers_every_sample_once():
     shards = [list(loaders.ShardSampler(7, rank, 3)) for rank in range(3)]
     assert sorted(i for shard in shards for i in shard) == list(range(7))
     assert [len(s) for s in shards] == [3, 2, 2]
+    size = [3]  # an elastic run's world size, read at each pass
+    sampler = loaders.ShardSampler(7, lambda: 1, lambda: size[0])
+    assert list(sampler) == [1, 4]
+    size[0] = 2
+    assert list(sampler) == [1, 3, 5] and len(sampler) == 3
 
 
 def _mark_worker(worker_id):

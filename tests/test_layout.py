@@ -290,11 +290,33 @@ def test_the_trainer_imports_what_a_users_own_loop_could():
     assert found and found - allowed == set()
 
 
+def test_the_trainer_has_one_loop_and_the_session_makes_the_elastic_run():
+    """Elastic or not, the Trainer's epochs are one loop, which Session.run runs: no second loop, no
+    hand-set learning rate, no elastic API of Horovod's in the Trainer."""
+    text = (PACKAGE / "trainer.py").read_text()
+    tree = ast.parse(text)
+    loops = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.For)
+             and isinstance(node.target, ast.Name) and node.target.id == "batch"]
+    assert len(loops) == 1, loops
+    assert "hvd.elastic" not in text and 'group["lr"] =' not in text.split("def _continue_schedule")[0]
+    assert not hasattr(__import__("hvdkit.trainer").trainer.Trainer, "fit_elastic")
+
+
+def test_only_the_checkpoint_package_writes_checkpoint_files():
+    """One protocol for parts: a sharded checkpoint's parts and ZeRO's shards are written by the
+    checkpoint package's writer, which alone writes checkpoint files."""
+    calls = re.compile(r"checkpoint\.(write|save)\(|checkpoint\.writer\.")
+    found = [f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}" for path in sorted(PACKAGE.rglob("*.py"))
+             if path.parent.name != "checkpoint"
+             for number, line in enumerate(path.read_text().splitlines(), 1) if calls.search(line)]
+    assert found == []
+
+
 def test_no_checkpoint_file_name_is_parsed_outside_its_writers():
-    """A checkpoint's names (the file, its parts, ZeRO's shards) are made and read in the checkpoint
-    package (ZeRO's shard names also in hvdkit/zero/shards.py, their writer): any other module asks
-    it (existing, step_of, step_in, rank_of_part, is_shard_folder) instead of matching names itself."""
-    homes = {"zero/shards.py", *(str(p.relative_to(PACKAGE)) for p in (PACKAGE / "checkpoint").glob("*.py"))}
+    """A checkpoint's names (the file, its parts, ZeRO's shards among them) are made and read in the
+    checkpoint package: any other module asks it (existing, step_of, step_in, part_name,
+    rank_of_part, is_shard_folder) instead of matching names itself."""
+    homes = {str(p.relative_to(PACKAGE)) for p in (PACKAGE / "checkpoint").glob("*.py")}
     names = re.compile(r"checkpoint\.(PREFIX|SUFFIX|SHARDS)\b|ckpt-step|(part|rank)-[^\s\"']*-of-")
     found = [f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}" for path in sorted(PACKAGE.rglob("*.py"))
              if str(path.relative_to(PACKAGE)) not in homes

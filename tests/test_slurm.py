@@ -87,7 +87,7 @@ def test_template_runs_to_completion(cluster, tmp_path, template, nodes, tasks, 
     assert sorted(p.name for p in (tmp_path / "run").glob("rank-*.log")) == [f"rank-{r}.log" for r in range(tasks)]
     if "--zero" in flags:
         shards = tmp_path / "ckpt" / "ckpt-step000000008.pt.shards"
-        assert sorted(p.name for p in shards.iterdir()) == ["rank-00000-of-00002.pt", "rank-00001-of-00002.pt"]
+        assert sorted(p.name for p in shards.iterdir()) == ["part-00000-of-00002.pt", "part-00001-of-00002.pt"]
 
 
 def test_a_run_directory_the_nodes_do_not_share_ends_the_job_before_any_rank_starts(cluster, tmp_path):

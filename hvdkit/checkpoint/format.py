@@ -43,8 +43,8 @@ def step_in(name: str) -> Optional[int]:
 
 
 def rank_of_part(name: str) -> Optional[int]:
-    """The rank that writes a part, read from its name or its temporary's: a sharded save's
-    (part_name) or ZeRO's shard (hvdkit.zero.shards.file_name); None for any other file."""
+    """The rank that writes a part, read from its name or its temporary's (part_name's, or a ZeRO
+    shard's ``rank-N-of-M`` in checkpoints before one protocol for parts); None for any other file."""
     match = re.search(r"(?:part|rank)-(\d+)-of-\d+\.pt", name)
     return int(match[1]) if match else None
 
@@ -60,7 +60,7 @@ def existing(directory: str) -> list[Path]:
 
 
 def shard_folder(path: Path) -> Path:
-    """Where the ranks of a sharded run write their parts of checkpoint ``path`` (hvdkit.zero.shards)."""
+    """Where the ranks write their parts of checkpoint ``path`` (hvdkit.checkpoint.parts)."""
     return Path(f"{path}{SHARDS}")
 
 

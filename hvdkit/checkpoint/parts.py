@@ -1,11 +1,15 @@
-"""A sharded save's parts: every rank writes a part of what every rank holds alike (the weights
-and, under DistributedOptimizer, the optimizer state), tensors balanced by bytes, into the
-checkpoint's shard folder; rank 0's main file holds the rest and a ``Part`` in place of each
-tensor another rank wrote, and is written only once every part is durable, with their checksums:
-the checkpoint exists whole or not at all. Reading it joins the parts back into one state."""
+"""The one protocol for a checkpoint's parts. A rank's part (``part-N-of-M.pt`` in the shard
+folder) holds what that rank writes of a save: its share of what every rank holds alike (the
+weights and, under DistributedOptimizer, the optimizer state, with ``sharded_checkpoint``: tensors
+balanced by bytes, numbered) and, under ZeRO, its shard of the optimizer state (``"zero"``).
+Rank 0's main file holds the rest, a ``Part`` in place of each tensor another rank wrote, and the
+list of parts with their checksums (``"parts"``); it is written only once every part is durable:
+the checkpoint exists whole or not at all. Reading it checks every part and joins the tensors
+back into one state."""
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from pathlib import Path
@@ -94,20 +98,49 @@ def await_parts(main: Path, names: Sequence[str], ending: threading.Event) -> li
 
 
 def join_parts(path: Path, state: dict) -> dict:
-    """A sharded checkpoint's state whole, its parts read back in place of their Parts;
-    CheckpointError if a part is missing, altered, or not the one the main file committed."""
-    entries = state.get("parts")
-    if not entries:
-        return state
+    """A parted checkpoint's state whole: every part its main file names is there with the checksum
+    the main file committed (CheckpointError if not), and the tensors other ranks wrote are read
+    back in place of their Parts. A part with none of them (a ZeRO shard alone) is checked in
+    chunks and not read: no rank holds all of those."""
+    wanted: set[str] = set()
+    rebuild(state, lambda tensor, place: tensor, lambda leaf, place: wanted.add(leaf.file) if isinstance(leaf, Part)
+            else leaf)
     tensors = {}
-    for entry in entries:
+    for entry in state.get("parts") or ():
+        if entry["file"] not in wanted:
+            check_part(path, entry)
+            continue
         try:
             digest, part = read_checked(shard_folder(path) / entry["file"])
         except CheckpointError as exc:
             raise CheckpointError(f"{path} is incomplete: {exc}") from None
         if digest != entry["sha256"]:
             raise CheckpointError(f"{path} is corrupted: its part {entry['file']} is not the one it was written with")
-        tensors.update({(entry["file"], n): tensor for n, tensor in part.items()})
+        tensors.update({(entry["file"], n): tensor for n, tensor in part.items() if isinstance(n, int)})
+    for entry in legacy_shards(state):
+        check_part(path, entry, "shard")
     whole = {key: value for key, value in state.items() if key != "parts"}
     return rebuild(whole, lambda tensor, place: tensor,
                    lambda leaf, place: tensors[leaf.file, leaf.number] if isinstance(leaf, Part) else leaf)
+
+
+def legacy_shards(state: dict) -> list[dict]:
+    """ZeRO's shard files as checkpoints before one protocol for parts named them, in the
+    optimizer's manifest (``rank-N-of-M.pt``); none in a checkpoint written since."""
+    manifest = state.get("optimizer")
+    return manifest["shards"] if isinstance(manifest, dict) and "shards" in manifest else []
+
+
+def check_part(path: Path, entry: dict, what: str = "part") -> None:
+    """CheckpointError unless the part ``entry`` names is there with its checksum (read in chunks)."""
+    file = shard_folder(path) / entry["file"]
+    digest = hashlib.sha256()
+    try:
+        with open(file, "rb") as f:
+            f.readline()
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    except OSError as exc:
+        raise CheckpointError(f"{path} is incomplete: its {what} {file.name} cannot be read ({exc.strerror})") from None
+    if digest.hexdigest() != entry["sha256"]:
+        raise CheckpointError(f"{path} is corrupted: its {what} {file.name} fails its checksum")

@@ -67,25 +67,26 @@ class Writer:
         self._done: list[dict] = []  # the saves written since take_done(), appended by the thread
         self._ending = threading.Event()  # the job ends: a main file waits no longer for parts
 
-    def save(self, directory: str, step: int, state: dict, keep: int, deferred: Iterable[torch.Tensor] = (),
-             part: Optional[str] = None, parts: Sequence[str] = ()) -> Path:
-        """Checkpoint ``state`` as ``step``'s: written when this returns if not in the
-        background, else copied, and written by the thread. The ``deferred`` tensors (those only
-        the optimizer step changes) are copied by the thread: call before_update() before they
-        change. A sharded save: ``part`` is this rank's file in the shard folder (``state`` its
-        tensors), or ``parts`` the other ranks' files, which the main file waits for. The previous
-        save's error, if any, is raised here first."""
+    def save(self, directory: str, step: int, state: Optional[dict], keep: int, deferred: Iterable[torch.Tensor] = (),
+             part: Optional[tuple[str, dict]] = None, parts: Sequence[str] = ()) -> Path:
+        """Checkpoint ``step``: ``state`` is the main file (rank 0's; None on the other ranks of a
+        parted save), ``part`` this rank's part (its file name, its state), ``parts`` the other
+        ranks' part files, which the main file waits for (checkpoint.parts). Written when this
+        returns if not in the background, else copied, and written by the thread. The ``deferred``
+        tensors (those only the optimizer step changes) are copied by the thread: call
+        before_update() before they change. The previous save's error, if any, is raised here first."""
         started = time.perf_counter()
         if self.in_flight():
             self.waits += 1
         self.finish()
         self.saves += 1
         self._step = step
-        commit = functools.partial(_commit, directory, step, keep, part, parts, self._ending)
+        commit = functools.partial(_commit, directory, step, keep, part and part[0], parts, self._ending)
+        files = {"main": state, "part": part and part[1]}
         if not self.background:
-            self._write(directory, step, state, commit, (), None)
+            self._write(directory, step, files, commit, (), None)
         else:
-            staged, copies, ready = self._stage(state, {t.data_ptr() for t in deferred if not t.is_cuda})
+            staged, copies, ready = self._stage(files, {t.data_ptr() for t in deferred if not t.is_cuda})
             self._staged.clear()
             self._thread = threading.Thread(target=self._write, name="hvdkit-checkpoint",  # not a daemon: an
                                             args=(directory, step, staged, commit, copies, ready))  # exit waits
@@ -211,12 +212,14 @@ def _copy(copies: list) -> int:
 
 
 def _commit(directory: str, step: int, keep: int, part: Optional[str], parts: Sequence[str],
-            ending: threading.Event, state: dict) -> None:
-    """Write a save: this rank's part, or the main file (once the parts it names are durable)."""
+            ending: threading.Event, files: dict) -> None:
+    """Write a save: this rank's part, then (rank 0) the main file, once the other ranks' parts
+    are durable, naming every part with its checksum."""
     main = path_for(directory, step)
+    written = []
     if part is not None:
-        write(shard_folder(main) / part, state)
+        written.append({"file": part, "sha256": write(shard_folder(main) / part, files["part"])})
+    if files["main"] is None:
         return
-    if parts:
-        state = {**state, "parts": await_parts(main, parts, ending)}
-    save(directory, step, state, keep)
+    entries = sorted(written + (await_parts(main, parts, ending) if parts else []), key=lambda e: e["file"])
+    save(directory, step, {**files["main"], "parts": entries} if entries else files["main"], keep)

@@ -7,26 +7,29 @@ from __future__ import annotations
 
 from typing import Optional
 
-from hvdkit.rank import stops
+from hvdkit.rank import startup, stops
+from hvdkit.rank.checkpoints import RunCheckpoints
 from hvdkit.rank.lifeline import Lifeline
 from hvdkit.rank.lockstep import Lockstep
 from hvdkit.rank.reports import Reports
-from hvdkit.rank.resume import Checkpoints
 from hvdkit.rank.state import RunState
 from hvdkit.rank.step import TrainingStep
 from hvdkit.rank.watchdog import Watchdog
 
 
 class Ending:
-    """The end of one run, whose state and parts it is handed. ``locks``: the directories' locks,
-    once taken; ``undo_hook``: the error hook's removal, once installed."""
+    """The end of one run, whose state and parts it is handed, and what the run holds until then.
+    Made, it says the ``own_errors`` that nothing caught in one line (stops.exit_on_own_errors; the
+    ``bad_input`` ones exit 2), then takes the locks of the run's directories (startup.lock_directories)."""
 
     def __init__(self, cfg, hvd, state: RunState, lockstep: Lockstep, signal: stops.StopSignal,
-                 checkpoints: Checkpoints, reports: Reports, watchdog: Watchdog, lifeline: Optional[Lifeline]) -> None:
+                 checkpoints: RunCheckpoints, reports: Reports, watchdog: Watchdog, lifeline: Optional[Lifeline],
+                 own_errors: tuple, bad_input: tuple) -> None:
         self.cfg, self.hvd, self.state, self.lockstep, self.signal = cfg, hvd, state, lockstep, signal
         self.checkpoints, self.reports, self.watchdog, self.lifeline = checkpoints, reports, watchdog, lifeline
         self.locks: list = []
-        self.undo_hook = lambda: None
+        self.undo_hook = stops.exit_on_own_errors(hvd.rank(), own_errors, bad_input, self.after_error)
+        self.locks = startup.lock_directories(cfg, hvd, state.log_dir)
 
     def take_stop(self, step: TrainingStep) -> bool:
         """Whether the run stops here: the ranks agreed on a stop, and its checkpoint is now written."""

@@ -33,6 +33,9 @@ class Loaders:
         self.resumed_batches: Optional[list] = None  # the checkpoint's loader batch sizes
 
     def train(self, data_or_loader, batch_size: Optional[int], shuffle: bool, loader_args: dict) -> DataLoader:
+        if self.cfg.elastic:  # the ranks change: Horovod's sampler shares out what is left of the epoch
+            self.made.append(self.elastic(data_or_loader, batch_size, loader_args))
+            return self.made[-1]
         size, rank = self.hvd.size(), self.hvd.rank()
         dataset, batch_size, options = self._parts(data_or_loader, batch_size, loader_args,
                                                    kept=("collate_fn", "drop_last"))
@@ -56,7 +59,7 @@ class Loaders:
     def evaluation(self, data_or_loader, batch_size: Optional[int], loader_args: dict) -> DataLoader:
         dataset, batch_size, options = self._parts(data_or_loader, batch_size, loader_args, kept=("collate_fn",))
         return DataLoader(dataset, batch_size=batch_size,
-                          sampler=ShardSampler(len(dataset), self.hvd.rank(), self.hvd.size()), **options)
+                          sampler=ShardSampler(len(dataset), self.hvd.rank, self.hvd.size), **options)
 
     def _parts(self, data_or_loader, batch_size: Optional[int], loader_args: dict, kept: tuple):
         """(dataset, batch size, DataLoader options) from a Dataset, or from a DataLoader whose
@@ -81,7 +84,27 @@ class Loaders:
 
     def epoch_ended(self) -> bool:
         """This step ends an epoch of the training loaders (False before any is made)."""
+        if self.cfg.elastic and self.made:  # its steps per epoch change with the world size
+            sampler = self.elastic_sampler()
+            return sampler.processed_num >= len(sampler.dataset)
         return bool(self.made) and self.state.global_step % self.steps_per_epoch() == 0
+
+    def progress(self) -> Callable[[int], float]:
+        """The epochs done at an optimizer step, with the share of the next; in an elastic run the
+        samples processed of the epoch, whichever the ranks were that took them. (A function of
+        the sampler or the steps per epoch alone: see rank.step.lr_lambda.)"""
+        if self.cfg.elastic:
+            sampler = self.elastic_sampler()
+            return lambda step: sampler.epoch + min(1.0, sampler.processed_num / len(sampler.dataset))
+        per_epoch = self.steps_per_epoch()
+        return lambda step: step / per_epoch
+
+    def elastic_sampler(self):
+        """The elastic training loader's ElasticSampler."""
+        if not self.made:
+            raise RuntimeError("hvdkit: an elastic run makes its training loader with session.loader() before "
+                               "session.run()")
+        return self.made[0].sampler
 
     def epochs(self, count: int, max_steps: Optional[int], epoch_ended: Callable[[], bool],
                save: Callable[[], None]) -> Iterator[int]:
@@ -123,11 +146,17 @@ class ShardSampler(Sampler):
     """Every sample exactly once across ranks (rank r takes r, r+size, ...): no padding.
 
     DistributedSampler pads the last round with repeated samples so that all ranks take the
-    same number of steps; for validation that would count those samples twice.
+    same number of steps; for validation that would count those samples twice. ``rank`` and
+    ``size`` may be functions, read at each pass: an elastic run's change with its hosts.
     """
 
-    def __init__(self, length: int, rank: int, size: int) -> None:
-        self.indices = range(rank, length, size)
+    def __init__(self, length: int, rank: int | Callable[[], int], size: int | Callable[[], int]) -> None:
+        self.length, self.rank, self.size = length, rank, size
+
+    @property
+    def indices(self) -> range:
+        rank, size = (value() if callable(value) else value for value in (self.rank, self.size))
+        return range(rank, self.length, size)
 
     def __iter__(self):
         return iter(self.indices)

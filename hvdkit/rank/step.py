@@ -48,6 +48,14 @@ def lr_multiplier(cfg: TrainConfig, size: int, local_size: int, on_gpu_with_nccl
     return {"linear": float(batches), "sqrt": math.sqrt(batches), "none": 1.0}[cfg.lr_scaling]
 
 
+def lr_lambda(cfg: TrainConfig, hvd, on_gpu_with_nccl: bool, progress: Callable[[int], float],
+              factor: Callable[[float, float], float]) -> Callable[[int], float]:
+    """A LambdaLR function: ``factor(epochs done at the step, lr_multiplier at the world size of
+    the moment)``. It holds no Session nor loader: in the scheduler that would make a reference
+    cycle, which keeps the loaders' workers alive past the run's end."""
+    return lambda step: factor(progress(step), lr_multiplier(cfg, hvd.size(), hvd.local_size(), on_gpu_with_nccl))
+
+
 def split_batch(batch: Any, size: int) -> list:
     """``batch`` (tensors nested in tuples, lists and dicts) as chunks of at most ``size`` samples."""
     chunks: dict[tuple, tuple] = {}

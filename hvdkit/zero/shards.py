@@ -1,11 +1,12 @@
 """Sharded checkpoints: each rank writes the optimizer state of its own slices; nothing is gathered.
 
 A sharded run's checkpoint is the usual file rank 0 writes (hvdkit.checkpoint) whose
-"optimizer" entry is a manifest: the stage, the world size, the buckets (hvdkit.zero.optimizer), the
-param groups' options, and each shard's file name and sha256. The shards lie in a folder beside
-it (``ckpt-step000000050.pt.shards/rank-00001-of-00002.pt``), each written atomically by its
-rank before rank 0 writes the main file. The main file is what makes the checkpoint exist: a
-save killed part-way leaves the previous checkpoint the newest complete one.
+"optimizer" entry is a manifest: the stage, the world size, the buckets (hvdkit.zero.optimizer) and
+the param groups' options. Each rank's shard is its part of the checkpoint (hvdkit.checkpoint.parts),
+under ``"zero"``, written atomically by its rank before rank 0 writes the main file, which names
+every part with its sha256. The main file
+is what makes the checkpoint exist: a save killed part-way leaves the previous checkpoint the
+newest complete one.
 
 The buckets do not depend on the world size, so any element of any parameter's state is found
 in the shards of any size: a run resumes at another size by reading, one file at a time, the
@@ -30,25 +31,26 @@ from hvdkit.zero.layout import Bucket
 from hvdkit.zero.optimizer import ShardedOptimizer
 
 
-def file_name(rank: int, size: int) -> str:
-    return f"rank-{rank:05d}-of-{size:05d}.pt"
-
-
-def save(optimizer: ShardedOptimizer, directory: str, step: int, hvd) -> dict:
-    """Every rank writes its shard of the checkpoint of ``step``; returns the manifest that rank 0
-    puts in the main file. It returns once every rank's shard is on disk (an allgather)."""
-    main = checkpoint.path_for(directory, step)
-    name = file_name(optimizer.rank, optimizer.size)
-    digest = checkpoint.write(checkpoint.shard_folder(main) / name, optimizer.shard_state())
-    written = hvd.allgather_object((name, digest), name="hvdkit.shards.written")
+def manifest(optimizer: ShardedOptimizer) -> dict:
+    """What the main file says of a sharded optimizer, in place of its state: the stage, the world
+    size, the buckets and the param groups (each rank's shard is its part of the checkpoint)."""
     return {"zero": optimizer.stage, "world_size": optimizer.size,
             "buckets": [b.describe() for b in optimizer.buckets], "groups": optimizer.group_options(),
-            "group_sizes": optimizer.group_sizes,
-            "shards": [{"file": f, "sha256": d} for f, d in written]}
+            "group_sizes": optimizer.group_sizes}
 
 
 def is_manifest(entry) -> bool:
-    return isinstance(entry, dict) and "shards" in entry
+    return isinstance(entry, dict) and "buckets" in entry
+
+
+def _shard(folder: Path, manifest: dict, rank: int) -> dict:
+    """Rank ``rank``'s shard (its ``state``: bucket number -> state) of the checkpoint whose
+    optimizer ``manifest`` is, in its part, or in the shard file of a checkpoint written before
+    one protocol for parts (checkpoint.legacy_shards)."""
+    legacy = checkpoint.legacy_shards({"optimizer": manifest})
+    if legacy:
+        return checkpoint.load(folder / legacy[rank]["file"])
+    return checkpoint.load(folder / checkpoint.part_name(rank, manifest["world_size"]))["zero"]
 
 
 def _where(buckets: list[Bucket]) -> dict[int, tuple[int, int]]:
@@ -71,11 +73,11 @@ def _copy_plan(old: list[Bucket], old_size: int, wanted: list[tuple]) -> dict[in
     return plan
 
 
-def _apply(plan: dict[int, list[tuple]], folder: Path, old_size: int, targets: dict) -> None:
+def _apply(plan: dict[int, list[tuple]], folder: Path, manifest: dict, targets: dict) -> None:
     """Run ``plan``, reading one old shard at a time into ``targets`` (target -> state dict,
     tensors made at first use with ``targets``' sizes)."""
     for rank in sorted(plan):
-        shard = checkpoint.load(folder / file_name(rank, old_size))["state"]
+        shard = _shard(folder, manifest, rank)["state"]
         for n, position, target, at, length in plan[rank]:
             state, size = targets[target]
             for key, value in shard.get(n, {}).items():
@@ -102,8 +104,7 @@ def load(optimizer: ShardedOptimizer, main: Path, manifest: dict) -> None:
             if a < b:
                 wanted.append((n, i, a - offset, b - a, a - lo))
     targets = {n: ({}, (b.slice_length(optimizer.size),)) for n, b in enumerate(optimizer.buckets)}
-    _apply(_copy_plan(old, manifest["world_size"], wanted), checkpoint.shard_folder(main), manifest["world_size"],
-           targets)
+    _apply(_copy_plan(old, manifest["world_size"], wanted), checkpoint.shard_folder(main), manifest, targets)
     optimizer.load_shard_state({n: state for n, (state, _) in targets.items() if state}, manifest["groups"])
 
 
@@ -116,8 +117,7 @@ def plain_optimizer_state(main: Path, manifest: dict) -> dict:
         for i, shape in zip(bucket.params, bucket.shapes, strict=True):
             wanted.append((i, i, 0, math.prod(shape), 0))
             targets[i] = ({}, tuple(shape))
-    _apply(_copy_plan(old, manifest["world_size"], wanted), checkpoint.shard_folder(main), manifest["world_size"],
-           targets)
+    _apply(_copy_plan(old, manifest["world_size"], wanted), checkpoint.shard_folder(main), manifest, targets)
     groups, first = [], 0
     for options, count in zip(manifest["groups"], manifest["group_sizes"], strict=True):
         groups.append({**options, "params": list(range(first, first + count))})

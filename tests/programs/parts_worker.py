@@ -12,10 +12,10 @@ from torch.utils.data import TensorDataset
 
 from hvdkit import checkpoint
 from hvdkit.config import ConfigError, TrainConfig, from_mapping, validate
+from hvdkit.rank.checkpoints import RunCheckpoints
 from hvdkit.rank.consistency import Consistency
 from hvdkit.rank.loaders import Loaders
 from hvdkit.rank.reports import Reports
-from hvdkit.rank.resume import Checkpoints
 from hvdkit.rank.state import RunState
 from hvdkit.rank.step import NonFiniteError, TrainingStep
 from hvdkit.rank.stragglers import StepTimes
@@ -81,7 +81,7 @@ def checkpoints(directory: Path) -> None:
     trained(state, cfg)
     loader_part, consistency = Loaders(cfg, hvd, CPU, state), Consistency(cfg, hvd, CPU, state)
     loader_part.train(TensorDataset(torch.arange(8.0)), None, True, {})
-    part = Checkpoints(cfg, hvd, state, loader_part, consistency, watchdog)
+    part = RunCheckpoints(cfg, hvd, state, loader_part, consistency, watchdog)
     state.global_step, state.epoch, state.extra["mine"] = 3, 1, 7
     part.save()
     assert consistency.last_good == 3 and checkpoint.existing(cfg.checkpoint_dir)[-1].name.endswith("000000003.pt")
@@ -90,7 +90,7 @@ def checkpoints(directory: Path) -> None:
     trained(fresh, cfg)
     with torch.no_grad():
         fresh.model.weight.add_(1.0)
-    restored = Checkpoints(cfg, hvd, fresh, Loaders(cfg, hvd, CPU, fresh), Consistency(cfg, hvd, CPU, fresh),
+    restored = RunCheckpoints(cfg, hvd, fresh, Loaders(cfg, hvd, CPU, fresh), Consistency(cfg, hvd, CPU, fresh),
                            watchdog).restore()
     assert restored["loader_batches"] == [2] and (fresh.global_step, fresh.epoch, fresh.extra) == (3, 1, {"mine": 7})
     assert all(torch.equal(weights[k], v) for k, v in fresh.model.state_dict().items())

@@ -103,12 +103,12 @@ def test_sharded_checkpoint_resumes_at_other_world_sizes_as_its_export(tmp_path)
     assert newest.name == "ckpt-step000000010.pt"
     main = checkpoint.load(newest)
     manifest = main["optimizer"]
-    assert manifest["world_size"] == 2 and [s["file"] for s in manifest["shards"]] == [
-        "rank-00000-of-00002.pt", "rank-00001-of-00002.pt"]
+    assert manifest["world_size"] == 2 and [s["file"] for s in main["parts"]] == [
+        "part-00000-of-00002.pt", "part-00001-of-00002.pt"]
     assert not any(torch.is_tensor(v) for v in leaves(manifest)), "the main file holds no optimizer state"
-    # Each rank wrote only its slices: half of the state, as its file holds it.
-    held = [_tensor_bytes(checkpoint.load(checkpoint.shard_folder(newest) / s["file"])["state"])
-            for s in manifest["shards"]]
+    # Each rank wrote only its slices: half of the state, as its part holds it.
+    held = [_tensor_bytes(checkpoint.load(checkpoint.shard_folder(newest) / s["file"])["zero"]["state"])
+            for s in main["parts"]]
     exported = tmp_path / "export"
     proc = _ok(run([sys.executable, "-m", "hvdkit", "checkpoint", "export", str(saved), str(exported)]))
     assert "exported" in proc.stdout
@@ -180,7 +180,7 @@ def test_sigkill_during_a_sharded_save_leaves_the_previous_checkpoint_in_use(tmp
     assert proc.returncode != 0
     # Every shard of step 10 was written; its main file, which commits them, was not.
     assert [p.name for p in checkpoint.existing(str(ckpt))] == ["ckpt-step000000005.pt"]
-    assert len(list((ckpt / "ckpt-step000000010.pt.shards").glob("rank-*.pt"))) == 2
+    assert len(list((ckpt / "ckpt-step000000010.pt.shards").glob("part-*.pt"))) == 2
     env["HVDKIT_LOG_DIR"] = str(tmp_path / "log2")
     proc = _ok(_run([sys.executable, SCRIPT, "16", str(tmp_path / "w.pt")], np=2, how="horovodrun --mpi", env=env))
     assert "resumed from" in proc.stderr and "ckpt-step000000005.pt (epoch 1, step 5)" in proc.stderr
@@ -264,7 +264,22 @@ def test_a_refused_optimizer_in_a_session_loop_ends_every_rank_with_its_line(tmp
     assert not checkpoint.existing(str(tmp_path / "ckpt"))
 
 
+def _skipped_for_the_one_before(tmp_path, save, what: str) -> None:
+    """Checkpoints 5 and 10 by ``save(step)`` (returning step's shard); 10's shard altered, then gone."""
+    save(5)
+    shard = save(10)
+    warnings = []
+    assert checkpoint.load_latest(str(tmp_path), warnings.append)[1]["step"] == 10
+    shard.write_bytes(shard.read_bytes()[:-3] + b"xyz")
+    assert checkpoint.load_latest(str(tmp_path), warnings.append)[1]["step"] == 5
+    assert f"its {what} {shard.name} fails its checksum; using ckpt-step000000005.pt" in warnings[-1]
+    shard.unlink()
+    assert checkpoint.load_latest(str(tmp_path), warnings.append)[1]["step"] == 5
+    assert f"is incomplete: its {what} {shard.name} cannot be read" in warnings[-1]
+
+
 def test_a_checkpoint_whose_shard_is_missing_or_corrupted_is_skipped_for_the_one_before(tmp_path):
+    """A checkpoint of an earlier hvdkit: its shards named in the optimizer's manifest."""
     def save(step):
         main = checkpoint.path_for(str(tmp_path), step)
         digest = checkpoint.write(checkpoint.shard_folder(main) / "rank-00000-of-00001.pt", {"state": {}})
@@ -272,13 +287,17 @@ def test_a_checkpoint_whose_shard_is_missing_or_corrupted_is_skipped_for_the_one
             "shards": [{"file": "rank-00000-of-00001.pt", "sha256": digest}]}}, keep=3)
         return checkpoint.shard_folder(main) / "rank-00000-of-00001.pt"
 
-    save(5)
-    shard = save(10)
-    warnings = []
-    assert checkpoint.load_latest(str(tmp_path), warnings.append)[1]["step"] == 10
-    shard.write_bytes(shard.read_bytes()[:-3] + b"xyz")
-    assert checkpoint.load_latest(str(tmp_path), warnings.append)[1]["step"] == 5
-    assert "its shard rank-00000-of-00001.pt fails its checksum; using ckpt-step000000005.pt" in warnings[-1]
-    shard.unlink()
-    assert checkpoint.load_latest(str(tmp_path), warnings.append)[1]["step"] == 5
-    assert "is incomplete: its shard rank-00000-of-00001.pt cannot be read" in warnings[-1]
+    _skipped_for_the_one_before(tmp_path, save, "shard")
+
+
+def test_a_checkpoint_whose_zero_part_is_missing_or_corrupted_is_skipped_for_the_one_before(tmp_path):
+    """ZeRO's shards are parts like a sharded checkpoint's: the main file names each with its checksum."""
+    def save(step):
+        main = checkpoint.path_for(str(tmp_path), step)
+        part = checkpoint.shard_folder(main) / checkpoint.part_name(0, 1)
+        digest = checkpoint.write(part, {"zero": {"state": {}}})
+        checkpoint.save(str(tmp_path), step, {"step": step, "optimizer": {"zero": 1, "world_size": 1, "buckets": []},
+                                              "parts": [{"file": part.name, "sha256": digest}]}, keep=3)
+        return part
+
+    _skipped_for_the_one_before(tmp_path, save, "part")

@@ -36,7 +36,7 @@ from hvdkit.rank.watchdog import Watchdog
 from hvdkit.zero import shards
 
 
-class Checkpoints:
+class RunCheckpoints:
     """The checkpoints of one run: they save and restore ``state``, with the loaders' data
     position, each written only of weights the consistency check passed (where it is on)."""
 
@@ -67,6 +67,20 @@ class Checkpoints:
         passes = self.hvd.broadcast_object(passes, root_rank=0, name="hvdkit.resume.k")
         if passes is not None:
             cfg.batches_per_allreduce = passes
+
+    def take_over(self, model: nn.Module) -> None:
+        """setup()'s state: the newest valid checkpoint, else rank 0's initial weights. A fresh
+        optimizer's state is empty, so only parameters are broadcast: Horovod's
+        broadcast_optimizer_state would take a zero-gradient step to create state, which with
+        AdamW's weight decay moves the weights. Elastic: read here, applied by load_elastic."""
+        if self.cfg.elastic:
+            self.read_elastic()
+            return
+        state = self.restore()
+        if state is None:
+            self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        else:
+            self.loaders.resumed_batches = state.get("loader_batches")
 
     def restore(self) -> Optional[dict]:
         """Load the newest valid checkpoint on every rank (read by rank 0); None if there is none."""
@@ -205,16 +219,20 @@ class Checkpoints:
             shutil.rmtree(checkpoint.shard_folder(checkpoint.path_for(self.cfg.checkpoint_dir, run.global_step)),
                           ignore_errors=True)
         rng = self.hvd.allgather_object(rng_state())
-        manifest = None
-        if self.cfg.zero:  # every rank writes its shard first; the main file commits them
-            manifest = shards.save(run.optimizer, self.cfg.checkpoint_dir, run.global_step, self.hvd)
-        if self.hvd.rank() == 0 or self.cfg.sharded_checkpoint:
-            self.write(manifest, rng=rng, loader_batches=self.loaders.batch_sizes())
+        if self.hvd.rank() == 0 or self.parted:
+            self.write(shards.manifest(run.optimizer) if self.cfg.zero else None, rng=rng,
+                       loader_batches=self.loaders.batch_sizes())
+
+    @property
+    def parted(self) -> bool:
+        """Every rank writes a part of this run's checkpoints (checkpoint.parts)."""
+        return bool(self.cfg.zero) or (self.cfg.sharded_checkpoint and self.hvd.size() > 1)
 
     def write(self, optimizer_state: Optional[dict] = None, **position) -> None:
-        """This rank's state (the optimizer's, or a sharded one's manifest), and ``position``: how
-        the data position is kept (see save, save_elastic). With ``sharded_checkpoint`` every rank
-        calls it and writes its part (checkpoint.split), rank 0 the main file."""
+        """This rank's state (the optimizer's, or ZeRO's manifest), and ``position``: how the data
+        position is kept (see save, save_elastic). In a parted save (``parted``) every rank calls
+        it and writes its part: with ``sharded_checkpoint`` its share of what every rank holds
+        (checkpoint.split), under ZeRO its optimizer shard; rank 0 writes the main file."""
         run, cfg = self.state, self.cfg
         module = self.module()
         shared = self._changed_by_step(module)
@@ -227,16 +245,17 @@ class Checkpoints:
             "config": to_dict(self.cfg), **position,
         }
         rank, size = self.hvd.rank(), self.hvd.size()
-        if not (cfg.sharded_checkpoint and size > 1):
+        if not self.parted:
             self.writer.save(cfg.checkpoint_dir, run.global_step, state, cfg.keep_checkpoints, deferred=shared)
             return
-        main, parts = checkpoint.split(state, shared, size)
-        if rank and parts[rank]:  # a rank may have no part: more ranks than tensors
-            self.writer.save(cfg.checkpoint_dir, run.global_step, parts[rank], cfg.keep_checkpoints, deferred=shared,
-                             part=checkpoint.part_name(rank, size))
-        elif not rank:
-            self.writer.save(cfg.checkpoint_dir, run.global_step, main, cfg.keep_checkpoints, deferred=shared,
-                             parts=[checkpoint.part_name(r, size) for r in range(1, size) if parts[r]])
+        main, parts = checkpoint.split(state, shared, size) if cfg.sharded_checkpoint else (state, [{}] * size)
+        if cfg.zero:
+            parts = [{**part, "zero": run.optimizer.shard_state()} if r == rank else part
+                     for r, part in enumerate(parts)]
+        own = (checkpoint.part_name(rank, size), parts[rank]) if parts[rank] else None  # more ranks than tensors: none
+        others = [checkpoint.part_name(r, size) for r in range(1, size) if parts[r] or cfg.zero] if not rank else []
+        self.writer.save(cfg.checkpoint_dir, run.global_step, None if rank else main, cfg.keep_checkpoints,
+                         deferred=shared, part=own, parts=others)
 
     def _changed_by_step(self, module: nn.Module) -> list:
         """The tensors only the optimizer step changes: the weights and the optimizer's state

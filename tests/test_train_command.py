@@ -71,7 +71,7 @@ def test_sharded_two_ranks_equal_one_rank_with_twice_the_batch(tmp_path, single_
         phases = {k: v for k, v in m["phases"].items() if k != "unit"}
         assert {"setup and resume", "backward", "first optimizer step", "optimizer step"} <= set(phases), m
         assert m["phases"]["unit"] == "rss" and all(0 < v <= m["peak_rss"] for v in phases.values()), m
-    assert len(list(ckpt.glob("ckpt-step*.pt.shards/rank-*-of-00002.pt"))) == 2
+    assert len(list(ckpt.glob("ckpt-step*.pt.shards/part-*-of-00002.pt"))) == 2
 
 
 def test_two_ranks_reach_the_accuracy_of_one(tmp_path):

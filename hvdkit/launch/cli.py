@@ -13,7 +13,7 @@ from typing import Mapping, Optional, Sequence
 
 from hvdkit import job
 from hvdkit.checks import hosts as compare
-from hvdkit.launch import supervise
+from hvdkit.launch import restarts, supervise
 from hvdkit.launch.hostfile import (
     Host,
     LaunchError,
@@ -47,6 +47,8 @@ def main(argv: Sequence[str]) -> int:
             return 0
         if command is None:
             raise LaunchError("put '--' before the command, e.g. hvdkit launch -np 2 -- python train.py")
+        if args.max_restarts < 0:
+            raise LaunchError(f"--max-restarts must be 0 or more (got {args.max_restarts})")
         result = plan(args, command, os.environ, find_program, mpirun_version, os.geteuid() == 0, local_slots(),
                       launcher_args, network=_previewed if args.dry_run else routable_network)
         check_command(command)
@@ -66,8 +68,10 @@ def main(argv: Sequence[str]) -> int:
         print(result.render(), flush=True)
         if args.dry_run:
             return 0
-    return supervise.run(result.command, dict(os.environ, **result.env), join_lines=result.tagged, watch=watched,
-                         ranks=result.ranks)
+    hosts = ",".join(f"{host.name}:{host.slots}" for host in result.hosts) or "this machine"
+    return restarts.run(lambda extra: supervise.attempt(result.command, dict(os.environ, **result.env, **extra),
+                                                        result.tagged, watched, result.ranks),
+                        args.max_restarts, hosts)
 
 
 def preflight(hosts: Sequence[Host], environ: Mapping[str, str], oversubscribe: bool, verbose: bool) -> int:

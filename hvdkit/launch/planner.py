@@ -112,6 +112,9 @@ def parser() -> argparse.ArgumentParser:
                    help="forward VAR, or set it to VAL, in every rank (repeatable)")
     p.add_argument("--oversubscribe", action="store_true", help="allow more ranks than slots")
     p.add_argument("--srun-mpi", default="pmix", help="srun's --mpi plugin (default: pmix)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="start a job that failed (a rank died, a stall, a lost host) again, up to N times; "
+                        "it resumes from its newest checkpoint (default: 0)")
     p.add_argument("--no-preflight", action="store_true",
                    help="start on several hosts without comparing them first (what `hvdkit doctor -H` checks)")
     p.add_argument("--dry-run", action="store_true", help="print the launcher, the reason and the command")
@@ -190,7 +193,7 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
     if launcher == "srun":
         return Plan(launcher, reason, srun_command(spec), {})
     return _mpirun_plan(spec, reason, mpi_version(program), oversubscribed, environ, network,
-                        [*extra, *([job.JOB_DIR] if supervised else [])], placed, hosts if listed else [])
+                        [*extra, *([job.JOB_DIR, job.RESTART] if supervised else [])], placed, hosts if listed else [])
 
 
 def _variables(items: Sequence[str]) -> tuple[dict, list]:

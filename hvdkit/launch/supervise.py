@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
@@ -109,11 +110,28 @@ def translate(signum: int, forwarder: str) -> int:
     return signal.SIGTERM if signum == signal.SIGINT and forwarder == SRUN else signum
 
 
+@dataclass
+class Ended:
+    """How a job ended: its exit code (what run() returns), whether hvdkit launch itself was
+    stopped by a signal, the code a rank recorded with its line (job.record_exit), and the line
+    of a host that stopped answering."""
+    code: int
+    stopped: bool = False
+    recorded: Optional[int] = None
+    lost: str = ""
+
+
 def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False,
         watch: Optional[Mapping[str, str]] = None, ranks: Optional[Mapping[str, list]] = None) -> int:
     """Run ``command`` (a launcher) to its end as described above; its exit code. With
     ``join_lines``, its output (tagged by rank) is passed on as whole lines (hvdkit.launch.rank_output);
     ``watch``: {host: address} of the other hosts of the job; ``ranks``: {host: the ranks it runs}."""
+    return attempt(command, env, join_lines, watch, ranks).code
+
+
+def attempt(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False,
+            watch: Optional[Mapping[str, str]] = None, ranks: Optional[Mapping[str, list]] = None) -> Ended:
+    """run(), saying how the job ended (hvdkit.launch.restarts decides on a restart from it)."""
     import psutil  # here: `hvdkit doctor` imports this module where psutil may be missing
 
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
@@ -151,7 +169,7 @@ def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False
             for pump in pumps:
                 pump.join(timeout=5)
         if hosts.lost:
-            return LOST
+            return Ended(LOST, bool(stopped), lost=hosts.lost)
         recorded = rank_exit_code(Path(env[JOB_DIR]))
         if recorded is None and stopped and code > 0:  # it exited by itself, not killed after the grace
             # No rank said where it stopped: stopped while starting (importing torch, before the
@@ -160,8 +178,8 @@ def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False
             print(f"hvdkit launch: stopped by {signal.Signals(stopped[0]).name} before any rank here said at which "
                   f"step (while starting, or on another host); exit {stopped_by(stopped[0])}",
                   file=sys.stderr, flush=True)
-            return stopped_by(stopped[0])
-        return recorded or shell_code(code)
+            return Ended(stopped_by(stopped[0]), True)
+        return Ended(recorded or shell_code(code), bool(stopped), recorded)
     finally:
         remove_job_dir(job_dir)
 

@@ -1,0 +1,60 @@
+"""In-job restarts (``hvdkit launch --max-restarts N``), as torchrun's ``--max-restarts``: a job that
+failed (a rank died or was killed, the job stalled past ``--stall-timeout``, a host stopped
+answering, a rank failed) is ended whole and started again at the same world size, up to N
+times; its ranks resume from the newest checkpoint, as a rerun by hand would. Each restart is one
+line: what ended the attempt, ``restart k of N``, on which hosts.
+
+A stop is not a failure: a signal to hvdkit launch, or a stop a rank recorded (a preemption,
+SIGTERM from the scheduler) checkpoints and exits as without restarts. Neither is bad input, nor a
+model over its memory cap: a restart would end alike. The ranks see the attempt's number in
+``HVDKIT_RESTART`` (0 first), as torchrun's ``TORCHELASTIC_RESTART_COUNT``.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from typing import Callable, Mapping, Optional
+
+from hvdkit import job
+from hvdkit.launch.supervise import FORWARDED, Ended
+from hvdkit.system.sighandlers import Handlers
+
+NOT_FAILURES = (job.OK, job.BAD_INPUT, job.OVER_CAP)
+
+
+def cause(ended: Ended) -> Optional[str]:
+    """What ended a failed attempt, in words; None where the job is not to be started again."""
+    if ended.stopped or ended.code in NOT_FAILURES or (ended.recorded or 0) > job.stopped_by(0):
+        return None
+    if ended.lost:
+        return ended.lost
+    if ended.code > job.stopped_by(0):
+        return f"a rank or its launcher was ended by {signal.Signals(ended.code - job.stopped_by(0)).name} " \
+               f"(exit {ended.code})"
+    meaning = {entry.code: entry.meaning for entry in job.EXIT_CODES}.get(ended.code, "a failure")
+    return f"exit {ended.code}: {meaning.split(':')[0].split(';')[0]}"
+
+
+def run(start: Callable[[Mapping[str, str]], Ended], max_restarts: int, hosts: str) -> int:
+    """Start the job with ``start(extra environment)`` and again after each failure, up to
+    ``max_restarts`` times; the last attempt's exit code. ``hosts``: where it runs, for the lines."""
+    stops: list[int] = []  # a stop signal between two attempts (during one, the attempt takes it)
+    number = 0
+    with Handlers(FORWARDED, lambda signum, frame: stops.append(signum)):
+        while not stops:
+            ended = start({job.RESTART: str(number)})
+            why = cause(ended)
+            if why is None or not max_restarts:
+                return ended.code
+            if number == max_restarts:
+                print(f"hvdkit launch: {why}; no restart left (--max-restarts {max_restarts}); exit {ended.code}",
+                      file=sys.stderr, flush=True)
+                return ended.code
+            number += 1
+            print(f"hvdkit launch: {why}; restart {number} of {max_restarts} on {hosts}, from the newest "
+                  f"checkpoint", file=sys.stderr, flush=True)
+    code = job.stopped_by(stops[0])
+    print(f"hvdkit launch: stopped by {signal.Signals(stops[0]).name} before restart {number} of {max_restarts}; "
+          f"the newest checkpoint stays; exit {code}", file=sys.stderr, flush=True)
+    return code

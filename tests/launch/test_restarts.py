@@ -1,0 +1,104 @@
+"""In-job restarts (hvdkit.launch.restarts, `hvdkit launch --max-restarts N`): what counts as a
+failure, then real jobs under horovodrun and mpirun whose rank dies between checkpoints."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, TWO_RANK_TRAIN, assert_bitwise_equal, final_weights, kill_tree, run, wait_for_file
+from hvdkit import checkpoint, job
+from hvdkit.checks import selftest
+from hvdkit.launch import restarts
+from hvdkit.launch.supervise import Ended
+
+KILLED_ONCE = str(REPO / "tests" / "programs" / "killed_once.py")
+
+
+@pytest.mark.parametrize("ended, restarted", [
+    (Ended(137), True),  # a rank SIGKILLed: mpirun's 137
+    (Ended(job.FAILED), True), (Ended(job.STALLED, recorded=job.STALLED), True), (Ended(job.DIVERGED), True),
+    (Ended(job.LOST, lost="host node1 (rank 1) stopped answering"), True),
+    (Ended(job.OK), False), (Ended(job.BAD_INPUT, recorded=job.BAD_INPUT), False), (Ended(job.OVER_CAP), False),
+    (Ended(143, stopped=True), False),  # hvdkit launch was sent SIGTERM: a stop
+    (Ended(143, recorded=143), False),  # a rank recorded a stop (the scheduler's SIGTERM)
+])
+def test_what_is_restarted(ended, restarted):
+    assert (restarts.cause(ended) is not None) == restarted
+
+
+def test_the_lines_of_restarts_and_of_the_last_failure(capsys):
+    ends = iter([Ended(137), Ended(job.STALLED, recorded=job.STALLED), Ended(job.FAILED)])
+    seen = []
+    assert restarts.run(lambda extra: (seen.append(extra[job.RESTART]), next(ends))[1], 2, "a:1,b:1") == job.FAILED
+    assert seen == ["0", "1", "2"]
+    assert capsys.readouterr().err.splitlines() == [
+        "hvdkit launch: a rank or its launcher was ended by SIGKILL (exit 137); restart 1 of 2 on a:1,b:1, "
+        "from the newest checkpoint",
+        "hvdkit launch: exit 75: no progress within --stall-timeout; restart 2 of 2 on a:1,b:1, from the newest "
+        "checkpoint",
+        "hvdkit launch: exit 1: an error in the script (its traceback), or the launcher's own failure; no restart "
+        "left (--max-restarts 2); exit 1"]
+    assert restarts.run(lambda extra: Ended(137), 0, "a:1") == 137, "without --max-restarts: as before"
+    assert capsys.readouterr().err == ""
+
+
+def test_a_negative_count_is_one_line_and_exit_2():
+    proc = run([sys.executable, "-m", "hvdkit", "launch", "-np", "2", "--max-restarts", "-1", "--", "true"])
+    assert proc.returncode == 2 and proc.stderr == "hvdkit launch: --max-restarts must be 0 or more (got -1)\n"
+
+
+def _command(tmp_path, launcher, *extra, train=TWO_RANK_TRAIN):
+    return [sys.executable, "-m", "hvdkit", "launch", "-np", "2", "--launcher", launcher, *extra, "--",
+            sys.executable, KILLED_ONCE, *train, "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-steps",
+            "5", "--log-dir", str(tmp_path / "logs")]
+
+
+def _launch(tmp_path, launcher, *extra, env=None):
+    return run(_command(tmp_path, launcher, *extra), env=dict(os.environ, KILL_AT_STEP="12", **(env or {}))), \
+        tmp_path / "ckpt"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["horovodrun", "mpirun"])
+def test_a_rank_killed_between_checkpoints_restarts_and_ends_where_an_undisturbed_run_ends(
+        tmp_path, launcher, two_ranks_trained):
+    """Rank 1 dies of SIGKILL at step 12 (checkpoints every 5): the job restarts by itself, resumes
+    from step 10, exits 0 and ends bitwise at the weights of the run that was never killed."""
+    proc, ckpt = _launch(tmp_path, launcher, "--max-restarts", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "killed_once: rank 1 killed at step 12, attempt 0" in proc.stderr
+    [line] = [line for line in proc.stderr.splitlines() if "restart 1 of 2" in line]
+    assert line.startswith("hvdkit launch: ") and "on this machine, from the newest checkpoint" in line, line
+    assert "restart 2 of 2" not in proc.stderr
+    assert f"resumed from {checkpoint.path_for(str(ckpt), 10)}" in proc.stderr, "2 steps redone, no more"
+    assert_bitwise_equal(final_weights(ckpt), two_ranks_trained)
+
+
+@pytest.mark.slow
+def test_restarts_exhausted_end_with_one_line_and_the_last_failures_code(tmp_path):
+    proc, ckpt = _launch(tmp_path, "mpirun", "--max-restarts", "1", env={"KILL_ATTEMPTS": "9"})
+    assert proc.returncode not in (0, 2), proc.stderr[-3000:]
+    assert proc.stderr.count("killed_once: rank 1 killed at step 12") == 2
+    last = [line for line in proc.stderr.splitlines() if line.startswith("hvdkit launch: ")][-1]
+    assert last.endswith(f"no restart left (--max-restarts 1); exit {proc.returncode}"), last
+    assert [p.name for p in checkpoint.existing(str(ckpt))][-1] == "ckpt-step000000010.pt"
+
+
+@pytest.mark.slow
+def test_a_stop_signal_is_not_a_failure(tmp_path):
+    """SIGTERM to hvdkit launch --max-restarts: the step's checkpoint and exit 143, as without restarts."""
+    train = [*TWO_RANK_TRAIN[:2], "--max-steps", "100000", *TWO_RANK_TRAIN[4:]]
+    proc = subprocess.Popen(_command(tmp_path, "mpirun", "--max-restarts", "2", train=train), text=True,
+                            env=selftest.mpi_root_env(dict(os.environ, KILL_AT_STEP="-1", PYTHONPATH=str(REPO))),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for_file(checkpoint.path_for(str(tmp_path / "ckpt"), 10), proc)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 143, err[-3000:]
+    assert "restart" not in err and "hvdkit: stopped by SIGTERM at step" in err, err[-3000:]

@@ -100,6 +100,10 @@ class TrainConfig:
         "help": "every rank writes a part of each checkpoint in parallel (the weights and the optimizer state, "
                 "split by tensor), rank 0 the rest once every part is durable; resume and export read it as one, "
                 "and it may resume at another world size (K adapts). Not with elastic"})
+    snapshot_steps: int = field(default=0, metadata={
+        "help": "every N steps each host also keeps the state in memory (/dev/shm), for hvdkit launch "
+                "--max-restarts: a restart resumes from it where it is newer than the newest checkpoint, and it "
+                "is gone when the job ends; 0 off. Not with zero, sharded_checkpoint or elastic"})
     stall_timeout: float = field(default=300.0, metadata={
         "help": "seconds without progress after which the job ends, naming the stalled rank (exit 75); Horovod "
                 "names the tensor it waits for before that; 0 off"})
@@ -127,7 +131,7 @@ class TrainConfig:
 # (batch size moves the data position, base_lr is restored from the checkpoint, ...).
 RESUME_MAY_CHANGE = ("epochs", "max_steps", "data_dir", "num_workers", "log_interval", "log_dir", "logger",
                      "tracking_uri", "checkpoint_dir", "checkpoint_steps", "keep_checkpoints", "async_checkpoint",
-                     "sharded_checkpoint", "stall_timeout", "max_requeues", "resume", "compile",
+                     "sharded_checkpoint", "snapshot_steps", "stall_timeout", "max_requeues", "resume", "compile",
                      "fused_optimizer", "channels_last", "cudnn_benchmark", "tf32",
                      "commit_steps", "on_nonfinite", "skip_bad_samples", "check_consistency_steps",
                      "straggler_threshold")
@@ -177,7 +181,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"config: {name} must be > 0 (got {getattr(cfg, name)})")
     for name in ("momentum", "weight_decay", "warmup_epochs", "num_workers", "stall_timeout", "max_requeues",
-                 "check_consistency_steps", "straggler_threshold"):
+                 "check_consistency_steps", "straggler_threshold", "snapshot_steps"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"config: {name} must be >= 0 (got {getattr(cfg, name)})")
     for name in ("max_steps", "checkpoint_steps"):
@@ -201,6 +205,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.sharded_checkpoint and cfg.elastic:
         raise ConfigError("config: sharded_checkpoint cannot be used with elastic: an elastic job's rank 0 writes its "
                           "checkpoints alone, while workers may be leaving or joining; use one or the other")
+    if cfg.snapshot_steps and (cfg.zero or cfg.sharded_checkpoint or cfg.elastic or not cfg.checkpoint_dir):
+        raise ConfigError("config: snapshot_steps needs a checkpoint_dir, and is not yet for zero, "
+                          "sharded_checkpoint or elastic (their state is not whole on every host)")
     if cfg.use_adasum and cfg.gradient_predivide_factor != 1.0:
         raise ConfigError("config: gradient_predivide_factor must be 1.0 with use_adasum (Horovod averages only)")
     for name in ("log_dir", "checkpoint_dir"):
@@ -315,7 +322,7 @@ GROUPS = {
     "distributed": ("batches_per_allreduce", "zero", "fp16_allreduce", "use_adasum", "gradient_predivide_factor",
                     "stall_timeout", "elastic", "commit_steps"),
     "checkpoints": ("checkpoint_dir", "checkpoint_steps", "keep_checkpoints", "async_checkpoint",
-                    "sharded_checkpoint", "resume", "max_requeues"),
+                    "sharded_checkpoint", "snapshot_steps", "resume", "max_requeues"),
     "logging": ("log_dir", "log_interval", "logger", "tracking_uri"),
     "checks": ("check_consistency_steps", "straggler_threshold"),
     "speed": ("fused_optimizer", "channels_last", "cudnn_benchmark", "tf32"),

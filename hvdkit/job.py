@@ -69,6 +69,7 @@ def shell_code(returncode: int) -> int:
 # (hvdkit.rank.orphan), hvdkit launch among its children (hvdkit.launch.supervise).
 JOB_DIR = "HVDKIT_JOB_DIR"  # set by `hvdkit launch` for its ranks: where they leave exit records
 RESTART = "HVDKIT_RESTART"  # set by `hvdkit launch` for its ranks: the attempt's number, 0 first (--max-restarts)
+SNAPSHOTS = "HVDKIT_SNAPSHOT_DIR"  # set by `hvdkit launch --max-restarts`: where each host keeps its snapshots
 STOP_GRACE = "HVDKIT_STOP_GRACE"
 GRACE_SECONDS = 10.0  # as Slurm's KillWait and Kubernetes' grace period, shorter: a stopped job holds its nodes
 KILL_AFTER_GRACE = 3.0  # the ranks' own count ends them first, each saying where it was

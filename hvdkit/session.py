@@ -306,8 +306,7 @@ class Session:
             self._step.settle()
         if consistency:
             self._consistency.check()
-        if checkpoint:
-            self._checkpoints.save(wait=False)
+        self._checkpoints.after_step(checkpoint)  # or the snapshot due
         self._times.step_ended()
 
     def _start_step(self) -> None:

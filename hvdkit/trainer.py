@@ -197,6 +197,10 @@ class Trainer:
         elastic = {"elastic": True, "world_size_changes": session.world_size_changes()} if cfg.elastic else {}
         return session.finish({**elastic, **self.summary(result["train"], result["test"])})
 
+    def fit_elastic(self) -> dict:
+        """fit(), which trains elastic runs too; kept for callers of earlier versions."""
+        return self.fit()
+
     def _continue_schedule(self, scheduler, per_epoch: int, total_steps: int) -> None:
         """After a resume the learning rate at each step is this run's schedule at that step.
 

@@ -90,6 +90,26 @@ def test_template_runs_to_completion(cluster, tmp_path, template, nodes, tasks, 
         assert sorted(p.name for p in shards.iterdir()) == ["part-00000-of-00002.pt", "part-00001-of-00002.pt"]
 
 
+def test_a_template_restarts_a_killed_rank_within_the_allocation(cluster, tmp_path):
+    """Rank 1, on the second node, dies of SIGKILL at step 12 (checkpoints every 5): the template's
+    hvdkit launch --max-restarts starts the job again in the same allocation, from step 10, and the
+    job completes, each rank's log keeping both attempts."""
+    killed_once = f"env KILL_AT_STEP=12 {sys.executable} {REPO / 'tests' / 'programs' / 'killed_once.py'}"
+    job = submit(cluster, tmp_path, "multi-node-mpirun.sbatch", extra_env={"HVDKIT_COMMAND": killed_once},
+                 args="--model mlp --max-steps 20 --warmup-epochs 0 --lr-schedule none --checkpoint-dir ckpt "
+                      "--checkpoint-steps 5")
+    info = cluster.wait(job)
+    log = job_log(tmp_path, job)
+    assert info["JobState"] == "COMPLETED", log[-3000:]
+    [line] = [line for line in log.splitlines() if "restart 1 of 2" in line]
+    assert line.startswith("hvdkit launch: ") and "from the newest checkpoint" in line, line
+    rank1 = (tmp_path / "run" / "rank-1.log").read_text()
+    assert "killed_once: rank 1 killed at step 12, attempt 0" in rank1, rank1[-3000:]
+    rank0 = (tmp_path / "run" / "rank-0.log").read_text()
+    assert f"resumed from {checkpoint.path_for('ckpt', 10)}" in rank0, rank0[-3000:]
+    assert selftest.parse_records(log, "summary")[0]["steps"] == 20
+
+
 def test_a_run_directory_the_nodes_do_not_share_ends_the_job_before_any_rank_starts(cluster, tmp_path):
     """HVDKIT_RUN_DIR on /tmp, which is each node's own here as on a cluster: the template's
     `hvdkit doctor` names the node that does not see it, and the job ends before training, where

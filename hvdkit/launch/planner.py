@@ -192,8 +192,9 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
                     hosts=hosts if listed else [])
     if launcher == "srun":
         return Plan(launcher, reason, srun_command(spec), {})
+    launch_side = [job.JOB_DIR, job.RESTART, job.SNAPSHOTS] if supervised else []  # what hvdkit launch sets
     return _mpirun_plan(spec, reason, mpi_version(program), oversubscribed, environ, network,
-                        [*extra, *([job.JOB_DIR, job.RESTART] if supervised else [])], placed, hosts if listed else [])
+                        [*extra, *launch_side], placed, hosts if listed else [])
 
 
 def _variables(items: Sequence[str]) -> tuple[dict, list]:

@@ -7,13 +7,21 @@ line: what ended the attempt, ``restart k of N``, on which hosts.
 A stop is not a failure: a signal to hvdkit launch, or a stop a rank recorded (a preemption,
 SIGTERM from the scheduler) checkpoints and exits as without restarts. Neither is bad input, nor a
 model over its memory cap: a restart would end alike. The ranks see the attempt's number in
-``HVDKIT_RESTART`` (0 first), as torchrun's ``TORCHELASTIC_RESTART_COUNT``.
+``HVDKIT_RESTART`` (0 first), as torchrun's ``TORCHELASTIC_RESTART_COUNT``, and in
+``HVDKIT_SNAPSHOT_DIR`` where to keep snapshots (``snapshot_steps``: the state in host memory,
+newer than the newest checkpoint), which a restart resumes from and which go when the job ends.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
 import signal
 import sys
+import tempfile
+import uuid
+from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 from hvdkit import job
@@ -21,6 +29,7 @@ from hvdkit.launch.supervise import FORWARDED, Ended
 from hvdkit.system.sighandlers import Handlers
 
 NOT_FAILURES = (job.OK, job.BAD_INPUT, job.OVER_CAP)
+SHM = "/dev/shm"
 
 
 def cause(ended: Ended) -> Optional[str]:
@@ -36,14 +45,32 @@ def cause(ended: Ended) -> Optional[str]:
     return f"exit {ended.code}: {meaning.split(':')[0].split(';')[0]}"
 
 
+def snapshot_place() -> str:
+    """Where each host keeps this job's snapshots (session.snapshot_steps): host memory, a name of
+    the job's own, so that no other job's are taken."""
+    return str(Path(SHM if os.path.isdir(SHM) else tempfile.gettempdir()) / f"hvdkit-snapshots-{uuid.uuid4().hex}")
+
+
+@contextlib.contextmanager
+def _removed(place: Optional[str]):
+    """This host's snapshots go when the job ends (the ranks remove theirs when their run ends)."""
+    try:
+        yield
+    finally:
+        if place:
+            shutil.rmtree(place, ignore_errors=True)
+
+
 def run(start: Callable[[Mapping[str, str]], Ended], max_restarts: int, hosts: str) -> int:
     """Start the job with ``start(extra environment)`` and again after each failure, up to
     ``max_restarts`` times; the last attempt's exit code. ``hosts``: where it runs, for the lines."""
     stops: list[int] = []  # a stop signal between two attempts (during one, the attempt takes it)
     number = 0
-    with Handlers(FORWARDED, lambda signum, frame: stops.append(signum)):
+    # Set without restarts too, empty (snapshots refused): mpirun's -x warns of a variable not set.
+    snapshots = {job.SNAPSHOTS: snapshot_place() if max_restarts else ""}
+    with Handlers(FORWARDED, lambda signum, frame: stops.append(signum)), _removed(snapshots[job.SNAPSHOTS]):
         while not stops:
-            ended = start({job.RESTART: str(number)})
+            ended = start({job.RESTART: str(number), **snapshots})
             why = cause(ended)
             if why is None or not max_restarts:
                 return ended.code

@@ -16,6 +16,7 @@ nothing the world size decides: ZeRO's shards are re-sliced, a sharded checkpoin
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from hvdkit import checkpoint
+from hvdkit import checkpoint, job
 from hvdkit.config import ConfigError, to_dict
 from hvdkit.config import resume_conflict as config_resume_conflict
 from hvdkit.rank import stops
@@ -48,6 +49,10 @@ class RunCheckpoints:
         self.elastic_sampler = None  # given to load_elastic: a stop's checkpoint records its position
         self.ahead = None  # rank 0: what read_ahead() read, for restore()
         self.writer = checkpoint.Writer(background=cfg.async_checkpoint)
+        # Snapshots (snapshot_steps): the state in host memory for hvdkit launch's restarts, each
+        # host's local rank 0 writing its own copy, in the background beside the checkpoints'.
+        self.snapshot_dir = os.environ.get(job.SNAPSHOTS) if cfg.snapshot_steps else None
+        self.snapshots = checkpoint.Writer(background=True)
         self.last_write = 0.0  # seconds the newest written checkpoint took to write (rank 0)
         self._warned = False
 
@@ -73,6 +78,9 @@ class RunCheckpoints:
         optimizer's state is empty, so only parameters are broadcast: Horovod's
         broadcast_optimizer_state would take a zero-gradient step to create state, which with
         AdamW's weight decay moves the weights. Elastic: read here, applied by load_elastic."""
+        if self.cfg.snapshot_steps and not self.snapshot_dir:
+            raise ConfigError("snapshot_steps: snapshots are kept for the restarts of hvdkit launch --max-restarts N "
+                              "(which names where each host keeps them); run under it, or drop snapshot_steps")
         if self.cfg.elastic:
             self.read_elastic()
             return
@@ -90,7 +98,8 @@ class RunCheckpoints:
             return None
         state = None
         if self.hvd.rank() == 0:
-            checkpoint.clean_partials(cfg.checkpoint_dir)  # of a save killed mid-write; no save runs now
+            for directory in filter(None, (cfg.checkpoint_dir, self.snapshot_dir)):  # saves killed mid-write
+                checkpoint.clean_partials(directory)  # (no save runs now)
             try:
                 state = self.read() if self.ahead is None else (self.ahead or None)
             except (checkpoint.CheckpointError, ConfigError) as exc:
@@ -142,7 +151,7 @@ class RunCheckpoints:
             if self.hvd.rank() == 0:  # elastic ranks each read the file
                 print(f"hvdkit: warning: {message}", file=sys.stderr, flush=True)
 
-        found = checkpoint.load_latest(self.cfg.checkpoint_dir, warn)
+        found = self._newest(warn)
         if found is None:
             return None
         path, state = found
@@ -161,6 +170,23 @@ class RunCheckpoints:
                               f"{self.hvd.size()}; resume with {saved} ranks (the data order and learning "
                               f"rate depend on it), or start afresh in another --checkpoint-dir")
         return {**state, "path": str(path)}
+
+    def _newest(self, warn) -> Optional[tuple]:
+        """(path, state) of the newest valid state: this host's snapshot where it is newer than the
+        newest checkpoint (a snapshot that does not verify is passed over, with a warning)."""
+        places = [d for d in (self.snapshot_dir, self.cfg.checkpoint_dir) if d]
+        for directory in sorted(places, key=lambda d: max(map(checkpoint.step_of, checkpoint.existing(d)), default=-1),
+                                reverse=True):
+            try:
+                found = checkpoint.load_latest(directory, warn)
+            except checkpoint.CheckpointError as exc:
+                if directory == self.cfg.checkpoint_dir:
+                    raise
+                warn(f"{exc}; using the newest checkpoint instead")
+                continue
+            if found is not None:
+                return found
+        return None
 
     @property
     def sharded(self) -> bool:
@@ -228,11 +254,51 @@ class RunCheckpoints:
         """Every rank writes a part of this run's checkpoints (checkpoint.parts)."""
         return bool(self.cfg.zero) or (self.cfg.sharded_checkpoint and self.hvd.size() > 1)
 
-    def write(self, optimizer_state: Optional[dict] = None, **position) -> None:
+    def after_step(self, checkpoint_due: bool) -> None:
+        """The checkpoint due after this step, written in the background; else the snapshot due."""
+        if checkpoint_due:
+            self.save(wait=False)
+        elif self.snapshot_dir and self.state.global_step % self.cfg.snapshot_steps == 0:
+            self.snapshot()
+
+    def snapshot(self) -> None:
+        """This step's state into each host's memory (all ranks call it; each host's local rank 0
+        writes). No host sync: the copy from a GPU is queued, as a background checkpoint's is."""
+        rng = self.hvd.allgather_object(rng_state())
+        if self.hvd.local_rank() != 0:
+            return
+        if not self.snapshots.saves:
+            self._check_room()
+        self.write(None, place=(self.snapshot_dir, self.snapshots, 1), rng=rng,
+                   loader_batches=self.loaders.batch_sizes())
+
+    def _check_room(self) -> None:
+        """ConfigError, with the sizes, where two snapshots (the newest and the one being written)
+        do not fit in the memory the host has free where they are kept."""
+        tensors = [*self.module().state_dict().values(), *(value for per_parameter in
+                   getattr(self.state.optimizer, "state", {}).values() for value in per_parameter.values())]
+        size = 2 * sum(t.nbytes for t in tensors if torch.is_tensor(t))
+        Path(self.snapshot_dir).mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.snapshot_dir).free
+        if size > free:
+            error = ConfigError(f"snapshot_steps: two snapshots of this state take {size / 2**30:.2f} GiB and "
+                                f"{self.snapshot_dir} has {free / 2**30:.2f} GiB free; snapshot a smaller state, or "
+                                f"drop snapshot_steps")
+            error.said_by_its_rank = self.hvd.rank() != 0
+            raise error
+
+    def drop_snapshots(self) -> None:
+        """The run ended (finished or stopped): its snapshots go (each host's local rank 0)."""
+        if self.snapshot_dir and self.hvd.local_rank() == 0:
+            self.snapshots.wait()
+            shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+
+    def write(self, optimizer_state: Optional[dict] = None, place: Optional[tuple] = None, **position) -> None:
         """This rank's state (the optimizer's, or ZeRO's manifest), and ``position``: how the data
-        position is kept (see save, save_elastic). In a parted save (``parted``) every rank calls
-        it and writes its part: with ``sharded_checkpoint`` its share of what every rank holds
-        (checkpoint.split), under ZeRO its optimizer shard; rank 0 writes the main file."""
+        position is kept (see save, save_elastic); ``place``: (directory, writer, keep) of a
+        snapshot. In a parted save (``parted``) every rank calls it and writes its part: with
+        ``sharded_checkpoint`` its share of what every rank holds (checkpoint.split), under ZeRO
+        its optimizer shard; rank 0 writes the main file."""
         run, cfg = self.state, self.cfg
         module = self.module()
         shared = self._changed_by_step(module)
@@ -245,8 +311,9 @@ class RunCheckpoints:
             "config": to_dict(self.cfg), **position,
         }
         rank, size = self.hvd.rank(), self.hvd.size()
-        if not self.parted:
-            self.writer.save(cfg.checkpoint_dir, run.global_step, state, cfg.keep_checkpoints, deferred=shared)
+        if not self.parted or place is not None:
+            directory, writer, keep = place or (cfg.checkpoint_dir, self.writer, cfg.keep_checkpoints)
+            writer.save(directory, run.global_step, state, keep, deferred=shared)
             return
         main, parts = checkpoint.split(state, shared, size) if cfg.sharded_checkpoint else (state, [{}] * size)
         if cfg.zero:
@@ -265,8 +332,9 @@ class RunCheckpoints:
                                         if torch.is_tensor(value))]
 
     def before_update(self) -> None:
-        """Before the optimizer step: wait until the save in flight has copied what it changes."""
+        """Before the optimizer step: wait until the saves in flight have copied what it changes."""
         self.writer.before_update()
+        self.snapshots.before_update()
 
     def finish(self) -> None:
         """Wait for the save in flight, if any; CheckpointError if it failed. Before the job ends,

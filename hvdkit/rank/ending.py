@@ -59,6 +59,7 @@ class Ending:
             step.settle()
             self.take_stop(step)
         self.checkpoints.finish()  # the last save durable before a requeue reads it and before the exit
+        self.checkpoints.drop_snapshots()  # the run ended: no restart will want them
         self.record_saves()
         state, signum = self.state, self.lockstep.signum
         try:

@@ -2,6 +2,7 @@
 failure, then real jobs under horovodrun and mpirun whose rank dies between checkpoints."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -56,9 +57,9 @@ def _command(tmp_path, launcher, *extra, train=TWO_RANK_TRAIN):
             "5", "--log-dir", str(tmp_path / "logs")]
 
 
-def _launch(tmp_path, launcher, *extra, env=None):
-    return run(_command(tmp_path, launcher, *extra), env=dict(os.environ, KILL_AT_STEP="12", **(env or {}))), \
-        tmp_path / "ckpt"
+def _launch(tmp_path, launcher, *extra, env=None, train=TWO_RANK_TRAIN):
+    return run(_command(tmp_path, launcher, *extra, train=train), env=dict(os.environ, KILL_AT_STEP="12",
+                                                                             **(env or {}))), tmp_path / "ckpt"
 
 
 @pytest.mark.slow
@@ -102,3 +103,30 @@ def test_a_stop_signal_is_not_a_failure(tmp_path):
         kill_tree(proc)
     assert proc.returncode == 143, err[-3000:]
     assert "restart" not in err and "hvdkit: stopped by SIGTERM at step" in err, err[-3000:]
+
+
+@pytest.mark.slow
+def test_with_snapshots_a_killed_rank_redoes_at_most_one_step_and_leaves_none(tmp_path, two_ranks_trained):
+    """--snapshot-steps 1: each step's state in host memory besides the checkpoints every 5; rank 1
+    killed at step 12 resumes from the snapshot of step 11 or 12, bitwise, and the snapshots are gone
+    at the end."""
+    proc, ckpt = _launch(tmp_path, "mpirun", "--max-restarts", "1", train=[*TWO_RANK_TRAIN, "--snapshot-steps", "1"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [resumed] = [line for line in proc.stderr.splitlines() if "resumed from" in line]
+    place = os.path.dirname(resumed.split("resumed from ")[1].split(" (")[0])
+    assert place.startswith(restarts.SHM) and "hvdkit-snapshots-" in place, resumed
+    assert re.search(r"ckpt-step00000001[12]\.pt \(epoch \d+, step 1[12]\)", resumed), resumed
+    assert not os.path.exists(place), "the job's snapshots outlived it"
+    assert [p.name for p in checkpoint.existing(str(ckpt))][-1] == "ckpt-step000000020.pt"
+    assert_bitwise_equal(final_weights(ckpt), two_ranks_trained)
+
+
+def test_snapshots_outside_hvdkit_launch_are_one_line_and_exit_2(tmp_path):
+    proc = run([sys.executable, "-m", "hvdkit", "train", *TWO_RANK_TRAIN, "--snapshot-steps", "1", "--checkpoint-dir",
+                str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs")],
+               env={**os.environ, "HVDKIT_SNAPSHOT_DIR": ""})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "hvdkit train: snapshot_steps: snapshots are kept for the restarts of hvdkit launch --max-restarts N (which "
+        "names where each host keeps them); run under it, or drop snapshot_steps")
+    assert not checkpoint.existing(str(tmp_path / "ckpt"))

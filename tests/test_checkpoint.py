@@ -418,6 +418,20 @@ def test_a_background_save_writes_the_state_as_it_was_when_saved(tmp_path):
     assert writer.take_done() == []
 
 
+def test_a_value_known_after_the_save_returns_is_waited_for_by_the_writing_thread(tmp_path):
+    """checkpoint.Later (a snapshot's RNG gather in flight): save() returns without calling it;
+    the thread writes what it returns once it does."""
+    import threading
+
+    gathered = threading.Event()
+    writer = checkpoint.Writer()
+    target = writer.save(str(tmp_path), 3, {"rng": checkpoint.Later(lambda: gathered.wait(60) and [1, 2])}, keep=1)
+    assert writer.in_flight() and not target.exists()
+    gathered.set()
+    writer.finish()
+    assert checkpoint.load(target)["rng"] == [1, 2]
+
+
 def test_a_sharded_state_splits_by_bytes_and_joins_whole(tmp_path):
     """Three ranks' parts of a state with tied weights, a buffer no rank shares and the
     optimizer's state; written as the ranks' writers do (one in the background), read as one."""

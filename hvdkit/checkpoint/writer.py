@@ -33,6 +33,22 @@ from hvdkit.checkpoint.parts import await_parts
 from hvdkit.nested import rebuild
 
 
+class Later:
+    """A value of a save known only after save() returns (a collective still in flight): the
+    writing thread calls ``resolve()`` before it writes, so that the step need not wait for it."""
+
+    def __init__(self, resolve: Callable[[], object]) -> None:
+        self.resolve = resolve
+
+    def __deepcopy__(self, memo: dict) -> "Later":
+        return self
+
+
+def _resolved(state: dict) -> dict:
+    return rebuild(state, lambda tensor, place: tensor,
+                   lambda leaf, place: leaf.resolve() if isinstance(leaf, Later) else leaf)
+
+
 def save(directory: str, step: int, state: dict, keep: int) -> Path:
     """Write ``state`` as the checkpoint of ``step`` atomically, then keep only the newest ``keep``
     (and the shard folders of those; a sharded save killed part-way left one of no checkpoint)."""
@@ -153,7 +169,7 @@ class Writer:
                     f"--no-async-checkpoint (async_checkpoint=False); the previous checkpoints are untouched")
             if ready is not None:
                 ready.synchronize()  # the copies from the GPU, queued by _stage
-            commit(state)
+            commit(_resolved(state))
             self._done.append({"step": step, "write_seconds": round(time.perf_counter() - started, 4),
                                "background": self.background})
         except BaseException as exc:  # noqa: B036 -- raised again in the training thread

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import shutil
+import struct
 import sys
 from pathlib import Path
 from typing import Optional
@@ -37,6 +39,22 @@ from hvdkit.rank.watchdog import Watchdog
 from hvdkit.zero import shards
 
 
+def _packed(state: dict) -> torch.Tensor:
+    """A rank's RNG state as bytes with their length first, for a gather of unequal sizes."""
+    data = pickle.dumps(state)
+    return torch.frombuffer(bytearray(struct.pack("<q", len(data)) + data), dtype=torch.uint8)
+
+
+def _unpacked(gathered: torch.Tensor) -> list:
+    """Every rank's RNG state, in rank order, from the gather of ``_packed``'s."""
+    data, found, at = gathered.numpy().tobytes(), [], 0
+    while at < len(data):
+        (length,) = struct.unpack_from("<q", data, at)
+        found.append(pickle.loads(data[at + 8:at + 8 + length]))
+        at += 8 + length
+    return found
+
+
 class RunCheckpoints:
     """The checkpoints of one run: they save and restore ``state``, with the loaders' data
     position, each written only of weights the consistency check passed (where it is on)."""
@@ -53,6 +71,7 @@ class RunCheckpoints:
         # host's local rank 0 writing its own copy, in the background beside the checkpoints'.
         self.snapshot_dir = os.environ.get(job.SNAPSHOTS) if cfg.snapshot_steps else None
         self.snapshots = checkpoint.Writer(background=True)
+        self._rng_gather = None  # the last snapshot's RNG gather, on ranks that write no snapshot
         self.last_write = 0.0  # seconds the newest written checkpoint took to write (rank 0)
         self._warned = False
 
@@ -263,10 +282,16 @@ class RunCheckpoints:
 
     def snapshot(self) -> None:
         """This step's state into each host's memory (all ranks call it; each host's local rank 0
-        writes). No host sync: the copy from a GPU is queued, as a background checkpoint's is."""
-        rng = self.hvd.allgather_object(rng_state())
+        writes). No host sync and no wait on other ranks in the step: the copy from a GPU is
+        queued, as a background checkpoint's is, and every rank's RNG state is gathered by a
+        collective left in flight, which the snapshot's writing thread waits for."""
+        self._settle_rng()
+        self._rng_gather = self.hvd.allgather_async(_packed(rng_state()),
+                                                    name=f"hvdkit.snapshot.rng.{self.state.global_step}")
         if self.hvd.local_rank() != 0:
             return
+        handle, self._rng_gather = self._rng_gather, None
+        rng = checkpoint.Later(lambda: _unpacked(self.hvd.synchronize(handle)))
         if not self.snapshots.saves:
             self._check_room()
         self.write(None, place=(self.snapshot_dir, self.snapshots, 1), rng=rng,
@@ -275,20 +300,26 @@ class RunCheckpoints:
     def _check_room(self) -> None:
         """ConfigError, with the sizes, where two snapshots (the newest and the one being written)
         do not fit in the memory the host has free where they are kept."""
-        tensors = [*self.module().state_dict().values(), *(value for per_parameter in
-                   getattr(self.state.optimizer, "state", {}).values() for value in per_parameter.values())]
-        size = 2 * sum(t.nbytes for t in tensors if torch.is_tensor(t))
+        module = self.module()
+        size = 2 * sum(t.nbytes for t in [*module.buffers(), *self._changed_by_step(module)])
         Path(self.snapshot_dir).mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(self.snapshot_dir).free
         if size > free:
-            error = ConfigError(f"snapshot_steps: two snapshots of this state take {size / 2**30:.2f} GiB and "
-                                f"{self.snapshot_dir} has {free / 2**30:.2f} GiB free; snapshot a smaller state, or "
+            error = ConfigError(f"snapshot_steps: two snapshots of this state take {size / 2**20:.1f} MiB and "
+                                f"{self.snapshot_dir} has {free / 2**20:.1f} MiB free; snapshot a smaller state, or "
                                 f"drop snapshot_steps")
             error.said_by_its_rank = self.hvd.rank() != 0
             raise error
 
+    def _settle_rng(self) -> None:
+        """This rank's part in the last snapshot's RNG gather, if it has no writer to wait for it."""
+        if self._rng_gather is not None:
+            self.hvd.synchronize(self._rng_gather)
+            self._rng_gather = None
+
     def drop_snapshots(self) -> None:
         """The run ended (finished or stopped): its snapshots go (each host's local rank 0)."""
+        self._settle_rng()
         if self.snapshot_dir and self.hvd.local_rank() == 0:
             self.snapshots.wait()
             shutil.rmtree(self.snapshot_dir, ignore_errors=True)

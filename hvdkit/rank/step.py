@@ -53,6 +53,9 @@ def lr_lambda(cfg: TrainConfig, hvd, on_gpu_with_nccl: bool, progress: Callable[
     """A LambdaLR function: ``factor(epochs done at the step, lr_multiplier at the world size of
     the moment)``. It holds no Session nor loader: in the scheduler that would make a reference
     cycle, which keeps the loaders' workers alive past the run's end."""
+    if not cfg.elastic:  # the world size is the job's: the multiplier is worked out once
+        multiplier = lr_multiplier(cfg, hvd.size(), hvd.local_size(), on_gpu_with_nccl)
+        return lambda step: factor(progress(step), multiplier)
     return lambda step: factor(progress(step), lr_multiplier(cfg, hvd.size(), hvd.local_size(), on_gpu_with_nccl))
 
 

@@ -418,6 +418,40 @@ def test_a_background_save_writes_the_state_as_it_was_when_saved(tmp_path):
     assert writer.take_done() == []
 
 
+def test_a_snapshot_reads_back_every_tensor_as_it_was_from_alternating_slots(tmp_path):
+    """A snapshot's file (raw: its tensors' bytes in a slot beside it, xxh3-128): dtypes numpy
+    lacks, a scalar, an empty tensor, a strided view, tied weights stored once and read back as
+    one, a state_dict's metadata, plain values. The next snapshot goes into the other slot, so the
+    one before still reads; a byte changed in the file or in its slot is a checksum mismatch."""
+    from hvdkit.checkpoint import slots
+    from hvdkit.rehearse import verdict
+
+    norm = torch.nn.BatchNorm1d(3).state_dict()
+    tied = torch.randn(5, 4)
+    state = {"model": norm, "tied": [tied, tied], "bf16": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+             "strided": torch.randn(4, 6)[:, ::2], "scalar": torch.tensor(3.5), "empty": torch.empty(0, 4),
+             "flags": torch.tensor([True, False]), "step": 7, "nested": {"lr": 0.1, "names": ("a", "b")}}
+    first, second = checkpoint.path_for(str(tmp_path), 7), checkpoint.path_for(str(tmp_path), 8)
+    mapped = slots.Mapped()
+    digest = checkpoint.write(first, state, raw=mapped)
+    assert first.read_bytes().startswith(b"HVDKIT-CHECKPOINT 1 raw xxh3-128=" + digest.encode() + b"\n")
+    checkpoint.write(second, {**state, "step": 8, "tied": [tied + 1, tied + 1]}, raw=mapped)
+    mapped.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.name, second.name, "slot-a.data", "slot-b.data"]
+    back = checkpoint.load(first)
+    assert verdict.difference(back, state) is None and back["step"] == 7 and back["nested"]["names"] == ("a", "b")
+    assert back["tied"][0] is back["tied"][1] and back["bf16"].dtype == torch.bfloat16
+    assert back["empty"].shape == (0, 4) and torch.equal(back["strided"], state["strided"])
+    assert type(back["model"]) is type(norm) and back["model"]._metadata == norm._metadata
+    assert torch.equal(checkpoint.load(second)["tied"][1], tied + 1)
+    for changed, why in ((tmp_path / "slot-b.data", "slot slot-b.data does not hold it"), (first, "checksum")):
+        data = bytearray(changed.read_bytes())
+        data[-3 if changed == first else 0] ^= 1
+        changed.write_bytes(bytes(data))
+        with pytest.raises(checkpoint.CheckpointError, match=f"corrupted.*{why}"):
+            checkpoint.load(second if changed != first else first)
+
+
 def test_a_value_known_after_the_save_returns_is_waited_for_by_the_writing_thread(tmp_path):
     """checkpoint.Later (a snapshot's RNG gather in flight): save() returns without calling it;
     the thread writes what it returns once it does."""

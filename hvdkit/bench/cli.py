@@ -48,6 +48,15 @@ def _compare_list(text: str) -> list[str]:
     return names
 
 
+def _checkpoint_arms(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [n for n in names if n not in CHECKPOINT_IMPLS[1:]]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown arm {', '.join(map(repr, unknown)) or repr(text)}; "
+                                         f"choose from {', '.join(CHECKPOINT_IMPLS[1:])}")
+    return ["none", *names]
+
+
 def _knob(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
     if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
@@ -95,7 +104,13 @@ def _checkpoint_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=non_negative, default=2, help="steps before the timing (default 2)")
     p.add_argument("--checkpoint-every", type=positive, default=4,
                    help="a checkpoint every this many steps (default 4)")
-    p.add_argument("--repeats", type=positive, default=1, help="rounds over none, sync, async and sharded (default 1)")
+    p.add_argument("--repeats", type=positive, default=1, help="rounds over the arms (default 1)")
+    p.add_argument("--arms", type=_checkpoint_arms, default=list(CHECKPOINT_IMPLS), metavar="ARM[,ARM]",
+                   help=f"which saves to run beside none: {', '.join(CHECKPOINT_IMPLS[1:])} (default all); "
+                        "snapshot: every --checkpoint-every steps into host memory (hvdkit launch --max-restarts)")
+    p.add_argument("--model", default="linear",
+                   help="linear (default: a stack of --params parameters), or a built-in model such as cnn on "
+                        "random 32x32 images")
     p.add_argument("--dir", help="where each run writes its checkpoints, in a folder removed after it (default: the "
                                  "temporary folder)")
     p.add_argument("--impl", choices=CHECKPOINT_IMPLS, help=argparse.SUPPRESS)

@@ -52,13 +52,13 @@ def free_port() -> int:
 
 
 def launch_command(args: argparse.Namespace, np: int, worker: Sequence[str],
-                   knobs_set: Optional[dict] = None) -> list[str]:
+                   knobs_set: Optional[dict] = None, options: Sequence[str] = ()) -> list[str]:
     """`hvdkit launch` of ``worker`` on ``np`` ranks, with ``knobs_set`` in every rank and a
     rendezvous for torch.distributed on rank 0's host: the first of the hosts the launch runs on,
     whether -H, a rehearsal or a Slurm allocation lists them; this machine where none does."""
     hosts = job_hosts(args.hosts, None, os.environ)
     master = hosts[0].name if hosts else "127.0.0.1"
-    cmd = [find_program("hvdkit") or "hvdkit", "launch", "-np", str(np), "--launcher", args.launcher,
+    cmd = [find_program("hvdkit") or "hvdkit", "launch", "-np", str(np), "--launcher", args.launcher, *options,
            "-x", f"MASTER_ADDR={master}", "-x", f"MASTER_PORT={free_port()}"]
     for name, value in (knobs_set or {}).items():
         cmd += ["-x", f"{name}={value}"]
@@ -277,31 +277,40 @@ def default_np() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else local_slots()
 
 
-CHECKPOINT_IMPLS = ("none", "sync", "async", "sharded")  # sharded: in the background, a part per rank
+# sharded: in the background, a part per rank; snapshot: in the background, into each host's memory
+CHECKPOINT_IMPLS = ("none", "sync", "async", "sharded", "snapshot")
+CHECKPOINT_LABELS = {"none": "none", "sync": "in the training thread (`--no-async-checkpoint`)",
+                     "async": "in the background (default)",
+                     "sharded": "in the background, a part per rank (`--sharded-checkpoint`)",
+                     "snapshot": "snapshots in host memory (`--snapshot-steps`)"}
 
 
 def checkpoint_compare(args: argparse.Namespace) -> int:
-    """`hvdkit bench checkpoint`: the same training without checkpoints, with checkpoints written
-    in the training thread, in the background, and in the background a part per rank, in alternating
-    order over rounds. The stall
-    is what a save held the training thread (the Session's own timing; for ``sync`` the whole
-    write); the cost, the throughput lost against the run without checkpoints. Medians over rounds."""
+    """`hvdkit bench checkpoint`: the same training without saves and with each arm's (--arms):
+    checkpoints written in the training thread, in the background, in the background a part per
+    rank, and snapshots into host memory, in alternating order over rounds. The stall is what a
+    save held the training thread (the Session's own timing; for ``sync`` the whole write); the
+    cost, the throughput lost against the run without saves. Medians over rounds."""
     if env.detect().rank is not None:
         raise BenchError("checkpoint launches its own ranks: run it without a launcher, with -np N")
-    runs: dict[str, list[dict]] = {impl: [] for impl in CHECKPOINT_IMPLS}
+    arms = args.arms
+    runs: dict[str, list[dict]] = {impl: [] for impl in arms}
+    what = (f"{args.params / 1e6:.0f}M parameters" if args.model == "linear" else args.model)
     for round_index in range(args.repeats):
-        for impl in CHECKPOINT_IMPLS if round_index % 2 == 0 else CHECKPOINT_IMPLS[::-1]:
-            print(f"== {impl}: np={args.np}, {args.params / 1e6:.0f}M parameters, a checkpoint every "
-                  f"{args.checkpoint_every} steps (round {round_index + 1} of {args.repeats})", flush=True)
+        for impl in arms if round_index % 2 == 0 else arms[::-1]:
+            print(f"== {impl}: np={args.np}, {what}, a save every {args.checkpoint_every} steps "
+                  f"(round {round_index + 1} of {args.repeats})", flush=True)
             folder = tempfile.mkdtemp(prefix="hvdkit-bench-checkpoint-", dir=args.dir)
-            worker = ["checkpoint", "--impl", impl, "--params", str(args.params), "--width", str(args.width),
-                      "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup",
+            worker = ["checkpoint", "--impl", impl, "--model", args.model, "--params", str(args.params), "--width",
+                      str(args.width), "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup",
                       str(args.warmup), "--checkpoint-every", str(args.checkpoint_every), "--dir", folder]
+            options = ["--max-restarts", "1"] if impl == "snapshot" else []  # it names where snapshots go
             try:
-                runs[impl].append(run_launch(launch_command(args, args.np, worker), "bench.checkpoint", impl,
-                                             args.timeout))
+                runs[impl].append(run_launch(launch_command(args, args.np, worker, options=options),
+                                             "bench.checkpoint", impl, args.timeout))
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
+
     def per_save(results: list, key: str) -> Optional[float]:
         saved = [r["checkpoints"] for r in results if r["checkpoints"]["saves"]]
         return statistics.median(c[key] / c["saves"] for c in saved) if saved else None
@@ -312,23 +321,27 @@ def checkpoint_compare(args: argparse.Namespace) -> int:
                     "waited_for_previous": sum(r["checkpoints"]["waited_for_previous"] for r in results)}
              for impl, results in runs.items()}
     base = table["none"]["steps_per_sec"]
-    for impl in CHECKPOINT_IMPLS[1:]:
+    for impl in arms[1:]:
         table[impl]["throughput_lost"] = 1 - table[impl]["steps_per_sec"] / base
-    stall_ratio = table["async"]["stall_per_save"] / table["sync"]["stall_per_save"]
-    size = runs["sync"][-1]["checkpoint_bytes"]
-    print(f"\ncheckpoint of {size / 1e9:.2f} GB ({runs['sync'][-1]['parameters'] / 1e6:.0f}M parameters with Adam), "
-          f"np={args.np}, every {args.checkpoint_every} of {args.steps} timed steps; medians of {args.repeats} rounds")
-    print(f"{'saves':<8} {'steps/s':>9} {'stall s/save':>13} {'write s/save':>13} {'throughput lost':>16}")
+    stall_ratio = (table["async"]["stall_per_save"] / table["sync"]["stall_per_save"]
+                   if {"async", "sync"} <= set(arms) else None)
+    last = runs["none"][-1]
+    size = last["checkpoint_bytes"]
+    print(f"\nstate of {size / 1e9:.2f} GB ({what}, {last['parameters'] / 1e6:.1f}M parameters with Adam), "
+          f"np={args.np}, a save every {args.checkpoint_every} of {args.steps} timed steps; medians of "
+          f"{args.repeats} rounds")
+    print(f"{'saves':<9} {'steps/s':>9} {'stall s/save':>13} {'write s/save':>13} {'throughput lost':>16}")
     for impl, row in table.items():
         stall = "-" if row["stall_per_save"] is None else f"{row['stall_per_save']:.3f}"
         write = "-" if row["write_per_save"] is None else f"{row['write_per_save']:.3f}"
         lost = f"{row['throughput_lost']:.1%}" if "throughput_lost" in row else "-"
-        print(f"{impl:<8} {row['steps_per_sec']:>9.3f} {stall:>13} {write:>13} {lost:>16}")
-    print(f"stall per save, background / training thread: {stall_ratio:.3f}")
+        print(f"{impl:<9} {row['steps_per_sec']:>9.3f} {stall:>13} {write:>13} {lost:>16}")
+    if stall_ratio is not None:
+        print(f"stall per save, background / training thread: {stall_ratio:.3f}")
     out = out_dir(args, "checkpoint")
-    record = {"event": "bench.checkpoint.compare", "np": args.np, "parameters": runs["sync"][-1]["parameters"],
-              "checkpoint_bytes": size, "checkpoint_every": args.checkpoint_every, "steps": args.steps,
-              "repeats": args.repeats, "table": table, "stall_ratio": stall_ratio,
+    record = {"event": "bench.checkpoint.compare", "np": args.np, "model": args.model,
+              "parameters": last["parameters"], "checkpoint_bytes": size, "checkpoint_every": args.checkpoint_every,
+              "steps": args.steps, "repeats": args.repeats, "table": table, "stall_ratio": stall_ratio,
               "runs": {impl: rs for impl, rs in runs.items()}}
     wholefiles.write_whole(out / "checkpoint.json", json.dumps(record, indent=1) + "\n")
     print(f"wrote {out}/checkpoint.json")

@@ -331,33 +331,44 @@ def _compute_seconds(args: argparse.Namespace, device, images, labels) -> float:
 
 
 def checkpoint_worker(args: argparse.Namespace) -> None:
-    """One rank of `bench checkpoint`: a Session loop over a stack of linear layers with Adam
-    (12 bytes a parameter in its checkpoint), checkpointing every ``checkpoint_every`` steps
-    (``--impl none``: never) in the training thread (``sync``), in the background (``async``), or in
-    the background with a part per rank (``sharded``).
-    Rank 0 prints the rate of the timed steps and the Session's checkpoint timings; ``--dir`` is
-    the run's own folder, which the driver made and removes."""
+    """One rank of `bench checkpoint`: a Session loop over a stack of linear layers (or a built-in
+    model on random images) with Adam (12 bytes a parameter in its checkpoint), saving every
+    ``checkpoint_every`` steps (``--impl none``: never) in the training thread (``sync``), in the
+    background (``async``), in the background with a part per rank (``sharded``), or as snapshots
+    into host memory (``snapshot``, under hvdkit launch --max-restarts). Rank 0 prints the rate of
+    the timed steps and the Session's timings of the saves; ``--dir`` is the run's own folder,
+    which the driver made and removes."""
     import torch
     import torch.nn.functional as F
 
+    from hvdkit import models
     from hvdkit.session import Session
 
-    width = args.width
-    layers = max(1, round(args.params / (width * width + width)))
-    folder = args.dir
     every = 0 if args.impl == "none" else args.checkpoint_every
+    snapshot = args.impl == "snapshot"
+    folder = args.dir
     session = Session(batch_size=args.batch_size, checkpoint_dir=folder if every else None,
-                      checkpoint_steps=every or None, keep_checkpoints=2,
-                      async_checkpoint=args.impl in ("async", "sharded"), sharded_checkpoint=args.impl == "sharded",
-                      logger="none", log_dir=os.path.join(folder, "logs"), resume=False, seed=0)
+                      checkpoint_steps=None if snapshot else (every or None), snapshot_steps=every if snapshot else 0,
+                      keep_checkpoints=2, async_checkpoint=args.impl in ("async", "sharded"),
+                      sharded_checkpoint=args.impl == "sharded", logger="none", log_dir=os.path.join(folder, "logs"),
+                      resume=False, seed=0)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    if args.model == "linear":
+        width = args.width
+        layers = max(1, round(args.params / (width * width + width)))
+        model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+        inputs = targets = torch.randn(args.batch_size, width)
+        loss_of = F.mse_loss
+    else:
+        model = models.build(args.model, 3, 32, 10)
+        inputs, targets = torch.randn(args.batch_size, 3, 32, 32), torch.randint(0, 10, (args.batch_size,))
+        loss_of = F.cross_entropy
     model, optimizer = session.setup(model, torch.optim.Adam(model.parameters(), lr=1e-5))
-    inputs = torch.randn(args.batch_size, width, device=session.device)
+    inputs, targets = inputs.to(session.device), targets.to(session.device)
 
     def step() -> None:
         optimizer.zero_grad()
-        session.backward(F.mse_loss(model(inputs), inputs))
+        session.backward(loss_of(model(inputs), targets))
         session.step()
 
     for _ in range(int(args.warmup)):
@@ -369,6 +380,7 @@ def checkpoint_worker(args: argparse.Namespace) -> None:
     summary = session.finish()
     if session.rank == 0:
         parameters = sum(p.numel() for p in model.parameters())
+        saves = summary["checkpoints"]["snapshots"] if snapshot else summary["checkpoints"]
         print(json.dumps({"event": "bench.checkpoint", "impl": args.impl, "world_size": session.size,
                           "parameters": parameters, "checkpoint_bytes": parameters * 12, "steps": args.steps,
-                          "steps_per_sec": args.steps / seconds, "checkpoints": summary["checkpoints"]}), flush=True)
+                          "steps_per_sec": args.steps / seconds, "checkpoints": saves}), flush=True)

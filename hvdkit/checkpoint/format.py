@@ -1,8 +1,11 @@
 """The checkpoint file: its name (``ckpt-step000000050.pt``, its shard folder beside it), and its
-format, a one-line header with the sha256 of the torch payload that follows, written through a
+format, a one-line header with the checksum of the payload that follows, written through a
 temporary file that is flushed, fsynced and renamed, so that a reader sees the previous checkpoint
 or the complete new one, also when the writer is killed or the disk fills mid-write. Every other
-module reads names through these functions (tests/test_layout.py)."""
+module reads names through these functions (tests/test_layout.py).
+
+Two payloads: torch.save's, with its sha256 (checkpoints); and a snapshot's (``raw``), its
+tensors in a slot beside it (hvdkit.checkpoint.slots), with xxh3-128."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from hvdkit.checkpoint import slots
 from hvdkit.system import wholefiles
 
 PREFIX = "ckpt-step"
@@ -90,9 +94,11 @@ class _Hashing:
         self.file.flush()
 
 
-def write(target: Path, state: dict) -> str:
+def write(target: Path, state: dict, raw: Optional[slots.Mapped] = None) -> str:
     """``state`` in ``target``, atomically, with its checksum; returns the checksum. The header's
-    checksum is written last, over a placeholder of its length, once the payload is streamed."""
+    checksum is written last, over a placeholder of its length, once the payload is streamed.
+    ``raw``: the tensors in a slot beside it, kept mapped there (hvdkit.checkpoint.slots), for
+    snapshots."""
     hashed: list = []
 
     def stream(file) -> None:
@@ -115,6 +121,9 @@ def write(target: Path, state: dict) -> str:
         else:
             for stale in target.parent.glob(f".{target.name}.*{wholefiles.PARTIAL}"):  # left by a save that was killed
                 stale.unlink(missing_ok=True)
+        if raw is not None:
+            newest = existing(str(target.parent))
+            return slots.write(target, state, newest[-1] if newest else None, raw)
         wholefiles.write_whole(target, stream, durable=True)
     except OSError as exc:
         raise CheckpointError(f"cannot write checkpoint {target}: {exc.strerror or exc}; "
@@ -134,9 +143,12 @@ def read_checked(path: Path) -> tuple[str, dict]:
     except OSError as exc:
         raise CheckpointError(f"cannot read checkpoint {path}: {exc.strerror}") from None
     header, newline, payload = data.partition(b"\n")
-    if not header.startswith(MAGIC) or not newline:
+    raw = header.startswith(slots.MAGIC)
+    if not (raw or header.startswith(MAGIC)) or not newline:
         raise CheckpointError(f"{path} is not an hvdkit checkpoint")
-    digest = hashlib.sha256(payload).hexdigest()
-    if digest.encode() != header[len(MAGIC):]:
+    digest = slots.checksum(payload) if raw else hashlib.sha256(payload).hexdigest()
+    if digest.encode() != header[len(slots.MAGIC if raw else MAGIC):]:
         raise CheckpointError(f"{path} is corrupted (checksum mismatch)")
+    if raw:
+        return digest, slots.read(path, payload, lambda why: CheckpointError(f"{path} is corrupted: {why}"))
     return digest, torch.load(io.BytesIO(payload), weights_only=False)

@@ -14,11 +14,12 @@ import functools
 import shutil
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from hvdkit.checkpoint import slots
 from hvdkit.checkpoint.format import (
     PREFIX,
     SHARDS,
@@ -40,7 +41,7 @@ class Later:
     def __init__(self, resolve: Callable[[], object]) -> None:
         self.resolve = resolve
 
-    def __deepcopy__(self, memo: dict) -> "Later":
+    def __deepcopy__(self, memo: dict) -> Later:
         return self
 
 
@@ -49,11 +50,12 @@ def _resolved(state: dict) -> dict:
                    lambda leaf, place: leaf.resolve() if isinstance(leaf, Later) else leaf)
 
 
-def save(directory: str, step: int, state: dict, keep: int) -> Path:
+def save(directory: str, step: int, state: dict, keep: int, raw: slots.Mapped | None = None) -> Path:
     """Write ``state`` as the checkpoint of ``step`` atomically, then keep only the newest ``keep``
-    (and the shard folders of those; a sharded save killed part-way left one of no checkpoint)."""
+    (and the shard folders of those; a sharded save killed part-way left one of no checkpoint).
+    ``raw``: in slots (format.write)."""
     target = path_for(directory, step)
-    write(target, state)
+    write(target, state, raw)
     for old in existing(directory)[:-keep]:
         old.unlink(missing_ok=True)
         shutil.rmtree(shard_folder(old), ignore_errors=True)
@@ -69,22 +71,23 @@ class Writer:
     waits), ``writing`` what the writes took; ``waits`` counts the saves that found the one before
     still in flight."""
 
-    def __init__(self, background: bool = True) -> None:
-        self.background = background
+    def __init__(self, background: bool = True, raw: bool = False) -> None:
+        # raw: the main file's tensors in slots kept mapped (snapshots; parts are torch's, checked by sha256)
+        self.background, self.raw = background, slots.Mapped() if raw else None
         self.saves, self.waits = 0, 0
         self.stall, self.writing = 0.0, 0.0  # seconds
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._staged = threading.Event()  # the thread has copied what the next update changes
         self._staged.set()
         self._stalls: dict[int, float] = {}  # step -> what its save held the caller, until take_done()
         self._step = -1  # the step of the save in flight
-        self._error: Optional[BaseException] = None
+        self._error: BaseException | None = None
         self._buffers: dict = {}  # host copies of the state's tensors, by their place in it
         self._done: list[dict] = []  # the saves written since take_done(), appended by the thread
         self._ending = threading.Event()  # the job ends: a main file waits no longer for parts
 
-    def save(self, directory: str, step: int, state: Optional[dict], keep: int, deferred: Iterable[torch.Tensor] = (),
-             part: Optional[tuple[str, dict]] = None, parts: Sequence[str] = ()) -> Path:
+    def save(self, directory: str, step: int, state: dict | None, keep: int, deferred: Iterable[torch.Tensor] = (),
+             part: tuple[str, dict] | None = None, parts: Sequence[str] = ()) -> Path:
         """Checkpoint ``step``: ``state`` is the main file (rank 0's; None on the other ranks of a
         parted save), ``part`` this rank's part (its file name, its state), ``parts`` the other
         ranks' part files, which the main file waits for (checkpoint.parts). Written when this
@@ -97,7 +100,7 @@ class Writer:
         self.finish()
         self.saves += 1
         self._step = step
-        commit = functools.partial(_commit, directory, step, keep, part and part[0], parts, self._ending)
+        commit = functools.partial(_commit, directory, step, keep, part and part[0], parts, self._ending, self.raw)
         files = {"main": state, "part": part and part[1]}
         if not self.background:
             self._write(directory, step, files, commit, (), None)
@@ -143,6 +146,12 @@ class Writer:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+    def close(self) -> None:
+        """Wait for the save in flight; unmap the slots of raw saves."""
+        self.wait()
+        if self.raw is not None:
+            self.raw.close()
 
     def check(self) -> None:
         """The background save's error, raised without waiting (none while it still runs)."""
@@ -227,8 +236,8 @@ def _copy(copies: list) -> int:
     return changed
 
 
-def _commit(directory: str, step: int, keep: int, part: Optional[str], parts: Sequence[str],
-            ending: threading.Event, files: dict) -> None:
+def _commit(directory: str, step: int, keep: int, part: str | None, parts: Sequence[str],
+            ending: threading.Event, raw: slots.Mapped | None, files: dict) -> None:
     """Write a save: this rank's part, then (rank 0) the main file, once the other ranks' parts
     are durable, naming every part with its checksum."""
     main = path_for(directory, step)
@@ -238,4 +247,4 @@ def _commit(directory: str, step: int, keep: int, part: Optional[str], parts: Se
     if files["main"] is None:
         return
     entries = sorted(written + (await_parts(main, parts, ending) if parts else []), key=lambda e: e["file"])
-    save(directory, step, {**files["main"], "parts": entries} if entries else files["main"], keep)
+    save(directory, step, {**files["main"], "parts": entries} if entries else files["main"], keep, raw)

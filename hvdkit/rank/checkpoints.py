@@ -70,7 +70,7 @@ class RunCheckpoints:
         # Snapshots (snapshot_steps): the state in host memory for hvdkit launch's restarts, each
         # host's local rank 0 writing its own copy, in the background beside the checkpoints'.
         self.snapshot_dir = os.environ.get(job.SNAPSHOTS) if cfg.snapshot_steps else None
-        self.snapshots = checkpoint.Writer(background=True)
+        self.snapshots = checkpoint.Writer(background=True, raw=True)
         self._rng_gather = None  # the last snapshot's RNG gather, on ranks that write no snapshot
         self.last_write = 0.0  # seconds the newest written checkpoint took to write (rank 0)
         self._warned = False
@@ -321,7 +321,7 @@ class RunCheckpoints:
         """The run ended (finished or stopped): its snapshots go (each host's local rank 0)."""
         self._settle_rng()
         if self.snapshot_dir and self.hvd.local_rank() == 0:
-            self.snapshots.wait()
+            self.snapshots.close()
             shutil.rmtree(self.snapshot_dir, ignore_errors=True)
 
     def write(self, optimizer_state: Optional[dict] = None, place: Optional[tuple] = None, **position) -> None:
@@ -405,11 +405,14 @@ class RunCheckpoints:
             print(f"hvdkit: warning: stopping at step {self.state.global_step}: {line}", file=sys.stderr, flush=True)
 
     def timings(self) -> dict:
-        """For the summary: what checkpoints held training, and what their writes took (seconds)."""
-        writer = self.writer
-        return {"saves": writer.saves, "stall_seconds": round(writer.stall, 3),
-                "write_seconds": round(writer.writing, 3), "waited_for_previous": writer.waits,
-                "background": writer.background}
+        """For the summary: what checkpoints held training, and what their writes took (seconds);
+        the same of snapshots under ``snapshots``, where they are taken."""
+        def of(writer: checkpoint.Writer) -> dict:
+            return {"saves": writer.saves, "stall_seconds": round(writer.stall, 3),
+                    "write_seconds": round(writer.writing, 3), "waited_for_previous": writer.waits,
+                    "background": writer.background}
+
+        return {**of(self.writer), **({"snapshots": of(self.snapshots)} if self.snapshot_dir else {})}
 
     def kept(self) -> str:
         """Which checkpoint a run that stops now leaves behind (after the save in flight ends)."""

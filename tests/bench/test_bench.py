@@ -12,6 +12,7 @@ import math
 import re
 import socket
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -142,6 +143,7 @@ def test_estimate_prints_each_link_and_world_size():
     (["zero", "--max-model", "--memory-cap", "2X"], "size '2X'"),
     (["checkpoint", "--params", "0"], "expected a count like 175M"),
     (["checkpoint", "--params", "1.5T"], "expected a count like 175M"),
+    (["checkpoint", "--arms", "async,disk"], "unknown arm 'disk'; choose from sync, async, sharded, snapshot"),
 ])
 def test_bad_input_is_one_line(argv, message):
     proc = run(HVDKIT + argv, timeout=60)
@@ -380,14 +382,17 @@ def test_zero_runs_each_loop_and_reports_the_bytes_each_rank_holds(tmp_path, hvd
 @pytest.mark.slow
 def test_checkpoint_times_the_saves_in_the_training_thread_and_in_the_background(tmp_path, hvd_built):
     out = tmp_path / "checkpoint"
+    snapshots_before = set(Path("/dev/shm").glob("hvdkit-snapshots-*"))
     proc = run(HVDKIT + ["checkpoint", "--params", "3M", "--width", "1024", "--steps", "4", "--warmup", "1",
                          "--checkpoint-every", "2", "--dir", str(tmp_path), "--out", str(out)], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     record = json.loads((out / "checkpoint.json").read_text())
     table, runs = record["table"], record["runs"]
-    assert list(table) == ["none", "sync", "async", "sharded"] and record["parameters"] == 3 * (1024 * 1024 + 1024)
-    assert [runs[impl][0]["checkpoints"]["saves"] for impl in table] == [0, 2, 2, 2]
-    assert [runs[impl][0]["checkpoints"]["background"] for impl in table] == [False, False, True, True]
+    assert list(table) == ["none", "sync", "async", "sharded", "snapshot"]
+    assert record["parameters"] == 3 * (1024 * 1024 + 1024)
+    assert [runs[impl][0]["checkpoints"]["saves"] for impl in table] == [0, 2, 2, 2, 2]
+    assert [runs[impl][0]["checkpoints"]["background"] for impl in table] == [False, False, True, True, True]
+    assert set(Path("/dev/shm").glob("hvdkit-snapshots-*")) == snapshots_before, "the snapshots outlived the run"
     sync, background = runs["sync"][0]["checkpoints"], runs["async"][0]["checkpoints"]
     assert sync["stall_seconds"] == pytest.approx(sync["write_seconds"], rel=0.05)  # the write is the stall
     assert record["stall_ratio"] == pytest.approx(table["async"]["stall_per_save"] / table["sync"]["stall_per_save"])

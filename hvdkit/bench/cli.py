@@ -1,4 +1,4 @@
-"""`hvdkit bench synthetic|scaling|allreduce|zero|checkpoint|estimate`: the command line."""
+"""`hvdkit bench synthetic|scaling|allreduce|zero|checkpoint|goodput|estimate`: the command line."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 
 from hvdkit import env, job
 from hvdkit.args import LINK_RATE, OneLineParser, bits_per_second, checked, non_negative, number_list, positive
+from hvdkit.bench import goodput
 from hvdkit.bench.allreduce_worker import allreduce_worker
 from hvdkit.bench.drivers import (
     CHECKPOINT_IMPLS,
@@ -201,6 +202,25 @@ def parser() -> argparse.ArgumentParser:
     _checkpoint_arguments(ckpt)
     _launch_arguments(ckpt, files=True)
 
+    good = sub.add_parser("goodput", help="one storm of faults at random moments on namespace hosts (hvdkit "
+                                          "rehearse --chaos) against in-job restarts with snapshots and against "
+                                          "restarts from disk: seconds to the next step, steps redone, ETTR")
+    good.add_argument("-np", "--np", dest="np", type=positive, default=3, help="ranks, one per host (default 3)")
+    good.add_argument("--faults", default="kill", help="the faults to draw from, as rehearse --faults (default kill)")
+    good.add_argument("--count", dest="faults_count", type=positive, default=10,
+                      help="faults in the storm (default 10)")
+    good.add_argument("--seed", type=int, default=2026, help="the storm's seed (default 2026)")
+    good.add_argument("--arms", type=goodput.arms, default=list(goodput.ARMS), metavar="ARM[,ARM]",
+                      help=f"{', '.join(goodput.ARMS)} (default both)")
+    good.add_argument("--model", default="mlp", help="a built-in model (default mlp)")
+    good.add_argument("--image-size", type=positive, default=32, help="side of the synthetic images (default 32)")
+    good.add_argument("--steps", type=positive, default=300, help="steps of the job (default 300)")
+    good.add_argument("--checkpoint-steps", type=positive, default=20, help="disk checkpoints every (default 20)")
+    good.add_argument("--snapshot-steps", type=positive, default=1, help="snapshots every, restarts arm (default 1)")
+    good.add_argument("--timeout", type=float, default=3600, help="seconds one arm's rehearsal may take")
+    good.add_argument("--out", help="folder for each arm's report and goodput.json (default "
+                                    "runs/bench/goodput-<time>)")
+
     est = sub.add_parser("estimate", help="step time and efficiency at many ranks, from the ring-allreduce cost "
                                           "model and what `synthetic` measured (compute per step, gradient bytes)")
     est.add_argument("--compute-ms", type=non_negative, required=True,
@@ -243,6 +263,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 checkpoint_worker(args)
                 return 0
             return checkpoint_compare(args)
+        if args.bench == "goodput":
+            if under_launcher:
+                raise BenchError("goodput makes its own hosts and launches: run it without a launcher")
+            return goodput.run(args)
         if args.bench == "scaling":
             if under_launcher:
                 raise BenchError("scaling launches its own ranks: run it without a launcher, with --np 1,2")

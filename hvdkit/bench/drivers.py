@@ -320,16 +320,18 @@ def checkpoint_compare(args: argparse.Namespace) -> int:
                     "write_per_save": per_save(results, "write_seconds"),
                     "waited_for_previous": sum(r["checkpoints"]["waited_for_previous"] for r in results)}
              for impl, results in runs.items()}
-    base = table["none"]["steps_per_sec"]
-    for impl in arms[1:]:
-        table[impl]["throughput_lost"] = 1 - table[impl]["steps_per_sec"] / base
+    for impl in arms[1:]:  # each round's against the run without saves next to it: this machine is noisy
+        ratios = [r["steps_per_sec"] / plain["steps_per_sec"] for r, plain in zip(runs[impl], runs["none"],
+                                                                                     strict=True)]
+        table[impl]["throughput_lost"] = 1 - statistics.median(ratios)
+        table[impl]["round_ratios"] = [round(ratio, 4) for ratio in ratios]
     stall_ratio = (table["async"]["stall_per_save"] / table["sync"]["stall_per_save"]
                    if {"async", "sync"} <= set(arms) else None)
     last = runs["none"][-1]
     size = last["checkpoint_bytes"]
     print(f"\nstate of {size / 1e9:.2f} GB ({what}, {last['parameters'] / 1e6:.1f}M parameters with Adam), "
           f"np={args.np}, a save every {args.checkpoint_every} of {args.steps} timed steps; medians of "
-          f"{args.repeats} rounds")
+          f"{args.repeats} rounds (throughput lost: the median of each round's ratio to the run without saves)")
     print(f"{'saves':<9} {'steps/s':>9} {'stall s/save':>13} {'write s/save':>13} {'throughput lost':>16}")
     for impl, row in table.items():
         stall = "-" if row["stall_per_save"] is None else f"{row['stall_per_save']:.3f}"

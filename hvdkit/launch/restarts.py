@@ -30,6 +30,7 @@ from hvdkit.system.sighandlers import Handlers
 
 NOT_FAILURES = (job.OK, job.BAD_INPUT, job.OVER_CAP)
 SHM = "/dev/shm"
+SNAPSHOT_PREFIX = "hvdkit-snapshots-"
 
 
 def cause(ended: Ended) -> Optional[str]:
@@ -48,7 +49,7 @@ def cause(ended: Ended) -> Optional[str]:
 def snapshot_place() -> str:
     """Where each host keeps this job's snapshots (session.snapshot_steps): host memory, a name of
     the job's own, so that no other job's are taken."""
-    return str(Path(SHM if os.path.isdir(SHM) else tempfile.gettempdir()) / f"hvdkit-snapshots-{uuid.uuid4().hex}")
+    return str(Path(SHM if os.path.isdir(SHM) else tempfile.gettempdir()) / f"{SNAPSHOT_PREFIX}{uuid.uuid4().hex}")
 
 
 @contextlib.contextmanager

@@ -79,6 +79,9 @@ class Chaos:
         self.second: Optional[dict] = None  # while-resuming's second kill, due in the next attempt
         self.struck_at: dict[int, float] = {}  # a strike's number: when it struck (monotonic)
         self.pending: list[Strike] = []
+        self.armed: dict[int, float] = {}  # a strike's number: when its checkpoint came (monotonic)
+        self.interval = 0.0  # seconds between two checkpoints in the undisturbed run (reference())
+        self.snapshots = processes.snapshots()  # those there before: not the job's
         # A small checkpoint is written in a few milliseconds: in-write hears of its temporary
         # file from the kernel (inotify) rather than looking for it.
         self.notify = inotify.INotify()
@@ -113,6 +116,8 @@ class Chaos:
         seconds = time.monotonic() - began
         self.deadline = max(120.0, 4 * seconds)
         self.report.reference = {"dir": str(kept), "steps": sorted(seen), "seconds": round(seconds, 1)}
+        if len(seen) > 1:  # the mean time from one checkpoint to the next, at the undisturbed pace
+            self.interval = seconds * (max(seen) - min(seen)) / (len(seen) - 1) / max(seen)
         if not seen:
             self.report.problems.append("the job wrote no checkpoint: --chaos needs one that checkpoints "
                                         "(--checkpoint-dir and --checkpoint-steps)")
@@ -175,7 +180,7 @@ class Chaos:
                 self._due(self.pending[1], state, written):
             missed = self.pending.pop(0)  # no write of its step was heard of before the next fault's moment
             self._unstruck(missed, "no checkpoint write was seen under way before the next fault's moment")
-        if self.pending and self._due(self.pending[0], state, written):
+        if self.pending and self._due(self.pending[0], state, written) and self._moment(self.pending[0]):
             strike = self.pending.pop(0)
             strike.at_step = max([self.newest_seen, *(step for step, _ in self.writing)])
             state["known"] = written
@@ -185,6 +190,13 @@ class Chaos:
             except (OSError, RuntimeError, ValueError) as exc:
                 self.report.problems.append(f"{strike.describe()} could not strike: {exc}")
         self.writing = []
+
+    def _moment(self, strike: Strike) -> bool:
+        """Its moment come: its delay after the checkpoint it waits for, as a fraction of the time
+        between two checkpoints in the undisturbed run (at once where that was not timed here)."""
+        now = time.monotonic()
+        due = self.armed.setdefault(strike.number, now)
+        return now - due >= strike.delay * self.interval
 
     def _unstruck(self, strike: Strike, why: str) -> None:
         """A fault of the schedule that found no moment: said, and in the report; not the job's failure."""
@@ -203,6 +215,7 @@ class Chaos:
 
     def _strike(self, strike: Strike, attempt: int) -> None:
         self.struck_at[strike.number] = now = time.monotonic()
+        strike.struck_wall = time.time()
         strike.attempt, strike.struck_after = attempt, round(now - self.started, 1)
         fault = strike.fault
         strike.phase = "training"
@@ -400,6 +413,12 @@ class Chaos:
             self.report.left.setdefault("processes", []).extend(left)
             for name in self.hosts.names:
                 self.hosts.end_jobs(name)
+        kept = sorted(processes.snapshots() - self.snapshots)
+        if kept:  # each attempt's snapshots go with it (hvdkit launch and the ranks remove them)
+            self.report.problems.append(f"after {what}: snapshots left in host memory: {', '.join(map(str, kept))}")
+            self.report.left.setdefault("snapshots", []).extend(map(str, kept))
+            for folder in kept:
+                shutil.rmtree(folder, ignore_errors=True)
         if self.newest_seen and self._newest_step() < self.newest_seen:
             self.report.problems.append(f"after {what}: checkpoint step {self.newest_seen} was written and is gone "
                                         f"(the newest now: {self._newest_step()})")
@@ -448,47 +467,3 @@ class Chaos:
 
     def _newest_step(self) -> int:
         return max(self._written(), default=0)
-
-    # -- the end ------------------------------------------------------------------------------
-    def judge(self, final: Path) -> None:
-        """The final checkpoint against the undisturbed run's; every checkpoint still reads; no temporaries."""
-        existing = checkpoint.existing(str(self.ckpt))
-        ours = None  # the newest one's state, read once
-        for path in existing:
-            try:
-                ours = verdict.plain(path)
-                self.report.checkpoints_read.append(path.name)
-            except checkpoint.CheckpointError as exc:
-                ours = None
-                self.report.problems.append(f"checkpoint {path.name} does not read: {exc}")
-        left = [str(p) for p in processes.partials(self.ckpt)]
-        if left:
-            self.report.left["temporary_files"] = left
-            self.report.problems.append(f"temporary files left in {self.ckpt}: {', '.join(left[:3])}")
-        if not existing:
-            self.report.problems.append(f"no checkpoint in {self.ckpt} at the end")
-            return
-        if ours is None:  # the newest does not read: said above
-            return
-        reference = verdict.plain(final)
-        differs = verdict.difference(ours, reference)
-        self.report.final = {"checkpoint": str(existing[-1]), "reference": str(final), "equal": differs is None,
-                             "difference": differs}
-        if self.elastic:
-            self._judge_elastic(ours, reference)
-        elif differs:
-            struck = [s for s in self.report.strikes if s.get("phase")] or [{}]
-            last = struck[-1]
-            after = f" after fault {last['number']} ({last['fault']})" if last else ""
-            self.report.problems.append(f"the final checkpoint differs from the undisturbed run's{after}: {differs}")
-
-    def _judge_elastic(self, ours: dict, reference: dict) -> None:
-        """The model within the tolerance (at whatever step the job's own end came: --epochs
-        takes more steps at a smaller world size)."""
-        gap = verdict.distance(ours["model"], reference["model"])
-        self.report.final.update(distance=gap, tolerance=self.tolerance, step=ours["step"],
-                                 reference_step=reference["step"])
-        if gap > self.tolerance:
-            self.report.problems.append(
-                f"the final model is {gap:.3g} from the undisturbed run's (relative L2 distance of the weights), over "
-                f"the tolerance {self.tolerance} (--tolerance): {self.report.final['difference']}")

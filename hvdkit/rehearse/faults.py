@@ -75,16 +75,25 @@ class Strike:
     back_training_seconds: Optional[float] = None
     at_step: Optional[int] = None  # the newest checkpoint written, or being written, when it struck
     steps_redone: Optional[int] = None  # from at_step back to the step it resumed at (at least that many)
+    delay: float = 0.0  # after its moment, this fraction of the time between two checkpoints passes first
+    struck_wall: Optional[float] = None  # when it struck (time.time(): the job's metrics are stamped so)
+    seconds_to_next_step: Optional[float] = None  # from the fault to the next trained step (goodput)
 
     def describe(self) -> str:
         what = f"{self.fault} {self.signal}".strip()
         return f"fault {self.number} ({what}{' ' + self.target if self.target else ''} at checkpoint step {self.step})"
 
 
+AT_ONCE = ("in-write", "disk-full")  # their moment is a write's: no delay after it
+LATEST = 0.8  # the latest moment between two checkpoints, as a fraction of the time between them
+
+
 def plan(seed: int, count: int, faults: Sequence[str], steps: Sequence[int]) -> list[Strike]:
     """``count`` strikes drawn from ``seed``: the faults in shuffled rounds of the menu, so that
     every fault comes once before any comes twice; their steps from ``steps`` (a checkpoint's,
-    not the last: a fault must find the job running), in order."""
+    not the last: a fault must find the job running), in order; and each a moment between that
+    checkpoint and the next (a delay, drawn from a stream of its own so that a seed's faults and
+    steps are what they were before moments were drawn)."""
     rng = random.Random(seed)
     names: list[str] = []
     while len(names) < count:
@@ -92,16 +101,25 @@ def plan(seed: int, count: int, faults: Sequence[str], steps: Sequence[int]) -> 
     names = names[:count]
     candidates = list(steps[:-1]) or list(steps)
     at = sorted(rng.choice(candidates) for _ in names)
-    return [Strike(i + 1, name, step, rng.random(), round(rng.uniform(2.0, 6.0), 1),
-                   rng.choice(["SIGTERM", "SIGUSR1"]) if name == "preempt" else "")
-            for i, (name, step) in enumerate(zip(names, at, strict=True))]
+    strikes = [Strike(i + 1, name, step, rng.random(), round(rng.uniform(2.0, 6.0), 1),
+                      rng.choice(["SIGTERM", "SIGUSR1"]) if name == "preempt" else "")
+               for i, (name, step) in enumerate(zip(names, at, strict=True))]
+    moments = random.Random(f"moments {seed}")
+    for strike in strikes:
+        strike.delay = 0.0 if strike.fault in AT_ONCE else round(moments.uniform(0.0, LATEST), 3)
+    return strikes
+
+
+def command_option(command: Sequence[str], option: str) -> Optional[str]:
+    """The value the command gives ``option`` (``--checkpoint-dir DIR`` or ``--checkpoint-dir=DIR``)."""
+    for i, word in enumerate(command):
+        if word == option and i + 1 < len(command):
+            return command[i + 1]
+        if word.startswith(f"{option}="):
+            return word.split("=", 1)[1]
+    return None
 
 
 def command_checkpoint_dir(command: Sequence[str], environ: dict) -> Optional[str]:
     """Where the command's job writes its checkpoints: its --checkpoint-dir, else HVDKIT_CHECKPOINT_DIR."""
-    for i, word in enumerate(command):
-        if word == "--checkpoint-dir" and i + 1 < len(command):
-            return command[i + 1]
-        if word.startswith("--checkpoint-dir="):
-            return word.split("=", 1)[1]
-    return environ.get("HVDKIT_CHECKPOINT_DIR")
+    return command_option(command, "--checkpoint-dir") or environ.get("HVDKIT_CHECKPOINT_DIR")

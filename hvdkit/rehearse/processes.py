@@ -1,13 +1,14 @@
 """The job's processes on the rehearsal hosts, and what an ending leaves there: its ranks (to
-strike), whatever still runs after it, the temporary files of cut saves (hvdkit.rehearse.chaos)."""
+strike), whatever still runs after it, the temporary files of cut saves, snapshots in host
+memory (hvdkit.rehearse.chaos)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 from hvdkit import checkpoint
 from hvdkit.env import RANK_VARIABLES
+from hvdkit.launch import restarts
 from hvdkit.rank import lifeline
 from hvdkit.rehearse.namespaces import Hosts
 from hvdkit.system import proctree, wholefiles
@@ -38,7 +39,7 @@ def ranks(hosts: Hosts) -> dict[int, tuple]:
     return found
 
 
-def _rank_of(process) -> Optional[int]:
+def _rank_of(process) -> int | None:
     environ = process.environ()
     for variable in RANK_VARIABLES:
         if variable in environ:
@@ -73,7 +74,12 @@ def partials(directory: Path) -> list[Path]:
     return sorted(p for p in directory.rglob(f"*{wholefiles.PARTIAL}"))
 
 
-def step_of_partial(path: Path) -> Optional[int]:
+def step_of_partial(path: Path) -> int | None:
     """The step a temporary file belongs to: its own name's, or its shard folder's."""
     step = checkpoint.step_in(path.name)
     return step if step is not None else checkpoint.step_in(path.parent.name)
+
+
+def snapshots() -> set[Path]:
+    """The snapshot folders in host memory now (the rehearsal's hosts share this machine's)."""
+    return set(Path(restarts.SHM).glob(f"{restarts.SNAPSHOT_PREFIX}*"))

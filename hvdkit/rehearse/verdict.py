@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from hvdkit import checkpoint, nested
+from hvdkit.rehearse import goodput, processes
 from hvdkit.system import wholefiles
 from hvdkit.zero import shards
 
@@ -99,21 +100,77 @@ class Report:
     not_struck: list = field(default_factory=list)
     world_size_changes: list = field(default_factory=list)  # an elastic job's, as it said them
     seconds: float = 0.0
+    goodput: dict = field(default_factory=dict)  # what the faults cost (hvdkit.rehearse.goodput)
 
     def table(self) -> str:
         rows = [("#", "fault", "target", "step", "phase", "ended", "back in", "resumed at", "redone")]
         for s in self.strikes:
-            ended = f"exit {s['ended']['code']}: {s['ended']['line'][:60]}" if s.get("ended") else "rode it out"
-            back = f"{s['back_training_seconds']:.1f} s" if s.get("back_training_seconds") is not None else "-"
+            ended = (f"exit {s['ended']['code']}: {s['ended']['line'][:60]}" if s.get("ended") else
+                     "restarted in the job" if s.get("restarted_in_job") else "rode it out")
+            exact = s.get("seconds_to_next_step") is not None  # from the job's metrics (goodput)
+            back = (f"{s['seconds_to_next_step']:.1f} s" if exact else f"{s['back_training_seconds']:.1f} s"
+                    if s.get("back_training_seconds") is not None else "-")
             resumed = str(s["resumed_step"]) if s.get("resumed_step") is not None else "-"
-            redone = f">= {s['steps_redone']}" if s.get("steps_redone") is not None else "-"
+            redone = (f"{'' if exact else '>= '}{s['steps_redone']}" if s.get("steps_redone") is not None else "-")
             rows.append((str(s["number"]), f"{s['fault']} {s['signal']}".strip(), s["target"] or "-", str(s["step"]),
                          s["phase"] or "not struck", ended, back, resumed, redone))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
         lines += [f"world size {c['from']} -> {c['to']} at step {c['step']}, about {c['seconds_lost']} s lost"
                   for c in self.world_size_changes]
+        cost = self.goodput
+        if cost.get("faults_measured"):
+            lines.append(f"goodput: {cost['faults_measured']} faults were followed by a restart: on average "
+                         f"{cost['mean_seconds_to_next_step']} s from the fault to the next trained step, "
+                         f"{cost['mean_steps_redone']} steps redone; effective training time ratio "
+                         f"{cost['effective_training_time_ratio']} ({cost['undisturbed_seconds']} s undisturbed, "
+                         f"{cost['disturbed_seconds']} s with the faults)")
         return "\n".join(lines)
+
+
+def judge(report: Report, ckpt: Path, final: Path, elastic: bool, tolerance: float) -> None:
+    """The final checkpoint in ``ckpt`` against the undisturbed run's (``final``), bitwise or (an
+    elastic job's) within ``tolerance``; every checkpoint still reads; no temporaries."""
+    existing = checkpoint.existing(str(ckpt))
+    ours = None  # the newest one's state, read once
+    for path in existing:
+        try:
+            ours = plain(path)
+            report.checkpoints_read.append(path.name)
+        except checkpoint.CheckpointError as exc:
+            ours = None
+            report.problems.append(f"checkpoint {path.name} does not read: {exc}")
+    left = [str(p) for p in processes.partials(ckpt)]
+    if left:
+        report.left["temporary_files"] = left
+        report.problems.append(f"temporary files left in {ckpt}: {', '.join(left[:3])}")
+    if not existing:
+        report.problems.append(f"no checkpoint in {ckpt} at the end")
+        return
+    if ours is None:  # the newest does not read: said above
+        return
+    reference = plain(final)
+    differs = difference(ours, reference)
+    report.final = {"checkpoint": str(existing[-1]), "reference": str(final), "equal": differs is None,
+                    "difference": differs}
+    if elastic:
+        _judge_elastic(report, ours, reference, tolerance)
+    elif differs:
+        struck = [s for s in report.strikes if s.get("phase")] or [{}]
+        last = struck[-1]
+        after = f" after fault {last['number']} ({last['fault']})" if last else ""
+        report.problems.append(f"the final checkpoint differs from the undisturbed run's{after}: {differs}")
+
+
+def _judge_elastic(report: Report, ours: dict, reference: dict, tolerance: float) -> None:
+    """The model within the tolerance (at whatever step the job's own end came: --epochs
+    takes more steps at a smaller world size)."""
+    gap = distance(ours["model"], reference["model"])
+    report.final.update(distance=gap, tolerance=tolerance, step=ours["step"], reference_step=reference["step"])
+    if gap > tolerance:
+        report.problems.append(
+            f"the final model is {gap:.3g} from the undisturbed run's (relative L2 distance of the weights), over "
+            f"the tolerance {tolerance} (--tolerance): {report.final['difference']}")
 
 
 def last_line(log: Path) -> str:
@@ -143,6 +200,21 @@ def world_size_changes(log: Path) -> list[dict]:
         return []
     return [{"from": int(m[1]), "to": int(m[2]), "step": int(m[3]), "seconds_lost": float(m[4])}
             for m in WORLD_SIZE_CHANGE.finditer(text)]
+
+
+def measure_goodput(report: Report, log_dir: Optional[str], ends: set, disturbed: float) -> None:
+    """Each fault's cost from the job's metrics in ``log_dir`` (faults named in ``ends`` end a job
+    or one of its attempts: a start follows them), and the run's, into the report."""
+    struck = [(s["number"], s["struck_wall"]) for s in report.strikes if s["fault"] in ends and s.get("struck_wall")]
+    costs = goodput.per_fault(goodput.records(log_dir), struck)
+    for strike in report.strikes:
+        cost = costs.get(strike["number"])
+        if cost and not strike.get("ended"):  # a start followed within the attempt: hvdkit launch's restart
+            strike["restarted_in_job"] = True
+        if cost and "steps_redone" in cost:
+            strike.update(at_step=cost["step_at_fault"], resumed_step=cost["went_on_from"],
+                          steps_redone=cost["steps_redone"], seconds_to_next_step=cost["seconds_to_next_step"])
+    report.goodput = goodput.summary(list(costs.values()), report.reference.get("seconds"), disturbed)
 
 
 def write_report(report: Report, path: Path) -> None:

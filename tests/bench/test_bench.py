@@ -144,6 +144,7 @@ def test_estimate_prints_each_link_and_world_size():
     (["checkpoint", "--params", "0"], "expected a count like 175M"),
     (["checkpoint", "--params", "1.5T"], "expected a count like 175M"),
     (["checkpoint", "--arms", "async,disk"], "unknown arm 'disk'; choose from sync, async, sharded, snapshot"),
+    (["goodput", "--arms", "torchrun"], "unknown arm 'torchrun'; choose from restarts, disk"),
 ])
 def test_bad_input_is_one_line(argv, message):
     proc = run(HVDKIT + argv, timeout=60)
@@ -393,6 +394,10 @@ def test_checkpoint_times_the_saves_in_the_training_thread_and_in_the_background
     assert [runs[impl][0]["checkpoints"]["saves"] for impl in table] == [0, 2, 2, 2, 2]
     assert [runs[impl][0]["checkpoints"]["background"] for impl in table] == [False, False, True, True, True]
     assert set(Path("/dev/shm").glob("hvdkit-snapshots-*")) == snapshots_before, "the snapshots outlived the run"
+    for impl in list(table)[1:]:  # against the run without saves of the same round
+        ratio = runs[impl][0]["steps_per_sec"] / runs["none"][0]["steps_per_sec"]
+        assert table[impl]["round_ratios"] == [round(ratio, 4)]
+        assert table[impl]["throughput_lost"] == pytest.approx(1 - ratio)
     sync, background = runs["sync"][0]["checkpoints"], runs["async"][0]["checkpoints"]
     assert sync["stall_seconds"] == pytest.approx(sync["write_seconds"], rel=0.05)  # the write is the stall
     assert record["stall_ratio"] == pytest.approx(table["async"]["stall_per_save"] / table["sync"]["stall_per_save"])
@@ -409,3 +414,21 @@ def test_world_size_is_spelled_either_way_everywhere(flag):
     assert parser().parse_args(["allreduce", flag, "2"]).np == 2
     assert parser().parse_args(["scaling", flag, "1,2"]).np_list == [1, 2]
     assert parser().parse_args(["checkpoint", flag, "3"]).np == 3
+
+
+def test_the_goodput_arms_run_one_job_differing_only_in_how_it_comes_back(tmp_path):
+    """Commands as data: each arm's rehearsal, built once (hvdkit.bench.goodput), golden here."""
+    from hvdkit.bench import goodput
+    from hvdkit.bench.cli import parser
+
+    args = parser().parse_args(["goodput", "--count", "4", "--seed", "7", "--steps", "60"])
+    train = ["hvdkit", "train", "--model", "mlp", "--dataset", "synthetic", "--image-size", "32", "--max-steps", "60",
+             "--checkpoint-steps", "20", "--warmup-epochs", "0", "--lr-schedule", "none", "--log-interval", "1",
+             "--checkpoint-dir", f"{tmp_path}/ckpt", "--log-dir", f"{tmp_path}/logs"]
+    assert goodput.arm_command("restarts", args, tmp_path / "ckpt", tmp_path / "logs") == [
+        "hvdkit", "launch", "-np", "3", "--max-restarts", "100", "--", *train, "--snapshot-steps", "1"]
+    assert goodput.arm_command("disk", args, tmp_path / "ckpt", tmp_path / "logs") == [
+        "hvdkit", "launch", "-np", "3", "--", *train]
+    assert goodput.rehearse_command("disk", args, tmp_path)[1:] == [
+        "-m", "hvdkit", "rehearse", "--hosts", "3", "--chaos", "4", "--chaos-seed", "7", "--faults", "kill", "--out",
+        f"{tmp_path}/rehearsal", "--", "hvdkit", "launch", "-np", "3", "--", *train]

@@ -72,6 +72,37 @@ def test_a_seed_gives_the_same_schedule_and_every_fault_before_any_twice():
     assert [s.step for s in first] == sorted(s.step for s in first) and {s.step for s in first} <= {10, 20, 30, 40}
 
 
+def test_each_fault_has_a_moment_between_checkpoints_and_the_writes_faults_none():
+    strikes = faults.plan(7, 30, list(faults.FAULTS), [10, 20, 30, 40, 50])
+    assert all(s.delay == 0.0 for s in strikes if s.fault in faults.AT_ONCE)
+    delays = [s.delay for s in strikes if s.fault not in faults.AT_ONCE]
+    assert all(0.0 <= d < faults.LATEST for d in delays) and len(set(delays)) == len(delays)
+    assert max(delays) > faults.LATEST / 2 > min(delays), "moments spread over the time between checkpoints"
+
+
+def test_a_faults_cost_is_read_from_the_jobs_metrics_across_its_restarts():
+    """Two starts after two faults (an in-job restart from a snapshot, then one from the checkpoint
+    of step 20), each report stamped with the wall time, as metrics.jsonl holds them; a stall rode
+    out (no start follows it before the end)."""
+    from hvdkit.rehearse import goodput
+
+    found = [{"event": "config", "log_interval": 1, "time": 100.0},
+             *({"event": "train", "step": s, "time": 100.0 + s} for s in range(1, 26)),
+             {"event": "config", "log_interval": 1, "time": 129.0},  # struck at 125.5: step 25 done
+             *({"event": "train", "step": s, "time": 110.0 + s} for s in range(25, 33)),
+             {"event": "config", "log_interval": 1, "time": 150.0},  # struck at 142.4: step 32 done
+             {"event": "train", "step": "bad"}, *({"event": "train", "step": s, "time": 135.0 + s}
+                                                 for s in range(21, 40))]
+    costs = goodput.per_fault(found, [(1, 125.5), (2, 142.4), (3, 180.0)])
+    assert costs == {1: {"seconds_to_next_step": 9.5, "step_at_fault": 25, "went_on_from": 24, "steps_redone": 1},
+                     2: {"seconds_to_next_step": 13.6, "step_at_fault": 32, "went_on_from": 20, "steps_redone": 12}}
+    total = goodput.summary(list(costs.values()), 40.0, 80.0)
+    assert total == {"faults_measured": 2, "mean_seconds_to_next_step": 11.55, "mean_steps_redone": 6.5,
+                     "effective_training_time_ratio": 0.5, "undisturbed_seconds": 40.0, "disturbed_seconds": 80.0}
+    coarse = [{**r, "log_interval": 10} if r.get("event") == "config" else r for r in found]
+    assert goodput.per_fault(coarse, [(1, 125.5)]) == {1: {"seconds_to_next_step": 9.5}}
+
+
 def test_states_are_compared_bitwise_and_the_first_difference_named():
     import torch
 

@@ -77,6 +77,10 @@ class Mapped:
 
     def __init__(self) -> None:
         self._maps: dict[Path, mmap.mmap] = {}
+        # Set by the writer for each save: called once the tensors are in the slot (they may
+        # change from then on), and what makes the rest of the state whole before it is written.
+        self.after_copy: Callable[[], None] = lambda: None
+        self.resolve: Callable[[object], object] = lambda structure: structure
 
     def pages(self, path: Path, size: int) -> mmap.mmap:
         """``path`` mapped, at least ``size`` bytes (the file grown where smaller)."""
@@ -112,9 +116,10 @@ def write(target: Path, state: dict, newest: Optional[Path], mapped: Mapped) -> 
     room = torch.frombuffer(pages, dtype=torch.uint8, count=size) if size else None
     for offset, data in tensors:
         room[offset:offset + data.numel()].copy_(data)
-    del room  # no view of the pages may outlive the mapping
+    del room, tensors  # no view of the pages may outlive the mapping; nor of the state
+    mapped.after_copy()
     digest = xxhash.xxh3_128(memoryview(pages)[:size]).hexdigest()
-    payload = pickle.dumps({"slot": slot, "size": size, "xxh3": digest, "state": structure},
+    payload = pickle.dumps({"slot": slot, "size": size, "xxh3": digest, "state": mapped.resolve(structure)},
                            protocol=pickle.HIGHEST_PROTOCOL)
     checksum = xxhash.xxh3_128(payload).hexdigest()
     wholefiles.write_whole(target, (MAGIC + checksum.encode() + b"\n", payload))

@@ -166,19 +166,18 @@ class Writer:
     def _write(self, directory: str, step: int, state: dict, commit: Callable, copies: list, ready) -> None:
         started = time.perf_counter()
         try:
-            try:
-                changed = _copy(copies)
-            finally:
-                self._staged.set()
-            if changed:
-                raise CheckpointError(
-                    f"checkpoint {path_for(directory, step)} not written: {changed} tensors of the weights or the "
-                    f"optimizer's state changed in place after the save and before the next optimizer step, while "
-                    f"being copied in the background; change them in the optimizer step, or save with "
-                    f"--no-async-checkpoint (async_checkpoint=False); the previous checkpoints are untouched")
+            if self.raw is None:
+                try:
+                    changed = _copy(copies)
+                finally:
+                    self._staged.set()
+                _refuse_changed(changed, directory, step)
+            else:  # the slot's copy is the only one: the update waits for it (slots.write calls back)
+                self.raw.after_copy = functools.partial(self._copied, copies, directory, step)
+                self.raw.resolve = _resolved
             if ready is not None:
                 ready.synchronize()  # the copies from the GPU, queued by _stage
-            commit(_resolved(state))
+            commit(state if self.raw is not None else _resolved(state))
             self._done.append({"step": step, "write_seconds": round(time.perf_counter() - started, 4),
                                "background": self.background})
         except BaseException as exc:  # noqa: B036 -- raised again in the training thread
@@ -187,12 +186,21 @@ class Writer:
             self._error = exc if isinstance(exc, CheckpointError) else CheckpointError(
                 f"cannot write checkpoint {path_for(directory, step)}: {exc}; the previous checkpoints are untouched")
         finally:
+            self._staged.set()
             self.writing += time.perf_counter() - started
+
+    def _copied(self, sources: list, directory: str, step: int) -> None:
+        """A raw save's tensors are in their slot: the update may change them now, unless one
+        changed while they were copied."""
+        changed = sum(source._version != version for _, source, version in sources)
+        self._staged.set()
+        _refuse_changed(changed, directory, step)
 
     def _stage(self, state: dict, deferred: set):
         """(a copy of ``state`` whose tensors are in host buffers kept for the next save, pinned
         for a GPU's; the copies left to the thread, of the host tensors in ``deferred`` (by
-        data_ptr), each with its version now; a CUDA event the writer waits for, or None). The
+        data_ptr), each with its version now (a raw save's: copied by the thread straight into
+        its slot, no buffer); a CUDA event the writer waits for, or None). The
         copies from a GPU are queued on the current stream, before anything the training does
         next to those tensors."""
         seen: dict = {}  # tensors that share memory stay shared in the copy
@@ -205,6 +213,10 @@ class Writer:
                 return value.detach().to("cpu", copy=True)
             key = (value.device, value.data_ptr(), value.dtype, tuple(value.shape), value.stride())
             if value.data_ptr() and key in seen:
+                return seen[key]
+            if value.data_ptr() in deferred and self.raw is not None:  # copied into its slot by the thread
+                copies.append((None, value.detach(), value._version))
+                seen[key] = value.detach()
                 return seen[key]
             buffer = self._buffers.get(place)
             if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
@@ -224,6 +236,15 @@ class Writer:
             ready = torch.cuda.Event()
             ready.record()
         return staged, copies, ready
+
+
+def _refuse_changed(changed: int, directory: str, step: int) -> None:
+    if changed:
+        raise CheckpointError(
+            f"checkpoint {path_for(directory, step)} not written: {changed} tensors of the weights or the "
+            f"optimizer's state changed in place after the save and before the next optimizer step, while "
+            f"being copied in the background; change them in the optimizer step, or save with "
+            f"--no-async-checkpoint (async_checkpoint=False); the previous checkpoints are untouched")
 
 
 def _copy(copies: list) -> int:

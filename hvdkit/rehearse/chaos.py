@@ -5,8 +5,10 @@ same command, bitwise.
 Each fault strikes at a moment the job's own files mark: once a checkpoint of step S or later
 has been written since the fault before (S drawn from the undisturbed run's checkpoint steps),
 or, for ``in-write``, once the write of such a checkpoint is under way (its temporary file is
-there). The schedule comes from the seed alone, so ``--chaos-seed S`` again strikes the same
-faults after the same checkpoints; where within a step they land is the machine's doing.
+there); then, but for ``in-write`` and ``disk-full``, a delay drawn with the schedule (a fraction
+of the undisturbed run's time between two checkpoints), so that faults land between checkpoints
+too. The schedule comes from the seed alone, so ``--chaos-seed S`` again strikes the same faults
+after the same checkpoints; where within a step they land is the machine's doing.
 
 What must hold, checked here and said in one line each otherwise: the job finishes; its final
 checkpoint equals the undisturbed run's in every tensor of the model and optimizer; no
@@ -137,8 +139,8 @@ class Chaos:
             self._undo()
             self.report.world_size_changes += verdict.world_size_changes(Path(attempt.log))
             mine = state["mine"]
-            for strike in mine:  # one ridden out is not what ended it, unless the last before a failure
-                if self._ends(strike.fault) or (attempt.code != 0 and strike is mine[-1]):
+            for strike in mine:  # one ridden out (or restarted within the job) is not what ended it
+                if attempt.code != 0 and (self._ends(strike.fault) or strike is mine[-1]):
                     strike.ended = {"code": attempt.code, "line": attempt.line}
             self._after(attempt, mine)
             previous = [s for s in mine if s.ended]

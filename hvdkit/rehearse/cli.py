@@ -305,11 +305,11 @@ def _chaos(args: argparse.Namespace, command: list[str], running: dict) -> int:
                 strikes = fault_menu.plan(seed, args.chaos, faults, report.reference["steps"])
                 say("chaos: the schedule: " + "; ".join(f"{s.number} {s.fault} at step {s.step}" for s in strikes)
                     + f" (again: --chaos-seed {seed})")
-                began_storm = time.monotonic()
+                began_storm, began_wall = time.monotonic(), time.time()
                 run.run(strikes, final, limit=2 * args.chaos + 3)
                 report.strikes = [dataclasses.asdict(s) for s in strikes]
                 ends = set() if elastic(command) else {f for f, fault in fault_menu.FAULTS.items() if fault.ends}
-                verdict.measure_goodput(report, fault_menu.command_option(command, "--log-dir"), ends,
+                verdict.measure_goodput(report, fault_menu.command_option(command, "--log-dir"), ends, began_wall,
                                         time.monotonic() - began_storm)
                 verdict.judge(report, ckpt, final, run.elastic, run.tolerance)
     except Stopped as exc:

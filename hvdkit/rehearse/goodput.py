@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 
-def records(log_dir: Optional[str]) -> list[dict]:
-    """The job's metrics.jsonl records, in order; none where it wrote none."""
+def records(log_dir: Optional[str], since: float = 0.0) -> list[dict]:
+    """The job's metrics.jsonl records stamped ``since`` (wall time) or later, in order (an
+    undisturbed run before wrote there too); none where it wrote none."""
     if not log_dir:
         return []
     path = Path(log_dir) / "metrics.jsonl"
@@ -25,9 +26,11 @@ def records(log_dir: Optional[str]) -> list[dict]:
     found = []
     for line in lines:
         try:
-            found.append(json.loads(line))
+            record = json.loads(line)
         except ValueError:  # a line cut by a kill
             continue
+        if isinstance(record, dict) and record.get("time", 0.0) >= since:
+            found.append(record)
     return found
 
 

@@ -202,11 +202,12 @@ def world_size_changes(log: Path) -> list[dict]:
             for m in WORLD_SIZE_CHANGE.finditer(text)]
 
 
-def measure_goodput(report: Report, log_dir: Optional[str], ends: set, disturbed: float) -> None:
-    """Each fault's cost from the job's metrics in ``log_dir`` (faults named in ``ends`` end a job
-    or one of its attempts: a start follows them), and the run's, into the report."""
+def measure_goodput(report: Report, log_dir: Optional[str], ends: set, began: float, disturbed: float) -> None:
+    """Each fault's cost from the job's metrics in ``log_dir`` since ``began`` (wall time: the
+    undisturbed run wrote there before; faults named in ``ends`` end a job or one of its
+    attempts: a start follows them), and the run's, into the report."""
     struck = [(s["number"], s["struck_wall"]) for s in report.strikes if s["fault"] in ends and s.get("struck_wall")]
-    costs = goodput.per_fault(goodput.records(log_dir), struck)
+    costs = goodput.per_fault(goodput.records(log_dir, began), struck)
     for strike in report.strikes:
         cost = costs.get(strike["number"])
         if cost and not strike.get("ended"):  # a start followed within the attempt: hvdkit launch's restart

@@ -295,7 +295,7 @@ def checkpoint_compare(args: argparse.Namespace) -> int:
         raise BenchError("checkpoint launches its own ranks: run it without a launcher, with -np N")
     arms = args.arms
     runs: dict[str, list[dict]] = {impl: [] for impl in arms}
-    what = (f"{args.params / 1e6:.0f}M parameters" if args.model == "linear" else args.model)
+    what = "linear layers" if args.model == "linear" else args.model
     for round_index in range(args.repeats):
         for impl in arms if round_index % 2 == 0 else arms[::-1]:
             print(f"== {impl}: np={args.np}, {what}, a save every {args.checkpoint_every} steps "

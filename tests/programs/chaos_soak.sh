@@ -1,8 +1,8 @@
 #!/bin/sh
-# The chaos soak of docs/rehearse.md#the-chaos-soak: nine `hvdkit rehearse --chaos` runs, 51 faults
-# over the whole menu, on 2 and 3 hosts, under hvdkit launch, plain horovodrun (Gloo and MPI) and
-# mpirun, with `hvdkit train` and a Session loop (tests/programs/chaos_loop.py), the last an
-# elastic job. Each run's report and attempts' output go to OUT/<run>/; a line per run and the
+# The chaos soak of docs/rehearse.md#the-chaos-soak: eleven `hvdkit rehearse --chaos` runs, 65
+# faults over the whole menu, on 2 and 3 hosts, under hvdkit launch (two with in-job restarts and
+# snapshots in host memory), plain horovodrun (Gloo and MPI) and mpirun, with `hvdkit train` and a
+# Session loop (tests/programs/chaos_loop.py), one an elastic job. Each run's report and attempts' output go to OUT/<run>/; a line per run and the
 # total time to OUT/soak.txt.
 #
 #   sh tests/programs/chaos_soak.sh OUT [SEED]     (as root, from the repository, its venv active)
@@ -40,4 +40,8 @@ soak mpi-train-2 2 5 "horovodrun --mpi -np 2 -H \$HVDKIT_HOSTS $TRAIN --checkpoi
 soak gloo-loop-3 3 5 "horovodrun --gloo -np 3 -H \$HVDKIT_HOSTS $LOOP"
 soak elastic-train-3 3 5 "hvdkit launch -np 3 --min-np 1 --max-np 3 --blacklist-cooldown-range 3 5 \
 --host-discovery-script hvdkit-discover-hosts -- $TRAIN --elastic --lr 0.005 --checkpoint-dir \$HVDKIT_CHECKPOINT_DIR"
+soak restarts-train-2 2 7 "hvdkit launch -np 2 --max-restarts 3 -- $TRAIN --snapshot-steps 1 \
+--checkpoint-dir \$HVDKIT_CHECKPOINT_DIR"
+soak restarts-train-3 3 7 "hvdkit launch -np 3 --max-restarts 3 -- $TRAIN --snapshot-steps 1 \
+--checkpoint-dir \$HVDKIT_CHECKPOINT_DIR"
 echo "total: $(( $(date +%s) - began )) s" | tee -a "$OUT/soak.txt"

@@ -203,6 +203,26 @@ def test_soak_seed_101_at_three_hosts_ends_bitwise_as_its_undisturbed_run(tmp_pa
     assert preempt["ended"]["line"].startswith(f"hvdkit launch: stopped by {preempt['signal']} at step ")
 
 
+@pytest.mark.slow
+def test_in_job_restarts_with_snapshots_go_on_from_the_step_each_kill_at_a_random_moment_found(tmp_path):
+    """hvdkit launch --max-restarts with a snapshot every step on 2 hosts, three kills at random
+    moments between checkpoints: each restarted within the one attempt, going on from the step it
+    found (at most one redone, from the job's own step reports), bitwise at the end, no snapshot
+    left in host memory."""
+    require_namespaces()
+    every_step = [*TRAIN[:TRAIN.index("--log-interval")], "--log-interval", "1", "--log-dir", str(tmp_path / "logs")]
+    code, err, report = _chaos(tmp_path, "restarts", 12, "kill", lambda ckpt: [
+        "hvdkit", "launch", "-np", "2", "--max-restarts", "5", "--", *every_step, "--snapshot-steps", "1",
+        "--checkpoint-dir", str(ckpt)], count=3)
+    assert code == 0, err[-4000:]
+    assert report["final"]["equal"] and report["problems"] == [] and report["left"] == {}, report
+    assert [a["number"] for a in report["attempts"]] == [0, 1], "no requeue: every kill restarted in the job"
+    measured = [s for s in report["strikes"] if s.get("seconds_to_next_step") is not None]
+    assert len(measured) >= 2, report["strikes"]  # a kill as the job ends is followed by no step
+    assert all(s["restarted_in_job"] and s["steps_redone"] <= 1 for s in measured), measured
+    assert report["goodput"]["faults_measured"] == len(measured) and "goodput: " in err
+
+
 @pytest.fixture(scope="module")
 def loop_run(tmp_path_factory):
     """A Session loop under plain horovodrun --mpi through a partition, a slow link and a lost host:

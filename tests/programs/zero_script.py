@@ -48,10 +48,10 @@ def main() -> None:
 
         write_main = checkpoint_writer.save
 
-        def killed_before_the_main_file(directory, step, state, keep):
+        def killed_before_the_main_file(directory, step, state, keep, *rest):
             if step == args.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
-            return write_main(directory, step, state, keep)
+            return write_main(directory, step, state, keep, *rest)
         checkpoint_writer.save = killed_before_the_main_file
 
     session = hvdkit.Session()

@@ -40,22 +40,23 @@ def _np_list(text: str) -> list[int]:
     return sorted(set(_world_sizes(text)))
 
 
-def _compare_list(text: str) -> list[str]:
-    names = [part.strip() for part in text.split(",") if part.strip()]
-    unknown = [n for n in names if n not in SYNTHETIC_IMPLS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown implementation {', '.join(unknown) or text!r}; "
-                                         f"choose from {', '.join(SYNTHETIC_IMPLS)}")
-    return names
+def _names(allowed: Sequence[str], what: str):
+    """An argument type: a comma-separated list of names out of ``allowed``, each unknown one said."""
+    def parse(text: str) -> list[str]:
+        names = [part.strip() for part in text.split(",") if part.strip()]
+        unknown = [n for n in names if n not in allowed]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(map(repr, unknown)) or repr(text)}; "
+                                             f"choose from {', '.join(allowed)}")
+        return names
+    return parse
+
+
+_compare_list = _names(SYNTHETIC_IMPLS, "implementation")
 
 
 def _checkpoint_arms(text: str) -> list[str]:
-    names = [part.strip() for part in text.split(",") if part.strip()]
-    unknown = [n for n in names if n not in CHECKPOINT_IMPLS[1:]]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown arm {', '.join(map(repr, unknown)) or repr(text)}; "
-                                         f"choose from {', '.join(CHECKPOINT_IMPLS[1:])}")
-    return ["none", *names]
+    return ["none", *_names(CHECKPOINT_IMPLS[1:], "arm")(text)]
 
 
 def _knob(text: str) -> tuple[str, str]:
@@ -210,7 +211,7 @@ def parser() -> argparse.ArgumentParser:
     good.add_argument("--count", dest="faults_count", type=positive, default=10,
                       help="faults in the storm (default 10)")
     good.add_argument("--seed", type=int, default=2026, help="the storm's seed (default 2026)")
-    good.add_argument("--arms", type=goodput.arms, default=list(goodput.ARMS), metavar="ARM[,ARM]",
+    good.add_argument("--arms", type=_names(goodput.ARMS, "arm"), default=list(goodput.ARMS), metavar="ARM[,ARM]",
                       help=f"{', '.join(goodput.ARMS)} (default both)")
     good.add_argument("--model", default="mlp", help="a built-in model (default mlp)")
     good.add_argument("--image-size", type=positive, default=32, help="side of the synthetic images (default 32)")

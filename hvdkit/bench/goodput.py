@@ -14,7 +14,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Sequence
 
 from hvdkit.bench.drivers import out_dir
 from hvdkit.bench.figures import BenchError
@@ -95,12 +94,3 @@ def _row(report: dict) -> dict:
 
 def _text(value) -> str:
     return "-" if value is None else f"{value:g}"
-
-
-def arms(text: str) -> Sequence[str]:
-    names = [part.strip() for part in text.split(",") if part.strip()]
-    unknown = [n for n in names if n not in ARMS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown arm {', '.join(map(repr, unknown)) or repr(text)}; "
-                                         f"choose from {', '.join(ARMS)}")
-    return names

@@ -139,9 +139,9 @@ class Chaos:
             self._undo()
             self.report.world_size_changes += verdict.world_size_changes(Path(attempt.log))
             mine = state["mine"]
-            for strike in mine:  # one ridden out (or restarted within the job) is not what ended it
-                if attempt.code != 0 and (self._ends(strike.fault) or strike is mine[-1]):
-                    strike.ended = {"code": attempt.code, "line": attempt.line}
+            if attempt.code != 0 and mine:  # the last that ends a job ended it: those before were ridden
+                enders = [s for s in mine if self._ends(s.fault)]  # out, or restarted within the job
+                (enders or mine)[-1].ended = {"code": attempt.code, "line": attempt.line}
             self._after(attempt, mine)
             previous = [s for s in mine if s.ended]
             if "signal" in self.running:

@@ -14,8 +14,8 @@ import functools
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -41,7 +41,7 @@ class Later:
     def __init__(self, resolve: Callable[[], object]) -> None:
         self.resolve = resolve
 
-    def __deepcopy__(self, memo: dict) -> Later:
+    def __deepcopy__(self, memo: dict) -> "Later":
         return self
 
 
@@ -50,7 +50,7 @@ def _resolved(state: dict) -> dict:
                    lambda leaf, place: leaf.resolve() if isinstance(leaf, Later) else leaf)
 
 
-def save(directory: str, step: int, state: dict, keep: int, raw: slots.Mapped | None = None) -> Path:
+def save(directory: str, step: int, state: dict, keep: int, raw: Optional[slots.Mapped] = None) -> Path:
     """Write ``state`` as the checkpoint of ``step`` atomically, then keep only the newest ``keep``
     (and the shard folders of those; a sharded save killed part-way left one of no checkpoint).
     ``raw``: in slots (format.write)."""
@@ -76,18 +76,18 @@ class Writer:
         self.background, self.raw = background, slots.Mapped() if raw else None
         self.saves, self.waits = 0, 0
         self.stall, self.writing = 0.0, 0.0  # seconds
-        self._thread: threading.Thread | None = None
+        self._thread: Optional[threading.Thread] = None
         self._staged = threading.Event()  # the thread has copied what the next update changes
         self._staged.set()
         self._stalls: dict[int, float] = {}  # step -> what its save held the caller, until take_done()
         self._step = -1  # the step of the save in flight
-        self._error: BaseException | None = None
+        self._error: Optional[BaseException] = None
         self._buffers: dict = {}  # host copies of the state's tensors, by their place in it
         self._done: list[dict] = []  # the saves written since take_done(), appended by the thread
         self._ending = threading.Event()  # the job ends: a main file waits no longer for parts
 
-    def save(self, directory: str, step: int, state: dict | None, keep: int, deferred: Iterable[torch.Tensor] = (),
-             part: tuple[str, dict] | None = None, parts: Sequence[str] = ()) -> Path:
+    def save(self, directory: str, step: int, state: Optional[dict], keep: int, deferred: Iterable[torch.Tensor] = (),
+             part: Optional[tuple[str, dict]] = None, parts: Sequence[str] = ()) -> Path:
         """Checkpoint ``step``: ``state`` is the main file (rank 0's; None on the other ranks of a
         parted save), ``part`` this rank's part (its file name, its state), ``parts`` the other
         ranks' part files, which the main file waits for (checkpoint.parts). Written when this
@@ -257,8 +257,8 @@ def _copy(copies: list) -> int:
     return changed
 
 
-def _commit(directory: str, step: int, keep: int, part: str | None, parts: Sequence[str],
-            ending: threading.Event, raw: slots.Mapped | None, files: dict) -> None:
+def _commit(directory: str, step: int, keep: int, part: Optional[str], parts: Sequence[str],
+            ending: threading.Event, raw: Optional[slots.Mapped], files: dict) -> None:
     """Write a save: this rank's part, then (rank 0) the main file, once the other ranks' parts
     are durable, naming every part with its checksum."""
     main = path_for(directory, step)

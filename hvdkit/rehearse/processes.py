@@ -5,6 +5,7 @@ memory (hvdkit.rehearse.chaos)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from hvdkit import checkpoint
 from hvdkit.env import RANK_VARIABLES
@@ -39,7 +40,7 @@ def ranks(hosts: Hosts) -> dict[int, tuple]:
     return found
 
 
-def _rank_of(process) -> int | None:
+def _rank_of(process) -> Optional[int]:
     environ = process.environ()
     for variable in RANK_VARIABLES:
         if variable in environ:
@@ -74,7 +75,7 @@ def partials(directory: Path) -> list[Path]:
     return sorted(p for p in directory.rglob(f"*{wholefiles.PARTIAL}"))
 
 
-def step_of_partial(path: Path) -> int | None:
+def step_of_partial(path: Path) -> Optional[int]:
     """The step a temporary file belongs to: its own name's, or its shard folder's."""
     step = checkpoint.step_in(path.name)
     return step if step is not None else checkpoint.step_in(path.parent.name)

@@ -71,7 +71,7 @@ class RunCheckpoints:
         # host's local rank 0 writing its own copy, in the background beside the checkpoints'.
         self.snapshot_dir = os.environ.get(job.SNAPSHOTS) if cfg.snapshot_steps else None
         self.snapshots = checkpoint.Writer(background=True, raw=True)
-        self._rng_gather = None  # the last snapshot's RNG gather, on ranks that write no snapshot
+        self._rng_gathers: list = []  # RNG gathers in flight, on ranks that write no snapshot
         self.last_write = 0.0  # seconds the newest written checkpoint took to write (rank 0)
         self._warned = False
 
@@ -285,12 +285,11 @@ class RunCheckpoints:
         writes). No host sync and no wait on other ranks in the step: the copy from a GPU is
         queued, as a background checkpoint's is, and every rank's RNG state is gathered by a
         collective left in flight, which the snapshot's writing thread waits for."""
-        self._settle_rng()
-        self._rng_gather = self.hvd.allgather_async(_packed(rng_state()),
-                                                    name=f"hvdkit.snapshot.rng.{self.state.global_step}")
+        self._settle_rng(wait=False)
+        handle = self.hvd.allgather_async(_packed(rng_state()), name=f"hvdkit.snapshot.rng.{self.state.global_step}")
         if self.hvd.local_rank() != 0:
+            self._rng_gathers.append(handle)
             return
-        handle, self._rng_gather = self._rng_gather, None
         rng = checkpoint.Later(lambda: _unpacked(self.hvd.synchronize(handle)))
         if not self.snapshots.saves:
             self._check_room()
@@ -311,11 +310,13 @@ class RunCheckpoints:
             error.said_by_its_rank = self.hvd.rank() != 0
             raise error
 
-    def _settle_rng(self) -> None:
-        """This rank's part in the last snapshot's RNG gather, if it has no writer to wait for it."""
-        if self._rng_gather is not None:
-            self.hvd.synchronize(self._rng_gather)
-            self._rng_gather = None
+    def _settle_rng(self, wait: bool = True) -> None:
+        """The RNG gathers of a rank that writes no snapshot: those done are taken, without a wait
+        in the step (``wait``: all of them, at the run's end)."""
+        done = [h for h in self._rng_gathers if wait or self.hvd.poll(h)]
+        for handle in done:
+            self.hvd.synchronize(handle)
+        self._rng_gathers = [h for h in self._rng_gathers if h not in done]
 
     def drop_snapshots(self) -> None:
         """The run ended (finished or stopped): its snapshots go (each host's local rank 0)."""

@@ -16,10 +16,10 @@ SCRIPT = str(REPO / "tests" / "programs" / "sync_audit_script.py")
 pytestmark = pytest.mark.slow
 
 
-def audited(shape: str, layers: int = 2, in_flight: str = "1") -> dict:
+def audited(shape: str, layers: int = 2, in_flight: str = "1", **extra: str) -> dict:
     """ZeRO keeps its collectives in flight on GPUs only (docs/zero.md): ``in_flight`` "1" makes
     it do so here too, so that the GPU's policy is what is counted."""
-    env = {**os.environ, IN_FLIGHT_VARIABLE: in_flight}
+    env = {**os.environ, IN_FLIGHT_VARIABLE: in_flight, **extra}
     proc = run(planner.local_command("horovodrun --gloo", 2, [sys.executable, SCRIPT, shape, str(layers)]), env=env,
                timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -60,6 +60,18 @@ def test_a_steady_step_of_distributed_optimizer_reads_nothing_and_waits_once(sha
     # the straggler rule works on that read (rank/stragglers.py reads nothing of its own).
     reads = by_module(result["report_step"]["reads"])
     assert reads.get("rank/reports.py") == 1 and "rank/stragglers.py" not in reads, result["report_step"]
+
+
+def test_a_snapshot_every_step_adds_no_read_and_no_wait_to_the_step(tmp_path):
+    """Every rank's RNG state is gathered by a collective the snapshot's writing thread waits for,
+    and a rank that writes none takes its gathers once done: the training thread waits only for
+    the gradients, as without snapshots."""
+    result = audited("snapshot", HVDKIT_SNAPSHOT_DIR=str(tmp_path / "snapshots"))
+    steps = result["steps"]
+    assert [(step["reads"], step["cuda_syncs"]) for step in steps] == [({}, 0)] * len(steps), steps
+    assert [step["waits"] for step in steps] == [1] * len(steps), steps
+    assert [host_reads(step) for step in steps] == [{"rank/lockstep.py": 1}] * len(steps), steps
+    assert not (tmp_path / "snapshots").exists(), "the run's snapshots go at its end"
 
 
 @pytest.mark.parametrize("stage", [1, 2])

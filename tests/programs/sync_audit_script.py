@@ -5,7 +5,9 @@ Shapes: trainer (the Trainer's step and its loop's calls: train_step, report_due
 session (the README's own loop), amp (the own loop with fp16 loss scaling: the Session's
 GradScaler is made for CUDA, so on a CPU a CPU GradScaler stands in for it; its found_inf and
 unscale kernels are the same calls), zero1 and zero2 (the own loop with the sharded optimizer
-and Adam), each optimizer fused as the Session makes it on a GPU. LAYERS: hidden 1024x1024
+and Adam), snapshot (the own loop with a snapshot in host memory every step, into the folder
+HVDKIT_SNAPSHOT_DIR names, as hvdkit launch --max-restarts does), each optimizer fused as the
+Session makes it on a GPU. LAYERS: hidden 1024x1024
 layers of the MLP, about half a ZeRO bucket each. On a GPU
 (`make gpu-check`) the audited steps also run under torch.cuda.set_sync_debug_mode("warn"), whose
 warnings, one per synchronizing CUDA call, are counted per step. Then one more step and a report:
@@ -13,6 +15,7 @@ the step where the non-finite flags of all the steps before are read, once.
 """
 
 import json
+import os
 import sys
 import warnings
 
@@ -29,8 +32,10 @@ WARMUP, AUDITED = 3, 10
 def main() -> None:
     shape, layers = sys.argv[1], int(sys.argv[2])
     zero = {"zero1": 1, "zero2": 2}.get(shape, 0)
+    snapshots = {"checkpoint_dir": os.path.join(os.environ["HVDKIT_SNAPSHOT_DIR"], "ckpt"),
+                 "snapshot_steps": 1} if shape == "snapshot" else {}
     session = hvdkit.Session(batch_size=8, log_interval=10_000, check_consistency_steps=0, logger="none",
-                             zero=zero, amp=shape == "amp", seed=0)
+                             zero=zero, amp=shape == "amp", seed=0, **snapshots)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 1024), torch.nn.ReLU(),
                                 *[torch.nn.Linear(1024, 1024) for _ in range(layers)], torch.nn.Linear(1024, 10))

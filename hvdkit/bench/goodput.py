@@ -1,7 +1,9 @@
 """`hvdkit bench goodput`: one storm of faults at random moments (`hvdkit rehearse --chaos`, on
 namespace hosts, one seed) against each way of coming back from them, side by side: hvdkit with
 in-job restarts and snapshots in host memory (``restarts``), and hvdkit restarted from its disk
-checkpoints as a scheduler requeues a job (``disk``). Each arm's report holds, per fault, the
+checkpoints as a scheduler requeues a job (``disk``), and torch DistributedDataParallel under
+``torchrun --max-restarts`` with the same checkpoint interval (``torchrun``: the peer users would
+pick; hvdkit.bench.ddp_job). Each arm's report holds, per fault, the
 seconds until the next trained step and the steps redone, and the effective training time ratio
 (undisturbed seconds / disturbed seconds); the arms' undisturbed runs are timed each in its own
 rehearsal."""
@@ -19,7 +21,7 @@ from hvdkit.bench.drivers import out_dir
 from hvdkit.bench.figures import BenchError
 from hvdkit.system import wholefiles
 
-ARMS = ("restarts", "disk")
+ARMS = ("restarts", "disk", "torchrun")
 RESTARTS = 100  # --max-restarts of the restarts arm: more than any storm here strikes
 
 
@@ -33,6 +35,11 @@ def train_command(args: argparse.Namespace, ckpt: Path, logs: Path) -> list[str]
 
 def arm_command(arm: str, args: argparse.Namespace, ckpt: Path, logs: Path) -> list[str]:
     """What the rehearsal runs on node0 for ``arm``."""
+    if arm == "torchrun":
+        return [sys.executable, "-m", "hvdkit.bench.ddp_job", "launch", "--nodes", str(args.np), "--max-restarts",
+                str(RESTARTS), "--", "--model", args.model, "--image-size", str(args.image_size), "--max-steps",
+                str(args.steps), "--checkpoint-steps", str(args.checkpoint_steps), "--checkpoint-dir", str(ckpt),
+                "--log-dir", str(logs)]
     train = train_command(args, ckpt, logs)
     if arm == "restarts":
         return ["hvdkit", "launch", "-np", str(args.np), "--max-restarts", str(RESTARTS), "--", *train,

@@ -7,9 +7,11 @@ when there are several (hvdkit.checks.hosts, what `hvdkit doctor -H` checks), an
 
 from __future__ import annotations
 
+import argparse
 import os
+import subprocess
 import sys
-from typing import Mapping, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 from hvdkit import job
 from hvdkit.checks import hosts as compare
@@ -18,13 +20,16 @@ from hvdkit.launch.hostfile import (
     Host,
     LaunchError,
     format_hostfile,
+    host_list,
     parse_hosts,
     read_hostfile,
     slurm_hosts,
 )
 from hvdkit.launch.mpi import find_program, mpirun_version
 from hvdkit.launch.network import Network, NetworkError, remote_hosts, routable_network
-from hvdkit.launch.planner import check_command, local_slots, parser, plan
+from hvdkit.launch.planner import Plan, check_command, local_slots, parser, plan
+
+REMOVE_SECONDS = 15  # ssh's connect timeout (5 s) and the removal
 
 
 def main(argv: Sequence[str]) -> int:
@@ -58,7 +63,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"hvdkit launch: {exc}", file=sys.stderr)
         return job.BAD_INPUT
     if watched and not args.no_preflight:
-        refused = preflight(result.hosts, os.environ, args.oversubscribe, args.verbose)
+        refused = preflight(result.hosts + result.spares, os.environ, args.oversubscribe, args.verbose)
         if refused:
             return refused
     if args.dry_run or args.verbose:
@@ -68,10 +73,45 @@ def main(argv: Sequence[str]) -> int:
         print(result.render(), flush=True)
         if args.dry_run:
             return 0
-    hosts = ",".join(f"{host.name}:{host.slots}" for host in result.hosts) or "this machine"
-    return restarts.run(lambda extra: supervise.attempt(result.command, dict(os.environ, **result.env, **extra),
-                                                        result.tagged, watched, result.ranks),
-                        args.max_restarts, hosts)
+    plans = {frozenset(): result}
+
+    def without(lost: frozenset) -> Plan:
+        """The plan on the hosts given less those lost: spares take their ranks (LaunchError where
+        too few slots are left)."""
+        if lost not in plans:
+            left = [host for host in result.hosts + result.spares if host.name not in lost]
+            if not left:
+                raise LaunchError("no host is left")
+            replanned = argparse.Namespace(**{**vars(args), "hosts": host_list(left), "hostfile": None})
+            plans[lost] = plan(replanned, command, os.environ, find_program, mpirun_version, os.geteuid() == 0,
+                               local_slots(), launcher_args, network=routable_network)
+        return plans[lost]
+
+    def start(extra: Mapping[str, str], lost: frozenset) -> supervise.Ended:
+        chosen = without(lost)
+        return supervise.attempt(chosen.command, dict(os.environ, **chosen.env, **extra), chosen.tagged,
+                                 remote_hosts(chosen.watch), chosen.ranks)
+
+    return restarts.run(start, args.max_restarts, lambda lost: _where(without(lost)),
+                        lambda place, lost: remove_elsewhere(
+                            place, remote_hosts([h.name for h in result.hosts + result.spares]).keys() - lost))
+
+
+def _where(result: Plan) -> str:
+    return ",".join(f"{host.name}:{host.slots}" for host in result.hosts) or "this machine"
+
+
+def remove_elsewhere(place: str, hosts: Iterable[str]) -> None:
+    """Remove ``place`` on each of ``hosts`` (ssh, as the launchers go there), all at once; a host
+    that does not answer within ssh's connect timeout keeps it."""
+    removals = [subprocess.Popen(compare.ssh_command(host, ["rm", "-rf", place]), stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for host in sorted(hosts)]
+    for removal in removals:
+        try:
+            removal.wait(timeout=REMOVE_SECONDS)
+        except subprocess.TimeoutExpired:
+            removal.kill()
+            removal.wait()
 
 
 def preflight(hosts: Sequence[Host], environ: Mapping[str, str], oversubscribe: bool, verbose: bool) -> int:

@@ -99,6 +99,18 @@ def several(hosts: Optional[Sequence[Host]]) -> bool:
     return hosts is not None and len({h.name for h in hosts}) > 1
 
 
+def needed(hosts: Sequence[Host], np: int) -> tuple[list[Host], list[Host]]:
+    """(the hosts whose slots, filled in order, take ``np`` ranks; the rest: spares, which a
+    restart takes in place of a lost host). All are needed where their slots are too few."""
+    used, slots = [], 0
+    for host in hosts:
+        if slots >= np:
+            break
+        used.append(host)
+        slots += host.slots
+    return used, list(hosts[len(used):])
+
+
 def ranks_by_host(hosts: Sequence[Host], np: int) -> dict[str, list[int]]:
     """The ranks each host runs when the launcher fills the hosts' slots in order (mpirun's
     default by-slot mapping, and horovodrun's): to name the ranks a lost host took with it."""

@@ -97,7 +97,7 @@ def answers(address: str, port: int = PROBE_PORT, timeout: float = PROBE_SECONDS
 
 class HostWatch:
     """Probes each remote host every ``every`` seconds from a thread; ``lost`` holds the first
-    line naming a host that has not answered for ``lost_after`` seconds."""
+    line naming a host that has not answered for ``lost_after`` seconds, ``lost_host`` its name."""
 
     def __init__(self, hosts: dict[str, str], lost_after: float = LOST_SECONDS,
                  probe: Callable[[str], bool] = answers, every: float = PROBE_SECONDS,
@@ -105,6 +105,7 @@ class HostWatch:
         self.hosts, self.lost_after, self.probe, self.every = hosts, lost_after, probe, every
         self.ranks = ranks or {}
         self.lost: Optional[str] = None
+        self.lost_host = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hvdkit-hostwatch", daemon=True)
         if hosts:
@@ -117,6 +118,7 @@ class HostWatch:
                 if self.probe(address):
                     last_answer[name] = time.monotonic()
                 elif time.monotonic() - last_answer[name] >= self.lost_after:
+                    self.lost_host = name
                     self.lost = (f"host {name} ({self._where(name)}) has not answered on the network for "
                                  f"{time.monotonic() - last_answer[name]:.0f} s; ending the job")
                     return
@@ -135,6 +137,7 @@ class HostWatch:
         self.stop()
         for name, address in self.hosts.items():
             if not self.probe(address):
+                self.lost_host = name
                 self.lost = (f"host {name} ({self._where(name)}) does not answer on the network; "
                              f"the job ended without it")
                 break

@@ -32,6 +32,7 @@ from hvdkit.launch.hostfile import (
     Host,
     LaunchError,
     host_list,
+    needed,
     parse_hosts,
     ranks_by_host,
     read_hostfile,
@@ -136,7 +137,8 @@ class Plan:
     notes: list = field(default_factory=list)
     tagged: bool = False  # output tagged per chunk with the rank ([1,0]<stdout>:), joined into lines
     ranks: dict = field(default_factory=dict)  # {host: the ranks it runs}, to name them when it is lost
-    hosts: list = field(default_factory=list)  # the listed hosts (-H, --hostfile, a rehearsal), compared first
+    hosts: list = field(default_factory=list)  # the listed hosts (-H, --hostfile, a rehearsal) the ranks run on
+    spares: list = field(default_factory=list)  # listed beyond -np's need: a restart's in place of a lost host
 
     @property
     def watch(self) -> list[str]:
@@ -176,6 +178,9 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
         raise LaunchError("srun: not inside a Slurm allocation (run under salloc or sbatch, or pick another launcher)")
     hosts, listed, where = _hosts(given, args, launcher, environ, is_elastic)
     reason += where
+    spares = []
+    if listed and hosts and not args.oversubscribe:
+        hosts, spares = needed(hosts, args.np)
 
     spec = LaunchSpec(np=args.np, command=list(command), hosts=hosts, hostfile=args.hostfile,
                       controller=args.controller, set_env=set_env, oversubscribe=args.oversubscribe,
@@ -188,13 +193,21 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
         if args.controller != "gloo" and listed and several(hosts):
             env.update(data_path({**environ, **set_env}))
-        return Plan(launcher, reason, horovodrun_command(spec), env, tagged=True, ranks=placed,
-                    hosts=hosts if listed else [])
+        return _spared(Plan(launcher, reason, horovodrun_command(spec), env, tagged=True, ranks=placed,
+                            hosts=hosts if listed else []), spares)
     if launcher == "srun":
         return Plan(launcher, reason, srun_command(spec), {})
     launch_side = [job.JOB_DIR, job.RESTART, job.SNAPSHOTS] if supervised else []  # what hvdkit launch sets
-    return _mpirun_plan(spec, reason, mpi_version(program), oversubscribed, environ, network,
-                        [*extra, *launch_side], placed, hosts if listed else [])
+    return _spared(_mpirun_plan(spec, reason, mpi_version(program), oversubscribed, environ, network,
+                                [*extra, *launch_side], placed, hosts if listed else []), spares)
+
+
+def _spared(result: Plan, spares: list) -> Plan:
+    if spares:
+        result.spares = spares
+        result.notes.append(f"spare hosts: {host_list(spares)} (beyond -np's need; with --max-restarts, a "
+                            f"restart runs on them in place of a lost host)")
+    return result
 
 
 def _variables(items: Sequence[str]) -> tuple[dict, list]:

@@ -2,7 +2,9 @@
 failed (a rank died or was killed, the job stalled past ``--stall-timeout``, a host stopped
 answering, a rank failed) is ended whole and started again at the same world size, up to N
 times; its ranks resume from the newest checkpoint, as a rerun by hand would. Each restart is one
-line: what ended the attempt, ``restart k of N``, on which hosts.
+line: what ended the attempt, ``restart k of N``, on which hosts. A host that stopped answering is
+left out of the restarts after it: the hosts listed beyond -np's need (spares) take its ranks;
+where none is left, the job ends with its line.
 
 A stop is not a failure: a signal to hvdkit launch, or a stop a rank recorded (a preemption,
 SIGTERM from the scheduler) checkpoints and exits as without restarts. Neither is bad input, nor a
@@ -14,7 +16,6 @@ newer than the newest checkpoint), which a restart resumes from and which go whe
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 from hvdkit import job
+from hvdkit.launch.hostfile import LaunchError
 from hvdkit.launch.supervise import FORWARDED, Ended
 from hvdkit.system.sighandlers import Handlers
 
@@ -52,36 +54,51 @@ def snapshot_place() -> str:
     return str(Path(SHM if os.path.isdir(SHM) else tempfile.gettempdir()) / f"{SNAPSHOT_PREFIX}{uuid.uuid4().hex}")
 
 
-@contextlib.contextmanager
-def _removed(place: Optional[str]):
-    """This host's snapshots go when the job ends (the ranks remove theirs when their run ends)."""
-    try:
-        yield
-    finally:
-        if place:
-            shutil.rmtree(place, ignore_errors=True)
-
-
-def run(start: Callable[[Mapping[str, str]], Ended], max_restarts: int, hosts: str) -> int:
-    """Start the job with ``start(extra environment)`` and again after each failure, up to
-    ``max_restarts`` times; the last attempt's exit code. ``hosts``: where it runs, for the lines."""
+def run(start: Callable[[Mapping[str, str], frozenset], Ended], max_restarts: int,
+        hosts: Callable[[frozenset], str], remove_elsewhere: Callable[[str, frozenset], None] = lambda *_: None) -> int:
+    """Start the job with ``start(extra environment, lost hosts)`` and again after each failure, up
+    to ``max_restarts`` times; the last attempt's exit code. ``hosts(lost)``: where it runs without
+    the hosts lost so far (spares in their place), for the lines; LaunchError where it cannot.
+    The job's snapshots go when it ends: this host's here; the other hosts' (their ranks remove
+    them at a run's end, but a killed rank does not) by ``remove_elsewhere`` after a failure."""
     stops: list[int] = []  # a stop signal between two attempts (during one, the attempt takes it)
+    lost: set[str] = set()
+    place = snapshot_place() if max_restarts else ""
+    with Handlers(FORWARDED, lambda signum, frame: stops.append(signum)):
+        try:
+            code = _attempts(start, max_restarts, hosts, place, stops, lost)
+        finally:
+            if place:
+                shutil.rmtree(place, ignore_errors=True)
+        if place and code != job.OK:
+            remove_elsewhere(place, frozenset(lost))
+    return code
+
+
+def _attempts(start: Callable[[Mapping[str, str], frozenset], Ended], max_restarts: int,
+              hosts: Callable[[frozenset], str], place: str, stops: list[int], lost: set[str]) -> int:
     number = 0
-    # Set without restarts too, empty (snapshots refused): mpirun's -x warns of a variable not set.
-    snapshots = {job.SNAPSHOTS: snapshot_place() if max_restarts else ""}
-    with Handlers(FORWARDED, lambda signum, frame: stops.append(signum)), _removed(snapshots[job.SNAPSHOTS]):
-        while not stops:
-            ended = start({job.RESTART: str(number), **snapshots})
-            why = cause(ended)
-            if why is None or not max_restarts:
-                return ended.code
-            if number == max_restarts:
-                print(f"hvdkit launch: {why}; no restart left (--max-restarts {max_restarts}); exit {ended.code}",
-                      file=sys.stderr, flush=True)
-                return ended.code
-            number += 1
-            print(f"hvdkit launch: {why}; restart {number} of {max_restarts} on {hosts}, from the newest "
-                  f"checkpoint", file=sys.stderr, flush=True)
+    while not stops:
+        # SNAPSHOTS is set without restarts too, empty (snapshots refused): mpirun's -x warns of a variable not set.
+        ended = start({job.RESTART: str(number), job.SNAPSHOTS: place}, frozenset(lost))
+        why = cause(ended)
+        if why is None or not max_restarts:
+            return ended.code
+        if number == max_restarts:
+            print(f"hvdkit launch: {why}; no restart left (--max-restarts {max_restarts}); exit {ended.code}",
+                  file=sys.stderr, flush=True)
+            return ended.code
+        lost.update([ended.host] if ended.host else [])
+        try:
+            where = hosts(frozenset(lost))
+        except LaunchError as exc:
+            print(f"hvdkit launch: {why}; no restart without {', '.join(sorted(lost))}: {exc}; exit {ended.code}",
+                  file=sys.stderr, flush=True)
+            return ended.code
+        number += 1
+        without = f" (without {', '.join(sorted(lost))})" if lost else ""
+        print(f"hvdkit launch: {why}; restart {number} of {max_restarts} on {where}{without}, from the newest "
+              f"checkpoint", file=sys.stderr, flush=True)
     code = job.stopped_by(stops[0])
     print(f"hvdkit launch: stopped by {signal.Signals(stops[0]).name} before restart {number} of {max_restarts}; "
           f"the newest checkpoint stays; exit {code}", file=sys.stderr, flush=True)

@@ -114,11 +114,12 @@ def translate(signum: int, forwarder: str) -> int:
 class Ended:
     """How a job ended: its exit code (what run() returns), whether hvdkit launch itself was
     stopped by a signal, the code a rank recorded with its line (job.record_exit), and the line
-    of a host that stopped answering."""
+    and name of a host that stopped answering."""
     code: int
     stopped: bool = False
     recorded: Optional[int] = None
     lost: str = ""
+    host: str = ""
 
 
 def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False,
@@ -169,7 +170,7 @@ def attempt(command: Sequence[str], env: Mapping[str, str], join_lines: bool = F
             for pump in pumps:
                 pump.join(timeout=5)
         if hosts.lost:
-            return Ended(LOST, bool(stopped), lost=hosts.lost)
+            return Ended(LOST, bool(stopped), lost=hosts.lost, host=hosts.lost_host)
         recorded = rank_exit_code(Path(env[JOB_DIR]))
         if recorded is None and stopped and code > 0:  # it exited by itself, not killed after the grace
             # No rank said where it stopped: stopped while starting (importing torch, before the

@@ -15,10 +15,12 @@ nothing the world size decides: ZeRO's shards are re-sliced, a sharded checkpoin
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pickle
 import shutil
+import socket
 import struct
 import sys
 from pathlib import Path
@@ -68,8 +70,10 @@ class RunCheckpoints:
         self.ahead = None  # rank 0: what read_ahead() read, for restore()
         self.writer = checkpoint.Writer(background=cfg.async_checkpoint)
         # Snapshots (snapshot_steps): the state in host memory for hvdkit launch's restarts, each
-        # host's local rank 0 writing its own copy, in the background beside the checkpoints'.
-        self.snapshot_dir = os.environ.get(job.SNAPSHOTS) if cfg.snapshot_steps else None
+        # host's local rank 0 writing its own copy, in the background beside the checkpoints', in a
+        # folder named by the host (hosts that share a memory, as rehearsal hosts do, keep theirs apart).
+        self.snapshot_root = os.environ.get(job.SNAPSHOTS) if cfg.snapshot_steps else None
+        self.snapshot_dir = os.path.join(self.snapshot_root, socket.gethostname()) if self.snapshot_root else None
         self.snapshots = checkpoint.Writer(background=True, raw=True)
         self._rng_gathers: list = []  # RNG gathers in flight, on ranks that write no snapshot
         self.last_write = 0.0  # seconds the newest written checkpoint took to write (rank 0)
@@ -97,7 +101,7 @@ class RunCheckpoints:
         optimizer's state is empty, so only parameters are broadcast: Horovod's
         broadcast_optimizer_state would take a zero-gradient step to create state, which with
         AdamW's weight decay moves the weights. Elastic: read here, applied by load_elastic."""
-        if self.cfg.snapshot_steps and not self.snapshot_dir:
+        if self.cfg.snapshot_steps and not self.snapshot_root:
             raise ConfigError("snapshot_steps: snapshots are kept for the restarts of hvdkit launch --max-restarts N "
                               "(which names where each host keeps them); run under it, or drop snapshot_steps")
         if self.cfg.elastic:
@@ -110,21 +114,23 @@ class RunCheckpoints:
             self.loaders.resumed_batches = state.get("loader_batches")
 
     def restore(self) -> Optional[dict]:
-        """Load the newest valid checkpoint on every rank (read by rank 0); None if there is none."""
+        """Load the newest valid checkpoint on every rank (read by rank 0, or by the rank whose host
+        keeps the newest snapshot); None if there is none."""
         run = self.state
         cfg, hvd = self.cfg, self.hvd
         if not (cfg.checkpoint_dir and cfg.resume):
             return None
-        state = None
         if self.hvd.rank() == 0:
-            for directory in filter(None, (cfg.checkpoint_dir, self.snapshot_dir)):  # saves killed mid-write
-                checkpoint.clean_partials(directory)  # (no save runs now)
+            checkpoint.clean_partials(cfg.checkpoint_dir)  # saves killed mid-write (no save runs now)
+        reader = self._reader()
+        state = None
+        if self.hvd.rank() == reader:
             try:
                 state = self.read() if self.ahead is None else (self.ahead or None)
             except (checkpoint.CheckpointError, ConfigError) as exc:
                 state = {"error": exc}
             self.ahead = None
-        state = hvd.broadcast_object(state, root_rank=0, name="hvdkit.resume")
+        state = hvd.broadcast_object(state, root_rank=reader, name="hvdkit.resume")
         if state is None:
             return None
         if "error" in state:  # every rank stops with the same line
@@ -136,6 +142,18 @@ class RunCheckpoints:
             state["loader_batches"] = [b * state["world_size"] // self.hvd.size() for b in state["loader_batches"]]
         say(self.hvd, f"hvdkit: resumed from {state['path']} (epoch {run.epoch + 1}, step {run.global_step})")
         return state
+
+    def _reader(self) -> int:
+        """The rank that reads the state to resume from: rank 0, unless another host keeps a newer
+        snapshot (after a restart on a spare host, or with rank 0's host lost, rank 0's has none)."""
+        if not self.snapshot_dir:
+            return 0
+        newest = -1
+        if self.hvd.local_rank() == 0 and os.path.isdir(self.snapshot_dir):
+            checkpoint.clean_partials(self.snapshot_dir)
+            newest = max(map(checkpoint.step_of, checkpoint.existing(self.snapshot_dir)), default=-1)
+        steps = self.hvd.allgather_object(newest, name="hvdkit.resume.snapshots")
+        return max(range(len(steps)), key=lambda rank: (steps[rank], -rank))
 
     def load_state(self, state: dict) -> None:
         """Model, optimizer, scheduler, GradScaler, epoch, step and ``extra`` from a checkpoint."""
@@ -324,6 +342,8 @@ class RunCheckpoints:
         if self.snapshot_dir and self.hvd.local_rank() == 0:
             self.snapshots.close()
             shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+            with contextlib.suppress(OSError):  # the job's folder, once no host sharing it keeps one
+                os.rmdir(self.snapshot_root)
 
     def write(self, optimizer_state: Optional[dict] = None, place: Optional[tuple] = None, **position) -> None:
         """This rank's state (the optimizer's, or ZeRO's manifest), and ``position``: how the data

@@ -223,15 +223,18 @@ class Chaos:
         strike.phase = "training"
         if fault in ("host-lost", "partition", "slow"):
             others = self.hosts.names[1:]
+            running = sorted({host for _, host in processes.ranks(self.hosts).values()} & set(others))
+            others = running or others  # a host that runs none (a spare) is struck only where all run none
             host = others[min(int(strike.pick * len(others)), len(others) - 1)]
             strike.target = host
             self.say(f"{strike.describe()}")
             if fault == "host-lost" and self.elastic:  # out of discovery first, as a drained node
                 self.away[host] = (strike, self.newest_seen, time.monotonic())
                 self._list_hosts()
+            if fault == "host-lost":
                 self.hosts.lose(host)
-            elif fault == "host-lost":
-                self.hosts.lose(host)
+                for folder in processes.snapshots() - self.snapshots:  # its memory goes with it
+                    shutil.rmtree(folder / host, ignore_errors=True)
             elif fault == "partition":
                 self.hosts.link(host, up=False)
                 self._later(strike.seconds, lambda: self.hosts.link(host, up=True))

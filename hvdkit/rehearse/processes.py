@@ -14,6 +14,7 @@ from hvdkit.rank import lifeline
 from hvdkit.rehearse.namespaces import Hosts
 from hvdkit.system import proctree, wholefiles
 
+TORCHRUN_WORKER = "TORCHELASTIC_RUN_ID"  # what torchrun's agent sets in the workers it starts, beside RANK
 NOT_RANKS = {"sh", "bash", "dash", "ssh", "sshd", "env", "timeout", proctree.HOROVODRUN, *proctree.MPI_LAUNCHERS,
              *proctree.MPI_DAEMONS}
 
@@ -45,6 +46,8 @@ def _rank_of(process) -> Optional[int]:
     for variable in RANK_VARIABLES:
         if variable in environ:
             return int(environ[variable])
+    if TORCHRUN_WORKER in environ and "RANK" in environ:  # torchrun's worker (hvdkit bench goodput's peer arm)
+        return int(environ["RANK"])
     return None
 
 

@@ -9,6 +9,7 @@ busbw from algbw, efficiency from the totals, and every file they promise writte
 import csv
 import json
 import math
+import os
 import re
 import socket
 import sys
@@ -144,7 +145,7 @@ def test_estimate_prints_each_link_and_world_size():
     (["checkpoint", "--params", "0"], "expected a count like 175M"),
     (["checkpoint", "--params", "1.5T"], "expected a count like 175M"),
     (["checkpoint", "--arms", "async,disk"], "unknown arm 'disk'; choose from sync, async, sharded, snapshot"),
-    (["goodput", "--arms", "torchrun"], "unknown arm 'torchrun'; choose from restarts, disk"),
+    (["goodput", "--arms", "ddp"], "unknown arm 'ddp'; choose from restarts, disk, torchrun"),
 ])
 def test_bad_input_is_one_line(argv, message):
     proc = run(HVDKIT + argv, timeout=60)
@@ -418,7 +419,7 @@ def test_world_size_is_spelled_either_way_everywhere(flag):
 
 def test_the_goodput_arms_run_one_job_differing_only_in_how_it_comes_back(tmp_path):
     """Commands as data: each arm's rehearsal, built once (hvdkit.bench.goodput), golden here."""
-    from hvdkit.bench import goodput
+    from hvdkit.bench import ddp_job, goodput
     from hvdkit.bench.cli import parser
 
     args = parser().parse_args(["goodput", "--count", "4", "--seed", "7", "--steps", "60"])
@@ -429,6 +430,15 @@ def test_the_goodput_arms_run_one_job_differing_only_in_how_it_comes_back(tmp_pa
         "hvdkit", "launch", "-np", "3", "--max-restarts", "100", "--", *train, "--snapshot-steps", "1"]
     assert goodput.arm_command("disk", args, tmp_path / "ckpt", tmp_path / "logs") == [
         "hvdkit", "launch", "-np", "3", "--", *train]
+    assert goodput.arm_command("torchrun", args, tmp_path / "ckpt", tmp_path / "logs") == [
+        sys.executable, "-m", "hvdkit.bench.ddp_job", "launch", "--nodes", "3", "--max-restarts", "100", "--",
+        "--model", "mlp", "--image-size", "32", "--max-steps", "60", "--checkpoint-steps", "20", "--checkpoint-dir",
+        f"{tmp_path}/ckpt", "--log-dir", f"{tmp_path}/logs"]
+    assert ddp_job.agent_command("node1", 3, 100, "node0", ["--max-steps", "60"]) == [
+        "ssh", "-o", "BatchMode=yes", "node1",
+        f"env OMP_NUM_THREADS=1 PATH={os.environ['PATH']} TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 {sys.executable} -m "
+        f"torch.distributed.run --nnodes 3 --nproc-per-node 1 --max-restarts 100 --rdzv-backend c10d --rdzv-endpoint "
+        f"node0:29400 --rdzv-id hvdkit-goodput -m hvdkit.bench.ddp_job train --max-steps 60"]
     assert goodput.rehearse_command("disk", args, tmp_path)[1:] == [
         "-m", "hvdkit", "rehearse", "--hosts", "3", "--chaos", "4", "--chaos-seed", "7", "--faults", "kill", "--out",
         f"{tmp_path}/rehearsal", "--", "hvdkit", "launch", "-np", "3", "--", *train]

@@ -71,3 +71,4 @@ def test_ranks_fill_the_hosts_slots_in_order():
     hosts = [Host("a", 2), Host("b", 2), Host("c", 4)]
     assert hostfile.ranks_by_host(hosts, 5) == {"a": [0, 1], "b": [2, 3], "c": [4]}
     assert hostfile.ranks_by_host(hosts, 2) == {"a": [0, 1], "b": [], "c": []}
+    assert hostfile.needed(hosts, 3) == (hosts[:2], hosts[2:]) and hostfile.needed(hosts, 9) == (hosts, [])

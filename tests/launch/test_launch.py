@@ -35,6 +35,17 @@ def test_the_hosts_of_a_rehearsal_are_found_as_a_slurm_allocations_are():
     assert "n1:1,n2:1" in in_job.command
 
 
+@pytest.mark.parametrize("launcher", ["horovodrun", "mpirun"])
+def test_hosts_beyond_the_ranks_need_are_spares_neither_started_nor_watched(launcher):
+    """A restart (--max-restarts) runs on them in place of a lost host (tests/rehearse/test_chaos.py)."""
+    result = _plan(["-np", "3", "--launcher", launcher, "-H", "a:2,b:1,c:1,d:2"])
+    assert "a:2,b:1" in result.command and not any("c:1" in arg for arg in result.command)
+    assert result.watch == ["a", "b"] and [h.name for h in result.spares] == ["c", "d"]
+    assert result.notes[-1] == ("spare hosts: c:1,d:2 (beyond -np's need; with --max-restarts, a restart runs on "
+                                "them in place of a lost host)")
+    assert _plan(["-np", "6", "--launcher", launcher, "-H", "a:2,b:1,c:1,d:2"]).spares == []
+
+
 def test_auto_prefers_srun_in_an_allocation_then_mpirun_then_gloo():
     in_slurm = _plan(["-np", "2"], {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]"})
     assert in_slurm.launcher == "srun" and "Slurm allocation 7" in in_slurm.reason

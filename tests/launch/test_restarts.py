@@ -4,6 +4,7 @@ failure, then real jobs under horovodrun and mpirun whose rank dies between chec
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ from conftest import REPO, TWO_RANK_TRAIN, assert_bitwise_equal, final_weights, 
 from hvdkit import checkpoint, job
 from hvdkit.checks import selftest
 from hvdkit.launch import restarts
+from hvdkit.launch.hostfile import LaunchError
 from hvdkit.launch.supervise import Ended
 
 KILLED_ONCE = str(REPO / "tests" / "programs" / "killed_once.py")
@@ -32,9 +34,11 @@ def test_what_is_restarted(ended, restarted):
 
 def test_the_lines_of_restarts_and_of_the_last_failure(capsys):
     ends = iter([Ended(137), Ended(job.STALLED, recorded=job.STALLED), Ended(job.FAILED)])
-    seen = []
-    assert restarts.run(lambda extra: (seen.append(extra[job.RESTART]), next(ends))[1], 2, "a:1,b:1") == job.FAILED
+    seen, removed = [], []
+    assert restarts.run(lambda extra, lost: (seen.append(extra[job.RESTART]), next(ends))[1], 2,
+                        lambda lost: "a:1,b:1", lambda place, lost: removed.append(place)) == job.FAILED
     assert seen == ["0", "1", "2"]
+    assert len(removed) == 1 and removed[0].startswith(restarts.SHM), "the other hosts' snapshots, after a failure"
     assert capsys.readouterr().err.splitlines() == [
         "hvdkit launch: a rank or its launcher was ended by SIGKILL (exit 137); restart 1 of 2 on a:1,b:1, "
         "from the newest checkpoint",
@@ -42,8 +46,30 @@ def test_the_lines_of_restarts_and_of_the_last_failure(capsys):
         "checkpoint",
         "hvdkit launch: exit 1: an error in the script (its traceback), or the launcher's own failure; no restart "
         "left (--max-restarts 2); exit 1"]
-    assert restarts.run(lambda extra: Ended(137), 0, "a:1") == 137, "without --max-restarts: as before"
+    assert restarts.run(lambda extra, lost: Ended(137), 0, lambda lost: "a:1") == 137, "without --max-restarts"
     assert capsys.readouterr().err == ""
+
+
+def test_a_lost_host_is_left_out_of_the_restarts_after_it_and_spares_take_its_place(capsys):
+    """hosts() stands for hvdkit launch's plan without the lost hosts: a:1,b:1 and the spare c:1 for -np 2."""
+    def hosts(lost):
+        left = [name for name in "abc" if name not in lost]
+        if len(left) < 2:
+            raise LaunchError(f"-np 2 is more than the {len(left)} slots in {','.join(left)}")
+        return ",".join(f"{name}:1" for name in left[:2])
+
+    lost_b = Ended(job.LOST, lost="host b (10.0.0.2, rank 1) does not answer on the network", host="b")
+    lost_c = Ended(job.LOST, lost="host c (10.0.0.3, rank 1) does not answer on the network", host="c")
+    ends, given = iter([lost_b, Ended(137), lost_c]), []
+    assert restarts.run(lambda extra, lost: (given.append(lost), next(ends))[1], 5, hosts) == job.LOST
+    assert given == [frozenset(), {"b"}, {"b"}]
+    assert capsys.readouterr().err.splitlines() == [
+        "hvdkit launch: host b (10.0.0.2, rank 1) does not answer on the network; restart 1 of 5 on a:1,c:1 (without "
+        "b), from the newest checkpoint",
+        "hvdkit launch: a rank or its launcher was ended by SIGKILL (exit 137); restart 2 of 5 on a:1,c:1 (without "
+        "b), from the newest checkpoint",
+        f"hvdkit launch: host c (10.0.0.3, rank 1) does not answer on the network; no restart without b, c: -np 2 is "
+        f"more than the 1 slots in a; exit {job.LOST}"]
 
 
 def test_a_negative_count_is_one_line_and_exit_2():
@@ -148,6 +174,7 @@ def test_snapshots_larger_than_the_room_where_they_are_kept_are_one_line_and_exi
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert re.fullmatch(rf"hvdkit train: snapshot_steps: two snapshots of this state take \d+\.\d MiB and "
-                        rf"{place}/job has 0\.\d MiB free; snapshot a smaller state, or drop snapshot_steps",
+                        rf"{place}/job/{socket.gethostname()} has 0\.\d MiB free; snapshot a smaller state, or drop "
+                        rf"snapshot_steps",
                         last), last
     assert not checkpoint.existing(str(tmp_path / "ckpt")) and left in ([], [place / "job"])

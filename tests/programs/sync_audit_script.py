@@ -32,7 +32,7 @@ WARMUP, AUDITED = 3, 10
 def main() -> None:
     shape, layers = sys.argv[1], int(sys.argv[2])
     zero = {"zero1": 1, "zero2": 2}.get(shape, 0)
-    snapshots = {"checkpoint_dir": os.path.join(os.environ["HVDKIT_SNAPSHOT_DIR"], "ckpt"),
+    snapshots = {"checkpoint_dir": os.path.join(os.path.dirname(os.environ["HVDKIT_SNAPSHOT_DIR"]), "ckpt"),
                  "snapshot_steps": 1} if shape == "snapshot" else {}
     session = hvdkit.Session(batch_size=8, log_interval=10_000, check_consistency_steps=0, logger="none",
                              zero=zero, amp=shape == "amp", seed=0, **snapshots)

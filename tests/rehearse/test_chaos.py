@@ -204,23 +204,27 @@ def test_soak_seed_101_at_three_hosts_ends_bitwise_as_its_undisturbed_run(tmp_pa
 
 
 @pytest.mark.slow
-def test_in_job_restarts_with_snapshots_go_on_from_the_step_each_kill_at_a_random_moment_found(tmp_path):
-    """hvdkit launch --max-restarts with a snapshot every step on 2 hosts, three kills at random
-    moments between checkpoints: each restarted within the one attempt, going on from the step it
+def test_in_job_restarts_go_on_from_each_hosts_snapshot_and_on_the_spare_host_when_one_is_lost(tmp_path):
+    """hvdkit launch -np 3 --max-restarts on 4 hosts (one spare), a snapshot every step: a rank
+    killed at a random moment between checkpoints, then a host lost (its snapshots with it): each
+    restarted within the one attempt, the second on the spare host, going on from the step it
     found (at most one redone, from the job's own step reports), bitwise at the end, no snapshot
     left in host memory."""
     require_namespaces()
     every_step = [*TRAIN[:TRAIN.index("--log-interval")], "--log-interval", "1", "--log-dir", str(tmp_path / "logs")]
-    code, err, report = _chaos(tmp_path, "restarts", 12, "kill", lambda ckpt: [
-        "hvdkit", "launch", "-np", "2", "--max-restarts", "5", "--", *every_step, "--snapshot-steps", "1",
-        "--checkpoint-dir", str(ckpt)], count=3)
+    code, err, report = _chaos(tmp_path, "restarts", 12, "kill,host-lost", lambda ckpt: [
+        "hvdkit", "launch", "-np", "3", "--max-restarts", "5", "--", *every_step, "--snapshot-steps", "1",
+        "--checkpoint-dir", str(ckpt)], hosts=4)
     assert code == 0, err[-4000:]
     assert report["final"]["equal"] and report["problems"] == [] and report["left"] == {}, report
-    assert [a["number"] for a in report["attempts"]] == [0, 1], "no requeue: every kill restarted in the job"
-    measured = [s for s in report["strikes"] if s.get("seconds_to_next_step") is not None]
-    assert len(measured) >= 2, report["strikes"]  # a kill as the job ends is followed by no step
-    assert all(s["restarted_in_job"] and s["steps_redone"] <= 1 for s in measured), measured
-    assert report["goodput"]["faults_measured"] == len(measured) and "goodput: " in err
+    assert [a["number"] for a in report["attempts"]] == [0, 1], "no requeue: every fault restarted in the job"
+    assert all(s["restarted_in_job"] and s["steps_redone"] <= 1 for s in report["strikes"]), report["strikes"]
+    (lost,) = [s for s in report["strikes"] if s["fault"] == "host-lost"]
+    assert lost["target"] in ("node1", "node2"), "a host that runs a rank, not the spare"
+    spare = ",".join(f"node{i}:1" for i in range(4) if f"node{i}" != lost["target"])
+    log = (tmp_path / "restarts-out" / "attempt-1.log").read_text()
+    assert f"of 5 on {spare} (without {lost['target']}), from the newest checkpoint" in log, log[-4000:]
+    assert report["goodput"]["faults_measured"] == 2 and "goodput: " in err
 
 
 @pytest.fixture(scope="module")

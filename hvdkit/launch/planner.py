@@ -115,7 +115,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--srun-mpi", default="pmix", help="srun's --mpi plugin (default: pmix)")
     p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="start a job that failed (a rank died, a stall, a lost host) again, up to N times; "
-                        "it resumes from its newest checkpoint (default: 0)")
+                        "it resumes from its newest checkpoint, a lost host's ranks on the hosts listed beyond "
+                        "-np's need (default: 0)")
     p.add_argument("--no-preflight", action="store_true",
                    help="start on several hosts without comparing them first (what `hvdkit doctor -H` checks)")
     p.add_argument("--dry-run", action="store_true", help="print the launcher, the reason and the command")

@@ -7,11 +7,13 @@ over ssh, and `hvdkit launch` with a hostfile, each through `hvdkit launch`'s bu
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -31,7 +33,7 @@ from conftest import (
 )
 from hvdkit import job
 from hvdkit.checks import selftest
-from hvdkit.launch import mpi
+from hvdkit.launch import mpi, restarts
 from hvdkit.rehearse import namespaces as namespace_hosts
 
 pytestmark = pytest.mark.slow
@@ -124,6 +126,22 @@ def test_a_host_naming_the_network_otherwise_trains_as_one_host_does(hosts, laun
     assert summary["world_size"] == 2 and [r["host"] for r in summary["per_rank"]] == ["h1", "h2"], summary
     for name, value in final_weights(ckpt).items():
         torch.testing.assert_close(value, two_ranks_trained[name], atol=1e-6, rtol=0, msg=name)
+
+
+def test_a_failed_jobs_snapshots_are_removed_on_its_other_hosts(hosts):
+    """What hvdkit launch does after a job that ran out of restarts (its ranks, killed, removed
+    none): ssh to each other host, rm -rf the job's snapshot folder. The hosts share this machine's
+    memory, so the folder is seen to go from here."""
+    place = Path(restarts.snapshot_place())
+    (place / "h2").mkdir(parents=True)
+    (place / "h2" / "slot-a.data").write_bytes(b"state")
+    try:
+        proc = run(hosts.on("h1", [sys.executable, "-c", "import sys; from hvdkit.launch import cli; "
+                                                         "cli.remove_elsewhere(sys.argv[1], ['h2'])", str(place)]),
+                   env=hosts.env(), cwd=REPO)
+        assert proc.returncode == 0 and not place.exists(), proc.stderr[-2000:]
+    finally:
+        shutil.rmtree(place, ignore_errors=True)
 
 
 @pytest.mark.parametrize("launcher", ["horovodrun --gloo", "horovodrun --mpi", "mpirun"])

@@ -145,7 +145,7 @@ class RunCheckpoints:
 
     def _reader(self) -> int:
         """The rank that reads the state to resume from: rank 0, unless another host keeps a newer
-        snapshot (after a restart on a spare host, or with rank 0's host lost, rank 0's has none)."""
+        snapshot (rank 0's host may keep none, or an older one: its snapshot removed or unwritten)."""
         if not self.snapshot_dir:
             return 0
         newest = -1

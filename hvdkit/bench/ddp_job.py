@@ -4,7 +4,7 @@ on the rehearsal's hosts.
 ``train``: one rank of torch DistributedDataParallel over Gloo, as its tutorials write the loop
 (DistributedSampler, SGD, rank 0 saving every ``--checkpoint-steps`` steps and every rank loading
 the newest checkpoint at its start), on hvdkit train's synthetic images and model, so that the arms
-train alike. Its checkpoints are written with hvdkit's one atomic write, its step reports to
+train alike. Its checkpoints are written by hvdkit's checkpoint writer, its step reports to
 metrics.jsonl as hvdkit train's are: the rehearsal watches and measures all arms alike.
 
 ``launch``: one ``torchrun --max-restarts N`` agent per host of the rehearsal (ssh, as horovodrun
@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from hvdkit.args import OneLineParser
+from hvdkit.system.sighandlers import Handlers
 
+KEEP = 3  # checkpoints kept, as hvdkit train keeps them
 RENDEZVOUS_PORT = 29400  # torchrun's default c10d rendezvous port
 THREADS = "1"  # one thread per rank, as the other arms' ranks (the rehearsal's ONE_THREAD)
 
@@ -49,6 +51,7 @@ def train(args: argparse.Namespace) -> int:
     dataset = data.SyntheticImages(2048, args.image_size, seed=1)
     sampler = DistributedSampler(dataset, num_replicas=size, rank=rank, shuffle=True, seed=args.seed)
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+    writer = checkpoint.Writer(background=False)
     step = 0
     newest = checkpoint.existing(args.checkpoint_dir)
     if newest:
@@ -81,8 +84,8 @@ def train(args: argparse.Namespace) -> int:
             report(event="train", step=step, loss=loss.item())
             if step % args.checkpoint_steps == 0 or step == args.max_steps:
                 if rank == 0:
-                    checkpoint.write(checkpoint.path_for(args.checkpoint_dir, step),
-                                     {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step})
+                    writer.save(args.checkpoint_dir, step, {"model": model.state_dict(),
+                                                            "optimizer": optimizer.state_dict(), "step": step}, KEEP)
                 dist.barrier()
             if step == args.max_steps:
                 break
@@ -112,9 +115,8 @@ def launch(args: argparse.Namespace, train_args: Sequence[str]) -> int:
             if agent.poll() is None:
                 agent.send_signal(signum)
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, stop)
-    codes = [agent.wait() for agent in agents]
+    with Handlers((signal.SIGTERM, signal.SIGINT), stop):
+        codes = [agent.wait() for agent in agents]
     return next((code for code in codes if code), 0)
 
 

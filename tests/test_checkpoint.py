@@ -326,7 +326,7 @@ def test_a_checkpoint_that_outlasts_a_stops_grace_is_warned_about_once(big_state
                         r"lead time of --signal \(USR1@N\) above it", warnings[0]), warnings
 
 
-@pytest.mark.parametrize("launcher", BIG_LAUNCHERS)
+@pytest.mark.parametrize("launcher", ["mpirun"])  # a SIGKILL of the whole tree: no launcher's part in it
 def test_a_job_killed_during_a_background_save_resumes_from_the_one_before(tmp_path, launcher, big_state_reference):
     ckpt, logs = tmp_path / "ckpt", tmp_path / "logs"
     proc = start_until_second_save(launcher, ckpt, logs)

@@ -212,7 +212,7 @@ def parser() -> argparse.ArgumentParser:
                       help="faults in the storm (default 10)")
     good.add_argument("--seed", type=int, default=2026, help="the storm's seed (default 2026)")
     good.add_argument("--arms", type=_names(goodput.ARMS, "arm"), default=list(goodput.ARMS), metavar="ARM[,ARM]",
-                      help=f"{', '.join(goodput.ARMS)} (default both)")
+                      help=f"{', '.join(goodput.ARMS)} (default all)")
     good.add_argument("--model", default="mlp", help="a built-in model (default mlp)")
     good.add_argument("--image-size", type=positive, default=32, help="side of the synthetic images (default 32)")
     good.add_argument("--steps", type=positive, default=300, help="steps of the job (default 300)")

@@ -18,7 +18,6 @@ import argparse
 import itertools
 import json
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -27,6 +26,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from hvdkit.args import OneLineParser
+from hvdkit.checks.hosts import ssh_command
+from hvdkit.launch.planner import job_hosts
 from hvdkit.system.sighandlers import Handlers
 
 KEEP = 3  # checkpoints kept, as hvdkit train keeps them
@@ -102,11 +103,11 @@ def agent_command(host: str, nodes: int, max_restarts: int, rendezvous: str, tra
               "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", "1", "--max-restarts",
               str(max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{rendezvous}:{RENDEZVOUS_PORT}",
               "--rdzv-id", "hvdkit-goodput", "-m", "hvdkit.bench.ddp_job", "train", *train_args]
-    return ["ssh", "-o", "BatchMode=yes", host, shlex.join(remote)]
+    return ssh_command(host, remote)
 
 
 def launch(args: argparse.Namespace, train_args: Sequence[str]) -> int:
-    hosts = [part.split(":")[0] for part in os.environ["HVDKIT_HOSTS"].split(",")][:args.nodes]
+    hosts = [host.name for host in job_hosts(None, None, os.environ) or []][:args.nodes]
     agents = [subprocess.Popen(agent_command(host, len(hosts), args.max_restarts, hosts[0], train_args),
                                stdin=subprocess.DEVNULL, start_new_session=True) for host in hosts]
 

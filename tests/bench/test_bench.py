@@ -435,7 +435,7 @@ def test_the_goodput_arms_run_one_job_differing_only_in_how_it_comes_back(tmp_pa
         "--model", "mlp", "--image-size", "32", "--max-steps", "60", "--checkpoint-steps", "20", "--checkpoint-dir",
         f"{tmp_path}/ckpt", "--log-dir", f"{tmp_path}/logs"]
     assert ddp_job.agent_command("node1", 3, 100, "node0", ["--max-steps", "60"]) == [
-        "ssh", "-o", "BatchMode=yes", "node1",
+        "ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "node1",
         f"env OMP_NUM_THREADS=1 PATH={os.environ['PATH']} TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 {sys.executable} -m "
         f"torch.distributed.run --nnodes 3 --nproc-per-node 1 --max-restarts 100 --rdzv-backend c10d --rdzv-endpoint "
         f"node0:29400 --rdzv-id hvdkit-goodput -m hvdkit.bench.ddp_job train --max-steps 60"]

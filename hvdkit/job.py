@@ -70,11 +70,21 @@ def shell_code(returncode: int) -> int:
 JOB_DIR = "HVDKIT_JOB_DIR"  # set by `hvdkit launch` for its ranks: where they leave exit records
 RESTART = "HVDKIT_RESTART"  # set by `hvdkit launch` for its ranks: the attempt's number, 0 first (--max-restarts)
 SNAPSHOTS = "HVDKIT_SNAPSHOT_DIR"  # set by `hvdkit launch --max-restarts`: where each host keeps its snapshots
+LINK = "HVDKIT_LAUNCHER_LINK"  # set by `hvdkit launch --max-restarts`: address:port of its line to the ranks
+# On that line (hvdkit.launch.links, hvdkit.rank.link) a rank says HELLO and LEAVING; the launcher
+# WELCOME (to HELLO), END or STOP.
+HELLO, WELCOME, LEAVING, END, STOP = "hello", "welcome", "leaving", "end", "stop"
 STOP_GRACE = "HVDKIT_STOP_GRACE"
 GRACE_SECONDS = 10.0  # as Slurm's KillWait and Kubernetes' grace period, shorter: a stopped job holds its nodes
 KILL_AFTER_GRACE = 3.0  # the ranks' own count ends them first, each saying where it was
 PROBE_SECONDS = 2.0  # how often a host (hvdkit launch) or a launcher (a rank's lifeline) is probed
 LOST_SECONDS = 15.0  # no answer for this long: it is gone (a link flap shorter than this is not)
+
+
+def restarting(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether `hvdkit launch --max-restarts` starts this job again after a failure (it gives the
+    ranks a place for snapshots then, and an empty one otherwise)."""
+    return bool(environ.get(SNAPSHOTS))
 
 
 def stop_grace(environ: Mapping[str, str] = os.environ) -> float:

@@ -45,6 +45,7 @@ class LaunchSpec:
     program: str = ""  # path of the launcher itself; its name by default
     launcher_args: list = field(default_factory=list)  # the user's own flags for the launcher, passed as given
     network: Optional[Network] = None  # the interface to pin MPI's traffic to, across hosts
+    restarts: bool = False  # hvdkit launch --max-restarts: its line to the ranks ends them and passes stops
 
 
 def elastic(launcher_args: Sequence[str]) -> bool:
@@ -85,7 +86,10 @@ def openmpi_command(spec: LaunchSpec) -> list[str]:
     for name, value in spec.set_env.items():
         cmd += ["-x", f"{name}={value}"]
     given = {spec.launcher_args[i + 1] for i, arg in enumerate(spec.launcher_args[:-1]) if arg in ("-mca", "--mca")}
-    for name, value in (("pml", "ob1"), ("btl", "^openib")):  # Open MPI refuses a parameter given twice
+    # The ranks left after one died are ended on hvdkit launch's line (hvdkit.launch.links), which
+    # also passes them a stop: mpirun's pause before its SIGKILL, on every host, only delays the restart.
+    kill_at_once = (("odls_base_sigkill_timeout", "0"),) if spec.restarts else ()
+    for name, value in (("pml", "ob1"), ("btl", "^openib"), *kill_at_once):  # Open MPI refuses a parameter twice
         if name not in given:
             cmd += ["-mca", name, value]
     for name in TCP_INCLUDE if spec.network else ():

@@ -95,14 +95,19 @@ def answers(address: str, port: int = PROBE_PORT, timeout: float = PROBE_SECONDS
     return probes.probe(address, port, timeout) is not None
 
 
+def refuses(address: str, port: int = PROBE_PORT, timeout: float = PROBE_SECONDS) -> bool:
+    """Whether the host answers but refuses ``port``: no sshd there, so no launcher starts a rank on it."""
+    return probes.probe(address, port, timeout) is False
+
+
 class HostWatch:
     """Probes each remote host every ``every`` seconds from a thread; ``lost`` holds the first
     line naming a host that has not answered for ``lost_after`` seconds, ``lost_host`` its name."""
 
     def __init__(self, hosts: dict[str, str], lost_after: float = LOST_SECONDS,
                  probe: Callable[[str], bool] = answers, every: float = PROBE_SECONDS,
-                 ranks: Optional[dict[str, list[int]]] = None) -> None:
-        self.hosts, self.lost_after, self.probe, self.every = hosts, lost_after, probe, every
+                 ranks: Optional[dict[str, list[int]]] = None, refused: Callable[[str], bool] = refuses) -> None:
+        self.hosts, self.lost_after, self.probe, self.every, self.refused = hosts, lost_after, probe, every, refused
         self.ranks = ranks or {}
         self.lost: Optional[str] = None
         self.lost_host = ""
@@ -131,15 +136,17 @@ class HostWatch:
 
     def confirm(self) -> Optional[str]:
         """Probe every host once, now: after the launcher failed sooner than ``lost_after`` (Open
-        MPI ends a job within a second of losing a host's daemon), whether a host went with it."""
+        MPI ends a job within a second of losing a host's daemon), whether a host went with it:
+        it does not answer, or answers but its sshd is gone (a restart there would fail at once)."""
         if self.lost or not self.hosts:
             return self.lost
         self.stop()
         for name, address in self.hosts.items():
-            if not self.probe(address):
+            why = ("does not answer on the network" if not self.probe(address) else
+                   f"refuses ssh (port {PROBE_PORT}): no rank starts there" if self.refused(address) else "")
+            if why:
                 self.lost_host = name
-                self.lost = (f"host {name} ({self._where(name)}) does not answer on the network; "
-                             f"the job ended without it")
+                self.lost = f"host {name} ({self._where(name)}) {why}; the job ended without it"
                 break
         return self.lost
 

@@ -185,7 +185,8 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
 
     spec = LaunchSpec(np=args.np, command=list(command), hosts=hosts, hostfile=args.hostfile,
                       controller=args.controller, set_env=set_env, oversubscribe=args.oversubscribe,
-                      as_root=as_root, srun_mpi=args.srun_mpi, program=program, launcher_args=list(launcher_args))
+                      as_root=as_root, srun_mpi=args.srun_mpi, program=program, launcher_args=list(launcher_args),
+                      restarts=supervised and getattr(args, "max_restarts", 0) > 0)
     oversubscribed = check_slots(spec, local_slots)
     placed = ranks_by_host(hosts, args.np) if listed else {}
     if launcher == "horovodrun":
@@ -198,7 +199,7 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
                             hosts=hosts if listed else []), spares)
     if launcher == "srun":
         return Plan(launcher, reason, srun_command(spec), {})
-    launch_side = [job.JOB_DIR, job.RESTART, job.SNAPSHOTS] if supervised else []  # what hvdkit launch sets
+    launch_side = [job.JOB_DIR, job.RESTART, job.SNAPSHOTS, job.LINK] if supervised else []  # what hvdkit launch sets
     return _spared(_mpirun_plan(spec, reason, mpi_version(program), oversubscribed, environ, network,
                                 [*extra, *launch_side], placed, hosts if listed else []), spares)
 

@@ -16,6 +16,8 @@ therefore starts the launcher as a child in its own session and stays as its par
 * when the launcher exits, every process still left below it is ended (SIGTERM, then
   SIGKILL), by PID, and the launcher's exit code is returned, or the documented code a rank
   left in the job directory (HVDKIT_JOB_DIR) when a launcher replaced it with its own;
+* with --max-restarts, a rank that dies (no word on its line, hvdkit.launch.links) has the
+  other ranks ended at once, for the restart;
 * across hosts, it watches them (hvdkit.launch.network.HostWatch): when one stops answering, the
   other ranks are blocked in a collective that cannot complete, so the launcher and every
   process below it are killed at once, with one line naming the host, and it exits with
@@ -38,8 +40,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
 from hvdkit.env import RANK_VARIABLES
-from hvdkit.job import JOB_DIR, KILL_AFTER_GRACE, LOST, rank_exit_code, shell_code, stop_grace, stopped_by
+from hvdkit.job import (
+    JOB_DIR,
+    KILL_AFTER_GRACE,
+    LINK,
+    LOST,
+    rank_exit_code,
+    restarting,
+    shell_code,
+    stop_grace,
+    stopped_by,
+)
 from hvdkit.launch import network, rank_output
+from hvdkit.launch.links import Links
 from hvdkit.system.proctree import MPI_LAUNCHERS, SRUN, end_processes, wait_child
 from hvdkit.system.sighandlers import Handlers
 
@@ -70,16 +83,19 @@ def signal_targets(launcher: "psutil.Process") -> list[tuple["psutil.Process", b
     return [(p, True) for p in below if _name(p) in FORWARDERS] + [(p, False) for p in below if _is_rank(p)]
 
 
-def pass_on(signum: int, launcher: "psutil.Process") -> None:
-    """Send a stop signal to what delivers it to the ranks. A launcher that has just exited (a
-    signal arriving while its exit is handled) leaves nothing to tell: seen as a traceback from
-    the signal handler, which ended `hvdkit launch` with 1 instead of its own code."""
+def pass_on(signum: int, launcher: "psutil.Process", lines: Optional[Links] = None) -> None:
+    """Send a stop signal to what delivers it to the ranks; where every rank is on ``lines``
+    (--max-restarts), on them to the other hosts' and not through the launchers. A launcher that
+    has just exited (a signal arriving while its exit is handled) leaves nothing to tell: seen as
+    a traceback from the signal handler, which ended `hvdkit launch` with 1 instead of its own code."""
     import psutil
 
     try:
         targets = signal_targets(launcher)
     except psutil.Error:
         return
+    if lines is not None and lines.stop(signum):
+        targets = [(process, forwarder) for process, forwarder in targets if not forwarder]
     for process, forwarder in targets:
         try:
             process.send_signal(translate(signum, _name(process)) if forwarder else signum)
@@ -137,8 +153,11 @@ def attempt(command: Sequence[str], env: Mapping[str, str], join_lines: bool = F
 
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     job_dir = tempfile.mkdtemp(prefix="hvdkit-job-")
+    lines: Optional[Links] = None
     try:
-        env = {JOB_DIR: job_dir, **env}
+        if restarting(env):  # where the ranks on other hosts reach this one
+            lines = Links(network.source_address(next(iter(watch.values()))) if watch else "127.0.0.1")
+        env = {JOB_DIR: job_dir, **env, LINK: lines.address if lines else ""}
         pipe = subprocess.PIPE if join_lines else None
         child = subprocess.Popen(list(command), env=env, start_new_session=True, preexec_fn=end_with_parent,
                                  stdout=pipe, stderr=pipe)
@@ -154,7 +173,7 @@ def attempt(command: Sequence[str], env: Mapping[str, str], join_lines: bool = F
             if not stopped:
                 stopped.append(signum)
                 stopped.append(time.monotonic() + stop_grace() + KILL_AFTER_GRACE)
-            pass_on(signum, launcher)
+            pass_on(signum, launcher, lines)
 
         handlers = Handlers(FORWARDED, forward).install()
         hosts = network.HostWatch(dict(watch or {}), ranks=dict(ranks or {}))
@@ -182,6 +201,8 @@ def attempt(command: Sequence[str], env: Mapping[str, str], join_lines: bool = F
             return Ended(stopped_by(stopped[0]), True)
         return Ended(recorded or shell_code(code), bool(stopped), recorded)
     finally:
+        if lines:
+            lines.close()
         remove_job_dir(job_dir)
 
 

@@ -30,13 +30,15 @@ import torch
 from hvdkit import env
 from hvdkit.config import ConfigError, TrainConfig
 from hvdkit.models import seed_everything
+from hvdkit.rank import link
 from hvdkit.rank.lock import DirectoryInUse, DirectoryLock
 from hvdkit.system import wholefiles
 
 
 def start(cfg: TrainConfig):
     """hvd.init() with hvdkit's settings, a warning where the launcher disagrees with Horovod,
-    this rank's device and seeds; (horovod.torch, device)."""
+    the line to `hvdkit launch --max-restarts` (hvdkit.rank.link; not elastic: Horovod goes on
+    without a rank that died), this rank's device and seeds; (horovod.torch, device)."""
     import horovod.torch as hvd
 
     spans_hosts = env.detect().spans_hosts
@@ -52,6 +54,8 @@ def start(cfg: TrainConfig):
     problem = env.disagreement(env.detect(), hvd.rank(), hvd.size(), hvd.local_rank())
     if problem:
         print(f"hvdkit: warning: {problem}", file=sys.stderr, flush=True)
+    if not cfg.elastic:
+        link.connect(os.environ, hvd.rank(), hvd.size())
     device = place_process(hvd.local_rank(), hvd.local_size())
     if device.type == "cuda":
         tune_gpu(cfg)

@@ -36,7 +36,7 @@ from typing import Callable, Mapping, Optional
 
 from hvdkit import job
 from hvdkit.config import ConfigError
-from hvdkit.rank import orphan
+from hvdkit.rank import link, orphan
 from hvdkit.system import sighandlers
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -244,6 +244,7 @@ def exit_on_own_errors(rank: int, own: tuple, bad_input: tuple, end: Callable[[]
         if rank == 0 or getattr(exc, "said_by_its_rank", False):  # an error of this rank alone
             print(f"hvdkit: error: {line}", file=sys.stderr, flush=True)
             job.record_exit(code, line)
+        link.leaving()  # before Horovod's shutdown, which may block until this rank is killed
         shutdown = end()
         if shutdown is not None:
             shutdown()

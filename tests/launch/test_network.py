@@ -2,6 +2,7 @@
 a host that does not resolve, a host that stops answering."""
 
 import re
+import socket
 import sys
 import time
 
@@ -126,9 +127,6 @@ def test_host_watch_names_a_host_that_stopped_answering():
 def test_a_probe_tells_a_listener_from_a_refusal():
     """A rank's lifeline needs its launcher's server (accepted); a host watch only the host (refused
     will do). Silence (None) needs a host that drops packets: test_multihost's lost host."""
-    import socket
-
-
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
@@ -142,8 +140,20 @@ def test_a_host_gone_when_the_launcher_failed_is_named_with_its_ranks_at_once():
     one probe then tells which host went, and which ranks with it."""
     answering = {"10.1.0.12": True, "10.1.0.13": False}
     watch = network.HostWatch({"h2": "10.1.0.12", "h3": "10.1.0.13"}, probe=answering.__getitem__,
-                              ranks={"h2": [1], "h3": [2, 3]})
+                              ranks={"h2": [1], "h3": [2, 3]}, refused=lambda address: False)
     assert watch.confirm() == ("host h3 (10.1.0.13, ranks 2, 3) does not answer on the network; "
                                "the job ended without it")
-    everyone = network.HostWatch({"h2": "10.1.0.12"}, probe=answering.__getitem__)
+    everyone = network.HostWatch({"h2": "10.1.0.12"}, probe=answering.__getitem__, refused=lambda address: False)
     assert everyone.confirm() is None, "a job that failed with every host answering: the launcher's own code"
+
+
+def test_a_host_that_answers_but_refuses_ssh_is_gone_for_the_job():
+    """Its processes died, sshd with them (as the rehearsal's host-lost leaves a host for a second
+    before its link goes): no launcher can start a rank there, so a restart must go without it."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        port = server.getsockname()[1]  # bound, not listening: refused
+        watch = network.HostWatch({"h2": "127.0.0.1"}, refused=lambda address: network.refuses(address, port))
+        assert watch.confirm() == "host h2 (127.0.0.1) refuses ssh (port 22): no rank starts there; " \
+                                  "the job ended without it"
+        assert watch.lost_host == "h2"

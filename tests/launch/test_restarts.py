@@ -22,6 +22,7 @@ KILLED_ONCE = str(REPO / "tests" / "programs" / "killed_once.py")
 
 @pytest.mark.parametrize("ended, restarted", [
     (Ended(137), True),  # a rank SIGKILLed: mpirun's 137
+    (Ended(205), True),  # no signal's code: mpirun's own, after it lost a host's daemon
     (Ended(job.FAILED), True), (Ended(job.STALLED, recorded=job.STALLED), True), (Ended(job.DIVERGED), True),
     (Ended(job.LOST, lost="host node1 (rank 1) stopped answering"), True),
     (Ended(job.OK), False), (Ended(job.BAD_INPUT, recorded=job.BAD_INPUT), False), (Ended(job.OVER_CAP), False),

@@ -240,17 +240,28 @@ def test_elastic_training_loses_a_host_goes_on_and_takes_it_back(hosts, tmp_path
     assert {h: set(hosts.commands(h)) for h in hosts.names} == {h: {"sshd"} for h in hosts.names}
 
 
-def test_an_elastic_job_on_three_hosts_stopped_by_sigterm_saves_and_leaves_nothing(hosts, tmp_path):
-    """SIGTERM to `hvdkit launch` of an elastic job: it reaches the workers on h1, the stop
-    allreduce tells those on h2 and h3, rank 0 writes that step's checkpoint and every worker
-    exits; the job ends with 143 and the stop's line, and no host keeps a process of it."""
+STOPPED = {  # hvdkit launch's own arguments, hvdkit train's
+    "elastic": (["--min-np", "2", "--max-np", "3", "--host-discovery-script",
+                 str(REPO / "launchers" / "discover_hosts.sh")], ["--elastic"]),
+    # The stop reaches h2 and h3 on hvdkit launch's line (hvdkit.launch.links): mpirun, which would
+    # kill them at once (odls_base_sigkill_timeout 0 under restarts), is not signalled.
+    "restarts": (["-H", HOSTS, "--max-restarts", "2"], ["--snapshot-steps", "1"]),
+}
+
+
+@pytest.mark.parametrize("kind", list(STOPPED))
+def test_a_job_on_three_hosts_stopped_by_sigterm_saves_and_leaves_nothing(hosts, tmp_path, kind):
+    """SIGTERM to `hvdkit launch` of an elastic job, or of one that restarts after failures: it
+    reaches the ranks on h1, and those on h2 and h3 by the stop allreduce (elastic) or hvdkit
+    launch's line (restarts); rank 0 writes that step's checkpoint and every rank exits; the job
+    ends with 143 and the stop's line, and no host keeps a process of it."""
     from hvdkit import checkpoint
 
     hostfile, logs, ckpt = tmp_path / "hosts", tmp_path / "logs", tmp_path / "ckpt"
     hostfile.write_text("h1:1\nh2:1\nh3:1\n")
-    command = [*HVDKIT, "launch", "-np", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script",
-               str(REPO / "launchers" / "discover_hosts.sh"), "--",
-               *HVDKIT, "train", "--elastic", "--model", "mlp", "--dataset", "synthetic", "--epochs", "100",
+    own, train = STOPPED[kind]
+    command = [*HVDKIT, "launch", "-np", "3", *own, "--",
+               *HVDKIT, "train", *train, "--model", "mlp", "--dataset", "synthetic", "--epochs", "100",
                "--log-interval", "5", "--checkpoint-steps", "1000", "--checkpoint-dir", str(ckpt),
                "--log-dir", str(logs)]
     env = dict(selftest.mpi_root_env(hosts.env()), HVDKIT_HOSTS_FILE=str(hostfile), PYTHONPATH=str(REPO))

@@ -1,0 +1,78 @@
+"""A rank's line to `hvdkit launch --max-restarts` (hvdkit.launch.links): the launcher learns at
+once that a rank died, its connection closed without the word that it is leaving, and tells the
+other ranks to end. They would otherwise wait in a collective for the rank that is gone until
+mpirun's kill sequence (SIGCONT, SIGTERM, SIGKILL, a second or more apart on each host) ends
+them, and the restart waits with them. A stop signal to the launcher reaches the ranks on other
+hosts on this line too, not through mpirun, whose kill sequence is then left no delay.
+
+A rank that leaves by itself says so first: at the interpreter's exit (a finished run, a stop, a
+traceback) and before the Session's own errors end it (hvdkit.rank.stops.exit_on_own_errors).
+One killed by a signal, or ended by its own thread (job.end_rank: a stall, a stop's countdown),
+has no word: the others are ended with it, as the job is ending anyway."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import socket
+import sys
+import threading
+from typing import Mapping, Optional
+
+from hvdkit import job
+
+CONNECT_SECONDS = 5.0
+
+_line: Optional[socket.socket] = None
+
+
+def connect(environ: Mapping[str, str], rank: int, size: int) -> bool:
+    """Open this rank's line where the launcher gave one (job.LINK); whether it did. A launcher
+    that cannot be reached leaves the rank as without a line: it ends as before, only later."""
+    global _line
+    address, _, port = environ.get(job.LINK, "").rpartition(":")
+    if _line is not None or not address or not port.isdigit():
+        return False
+    try:
+        line = socket.create_connection((address, int(port)), timeout=CONNECT_SECONDS)
+    except OSError:
+        return False
+    try:
+        line.sendall(f"{job.HELLO} {rank} {size} {os.getpid()} {socket.gethostname()}\n".encode())
+        said = line.makefile("rb")
+        welcomed = said.readline().decode(errors="replace").strip() == job.WELCOME
+        line.settimeout(None)
+    except OSError:
+        welcomed = False
+    if not welcomed:
+        line.close()
+        return False
+    _line = line
+    atexit.register(leaving)
+    threading.Thread(target=_listen, args=(said,), name="hvdkit-launcher-link", daemon=True).start()
+    return True
+
+
+def leaving() -> None:
+    """Say that this rank leaves by itself (once; nothing where there is no line)."""
+    global _line
+    line, _line = _line, None
+    if line is not None:
+        with contextlib.suppress(OSError):
+            line.sendall(f"{job.LEAVING}\n".encode())
+
+
+def _listen(said) -> None:
+    """END from the launcher: another rank died, and this one goes at once (the launcher has said
+    which and why); STOP N: signal N, as if it came to this process. The launcher gone closes the
+    line: its own watches end the rank then."""
+    with contextlib.suppress(OSError):
+        for words in (raw.decode(errors="replace").split() for raw in said):
+            if words == [job.END]:
+                with contextlib.suppress(OSError, ValueError):
+                    sys.stderr.flush()
+                os._exit(job.FAILED)
+            if words[:1] == [job.STOP] and len(words) == 2 and words[1].isdigit():
+                signal.raise_signal(int(words[1]))

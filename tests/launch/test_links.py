@@ -1,0 +1,88 @@
+"""hvdkit launch's line to its ranks under --max-restarts (hvdkit.launch.links, hvdkit.rank.link),
+with real processes on it: a rank that dies has the others ended at once, one that leaves by
+itself does not, and a stop reaches a rank on another host (its own UTS namespace) as a signal."""
+
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from hvdkit import job
+from hvdkit.launch.links import Links
+from hvdkit.system import proctree
+
+RANK = str(REPO / "tests" / "programs" / "link_rank.py")
+SECONDS = 30  # for an event that comes within a second: a loaded machine, never a sleep
+
+
+@pytest.fixture
+def lines():
+    links = Links("127.0.0.1")
+    ranks: list[subprocess.Popen] = []
+
+    def start(rank: int, size: int, host: str = "") -> subprocess.Popen:
+        argv = [sys.executable, RANK, str(rank), str(size)]
+        if host:  # another host's name, as a rank there says it
+            argv = ["unshare", "--uts", "sh", "-c", f'hostname {host} && exec "$@"', "sh", *argv]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=dict(
+            os.environ, PYTHONPATH=str(REPO), **{job.LINK: links.address}))
+        ranks.append(proc)
+        assert said(proc) == "on the line"
+        return proc
+
+    try:
+        yield links, start
+    finally:
+        proctree.end_processes(proctree.processes([p.pid for p in ranks if p.poll() is None]), grace=0)
+        for proc in ranks:
+            proc.wait()
+            proc.stdout.close()
+        links.close()
+
+
+def said(proc: subprocess.Popen) -> str:
+    ready, _, _ = select.select([proc.stdout], [], [], SECONDS)
+    assert ready, "no word from the rank"
+    return proc.stdout.readline().strip()
+
+
+def test_a_rank_that_dies_has_the_others_ended_at_once_with_one_line(lines, capfd):
+    links, start = lines
+    ranks = [start(rank, 3) for rank in range(3)]
+    ranks[1].kill()
+    assert [ranks[0].wait(SECONDS), ranks[2].wait(SECONDS)] == [job.FAILED, job.FAILED]
+    assert links.died.rank == "1" and links.died.pid == str(ranks[1].pid)
+    [line] = [line for line in capfd.readouterr().err.splitlines() if line.startswith("hvdkit launch:")]
+    assert line == (f"hvdkit launch: rank 1 (pid {ranks[1].pid} on {os.uname().nodename}) ended without a word "
+                    f"(a signal or a crash); ending the other ranks now")
+
+
+def test_a_rank_that_leaves_by_itself_ends_no_other(lines):
+    links, start = lines
+    ranks = [start(rank, 2) for rank in range(2)]
+    ranks[1].send_signal(signal.SIGUSR2)
+    assert said(ranks[1]) == "got SIGUSR2" and ranks[1].wait(SECONDS) == 0
+    ranks[0].send_signal(signal.SIGUSR1)  # still there, and still hears
+    assert said(ranks[0]) == "got SIGUSR1"
+    assert links.died is None
+
+
+@pytest.mark.skipif(not shutil.which("unshare"), reason="unshare (util-linux) is needed for another host's name")
+def test_a_stop_goes_on_the_line_to_the_ranks_on_other_hosts_only(lines):
+    """The ranks on this host are signalled directly by hvdkit launch (supervise.pass_on): the line
+    passes the signal only to the others, and says whether every rank is on it."""
+    links, start = lines
+    here = start(0, 3)
+    there = start(1, 3, host="elsewhere")
+    assert not links.stop(signal.SIGUSR1), "rank 2 is not on the line yet"
+    assert said(there) == "got SIGUSR1"
+    start(2, 3, host="elsewhere")
+    assert links.stop(signal.SIGTERM)
+    assert said(there) == "got SIGTERM"
+    here.send_signal(signal.SIGUSR2)  # its first word since it started: no signal came to it on the line
+    assert said(here) == "got SIGUSR2"

@@ -1,0 +1,24 @@
+"""A rank on hvdkit launch's line (hvdkit.rank.link) and nothing else: `link_rank.py RANK SIZE`.
+It says on stdout whether it is on the line, and each signal it gets; SIGUSR2 ends it by
+Python's own exit (its line says it is leaving, at exit)."""
+
+import os
+import signal
+import sys
+import time
+
+from hvdkit.rank import link
+
+got: list[str] = []
+
+
+def say(number, frame) -> None:
+    got.append(signal.Signals(number).name)
+    print(f"got {got[-1]}", flush=True)
+
+
+for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+    signal.signal(signum, say)
+print("on the line" if link.connect(os.environ, int(sys.argv[1]), int(sys.argv[2])) else "no line", flush=True)
+while "SIGUSR2" not in got:
+    time.sleep(0.02)

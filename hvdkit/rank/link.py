@@ -7,6 +7,7 @@ hosts on this line too, not through mpirun, whose kill sequence is then left no 
 
 A rank that leaves by itself says so first: at the interpreter's exit (a finished run, a stop, a
 traceback) and before the Session's own errors end it (hvdkit.rank.stops.exit_on_own_errors).
+The processes it forks (a DataLoader's workers) close their copy of the line at once.
 One killed by a signal, or ended by its own thread (job.end_rank: a stall, a stop's countdown),
 has no word: the others are ended with it, as the job is ending anyway."""
 
@@ -26,12 +27,13 @@ from hvdkit import job
 CONNECT_SECONDS = 5.0
 
 _line: Optional[socket.socket] = None
+_said = None  # the line's reading end (a file over the same socket)
 
 
 def connect(environ: Mapping[str, str], rank: int, size: int) -> bool:
     """Open this rank's line where the launcher gave one (job.LINK); whether it did. A launcher
     that cannot be reached leaves the rank as without a line: it ends as before, only later."""
-    global _line
+    global _line, _said
     address, _, port = environ.get(job.LINK, "").rpartition(":")
     if _line is not None or not address or not port.isdigit():
         return False
@@ -49,8 +51,9 @@ def connect(environ: Mapping[str, str], rank: int, size: int) -> bool:
     if not welcomed:
         line.close()
         return False
-    _line = line
+    _line, _said = line, said
     atexit.register(leaving)
+    os.register_at_fork(after_in_child=_forget)
     threading.Thread(target=_listen, args=(said,), name="hvdkit-launcher-link", daemon=True).start()
     return True
 
@@ -62,6 +65,18 @@ def leaving() -> None:
     if line is not None:
         with contextlib.suppress(OSError):
             line.sendall(f"{job.LEAVING}\n".encode())
+
+
+def _forget() -> None:
+    """In a process forked from the rank (a DataLoader's worker): its copy of the line closed, so
+    that the line closes when the rank dies, not when its last worker does; nothing said on it.
+    The socket's descriptor alone: the reading end's lock was held by the listening thread, which
+    the fork did not copy, so closing the reading end would wait for it forever."""
+    global _line, _said
+    line, _line, _said = _line, None, None
+    if line is not None:
+        with contextlib.suppress(OSError):
+            os.close(line.detach())
 
 
 def _listen(said) -> None:

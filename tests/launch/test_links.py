@@ -24,21 +24,24 @@ SECONDS = 30  # for an event that comes within a second: a loaded machine, never
 def lines():
     links = Links("127.0.0.1")
     ranks: list[subprocess.Popen] = []
+    children: list[int] = []  # what the ranks forked
 
-    def start(rank: int, size: int, host: str = "") -> subprocess.Popen:
-        argv = [sys.executable, RANK, str(rank), str(size)]
+    def start(rank: int, size: int, host: str = "", *extra: str) -> subprocess.Popen:
+        argv = [sys.executable, RANK, str(rank), str(size), *extra]
         if host:  # another host's name, as a rank there says it
             argv = ["unshare", "--uts", "sh", "-c", f'hostname {host} && exec "$@"', "sh", *argv]
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=dict(
+        # Unbuffered: a line read ahead into a buffer would be one select() no longer sees.
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, bufsize=0, env=dict(
             os.environ, PYTHONPATH=str(REPO), **{job.LINK: links.address}))
         ranks.append(proc)
         assert said(proc) == "on the line"
         return proc
 
     try:
-        yield links, start
+        yield links, start, children
     finally:
-        proctree.end_processes(proctree.processes([p.pid for p in ranks if p.poll() is None]), grace=0)
+        alive = [process for proc in ranks if proc.poll() is None for process in proctree.tree(proc.pid)]
+        proctree.end_processes(alive + proctree.processes(children), grace=0)
         for proc in ranks:
             proc.wait()
             proc.stdout.close()
@@ -48,12 +51,14 @@ def lines():
 def said(proc: subprocess.Popen) -> str:
     ready, _, _ = select.select([proc.stdout], [], [], SECONDS)
     assert ready, "no word from the rank"
-    return proc.stdout.readline().strip()
+    return proc.stdout.readline().decode().strip()
 
 
 def test_a_rank_that_dies_has_the_others_ended_at_once_with_one_line(lines, capfd):
-    links, start = lines
-    ranks = [start(rank, 3) for rank in range(3)]
+    """Its forked child (a DataLoader's worker) outlives it and holds no copy of the line open."""
+    links, start, children = lines
+    ranks = [start(rank, 3, "", *(["fork"] if rank == 1 else [])) for rank in range(3)]
+    children.append(int(said(ranks[1]).removeprefix("child ")))
     ranks[1].kill()
     assert [ranks[0].wait(SECONDS), ranks[2].wait(SECONDS)] == [job.FAILED, job.FAILED]
     assert links.died.rank == "1" and links.died.pid == str(ranks[1].pid)
@@ -63,7 +68,7 @@ def test_a_rank_that_dies_has_the_others_ended_at_once_with_one_line(lines, capf
 
 
 def test_a_rank_that_leaves_by_itself_ends_no_other(lines):
-    links, start = lines
+    links, start, _ = lines
     ranks = [start(rank, 2) for rank in range(2)]
     ranks[1].send_signal(signal.SIGUSR2)
     assert said(ranks[1]) == "got SIGUSR2" and ranks[1].wait(SECONDS) == 0
@@ -76,7 +81,7 @@ def test_a_rank_that_leaves_by_itself_ends_no_other(lines):
 def test_a_stop_goes_on_the_line_to_the_ranks_on_other_hosts_only(lines):
     """The ranks on this host are signalled directly by hvdkit launch (supervise.pass_on): the line
     passes the signal only to the others, and says whether every rank is on it."""
-    links, start = lines
+    links, start, _ = lines
     here = start(0, 3)
     there = start(1, 3, host="elsewhere")
     assert not links.stop(signal.SIGUSR1), "rank 2 is not on the line yet"

@@ -113,6 +113,17 @@ def test_states_are_compared_bitwise_and_the_first_difference_named():
     assert verdict.difference(a, b).startswith("model.w differs (largest difference 1.19e-07)")
 
 
+def test_an_attempts_ending_is_hvdkit_launchs_last_word_not_its_first(tmp_path):
+    """After a lost host without a spare, hvdkit launch's first line names the rank that died
+    with it, its last why the job ends: the last is the attempt's ending."""
+    log = tmp_path / "attempt-0.log"
+    log.write_text("hvdkit launch: rank 1 (pid 26143 on node1) ended without a word (a signal or a crash); ending "
+                   "the other ranks now\n[1,0]<stderr>:[train] step 161/264\nhvdkit launch: host node1 (10.0.0.2, "
+                   "rank 1) refuses ssh (port 22): no rank starts there; the job ended without it; no restart "
+                   "without node1: -np 3 is more than the 2 slots in node0:1,node2:1; exit 76\n")
+    assert verdict.last_line(log).startswith("hvdkit launch: host node1 (10.0.0.2, rank 1) refuses ssh")
+
+
 def _chaos(tmp_path, name, seed, faults, command, reference=None, count=None, env=None, hosts=2):
     """``hvdkit rehearse --chaos`` as a user types it; its exit code, stderr and report."""
     mark, ckpt, out = uuid.uuid4().hex, tmp_path / f"{name}-ckpt", tmp_path / f"{name}-out"

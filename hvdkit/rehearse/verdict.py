@@ -22,8 +22,8 @@ TAG = re.compile(r"^\[\d+,\d+\]<std(?:out|err)>:|^\[\d+\]<std(?:out|err)>:")  # 
 TRAILING_TAG = re.compile(r"\[\d+(?:,\d+)?\]<std(?:out|err)>:$")  # a rank's next line, begun on this one
 WORLD_SIZE_CHANGE = re.compile(r"hvdkit: elastic: world size (\d+) -> (\d+), going on from step (\d+); "
                                r"about ([\d.]+) s lost")
-ENDING = re.compile(r"error|killed|signal|exited|failed|abort|cannot|stopped|does not answer|refuses|no restart|no space",
-                    re.IGNORECASE)
+ENDING = re.compile(r"error|killed|signal|exited|failed|abort|cannot|stopped|does not answer|refuses|no restart|"
+                    r"no space", re.IGNORECASE)
 
 
 def plain(path: Path) -> dict:

@@ -95,19 +95,22 @@ def answers(address: str, port: int = PROBE_PORT, timeout: float = PROBE_SECONDS
     return probes.probe(address, port, timeout) is not None
 
 
-def refuses(address: str, port: int = PROBE_PORT, timeout: float = PROBE_SECONDS) -> bool:
-    """Whether the host answers but refuses ``port``: no sshd there, so no launcher starts a rank on it."""
-    return probes.probe(address, port, timeout) is False
+def sshd(address: str, port: int = PROBE_PORT, timeout: float = PROBE_SECONDS) -> Optional[bool]:
+    """probes.probe of the host's sshd: True if it accepts, False if refused, None if no answer."""
+    return probes.probe(address, port, timeout)
 
 
 class HostWatch:
     """Probes each remote host every ``every`` seconds from a thread; ``lost`` holds the first
-    line naming a host that has not answered for ``lost_after`` seconds, ``lost_host`` its name."""
+    line naming a host that has not answered for ``lost_after`` seconds, ``lost_host`` its name.
+    ``with_sshd``: the hosts whose sshd accepted a connection as the watch began (``sshd``)."""
 
     def __init__(self, hosts: dict[str, str], lost_after: float = LOST_SECONDS,
                  probe: Callable[[str], bool] = answers, every: float = PROBE_SECONDS,
-                 ranks: Optional[dict[str, list[int]]] = None, refused: Callable[[str], bool] = refuses) -> None:
-        self.hosts, self.lost_after, self.probe, self.every, self.refused = hosts, lost_after, probe, every, refused
+                 ranks: Optional[dict[str, list[int]]] = None,
+                 sshd: Callable[[str], Optional[bool]] = sshd) -> None:
+        self.hosts, self.lost_after, self.probe, self.every, self.sshd = hosts, lost_after, probe, every, sshd
+        self.with_sshd: set[str] = set()
         self.ranks = ranks or {}
         self.lost: Optional[str] = None
         self.lost_host = ""
@@ -117,6 +120,7 @@ class HostWatch:
             self._thread.start()
 
     def _watch(self) -> None:
+        self.with_sshd.update(name for name, address in self.hosts.items() if self.sshd(address))
         last_answer = {name: time.monotonic() for name in self.hosts}
         while not self._stop.wait(self.every):
             for name, address in self.hosts.items():
@@ -137,13 +141,15 @@ class HostWatch:
     def confirm(self) -> Optional[str]:
         """Probe every host once, now: after the launcher failed sooner than ``lost_after`` (Open
         MPI ends a job within a second of losing a host's daemon), whether a host went with it:
-        it does not answer, or answers but its sshd is gone (a restart there would fail at once)."""
+        it does not answer, or answers but its sshd, there when the watch began, is gone (a restart
+        there would fail at once; a host reached otherwise, as containers are, never had one)."""
         if self.lost or not self.hosts:
             return self.lost
         self.stop()
         for name, address in self.hosts.items():
             why = ("does not answer on the network" if not self.probe(address) else
-                   f"refuses ssh (port {PROBE_PORT}): no rank starts there" if self.refused(address) else "")
+                   f"refuses ssh (port {PROBE_PORT}) since the job began: no rank starts there"
+                   if name in self.with_sshd and self.sshd(address) is False else "")
             if why:
                 self.lost_host = name
                 self.lost = f"host {name} ({self._where(name)}) {why}; the job ended without it"

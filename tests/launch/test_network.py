@@ -140,20 +140,32 @@ def test_a_host_gone_when_the_launcher_failed_is_named_with_its_ranks_at_once():
     one probe then tells which host went, and which ranks with it."""
     answering = {"10.1.0.12": True, "10.1.0.13": False}
     watch = network.HostWatch({"h2": "10.1.0.12", "h3": "10.1.0.13"}, probe=answering.__getitem__,
-                              ranks={"h2": [1], "h3": [2, 3]}, refused=lambda address: False)
+                              ranks={"h2": [1], "h3": [2, 3]}, sshd=lambda address: None)
     assert watch.confirm() == ("host h3 (10.1.0.13, ranks 2, 3) does not answer on the network; "
                                "the job ended without it")
-    everyone = network.HostWatch({"h2": "10.1.0.12"}, probe=answering.__getitem__, refused=lambda address: False)
+    everyone = network.HostWatch({"h2": "10.1.0.12"}, probe=answering.__getitem__, sshd=lambda address: None)
     assert everyone.confirm() is None, "a job that failed with every host answering: the launcher's own code"
 
 
-def test_a_host_that_answers_but_refuses_ssh_is_gone_for_the_job():
+def test_a_host_whose_sshd_went_is_gone_for_the_job_and_one_that_never_had_one_is_not():
     """Its processes died, sshd with them (as the rehearsal's host-lost leaves a host for a second
-    before its link goes): no launcher can start a rank there, so a restart must go without it."""
+    before its link goes): no launcher can start a rank there, so a restart must go without it. A
+    host whose port 22 refused from the start is reached otherwise (containers): not lost for that."""
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
-        port = server.getsockname()[1]  # bound, not listening: refused
-        watch = network.HostWatch({"h2": "127.0.0.1"}, refused=lambda address: network.refuses(address, port))
-        assert watch.confirm() == "host h2 (127.0.0.1) refuses ssh (port 22): no rank starts there; " \
-                                  "the job ended without it"
-        assert watch.lost_host == "h2"
+        server.listen()
+        port = server.getsockname()[1]
+        watch = network.HostWatch({"h2": "127.0.0.1"}, sshd=lambda address: network.sshd(address, port))
+        wait_for(lambda: watch.with_sshd == {"h2"})
+    assert watch.confirm() == "host h2 (127.0.0.1) refuses ssh (port 22) since the job began: no rank starts " \
+                              "there; the job ended without it"
+    assert watch.lost_host == "h2"
+    never = network.HostWatch({"h2": "127.0.0.1"}, sshd=lambda address: network.sshd(address, port))
+    assert never.confirm() is None and never.with_sshd == set()
+
+
+def wait_for(condition, seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "the watch's first probe did not come"
+        time.sleep(0.01)

@@ -80,7 +80,7 @@ class Links:
         with self._lock:
             del self._ranks[connection]
         connection.close()
-        if not rank.leaving and self.died is None:
+        if rank.size and not rank.leaving and self.died is None:  # a rank that said who it is, not a stray connection
             self.died = rank
             self._end_others()
 

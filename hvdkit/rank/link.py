@@ -48,7 +48,9 @@ def connect(environ: Mapping[str, str], rank: int, size: int) -> bool:
         line.settimeout(None)
     except OSError:
         welcomed = False
-    if not welcomed:
+    if not welcomed:  # a welcome too late to be read: the launcher may know this rank, which leaves the line
+        with contextlib.suppress(OSError):
+            line.sendall(f"{job.LEAVING}\n".encode())
         line.close()
         return False
     _line, _said = line, said

@@ -6,6 +6,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 
@@ -65,6 +66,17 @@ def test_a_rank_that_dies_has_the_others_ended_at_once_with_one_line(lines, capf
     [line] = [line for line in capfd.readouterr().err.splitlines() if line.startswith("hvdkit launch:")]
     assert line == (f"hvdkit launch: rank 1 (pid {ranks[1].pid} on {os.uname().nodename}) ended without a word "
                     f"(a signal or a crash); ending the other ranks now")
+
+
+def test_a_connection_that_never_said_who_it_is_ends_no_rank(lines):
+    links, start, _ = lines
+    rank = start(0, 2)
+    host, port = links.address.rsplit(":", 1)
+    socket.create_connection((host, int(port))).close()  # a stray connection, as a port scan's
+    start(1, 2)  # welcomed after the stray connection's end was read
+    assert links.died is None
+    rank.send_signal(signal.SIGUSR1)  # still there, and still hears
+    assert said(rank) == "got SIGUSR1"
 
 
 def test_a_rank_that_leaves_by_itself_ends_no_other(lines):

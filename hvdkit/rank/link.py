@@ -27,13 +27,12 @@ from hvdkit import job
 CONNECT_SECONDS = 5.0
 
 _line: Optional[socket.socket] = None
-_said = None  # the line's reading end (a file over the same socket)
 
 
 def connect(environ: Mapping[str, str], rank: int, size: int) -> bool:
     """Open this rank's line where the launcher gave one (job.LINK); whether it did. A launcher
     that cannot be reached leaves the rank as without a line: it ends as before, only later."""
-    global _line, _said
+    global _line
     address, _, port = environ.get(job.LINK, "").rpartition(":")
     if _line is not None or not address or not port.isdigit():
         return False
@@ -53,7 +52,7 @@ def connect(environ: Mapping[str, str], rank: int, size: int) -> bool:
             line.sendall(f"{job.LEAVING}\n".encode())
         line.close()
         return False
-    _line, _said = line, said
+    _line = line
     atexit.register(leaving)
     os.register_at_fork(after_in_child=_forget)
     threading.Thread(target=_listen, args=(said,), name="hvdkit-launcher-link", daemon=True).start()
@@ -74,8 +73,8 @@ def _forget() -> None:
     that the line closes when the rank dies, not when its last worker does; nothing said on it.
     The socket's descriptor alone: the reading end's lock was held by the listening thread, which
     the fork did not copy, so closing the reading end would wait for it forever."""
-    global _line, _said
-    line, _line, _said = _line, None, None
+    global _line
+    line, _line = _line, None
     if line is not None:
         with contextlib.suppress(OSError):
             os.close(line.detach())

@@ -90,26 +90,21 @@ def routable_network(names: Sequence[str], resolve: Callable[[str], str] = socke
     return None
 
 
-def answers(address: str, port: int = PROBE_PORT, timeout: float = PROBE_SECONDS) -> bool:
-    """Whether the host's network stack answers a TCP connection (accepted or refused)."""
-    return probes.probe(address, port, timeout) is not None
-
-
-def sshd(address: str, port: int = PROBE_PORT, timeout: float = PROBE_SECONDS) -> Optional[bool]:
-    """probes.probe of the host's sshd: True if it accepts, False if refused, None if no answer."""
+def probe_host(address: str, port: int = PROBE_PORT, timeout: float = PROBE_SECONDS) -> Optional[bool]:
+    """The host's sshd, probed: True if it accepts, False if it refuses (the host answers: a
+    refusal is an answer), None if nothing answers."""
     return probes.probe(address, port, timeout)
 
 
 class HostWatch:
     """Probes each remote host every ``every`` seconds from a thread; ``lost`` holds the first
     line naming a host that has not answered for ``lost_after`` seconds, ``lost_host`` its name.
-    ``with_sshd``: the hosts whose sshd accepted a connection as the watch began (``sshd``)."""
+    ``probe`` as probe_host; ``with_sshd``: the hosts whose sshd accepted as the watch began."""
 
     def __init__(self, hosts: dict[str, str], lost_after: float = LOST_SECONDS,
-                 probe: Callable[[str], bool] = answers, every: float = PROBE_SECONDS,
-                 ranks: Optional[dict[str, list[int]]] = None,
-                 sshd: Callable[[str], Optional[bool]] = sshd) -> None:
-        self.hosts, self.lost_after, self.probe, self.every, self.sshd = hosts, lost_after, probe, every, sshd
+                 probe: Callable[[str], Optional[bool]] = probe_host, every: float = PROBE_SECONDS,
+                 ranks: Optional[dict[str, list[int]]] = None) -> None:
+        self.hosts, self.lost_after, self.probe, self.every = hosts, lost_after, probe, every
         self.with_sshd: set[str] = set()
         self.ranks = ranks or {}
         self.lost: Optional[str] = None
@@ -120,11 +115,11 @@ class HostWatch:
             self._thread.start()
 
     def _watch(self) -> None:
-        self.with_sshd.update(name for name, address in self.hosts.items() if self.sshd(address))
+        self.with_sshd.update(name for name, address in self.hosts.items() if self.probe(address))
         last_answer = {name: time.monotonic() for name in self.hosts}
         while not self._stop.wait(self.every):
             for name, address in self.hosts.items():
-                if self.probe(address):
+                if self.probe(address) is not None:
                     last_answer[name] = time.monotonic()
                 elif time.monotonic() - last_answer[name] >= self.lost_after:
                     self.lost_host = name
@@ -147,9 +142,10 @@ class HostWatch:
             return self.lost
         self.stop()
         for name, address in self.hosts.items():
-            why = ("does not answer on the network" if not self.probe(address) else
+            answer = self.probe(address)
+            why = ("does not answer on the network" if answer is None else
                    f"refuses ssh (port {PROBE_PORT}) since the job began: no rank starts there"
-                   if name in self.with_sshd and self.sshd(address) is False else "")
+                   if answer is False and name in self.with_sshd else "")
             if why:
                 self.lost_host = name
                 self.lost = f"host {name} ({self._where(name)}) {why}; the job ended without it"

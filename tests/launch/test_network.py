@@ -115,7 +115,7 @@ def test_host_watch_names_a_host_that_stopped_answering():
                               probe=answering.__getitem__, every=0.05)
     time.sleep(0.5)
     assert watch.lost is None
-    answering["10.1.0.13"] = False
+    answering["10.1.0.13"] = None
     deadline = time.monotonic() + 5
     while watch.lost is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -132,18 +132,18 @@ def test_a_probe_tells_a_listener_from_a_refusal():
         server.listen()
         port = server.getsockname()[1]
         assert probes.probe("127.0.0.1", port) is True
-    assert probes.probe("127.0.0.1", port) is False and network.answers("127.0.0.1", port)
+    assert probes.probe("127.0.0.1", port) is False and network.probe_host("127.0.0.1", port) is not None
 
 
 def test_a_host_gone_when_the_launcher_failed_is_named_with_its_ranks_at_once():
     """Open MPI ends a job within a second of losing a host's daemon, before the watch's 15 s:
     one probe then tells which host went, and which ranks with it."""
-    answering = {"10.1.0.12": True, "10.1.0.13": False}
+    answering = {"10.1.0.12": True, "10.1.0.13": None}
     watch = network.HostWatch({"h2": "10.1.0.12", "h3": "10.1.0.13"}, probe=answering.__getitem__,
-                              ranks={"h2": [1], "h3": [2, 3]}, sshd=lambda address: None)
+                              ranks={"h2": [1], "h3": [2, 3]})
     assert watch.confirm() == ("host h3 (10.1.0.13, ranks 2, 3) does not answer on the network; "
                                "the job ended without it")
-    everyone = network.HostWatch({"h2": "10.1.0.12"}, probe=answering.__getitem__, sshd=lambda address: None)
+    everyone = network.HostWatch({"h2": "10.1.0.12"}, probe=answering.__getitem__)
     assert everyone.confirm() is None, "a job that failed with every host answering: the launcher's own code"
 
 
@@ -155,12 +155,12 @@ def test_a_host_whose_sshd_went_is_gone_for_the_job_and_one_that_never_had_one_i
         server.bind(("127.0.0.1", 0))
         server.listen()
         port = server.getsockname()[1]
-        watch = network.HostWatch({"h2": "127.0.0.1"}, sshd=lambda address: network.sshd(address, port))
+        watch = network.HostWatch({"h2": "127.0.0.1"}, probe=lambda address: network.probe_host(address, port))
         wait_for(lambda: watch.with_sshd == {"h2"})
     assert watch.confirm() == "host h2 (127.0.0.1) refuses ssh (port 22) since the job began: no rank starts " \
                               "there; the job ended without it"
     assert watch.lost_host == "h2"
-    never = network.HostWatch({"h2": "127.0.0.1"}, sshd=lambda address: network.sshd(address, port))
+    never = network.HostWatch({"h2": "127.0.0.1"}, probe=lambda address: network.probe_host(address, port))
     assert never.confirm() is None and never.with_sshd == set()
 
 

@@ -103,7 +103,8 @@ class TrainConfig:
     snapshot_steps: int = field(default=0, metadata={
         "help": "every N steps each host also keeps the state in memory (/dev/shm), for hvdkit launch "
                 "--max-restarts: a restart resumes from it where it is newer than the newest checkpoint, and it "
-                "is gone when the job ends; 0 off. Not with zero, sharded_checkpoint or elastic"})
+                "is gone when the job ends; 0 off. With zero, each rank's shard is also kept on another host. Not with "
+                "sharded_checkpoint or elastic"})
     stall_timeout: float = field(default=300.0, metadata={
         "help": "seconds without progress after which the job ends, naming the stalled rank (exit 75); Horovod "
                 "names the tensor it waits for before that; 0 off"})
@@ -205,9 +206,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.sharded_checkpoint and cfg.elastic:
         raise ConfigError("config: sharded_checkpoint cannot be used with elastic: an elastic job's rank 0 writes its "
                           "checkpoints alone, while workers may be leaving or joining; use one or the other")
-    if cfg.snapshot_steps and (cfg.zero or cfg.sharded_checkpoint or cfg.elastic or not cfg.checkpoint_dir):
-        raise ConfigError("config: snapshot_steps needs a checkpoint_dir, and is not yet for zero, "
-                          "sharded_checkpoint or elastic (their state is not whole on every host)")
+    if cfg.snapshot_steps and (cfg.sharded_checkpoint or cfg.elastic or not cfg.checkpoint_dir):
+        raise ConfigError("config: snapshot_steps needs a checkpoint_dir, and is not yet for sharded_checkpoint or "
+                          "elastic (a sharded checkpoint's parts, an elastic job's changing ranks)")
     if cfg.use_adasum and cfg.gradient_predivide_factor != 1.0:
         raise ConfigError("config: gradient_predivide_factor must be 1.0 with use_adasum (Horovod averages only)")
     for name in ("log_dir", "checkpoint_dir"):

@@ -15,13 +15,9 @@ nothing the world size decides: ZeRO's shards are re-sliced, a sharded checkpoin
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-import pickle
 import shutil
-import socket
-import struct
 import sys
 from pathlib import Path
 from typing import Optional
@@ -34,27 +30,12 @@ from hvdkit.config import ConfigError, to_dict
 from hvdkit.config import resume_conflict as config_resume_conflict
 from hvdkit.rank import stops
 from hvdkit.rank.consistency import Consistency
+from hvdkit.rank.host_snapshots import HostSnapshots
 from hvdkit.rank.loaders import Loaders
 from hvdkit.rank.startup import rng_state, set_rng_state
 from hvdkit.rank.state import RunState, say
 from hvdkit.rank.watchdog import Watchdog
 from hvdkit.zero import shards
-
-
-def _packed(state: dict) -> torch.Tensor:
-    """A rank's RNG state as bytes with their length first, for a gather of unequal sizes."""
-    data = pickle.dumps(state)
-    return torch.frombuffer(bytearray(struct.pack("<q", len(data)) + data), dtype=torch.uint8)
-
-
-def _unpacked(gathered: torch.Tensor) -> list:
-    """Every rank's RNG state, in rank order, from the gather of ``_packed``'s."""
-    data, found, at = gathered.numpy().tobytes(), [], 0
-    while at < len(data):
-        (length,) = struct.unpack_from("<q", data, at)
-        found.append(pickle.loads(data[at + 8:at + 8 + length]))
-        at += 8 + length
-    return found
 
 
 class RunCheckpoints:
@@ -69,13 +50,9 @@ class RunCheckpoints:
         self.elastic_sampler = None  # given to load_elastic: a stop's checkpoint records its position
         self.ahead = None  # rank 0: what read_ahead() read, for restore()
         self.writer = checkpoint.Writer(background=cfg.async_checkpoint)
-        # Snapshots (snapshot_steps): the state in host memory for hvdkit launch's restarts, each
-        # host's local rank 0 writing its own copy, in the background beside the checkpoints', in a
-        # folder named by the host (hosts that share a memory, as rehearsal hosts do, keep theirs apart).
-        self.snapshot_root = os.environ.get(job.SNAPSHOTS) if cfg.snapshot_steps else None
-        self.snapshot_dir = os.path.join(self.snapshot_root, socket.gethostname()) if self.snapshot_root else None
-        self.snapshots = checkpoint.Writer(background=True, raw=True)
-        self._rng_gathers: list = []  # RNG gathers in flight, on ranks that write no snapshot
+        # Snapshots (snapshot_steps): the state in host memory for hvdkit launch's restarts.
+        root = os.environ.get(job.SNAPSHOTS) if cfg.snapshot_steps else None
+        self.snapshots = HostSnapshots(hvd, root) if root else None
         self.last_write = 0.0  # seconds the newest written checkpoint took to write (rank 0)
         self._warned = False
 
@@ -101,12 +78,14 @@ class RunCheckpoints:
         optimizer's state is empty, so only parameters are broadcast: Horovod's
         broadcast_optimizer_state would take a zero-gradient step to create state, which with
         AdamW's weight decay moves the weights. Elastic: read here, applied by load_elastic."""
-        if self.cfg.snapshot_steps and not self.snapshot_root:
+        if self.cfg.snapshot_steps and not self.snapshots:
             raise ConfigError("snapshot_steps: snapshots are kept for the restarts of hvdkit launch --max-restarts N "
                               "(which names where each host keeps them); run under it, or drop snapshot_steps")
         if self.cfg.elastic:
             self.read_elastic()
             return
+        if self.cfg.zero and self.snapshots:
+            self.snapshots.arrange(self.state.optimizer)
         state = self.restore()
         if state is None:
             self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -122,15 +101,16 @@ class RunCheckpoints:
             return None
         if self.hvd.rank() == 0:
             checkpoint.clean_partials(cfg.checkpoint_dir)  # saves killed mid-write (no save runs now)
-        reader = self._reader()
-        state = None
-        if self.hvd.rank() == reader:
-            try:
-                state = self.read() if self.ahead is None else (self.ahead or None)
-            except (checkpoint.CheckpointError, ConfigError) as exc:
-                state = {"error": exc}
-            self.ahead = None
-        state = hvd.broadcast_object(state, root_rank=reader, name="hvdkit.resume")
+        state = self._from_shard_snapshots() if self.snapshots and self.snapshots.shards else None
+        if state is None:
+            reader = self.snapshots.reader() if self.snapshots else 0
+            if self.hvd.rank() == reader:
+                try:
+                    state = self.read() if self.ahead is None else (self.ahead or None)
+                except (checkpoint.CheckpointError, ConfigError) as exc:
+                    state = {"error": exc}
+            state = hvd.broadcast_object(state, root_rank=reader, name="hvdkit.resume")
+        self.ahead = None
         if state is None:
             return None
         if "error" in state:  # every rank stops with the same line
@@ -143,17 +123,14 @@ class RunCheckpoints:
         say(self.hvd, f"hvdkit: resumed from {state['path']} (epoch {run.epoch + 1}, step {run.global_step})")
         return state
 
-    def _reader(self) -> int:
-        """The rank that reads the state to resume from: rank 0, unless another host keeps a newer
-        snapshot (rank 0's host may keep none, or an older one: its snapshot removed or unwritten)."""
-        if not self.snapshot_dir:
-            return 0
-        newest = -1
-        if self.hvd.local_rank() == 0 and os.path.isdir(self.snapshot_dir):
-            checkpoint.clean_partials(self.snapshot_dir)
-            newest = max(map(checkpoint.step_of, checkpoint.existing(self.snapshot_dir)), default=-1)
-        steps = self.hvd.allgather_object(newest, name="hvdkit.resume.snapshots")
-        return max(range(len(steps)), key=lambda rank: (steps[rank], -rank))
+    def _from_shard_snapshots(self) -> Optional[dict]:
+        """ZeRO: the state of the newest snapshot step newer than the newest checkpoint whose
+        shards are all kept somewhere; None where there is none (the checkpoints are read)."""
+        newest = None
+        if self.hvd.rank() == 0:
+            newest = max(map(checkpoint.step_of, checkpoint.existing(self.cfg.checkpoint_dir)), default=-1)
+        newest = self.hvd.broadcast_object(newest, root_rank=0, name="hvdkit.resume.newest")
+        return self.snapshots.shards.resume(newest, lambda path, state: self._accepted(path, state))
 
     def load_state(self, state: dict) -> None:
         """Model, optimizer, scheduler, GradScaler, epoch, step and ``extra`` from a checkpoint."""
@@ -163,7 +140,9 @@ class RunCheckpoints:
         except RuntimeError as exc:
             raise ConfigError(f"checkpoint {state['path']} does not fit this model: "
                               f"{str(exc).splitlines()[0]}") from None
-        if shards.is_manifest(state["optimizer"]):
+        if "zero_shard" in state:  # from a snapshot: this rank's shard, as it was
+            shards.load_own(run.optimizer, Path(state["path"]), state["optimizer"], state["zero_shard"])
+        elif shards.is_manifest(state["optimizer"]):
             shards.load(run.optimizer, Path(state["path"]), state["optimizer"])
         else:
             run.optimizer.load_state_dict(state["optimizer"])
@@ -189,9 +168,10 @@ class RunCheckpoints:
                 print(f"hvdkit: warning: {message}", file=sys.stderr, flush=True)
 
         found = self._newest(warn)
-        if found is None:
-            return None
-        path, state = found
+        return None if found is None else self._accepted(*found)
+
+    def _accepted(self, path: Path, state: dict) -> dict:
+        """The checkpoint ``path``'s ``state`` with its path, if this run may continue it; ConfigError if not."""
         other_size = state["world_size"] != self.hvd.size()
         zero = bool(self.cfg.zero and state["config"].get("zero"))  # stage 1 and 2 shards are alike
         sharded = self.sharded and bool(state["config"].get("zero") or state["config"].get("sharded_checkpoint"))
@@ -211,7 +191,9 @@ class RunCheckpoints:
     def _newest(self, warn) -> Optional[tuple]:
         """(path, state) of the newest valid state: this host's snapshot where it is newer than the
         newest checkpoint (a snapshot that does not verify is passed over, with a warning)."""
-        places = [d for d in (self.snapshot_dir, self.cfg.checkpoint_dir) if d]
+        # ZeRO's snapshots are read by _from_shard_snapshots
+        own = self.snapshots.dir if self.snapshots and not self.snapshots.shards else None
+        places = [d for d in (own, self.cfg.checkpoint_dir) if d]
         for directory in sorted(places, key=lambda d: max(map(checkpoint.step_of, checkpoint.existing(d)), default=-1),
                                 reverse=True):
             try:
@@ -295,55 +277,21 @@ class RunCheckpoints:
         """The checkpoint due after this step, written in the background; else the snapshot due."""
         if checkpoint_due:
             self.save(wait=False)
-        elif self.snapshot_dir and self.state.global_step % self.cfg.snapshot_steps == 0:
+        elif self.snapshots and self.state.global_step % self.cfg.snapshot_steps == 0:
             self.snapshot()
 
     def snapshot(self) -> None:
-        """This step's state into each host's memory (all ranks call it; each host's local rank 0
-        writes). No host sync and no wait on other ranks in the step: the copy from a GPU is
-        queued, as a background checkpoint's is, and every rank's RNG state is gathered by a
-        collective left in flight, which the snapshot's writing thread waits for."""
-        self._settle_rng(wait=False)
-        handle = self.hvd.allgather_async(_packed(rng_state()), name=f"hvdkit.snapshot.rng.{self.state.global_step}")
-        if self.hvd.local_rank() != 0:
-            self._rng_gathers.append(handle)
-            return
-        rng = checkpoint.Later(lambda: _unpacked(self.hvd.synchronize(handle)))
-        if not self.snapshots.saves:
-            self._check_room()
-        self.write(None, place=(self.snapshot_dir, self.snapshots, 1), rng=rng,
-                   loader_batches=self.loaders.batch_sizes())
-
-    def _check_room(self) -> None:
-        """ConfigError, with the sizes, where two snapshots (the newest and the one being written)
-        do not fit in the memory the host has free where they are kept."""
+        """This step's state into host memory (all ranks call it; HostSnapshots.take)."""
         module = self.module()
-        size = 2 * sum(t.nbytes for t in [*module.buffers(), *self._changed_by_step(module)])
-        Path(self.snapshot_dir).mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(self.snapshot_dir).free
-        if size > free:
-            error = ConfigError(f"snapshot_steps: two snapshots of this state take {size / 2**20:.1f} MiB and "
-                                f"{self.snapshot_dir} has {free / 2**20:.1f} MiB free; snapshot a smaller state, or "
-                                f"drop snapshot_steps")
-            error.said_by_its_rank = self.hvd.rank() != 0
-            raise error
-
-    def _settle_rng(self, wait: bool = True) -> None:
-        """The RNG gathers of a rank that writes no snapshot: those done are taken, without a wait
-        in the step (``wait``: all of them, at the run's end)."""
-        done = [h for h in self._rng_gathers if wait or self.hvd.poll(h)]
-        for handle in done:
-            self.hvd.synchronize(handle)
-        self._rng_gathers = [h for h in self._rng_gathers if h not in done]
+        self.snapshots.take(self.state.global_step,
+                            lambda: sum(t.nbytes for t in [*module.buffers(), *self._changed_by_step(module)]),
+                            lambda optimizer_state, **entries: self.write(
+                                optimizer_state, loader_batches=self.loaders.batch_sizes(), **entries))
 
     def drop_snapshots(self) -> None:
-        """The run ended (finished or stopped): its snapshots go (each host's local rank 0)."""
-        self._settle_rng()
-        if self.snapshot_dir and self.hvd.local_rank() == 0:
-            self.snapshots.close()
-            shutil.rmtree(self.snapshot_dir, ignore_errors=True)
-            with contextlib.suppress(OSError):  # the job's folder, once no host sharing it keeps one
-                os.rmdir(self.snapshot_root)
+        """The run ended (finished or stopped): its snapshots go."""
+        if self.snapshots:
+            self.snapshots.drop()
 
     def write(self, optimizer_state: Optional[dict] = None, place: Optional[tuple] = None, **position) -> None:
         """This rank's state (the optimizer's, or ZeRO's manifest), and ``position``: how the data
@@ -386,7 +334,8 @@ class RunCheckpoints:
     def before_update(self) -> None:
         """Before the optimizer step: wait until the saves in flight have copied what it changes."""
         self.writer.before_update()
-        self.snapshots.before_update()
+        if self.snapshots:
+            self.snapshots.writer.before_update()
 
     def finish(self) -> None:
         """Wait for the save in flight, if any; CheckpointError if it failed. Before the job ends,
@@ -433,7 +382,7 @@ class RunCheckpoints:
                     "write_seconds": round(writer.writing, 3), "waited_for_previous": writer.waits,
                     "background": writer.background}
 
-        return {**of(self.writer), **({"snapshots": of(self.snapshots)} if self.snapshot_dir else {})}
+        return {**of(self.writer), **({"snapshots": of(self.snapshots.writer)} if self.snapshots else {})}
 
     def kept(self) -> str:
         """Which checkpoint a run that stops now leaves behind (after the save in flight ends)."""

@@ -108,6 +108,16 @@ def load(optimizer: ShardedOptimizer, main: Path, manifest: dict) -> None:
     optimizer.load_shard_state({n: state for n, (state, _) in targets.items() if state}, manifest["groups"])
 
 
+def load_own(optimizer: ShardedOptimizer, snapshot: Path, manifest: dict, shard: dict) -> None:
+    """This rank's slices' state from its shard as a snapshot kept it (rank.shard_snapshots): the
+    same world size and buckets, so it is this rank's state as it was, with nothing re-sliced."""
+    if (manifest["buckets"] != [b.describe() for b in optimizer.buckets] or shard["rank"] != optimizer.rank
+            or shard["world_size"] != optimizer.size):
+        raise CheckpointError(f"snapshot {snapshot} shards other parameters, or other ranks, than this optimizer "
+                              f"(a layer frozen or unfrozen since); start afresh in another checkpoint_dir")
+    optimizer.load_shard_state(shard["state"], manifest["groups"])
+
+
 def plain_optimizer_state(main: Path, manifest: dict) -> dict:
     """The torch state_dict of the whole optimizer, as one process would have it: every trained
     parameter's state at its own shape, and the param groups numbering all parameters."""

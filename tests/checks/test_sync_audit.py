@@ -16,12 +16,15 @@ SCRIPT = str(REPO / "tests" / "programs" / "sync_audit_script.py")
 pytestmark = pytest.mark.slow
 
 
-def audited(shape: str, layers: int = 2, in_flight: str = "1", **extra: str) -> dict:
+def audited(shape: str, layers: int = 2, in_flight: str = "1", hosts: bool = False, **extra: str) -> dict:
     """ZeRO keeps its collectives in flight on GPUs only (docs/zero.md): ``in_flight`` "1" makes
-    it do so here too, so that the GPU's policy is what is counted."""
+    it do so here too, so that the GPU's policy is what is counted. ``hosts``: each rank in a UTS
+    namespace of its own, named host0 and host1, as ranks on two hosts see their names (under
+    mpirun: Gloo's rendezvous looks its host's name up)."""
     env = {**os.environ, IN_FLIGHT_VARIABLE: in_flight, **extra}
-    proc = run(planner.local_command("horovodrun --gloo", 2, [sys.executable, SCRIPT, shape, str(layers)]), env=env,
-               timeout=180)
+    named = ["unshare", "--uts", "sh", "-c", 'hostname "host$OMPI_COMM_WORLD_RANK" && exec "$@"', "sh"] if hosts else []
+    proc = run(planner.local_command("mpirun" if hosts else "horovodrun --gloo", 2,
+                                     [*named, sys.executable, SCRIPT, shape, str(layers)]), env=env, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = selftest.parse_records(proc.stdout, "sync.audit")
     assert len(records) == 1, proc.stdout[-3000:]
@@ -70,6 +73,19 @@ def test_a_snapshot_every_step_adds_no_read_and_no_wait_to_the_step(tmp_path):
     steps = result["steps"]
     assert [(step["reads"], step["cuda_syncs"]) for step in steps] == [({}, 0)] * len(steps), steps
     assert [step["waits"] for step in steps] == [1] * len(steps), steps
+    assert [host_reads(step) for step in steps] == [{"rank/lockstep.py": 1}] * len(steps), steps
+    assert not (tmp_path / "snapshots").exists(), "the run's snapshots go at its end"
+
+
+def test_a_zero_snapshot_sends_its_shard_to_another_host_without_a_read_or_a_wait(tmp_path):
+    """ZeRO stage 2 with a snapshot every step on two ranks whose hosts differ: each rank's shard
+    goes to the other's snapshot by an alltoall its writing thread waits for, so the step waits as
+    often as stage 2's without snapshots (below)."""
+    result = audited("zero2-snapshot", hosts=True, HVDKIT_SNAPSHOT_DIR=str(tmp_path / "snapshots"))
+    steps = result["steps"]
+    assert result["buckets"] == 2
+    assert [step["reads"] for step in steps] == [{}] * len(steps), steps
+    assert [step["waits"] for step in steps] == [3 + max(0, 2 - STAGE2_IN_FLIGHT)] * len(steps), steps
     assert [host_reads(step) for step in steps] == [{"rank/lockstep.py": 1}] * len(steps), steps
     assert not (tmp_path / "snapshots").exists(), "the run's snapshots go at its end"
 

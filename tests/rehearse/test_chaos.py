@@ -19,6 +19,7 @@ import uuid
 import pytest
 
 from conftest import REPO, require_namespaces
+from hvdkit.launch import restarts
 from hvdkit.rehearse import faults, verdict
 from rehearse.test_rehearse import REHEARSE, environment, wait_for_none_left
 
@@ -215,14 +216,16 @@ def test_soak_seed_101_at_three_hosts_ends_bitwise_as_its_undisturbed_run(tmp_pa
 
 
 @pytest.mark.slow
-def test_in_job_restarts_go_on_from_each_hosts_snapshot_and_on_the_spare_host_when_one_is_lost(tmp_path):
-    """hvdkit launch -np 3 --max-restarts on 4 hosts (one spare), a snapshot every step: a rank
-    killed at a random moment between checkpoints, then a host lost (its snapshots with it): each
-    restarted within the one attempt, the second on the spare host, going on from the step it
-    found (at most one redone, from the job's own step reports), bitwise at the end, no snapshot
-    left in host memory."""
+def test_in_job_restarts_of_zero_2_go_on_from_snapshots_and_a_lost_hosts_shard_from_its_buddy_on_the_spare(tmp_path):
+    """hvdkit launch -np 3 --max-restarts on 4 hosts (one spare), ZeRO stage 2 with AdamW, a
+    snapshot every step: a rank killed at a random moment between checkpoints, then a host lost
+    (its snapshots, its rank's own shard among them, with it): each restarted within the one
+    attempt, the second on the spare host, going on from a snapshot (at most one step redone, from
+    the job's own step reports), so the lost rank's shard came from the copy its buddy on another
+    host kept; bitwise at the end, no snapshot left in host memory."""
     require_namespaces()
-    every_step = [*TRAIN[:TRAIN.index("--log-interval")], "--log-interval", "1", "--log-dir", str(tmp_path / "logs")]
+    every_step = [*TRAIN[:TRAIN.index("--log-interval")], "--log-interval", "1", "--log-dir", str(tmp_path / "logs"),
+                  "--zero", "2", "--optimizer", "adamw"]
     code, err, report = _chaos(tmp_path, "restarts", 12, "kill,host-lost", lambda ckpt: [
         "hvdkit", "launch", "-np", "3", "--max-restarts", "5", "--", *every_step, "--snapshot-steps", "1",
         "--checkpoint-dir", str(ckpt)], hosts=4)
@@ -234,7 +237,10 @@ def test_in_job_restarts_go_on_from_each_hosts_snapshot_and_on_the_spare_host_wh
     assert lost["target"] in ("node1", "node2"), "a host that runs a rank, not the spare"
     spare = ",".join(f"node{i}:1" for i in range(4) if f"node{i}" != lost["target"])
     log = (tmp_path / "restarts-out" / "attempt-1.log").read_text()
-    assert f"of 5 on {spare} (without {lost['target']}), from the newest checkpoint" in log, log[-4000:]
+    restart = f"of 5 on {spare} (without {lost['target']}), from the newest checkpoint"
+    assert restart in log, log[-4000:]
+    resumed = log[log.index(restart):].split("resumed from ")[1].split(" (")[0]
+    assert resumed.startswith(restarts.SHM) and "/zero-of-3-holds-" in resumed, resumed
     assert report["goodput"]["faults_measured"] == 2 and "goodput: " in err
 
 

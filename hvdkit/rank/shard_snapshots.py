@@ -130,7 +130,7 @@ class ShardSnapshots:
             for n, key, dtype, shape, nbytes in layout:
                 placed[n, key] = part[offset:offset + nbytes].clone().view(dtype).reshape(shape)
                 offset += nbytes
-            state = {n: {k: placed[n, k] if (n, k) in placed else scalars[n][k] for k in values}
+            state = {n: {k: placed[n, k] if (n, k) in placed else _on_host(scalars[n][k]) for k in values}
                      for n, values in order.items()}
             copies[source] = {"rank": source, "world_size": self.hvd.size(), "state": state}
             at += count
@@ -203,6 +203,11 @@ class ShardSnapshots:
                 os.rmdir(folder)
             except OSError:
                 break
+
+
+def _on_host(value):
+    """A scalar of a shard's state as the snapshot's own shard keeps it: on the host."""
+    return value.cpu() if torch.is_tensor(value) else value
 
 
 def _held(state: dict, shard: int) -> dict:

@@ -71,9 +71,12 @@ JOB_DIR = "HVDKIT_JOB_DIR"  # set by `hvdkit launch` for its ranks: where they l
 RESTART = "HVDKIT_RESTART"  # set by `hvdkit launch` for its ranks: the attempt's number, 0 first (--max-restarts)
 SNAPSHOTS = "HVDKIT_SNAPSHOT_DIR"  # set by `hvdkit launch --max-restarts`: where each host keeps its snapshots
 LINK = "HVDKIT_LAUNCHER_LINK"  # set by `hvdkit launch --max-restarts`: address:port of its line to the ranks
-# On that line (hvdkit.launch.links, hvdkit.rank.link) a rank says HELLO and LEAVING; the launcher
-# WELCOME (to HELLO), END or STOP.
-HELLO, WELCOME, LEAVING, END, STOP = "hello", "welcome", "leaving", "end", "stop"
+# "1" in the ranks of the next attempt, which `hvdkit launch --max-restarts` starts ahead of need:
+# they import what they need, then wait on their line until told to GO (empty for the others).
+STANDBY = "HVDKIT_STANDBY"
+# On that line (hvdkit.launch.links, hvdkit.rank.link) a rank says HELLO and LEAVING, a standby's
+# READY; the launcher WELCOME (to HELLO), END, STOP or GO.
+HELLO, WELCOME, LEAVING, END, STOP, READY, GO = "hello", "welcome", "leaving", "end", "stop", "ready", "go"
 STOP_GRACE = "HVDKIT_STOP_GRACE"
 GRACE_SECONDS = 10.0  # as Slurm's KillWait and Kubernetes' grace period, shorter: a stopped job holds its nodes
 KILL_AFTER_GRACE = 3.0  # the ranks' own count ends them first, each saying where it was

@@ -27,7 +27,7 @@ from hvdkit.launch.hostfile import (
 )
 from hvdkit.launch.mpi import find_program, mpirun_version
 from hvdkit.launch.network import Network, NetworkError, remote_hosts, routable_network
-from hvdkit.launch.planner import Plan, check_command, local_slots, parser, plan
+from hvdkit.launch.planner import Plan, check_command, elastic, local_slots, parser, plan
 
 REMOVE_SECONDS = 15  # ssh's connect timeout (5 s) and the removal
 
@@ -54,6 +54,8 @@ def main(argv: Sequence[str]) -> int:
             raise LaunchError("put '--' before the command, e.g. hvdkit launch -np 2 -- python train.py")
         if args.max_restarts < 0:
             raise LaunchError(f"--max-restarts must be 0 or more (got {args.max_restarts})")
+        if args.standby and not args.max_restarts:
+            raise LaunchError("--standby starts the ranks of a restart ahead of need: it goes with --max-restarts N")
         result = plan(args, command, os.environ, find_program, mpirun_version, os.geteuid() == 0, local_slots(),
                       launcher_args, network=_previewed if args.dry_run else routable_network)
         check_command(command)
@@ -87,14 +89,48 @@ def main(argv: Sequence[str]) -> int:
                                local_slots(), launcher_args, network=routable_network)
         return plans[lost]
 
+    # srun: a second step would wait for the allocation the running one holds; elastic: no restarts.
+    ahead = args.max_restarts and result.launcher != "srun" and not elastic(launcher_args) and (
+        args.standby if args.standby is not None else runs_hvdkit_train(command))
+    standby: dict[frozenset, supervise.Launched] = {}  # the next attempt, started ahead, by the hosts lost before it
+
     def start(extra: Mapping[str, str], lost: frozenset) -> supervise.Ended:
         chosen = without(lost)
-        return supervise.attempt(chosen.command, dict(os.environ, **chosen.env, **extra), chosen.tagged,
-                                 remote_hosts(chosen.watch), chosen.ranks)
+        ready = standby.pop(lost, None)
+        for other in standby.values():  # started for hosts that are lost since
+            other.discard()
+        standby.clear()
+        if ready is not None and ready.child.poll() is not None:
+            ready.discard()
+            ready = None
+        env = dict(os.environ, **chosen.env, **extra)
+        watch = remote_hosts(chosen.watch)
 
-    return restarts.run(start, args.max_restarts, lambda lost: _where(without(lost)),
-                        lambda place, lost: remove_elsewhere(
-                            place, remote_hosts([h.name for h in result.hosts + result.spares]).keys() - lost))
+        def start_the_next() -> supervise.Launched:
+            standby[lost] = supervise.Launched(chosen.command, {**env, job.RESTART: str(int(extra[job.RESTART]) + 1)},
+                                               chosen.tagged, watch, standby=True)
+            return standby[lost]
+
+        last = int(extra[job.RESTART]) >= args.max_restarts
+        return supervise.attempt(chosen.command, env, chosen.tagged, watch, chosen.ranks, standby=ready,
+                                 ahead=start_the_next if ahead and not last else None)
+
+    try:
+        return restarts.run(start, args.max_restarts, lambda lost: _where(without(lost)),
+                            lambda place, lost: remove_elsewhere(
+                                place, remote_hosts([h.name for h in result.hosts + result.spares]).keys() - lost))
+    finally:
+        for unused in standby.values():
+            unused.discard()
+
+
+def runs_hvdkit_train(command: Sequence[str]) -> bool:
+    """Whether ``command`` is `hvdkit train` (or `python -m hvdkit train`), whose ranks wait before
+    hvd.init when started as a standby (job.STANDBY); another program would train at once."""
+    words = list(command)
+    if words and os.path.basename(words[0]).startswith("python") and words[1:2] == ["-m"]:
+        words = words[2:]
+    return len(words) > 1 and os.path.basename(words[0]) == "hvdkit" and words[1] == "train"
 
 
 def _where(result: Plan) -> str:

@@ -2,7 +2,8 @@
 its start and says who it is; one whose connection closes without saying it was leaving died (a
 signal, a crash), and the other ranks are told to end at once, so that the restart follows the
 death in a fraction of a second instead of after mpirun's kill sequence on every host. A stop
-signal goes to the ranks on other hosts on it (hvdkit.launch.supervise.pass_on)."""
+signal goes to the ranks on other hosts on it (hvdkit.launch.supervise.pass_on). The ranks of a
+standby attempt (started ahead of need) say they are ready on it, and wait there until go()."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ class Links:
         self._ranks: dict[socket.socket, Rank] = {}
         self._lock = threading.Lock()  # _ranks: a stop signal's handler reads it
         self.died: Optional[Rank] = None
+        self._go = False  # go() was called: a standby's rank that says it is ready goes at once
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="hvdkit-rank-links", daemon=True)
         self._thread.start()
@@ -75,6 +77,14 @@ class Links:
                         connection.sendall(f"{job.WELCOME}\n".encode())
                 elif words == [job.LEAVING]:
                     rank.leaving = True
+                elif words == [job.READY]:
+                    rank.leaving = True  # ends its connection when told to go: no death
+                    with self._lock:  # go() reads who waits
+                        go = self._go
+                        rank.host = job.READY
+                    if go:
+                        with contextlib.suppress(OSError):
+                            connection.sendall(f"{job.GO}\n".encode())
             return
         self._selector.unregister(connection)
         with self._lock:
@@ -93,6 +103,26 @@ class Links:
         for connection in ranks:
             with contextlib.suppress(OSError):
                 connection.sendall(f"{job.END}\n".encode())
+
+    def go(self) -> None:
+        """The standby attempt is needed: its ranks, waiting or still starting, go on."""
+        with self._lock:
+            self._go = True
+            waiting = [connection for connection, rank in self._ranks.items() if rank.host == job.READY]
+        for connection in waiting:
+            with contextlib.suppress(OSError):
+                connection.sendall(f"{job.GO}\n".encode())
+
+    def waiting(self) -> int:
+        """How many of a standby's ranks wait to be told to go."""
+        with self._lock:
+            return 0 if self._go else sum(rank.host == job.READY for rank in self._ranks.values())
+
+    def complete(self) -> bool:
+        """Whether every rank of the job has said who it is."""
+        with self._lock:
+            sizes = [rank.size for rank in self._ranks.values() if rank.size]
+        return bool(sizes) and len(sizes) == sizes[0]
 
     def stop(self, signum: int) -> bool:
         """Signal ``signum`` to the ranks on other hosts (the ranks here are signalled directly);

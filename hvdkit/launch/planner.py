@@ -117,6 +117,10 @@ def parser() -> argparse.ArgumentParser:
                    help="start a job that failed (a rank died, a stall, a lost host) again, up to N times; "
                         "it resumes from its newest checkpoint, a lost host's ranks on the hosts listed beyond "
                         "-np's need (default: 0)")
+    p.add_argument("--standby", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --max-restarts: start each restart's ranks ahead of need, waiting, so that a restart "
+                        "does not wait for their start (default: for hvdkit train; a script of your own opts in "
+                        "where it uses hvdkit.Session, whose ranks wait before hvd.init)")
     p.add_argument("--no-preflight", action="store_true",
                    help="start on several hosts without comparing them first (what `hvdkit doctor -H` checks)")
     p.add_argument("--dry-run", action="store_true", help="print the launcher, the reason and the command")
@@ -199,7 +203,8 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
                             hosts=hosts if listed else []), spares)
     if launcher == "srun":
         return Plan(launcher, reason, srun_command(spec), {})
-    launch_side = [job.JOB_DIR, job.RESTART, job.SNAPSHOTS, job.LINK] if supervised else []  # what hvdkit launch sets
+    # What hvdkit launch sets for its ranks.
+    launch_side = [job.JOB_DIR, job.RESTART, job.SNAPSHOTS, job.LINK, job.STANDBY] if supervised else []
     return _spared(_mpirun_plan(spec, reason, mpi_version(program), oversubscribed, environ, network,
                                 [*extra, *launch_side], placed, hosts if listed else []), spares)
 

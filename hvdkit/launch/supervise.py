@@ -17,7 +17,9 @@ therefore starts the launcher as a child in its own session and stays as its par
   SIGKILL), by PID, and the launcher's exit code is returned, or the documented code a rank
   left in the job directory (HVDKIT_JOB_DIR) when a launcher replaced it with its own;
 * with --max-restarts, a rank that dies (no word on its line, hvdkit.launch.links) has the
-  other ranks ended at once, for the restart;
+  other ranks ended at once, for the restart; and the restart's launcher and ranks are started
+  ahead of need (a standby attempt, once every rank of the running one is on its line), so that
+  a restart does not wait for them to start and import torch;
 * across hosts, it watches them (hvdkit.launch.network.HostWatch): when one stops answering, the
   other ranks are blocked in a collective that cannot complete, so the launcher and every
   process below it are killed at once, with one line naming the host, and it exits with
@@ -37,7 +39,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
 from hvdkit.env import RANK_VARIABLES
 from hvdkit.job import (
@@ -45,6 +47,7 @@ from hvdkit.job import (
     KILL_AFTER_GRACE,
     LINK,
     LOST,
+    STANDBY,
     rank_exit_code,
     restarting,
     shell_code,
@@ -146,26 +149,78 @@ def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False
     return attempt(command, env, join_lines, watch, ranks).code
 
 
+class Launched:
+    """One attempt's launcher, started: its job directory, its line to the ranks (under
+    --max-restarts), the child and the pumps of its output. A ``standby`` one (the next attempt,
+    started ahead of need) has its ranks wait on the line until go(); its output is held in its
+    pipes until then."""
+
+    def __init__(self, command: Sequence[str], env: Mapping[str, str], join_lines: bool = False,
+                 watch: Optional[Mapping[str, str]] = None, standby: bool = False) -> None:
+        self.job_dir = tempfile.mkdtemp(prefix="hvdkit-job-")
+        self.lines: Optional[Links] = None
+        if restarting(env):  # where the ranks on other hosts reach this one
+            self.lines = Links(network.source_address(next(iter(watch.values()))) if watch else "127.0.0.1")
+        self.env = {JOB_DIR: self.job_dir, **env, LINK: self.lines.address if self.lines else "",
+                    STANDBY: "1" if standby else ""}
+        self.standby, self.join_lines = standby, join_lines
+        pipe = subprocess.PIPE if join_lines or standby else None
+        self.child = subprocess.Popen(list(command), env=self.env, start_new_session=True,
+                                      preexec_fn=end_with_parent, stdout=pipe, stderr=pipe)
+        self.pumps: list = []
+
+    def go(self) -> None:
+        """Its output passed on from now, and (a standby's) its ranks told to go on."""
+        if self.child.stdout:
+            self.pumps = [rank_output.pump(os.dup(stream.fileno()), target.fileno())
+                          for stream, target in ((self.child.stdout, sys.stdout), (self.child.stderr, sys.stderr))]
+            for stream in (self.child.stdout, self.child.stderr):
+                stream.close()  # the pumps hold their own copies
+        if self.standby and self.lines:
+            self.lines.go()
+
+    def process(self) -> "psutil.Process":
+        import psutil
+
+        return psutil.Process(self.child.pid)
+
+    def close(self) -> None:
+        for pump in self.pumps:
+            pump.join(timeout=5)
+        if self.lines:
+            self.lines.close()
+        remove_job_dir(self.job_dir)
+
+    def discard(self) -> None:
+        """A standby that is not needed: its launcher and whatever it started here ended (the
+        launcher ends its ranks on other hosts), unheard."""
+        import psutil
+
+        with contextlib.suppress(psutil.Error):
+            below = [self.process(), *self.process().children(recursive=True)]
+            end_processes(below, grace=KILL_AFTER_GRACE)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.child.wait(timeout=KILL_AFTER_GRACE)
+        for stream in (self.child.stdout, self.child.stderr):
+            if stream:
+                stream.close()
+        self.close()
+
+
 def attempt(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False,
-            watch: Optional[Mapping[str, str]] = None, ranks: Optional[Mapping[str, list]] = None) -> Ended:
-    """run(), saying how the job ended (hvdkit.launch.restarts decides on a restart from it)."""
+            watch: Optional[Mapping[str, str]] = None, ranks: Optional[Mapping[str, list]] = None,
+            standby: Optional[Launched] = None, ahead: Optional[Callable[[], Launched]] = None) -> Ended:
+    """run(), saying how the job ended (hvdkit.launch.restarts decides on a restart from it).
+    ``standby``: this attempt, started ahead of need (its ranks told to go now); ``ahead``: starts
+    the next attempt as a standby, called once every rank of this one is on its line."""
     import psutil  # here: `hvdkit doctor` imports this module where psutil may be missing
 
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
-    job_dir = tempfile.mkdtemp(prefix="hvdkit-job-")
-    lines: Optional[Links] = None
+    launched = standby or Launched(command, env, join_lines, watch)
+    spare: list[Optional[Launched]] = []  # the next attempt's, once started (None: it could not be)
     try:
-        if restarting(env):  # where the ranks on other hosts reach this one
-            lines = Links(network.source_address(next(iter(watch.values()))) if watch else "127.0.0.1")
-        env = {JOB_DIR: job_dir, **env, LINK: lines.address if lines else ""}
-        pipe = subprocess.PIPE if join_lines else None
-        child = subprocess.Popen(list(command), env=env, start_new_session=True, preexec_fn=end_with_parent,
-                                 stdout=pipe, stderr=pipe)
-        pumps = [rank_output.pump(os.dup(child.stdout.fileno()), sys.stdout.fileno()),
-                 rank_output.pump(os.dup(child.stderr.fileno()), sys.stderr.fileno())] if join_lines else []
-        for stream in (child.stdout, child.stderr):
-            if stream:
-                stream.close()  # the pumps hold their own copies
+        launched.go()
+        child, lines = launched.child, launched.lines
         launcher = psutil.Process(child.pid)
         stopped: list[int] = []  # the first stop signal, which starts the grace period
 
@@ -175,22 +230,31 @@ def attempt(command: Sequence[str], env: Mapping[str, str], join_lines: bool = F
                 stopped.append(time.monotonic() + stop_grace() + KILL_AFTER_GRACE)
             pass_on(signum, launcher, lines)
 
+        def start_the_next() -> None:
+            if ahead and not spare and not stopped and lines and lines.complete():
+                try:
+                    spare.append(ahead())
+                except OSError as exc:  # no standby: a restart starts its ranks then, as without
+                    spare.append(None)
+                    print(f"hvdkit launch: warning: cannot start the next attempt ahead of need: {exc}",
+                          file=sys.stderr, flush=True)
+
         handlers = Handlers(FORWARDED, forward).install()
         hosts = network.HostWatch(dict(watch or {}), ranks=dict(ranks or {}))
         try:
-            code = _wait(child, hosts, stopped)
+            code = _wait(child, hosts, stopped, start_the_next)
             if code != 0 and not stopped and not hosts.lost and hosts.confirm():
                 print(f"hvdkit launch: {hosts.lost}", file=sys.stderr, flush=True)
         finally:
             hosts.stop()
             handlers.restore()
             left = max(0.0, stopped[1] - time.monotonic()) if stopped else stop_grace()  # of a stop's grace period
-            end_leftovers(grace=0 if hosts.lost else left)
-            for pump in pumps:
+            end_leftovers(grace=0 if hosts.lost else left, keep=[s.child.pid for s in spare if s])
+            for pump in launched.pumps:
                 pump.join(timeout=5)
         if hosts.lost:
             return Ended(LOST, bool(stopped), lost=hosts.lost, host=hosts.lost_host)
-        recorded = rank_exit_code(Path(env[JOB_DIR]))
+        recorded = rank_exit_code(Path(launched.job_dir))
         if recorded is None and stopped and code > 0:  # it exited by itself, not killed after the grace
             # No rank said where it stopped: stopped while starting (importing torch, before the
             # Session's handlers), or ranks on hosts that do not share this job directory
@@ -201,19 +265,19 @@ def attempt(command: Sequence[str], env: Mapping[str, str], join_lines: bool = F
             return Ended(stopped_by(stopped[0]), True)
         return Ended(recorded or shell_code(code), bool(stopped), recorded)
     finally:
-        if lines:
-            lines.close()
-        remove_job_dir(job_dir)
+        launched.close()
 
 
-def _wait(child: subprocess.Popen, hosts: network.HostWatch, stopped: list) -> int:
+def _wait(child: subprocess.Popen, hosts: network.HostWatch, stopped: list,
+          meanwhile: Callable[[], None] = lambda: None) -> int:
     """The launcher's exit code; if a host is lost first, or the job outlives a stop's grace
     period (``stopped``: [signal, deadline]), the launcher is killed (its process group) after
-    saying why; what it leaves is killed after."""
+    saying why; what it leaves is killed after. ``meanwhile`` is called every half second."""
     while True:
         code = wait_child(child, timeout=0.5)
         if code is not None:
             return code
+        meanwhile()
         why = hosts.lost or (stopped and time.monotonic() > stopped[1] and
                              f"the job did not end within {stop_grace() + KILL_AFTER_GRACE:g} s of "
                              f"{signal.Signals(stopped[0]).name}; killing what is left")
@@ -242,12 +306,17 @@ def remove_job_dir(directory: str) -> None:
             time.sleep(0.05)
 
 
-def end_leftovers(grace: float) -> list[int]:
-    """End every process still below this one (orphans re-parented to it included): SIGTERM,
-    then SIGKILL after ``grace`` seconds. Their PIDs, which are also printed."""
+def end_leftovers(grace: float, keep: Sequence[int] = ()) -> list[int]:
+    """End every process still below this one (orphans re-parented to it included), except
+    ``keep`` and what is below them (a standby attempt's): SIGTERM, then SIGKILL after ``grace``
+    seconds. Their PIDs, which are also printed."""
     import psutil
 
-    left = psutil.Process().children(recursive=True)
+    kept = set(keep)
+    for pid in keep:
+        with contextlib.suppress(psutil.Error):
+            kept.update(p.pid for p in psutil.Process(pid).children(recursive=True))
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in kept]
     _, left = psutil.wait_procs(left, timeout=3)  # ranks still exiting after their launcher did
     if left:
         print(f"hvdkit launch: the launcher exited and left {len(left)} processes running; ending them "

@@ -59,6 +59,29 @@ def connect(environ: Mapping[str, str], rank: int, size: int) -> bool:
     return True
 
 
+def wait_for_go(environ: Mapping[str, str]) -> None:
+    """In a rank of a standby attempt (job.STANDBY), which `hvdkit launch --max-restarts` starts
+    while the job runs, before it is needed: what the rank imports is paid for now (torch.optim
+    imports torch._dynamo at the first step), then it waits on its line, before hvd.init, until
+    the attempt before fails and the launcher says go. Told nothing (the standby was not needed,
+    or its launcher is gone), it ends."""
+    if environ.get(job.STANDBY) != "1":
+        return
+    import torch._dynamo  # noqa: F401
+
+    address, _, port = environ.get(job.LINK, "").rpartition(":")
+    told = ""
+    try:
+        with socket.create_connection((address, int(port)), timeout=CONNECT_SECONDS) as line:
+            line.settimeout(None)
+            line.sendall(f"{job.READY}\n".encode())
+            told = line.makefile("rb").readline().decode(errors="replace").strip()
+    except (OSError, ValueError):
+        pass
+    if told != job.GO:
+        os._exit(0)
+
+
 def leaving() -> None:
     """Say that this rank leaves by itself (once; nothing where there is no line)."""
     global _line

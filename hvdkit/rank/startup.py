@@ -46,6 +46,7 @@ def start(cfg: TrainConfig):
                 **stall_settings(cfg.stall_timeout), **reproducible_settings()}
     for name, value in ({} if cfg.elastic else settings).items():
         os.environ.setdefault(name, value)  # a variable the user exported wins
+    link.wait_for_go(os.environ)  # a standby attempt's rank, until it is needed
     hvd.init()
     hint = data_path_hint(spans_hosts and not cfg.elastic and not torch.cuda.is_available() and hvd.gloo_built()
                           and hvd.mpi_enabled(), os.environ)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from hvdkit import checkpoint
+from hvdkit import checkpoint, job
 from hvdkit.env import RANK_VARIABLES
 from hvdkit.launch import restarts
 from hvdkit.rank import lifeline
@@ -21,10 +21,13 @@ NOT_RANKS = {"sh", "bash", "dash", "ssh", "sshd", "env", "timeout", proctree.HOR
 
 def ranks(hosts: Hosts) -> dict[int, tuple]:
     """The job's ranks on the hosts: {rank: (psutil.Process, host)}. A rank is the process that
-    carries a launcher's rank variable and whose parent does not (its data workers do too)."""
+    carries a launcher's rank variable and whose parent does not (its data workers do too); of two
+    with one rank, the running attempt's (the other is the next one's, started ahead of need: its
+    HVDKIT_RESTART is higher)."""
     import psutil
 
     found: dict[int, tuple] = {}
+    attempts: dict[int, int] = {}
     for name in hosts.names:
         for pid in hosts.pids(name):
             try:
@@ -35,7 +38,10 @@ def ranks(hosts: Hosts) -> dict[int, tuple]:
                 parent = process.parent()
                 if rank is None or (parent and parent.name() not in NOT_RANKS and _rank_of(parent) == rank):
                     continue
-                found[rank] = (process, name)
+                attempt = int(process.environ().get(job.RESTART) or 0)
+                if rank in found and attempts[rank] <= attempt:
+                    continue
+                found[rank], attempts[rank] = (process, name), attempt
             except psutil.Error:
                 continue
     return found

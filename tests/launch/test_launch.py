@@ -77,13 +77,14 @@ def test_environment_forwarding():
     command = _plan(["-np", "2", "-x", "WANDB_MODE", "-x", "SEED=3"], environ).command
     forwarded = [command[i + 1] for i, arg in enumerate(command) if arg == "-x"]
     # HVDKIT_JOB_DIR: set by hvdkit launch for the ranks' documented exit codes and heartbeats;
-    # HVDKIT_RESTART, HVDKIT_SNAPSHOT_DIR, HVDKIT_LAUNCHER_LINK: the attempt's number, the snapshots'
-    # place and hvdkit launch's line to the ranks under --max-restarts.
+    # HVDKIT_RESTART, HVDKIT_SNAPSHOT_DIR, HVDKIT_LAUNCHER_LINK, HVDKIT_STANDBY: the attempt's number,
+    # the snapshots' place, hvdkit launch's line to the ranks and whether they wait on it (a standby
+    # attempt's) under --max-restarts.
     # OMP_NUM_THREADS: a rank on another host computes with the threads asked for here (found by
     # tests/rehearse/test_chaos.py: its remote rank used two and ended 2e-6 from the run it replays).
     assert forwarded == ["HOROVOD_CYCLE_TIME", "LD_LIBRARY_PATH", "NCCL_SOCKET_IFNAME", "OMP_NUM_THREADS", "PATH",
                          "WANDB_MODE", "HVDKIT_JOB_DIR", "HVDKIT_RESTART", "HVDKIT_SNAPSHOT_DIR",
-                         "HVDKIT_LAUNCHER_LINK", "SEED=3"]
+                         "HVDKIT_LAUNCHER_LINK", "HVDKIT_STANDBY", "SEED=3"]
 
 
 def test_horovodrun_uses_the_allocation_hosts_in_slurm():

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -49,8 +50,8 @@ def lines():
         links.close()
 
 
-def said(proc: subprocess.Popen) -> str:
-    ready, _, _ = select.select([proc.stdout], [], [], SECONDS)
+def said(proc: subprocess.Popen, seconds: float = SECONDS) -> str:
+    ready, _, _ = select.select([proc.stdout], [], [], seconds)
     assert ready, "no word from the rank"
     return proc.stdout.readline().decode().strip()
 
@@ -103,3 +104,40 @@ def test_a_stop_goes_on_the_line_to_the_ranks_on_other_hosts_only(lines):
     assert said(there) == "got SIGTERM"
     here.send_signal(signal.SIGUSR2)  # its first word since it started: no signal came to it on the line
     assert said(here) == "got SIGUSR2"
+
+
+def test_a_standby_rank_waits_until_told_to_go_and_one_not_needed_ends_unheard():
+    """The ranks of a standby attempt (started ahead of need) import what they need, say they are
+    ready and wait; go() lets them on, onto the line as any rank. Those of a standby whose line
+    closes without it (it was not needed) end with 0, saying nothing."""
+    needed, unneeded = Links("127.0.0.1"), Links("127.0.0.1")
+    open_ones, procs = [needed, unneeded], []
+    try:
+        for links in (needed, needed, unneeded):
+            procs.append(subprocess.Popen([sys.executable, RANK, str(len(procs) % 2), "2"], stdout=subprocess.PIPE,
+                                          bufsize=0, env=dict(os.environ, PYTHONPATH=str(REPO),
+                                                              **{job.LINK: links.address, job.STANDBY: "1"})))
+        for links, count in ((needed, 2), (unneeded, 1)):
+            _await(lambda: links.waiting() == count)  # noqa: B023 -- awaited here, in this iteration
+        assert not select.select([p.stdout for p in procs], [], [], 0)[0], "a standby's rank said something"
+        needed.go()
+        assert [said(procs[0]), said(procs[1])] == ["on the line", "on the line"]
+        assert needed.complete() and needed.waiting() == 0
+        open_ones.remove(unneeded)
+        unneeded.close()
+        assert procs[2].wait(SECONDS) == 0 and procs[2].stdout.read() == b""
+    finally:
+        proctree.end_processes([p for proc in procs if proc.poll() is None for p in proctree.tree(proc.pid)], grace=0)
+        for proc in procs:
+            proc.wait()
+            proc.stdout.close()
+        for links in open_ones:
+            links.close()
+
+
+def _await(condition) -> None:
+    """Until ``condition()`` holds (the standby's ranks import torch first: seconds on a loaded machine)."""
+    deadline = time.monotonic() + SECONDS
+    while not condition():
+        assert time.monotonic() < deadline, "not within the time"
+        time.sleep(0.05)

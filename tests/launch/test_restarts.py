@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 from conftest import REPO, TWO_RANK_TRAIN, assert_bitwise_equal, final_weights, kill_tree, run, wait_for_file
@@ -73,9 +74,22 @@ def test_a_lost_host_is_left_out_of_the_restarts_after_it_and_spares_take_its_pl
         f"more than the 1 slots in a; exit {job.LOST}"]
 
 
+def test_the_ranks_started_ahead_of_need_are_hvdkit_trains_unless_told():
+    """A standby attempt's ranks must wait before they train: `hvdkit train` does (the Session's
+    start); another program would train at once, beside the job, unless it says it uses the Session."""
+    from hvdkit.launch.cli import runs_hvdkit_train
+
+    assert runs_hvdkit_train(["hvdkit", "train", "--model", "mlp"])
+    assert runs_hvdkit_train([sys.executable, "-m", "hvdkit", "train"])
+    assert not runs_hvdkit_train(["python", "train.py"]) and not runs_hvdkit_train(["hvdkit", "bench", "synthetic"])
+
+
 def test_a_negative_count_is_one_line_and_exit_2():
     proc = run([sys.executable, "-m", "hvdkit", "launch", "-np", "2", "--max-restarts", "-1", "--", "true"])
     assert proc.returncode == 2 and proc.stderr == "hvdkit launch: --max-restarts must be 0 or more (got -1)\n"
+    proc = run([sys.executable, "-m", "hvdkit", "launch", "-np", "2", "--standby", "--", "true"])
+    assert proc.returncode == 2 and proc.stderr == ("hvdkit launch: --standby starts the ranks of a restart ahead of "
+                                                    "need: it goes with --max-restarts N\n")
 
 
 def _command(tmp_path, launcher, *extra, train=TWO_RANK_TRAIN):
@@ -94,8 +108,10 @@ def _launch(tmp_path, launcher, *extra, env=None, train=TWO_RANK_TRAIN):
 def test_a_rank_killed_between_checkpoints_restarts_and_ends_where_an_undisturbed_run_ends(
         tmp_path, launcher, two_ranks_trained):
     """Rank 1 dies of SIGKILL at step 12 (checkpoints every 5): the job restarts by itself, resumes
-    from step 10, exits 0 and ends bitwise at the weights of the run that was never killed."""
-    proc, ckpt = _launch(tmp_path, launcher, "--max-restarts", "2")
+    from step 10, exits 0 and ends bitwise at the weights of the run that was never killed. The
+    restart's ranks were started ahead of need (--standby) and waited until then; the standby
+    started for a restart after it was not needed, and nothing of it is left."""
+    proc, ckpt = _launch(tmp_path, launcher, "--max-restarts", "2", "--standby")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "killed_once: rank 1 killed at step 12, attempt 0" in proc.stderr
     [line] = [line for line in proc.stderr.splitlines() if "restart 1 of 2" in line]
@@ -103,6 +119,8 @@ def test_a_rank_killed_between_checkpoints_restarts_and_ends_where_an_undisturbe
     assert "restart 2 of 2" not in proc.stderr
     assert f"resumed from {checkpoint.path_for(str(ckpt), 10)}" in proc.stderr, "2 steps redone, no more"
     assert_bitwise_equal(final_weights(ckpt), two_ranks_trained)
+    left = [p.pid for p in psutil.process_iter(["cmdline"]) if str(ckpt) in " ".join(p.info["cmdline"] or [])]
+    assert left == [], "a standby's processes outlived the job"
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """A rank on hvdkit launch's line (hvdkit.rank.link) and nothing else: `link_rank.py RANK SIZE
 [fork]`. It says on stdout whether it is on the line, and each signal it gets; SIGUSR2 ends it by
 Python's own exit (its line says it is leaving, at exit). With ``fork`` it first forks a child
-that sleeps, as a DataLoader's worker waits, and says its pid."""
+that sleeps, as a DataLoader's worker waits, and says its pid. Started as a standby's rank
+(HVDKIT_STANDBY=1), it first waits until it is told to go, as the Session's start does."""
 
 import os
 import signal
@@ -18,6 +19,7 @@ def say(number, frame) -> None:
     print(f"got {got[-1]}", flush=True)
 
 
+link.wait_for_go(os.environ)
 for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
     signal.signal(signum, say)
 print("on the line" if link.connect(os.environ, int(sys.argv[1]), int(sys.argv[2])) else "no line", flush=True)

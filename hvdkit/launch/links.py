@@ -20,12 +20,14 @@ from hvdkit import job
 
 @dataclass
 class Rank:
-    """One rank's end of the line: who it said it is, and whether it said it was leaving."""
+    """One rank's end of the line: who it said it is, whether it said it was leaving, or (a
+    standby's) that it is ready."""
     rank: str = "?"
     size: int = 0
     pid: str = "?"
     host: str = "?"
     leaving: bool = False
+    ready: bool = False  # a standby's rank, waiting to be told to go
     said: bytes = b""
 
 
@@ -80,8 +82,7 @@ class Links:
                 elif words == [job.READY]:
                     rank.leaving = True  # ends its connection when told to go: no death
                     with self._lock:  # go() reads who waits
-                        go = self._go
-                        rank.host = job.READY
+                        go, rank.ready = self._go, True
                     if go:
                         with contextlib.suppress(OSError):
                             connection.sendall(f"{job.GO}\n".encode())
@@ -108,7 +109,7 @@ class Links:
         """The standby attempt is needed: its ranks, waiting or still starting, go on."""
         with self._lock:
             self._go = True
-            waiting = [connection for connection, rank in self._ranks.items() if rank.host == job.READY]
+            waiting = [connection for connection, rank in self._ranks.items() if rank.ready]
         for connection in waiting:
             with contextlib.suppress(OSError):
                 connection.sendall(f"{job.GO}\n".encode())
@@ -116,7 +117,7 @@ class Links:
     def waiting(self) -> int:
         """How many of a standby's ranks wait to be told to go."""
         with self._lock:
-            return 0 if self._go else sum(rank.host == job.READY for rank in self._ranks.values())
+            return 0 if self._go else sum(rank.ready for rank in self._ranks.values())
 
     def complete(self) -> bool:
         """Whether every rank of the job has said who it is."""

@@ -163,7 +163,7 @@ class Launched:
             self.lines = Links(network.source_address(next(iter(watch.values()))) if watch else "127.0.0.1")
         self.env = {JOB_DIR: self.job_dir, **env, LINK: self.lines.address if self.lines else "",
                     STANDBY: "1" if standby else ""}
-        self.standby, self.join_lines = standby, join_lines
+        self.standby = standby
         pipe = subprocess.PIPE if join_lines or standby else None
         self.child = subprocess.Popen(list(command), env=self.env, start_new_session=True,
                                       preexec_fn=end_with_parent, stdout=pipe, stderr=pipe)
@@ -179,11 +179,6 @@ class Launched:
         if self.standby and self.lines:
             self.lines.go()
 
-    def process(self) -> "psutil.Process":
-        import psutil
-
-        return psutil.Process(self.child.pid)
-
     def close(self) -> None:
         for pump in self.pumps:
             pump.join(timeout=5)
@@ -197,8 +192,8 @@ class Launched:
         import psutil
 
         with contextlib.suppress(psutil.Error):
-            below = [self.process(), *self.process().children(recursive=True)]
-            end_processes(below, grace=KILL_AFTER_GRACE)
+            launcher = psutil.Process(self.child.pid)
+            end_processes([launcher, *launcher.children(recursive=True)], grace=KILL_AFTER_GRACE)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.child.wait(timeout=KILL_AFTER_GRACE)
         for stream in (self.child.stdout, self.child.stderr):

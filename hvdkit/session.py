@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader
 
 from hvdkit import job
 from hvdkit.checkpoint import CheckpointError
-from hvdkit.config import ConfigError, TrainConfig, from_environ, from_mapping, validate
+from hvdkit.config import ConfigError, TrainConfig
 from hvdkit.rank import lockstep, orphan, startup, stops
 from hvdkit.rank.buckets import distributed_optimizer
 from hvdkit.rank.checkpoints import RunCheckpoints
@@ -93,10 +93,8 @@ class Session:
 
     def __init__(self, config: Optional[TrainConfig] = None, loggers: Union[str, Sequence, None] = None,
                  **keys) -> None:
-        if config is None:  # your own loop: HVDKIT_<KEY> variables, then your keywords
-            config = from_mapping(from_environ(os.environ))
         own_loggers = take_loggers(loggers, keys)
-        self.cfg = cfg = validate(from_mapping(keys, base=config))
+        self.cfg = cfg = startup.read_config(config, keys)
         self.hvd, self.device = hvd, device = startup.start(cfg)
         self.watchdog = Watchdog(0 if cfg.elastic else cfg.stall_timeout, self.rank)
         self.amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16

@@ -211,6 +211,23 @@ def test_own_errors_in_a_session_loop_are_one_line_once_under_plain_horovodrun(t
 
 
 @pytest.mark.slow
+def test_a_mistake_in_a_sessions_keywords_is_one_line_from_rank_0_under_plain_horovodrun(tmp_path):
+    """`hvdkit.Session(clip_grad_norm=0)` under `horovodrun -np 2 python loop.py`: the
+    configuration is read before hvd.init, so rank 0 is known by the launcher's variables; it
+    says the error in one line, no rank prints a traceback, the job exits 2 and nothing is written."""
+    script = tmp_path / "loop.py"
+    script.write_text("import hvdkit\nsession = hvdkit.Session(clip_grad_norm=0)\nprint('trained')\n")
+    proc = run([mpi.find_program("horovodrun"), "-np", "2", "-H", "localhost:2", sys.executable, str(script)],
+               cwd=tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-3000:]
+    said = [line for line in output.splitlines() if "hvdkit" in line]
+    assert len(said) == 1 and said[0].endswith("hvdkit: error: config: clip_grad_norm must be > 0 (got 0.0)"), said
+    assert "Traceback" not in output and "trained" not in output, output[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loop.py"], "nothing written"
+
+
+@pytest.mark.slow
 def test_a_non_finite_step_skipped_on_the_device_is_named_at_the_next_checkpoint(tmp_path):
     """Torch's fused SGD skips step 7 on the device and nothing reads its flag until the
     checkpoint at step 10: with stop, the same one line names step 7 there and checkpoint 5 is

@@ -64,7 +64,9 @@ def wait_for_go(environ: Mapping[str, str]) -> None:
     while the job runs, before it is needed: what the rank imports is paid for now (torch.optim
     imports torch._dynamo at the first step), then it waits on its line, before hvd.init, until
     the attempt before fails and the launcher says go. Told nothing (the standby was not needed,
-    or its launcher is gone), it ends."""
+    its launcher is gone, or it cannot be reached), it ends with 1, so that the standby's
+    launcher ends its other ranks and the standby is seen to be gone (one ended with 0 before
+    MPI's init is no failure to mpirun: the others would wait for it in their init)."""
     if environ.get(job.STANDBY) != "1":
         return
     import torch._dynamo  # noqa: F401
@@ -79,7 +81,7 @@ def wait_for_go(environ: Mapping[str, str]) -> None:
     except (OSError, ValueError):
         pass
     if told != job.GO:
-        os._exit(0)
+        os._exit(job.FAILED)
 
 
 def leaving() -> None:

@@ -28,11 +28,26 @@ import numpy as np
 import torch
 
 from hvdkit import env
-from hvdkit.config import ConfigError, TrainConfig
+from hvdkit.config import ConfigError, TrainConfig, from_environ, from_mapping, validate
 from hvdkit.models import seed_everything
-from hvdkit.rank import link
+from hvdkit.rank import link, stops
 from hvdkit.rank.lock import DirectoryInUse, DirectoryLock
 from hvdkit.system import wholefiles
+
+
+def read_config(config: Optional[TrainConfig], keys: Mapping[str, object]) -> TrainConfig:
+    """A Session's configuration: ``config`` (else the HVDKIT_<KEY> variables) with ``keys`` over
+    it, validated. Under a launcher a mistake in it is one line from rank 0 (known by the
+    launcher's rank number: this is before hvd.init), as `hvdkit train`'s is, not a traceback on
+    every rank; caught by the caller, it is the caller's."""
+    launched = env.detect().rank
+    undo = stops.exit_on_own_errors(launched, (ConfigError,), (ConfigError,)) if launched is not None else None
+    if config is None:
+        config = from_mapping(from_environ(os.environ))
+    cfg = validate(from_mapping(dict(keys), base=config))
+    if undo:
+        undo()
+    return cfg
 
 
 def start(cfg: TrainConfig):

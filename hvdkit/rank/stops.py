@@ -225,15 +225,16 @@ def leave_rank0_the_word(rank: Optional[int]) -> None:
     time.sleep(SPEAKER_GRACE)
 
 
-def exit_on_own_errors(rank: int, own: tuple, bad_input: tuple, end: Callable[[], None]) -> Callable[[], None]:
+def exit_on_own_errors(rank: int, own: tuple, bad_input: tuple,
+                       end: Optional[Callable[[], None]] = None) -> Callable[[], None]:
     """From now on, an exception of the ``own`` types that nothing caught ends this rank with
     its message once (rank 0's, as one line) instead of a traceback on every rank: ``end()``
-    (a bound method: Horovod's shutdown), then exit with the exception's ``exit_code``, else 2
-    for ``bad_input`` types, else 1. Returns the undo.
+    (a bound method: Horovod's shutdown; none before hvd.init), then exit with the exception's
+    ``exit_code``, else 2 for ``bad_input`` types, else 1. Returns the undo.
 
     The other ranks leave rank 0 the word (``leave_rank0_the_word``) after Horovod's shutdown."""
     previous = sys.excepthook
-    end = weakref.WeakMethod(end)  # the hook must not keep a Session (its loaders' workers) alive
+    end = weakref.WeakMethod(end) if end else (lambda: None)  # the hook must not keep a Session alive
 
     def hook(kind, exc, tb) -> None:
         if not issubclass(kind, own):

@@ -109,7 +109,8 @@ def test_a_stop_goes_on_the_line_to_the_ranks_on_other_hosts_only(lines):
 def test_a_standby_rank_waits_until_told_to_go_and_one_not_needed_ends_unheard():
     """The ranks of a standby attempt (started ahead of need) import what they need, say they are
     ready and wait; go() lets them on, onto the line as any rank. Those of a standby whose line
-    closes without it (it was not needed) end with 0, saying nothing."""
+    closes without it (it was not needed) end with 1, saying nothing: their launcher then ends
+    the standby's other ranks (one ended with 0 before MPI's init is no failure to mpirun)."""
     needed, unneeded = Links("127.0.0.1"), Links("127.0.0.1")
     open_ones, procs = [needed, unneeded], []
     try:
@@ -125,7 +126,7 @@ def test_a_standby_rank_waits_until_told_to_go_and_one_not_needed_ends_unheard()
         assert needed.complete() and needed.waiting() == 0
         open_ones.remove(unneeded)
         unneeded.close()
-        assert procs[2].wait(SECONDS) == 0 and procs[2].stdout.read() == b""
+        assert procs[2].wait(SECONDS) == job.FAILED and procs[2].stdout.read() == b""
     finally:
         proctree.end_processes([p for proc in procs if proc.poll() is None for p in proctree.tree(proc.pid)], grace=0)
         for proc in procs:

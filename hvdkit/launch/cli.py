@@ -100,8 +100,8 @@ def main(argv: Sequence[str]) -> int:
         for other in standby.values():  # started for hosts that are lost since
             other.discard()
         standby.clear()
-        if ready is not None and (ready.child.poll() is not None or ready.lines.waiting() < args.np):
-            ready.discard()  # gone, or not all of its ranks are ready: this restart starts its own
+        if ready is not None and ready.child.poll() is not None:  # its launcher ended: one of its ranks did
+            ready.discard()
             ready = None
         env = dict(os.environ, **chosen.env, **extra)
         watch = remote_hosts(chosen.watch)

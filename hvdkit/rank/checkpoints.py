@@ -130,7 +130,7 @@ class RunCheckpoints:
         if self.hvd.rank() == 0:
             newest = max(map(checkpoint.step_of, checkpoint.existing(self.cfg.checkpoint_dir)), default=-1)
         newest = self.hvd.broadcast_object(newest, root_rank=0, name="hvdkit.resume.newest")
-        return self.snapshots.shards.resume(newest, lambda path, state: self._accepted(path, state))
+        return self.snapshots.shards.resume(newest, self._accepted)
 
     def load_state(self, state: dict) -> None:
         """Model, optimizer, scheduler, GradScaler, epoch, step and ``extra`` from a checkpoint."""

@@ -77,6 +77,11 @@ STANDBY = "HVDKIT_STANDBY"
 # On that line (hvdkit.launch.links, hvdkit.rank.link) a rank says HELLO and LEAVING, a standby's
 # READY; the launcher WELCOME (to HELLO), END, STOP or GO.
 HELLO, WELCOME, LEAVING, END, STOP, READY, GO = "hello", "welcome", "leaving", "end", "stop", "ready", "go"
+# Set by the guard `hvdkit launch` starts each rank under (hvdkit.launch.guard): the descriptor of a
+# page of memory on which the rank's watchdog keeps what the guard's line needs: its last step
+# (8 bytes, little-endian, -1 before the first) and a JSON record after it, ended by a zero byte.
+GUARD = "HVDKIT_GUARD_FD"
+GUARD_PAGE = 4096
 STOP_GRACE = "HVDKIT_STOP_GRACE"
 GRACE_SECONDS = 10.0  # as Slurm's KillWait and Kubernetes' grace period, shorter: a stopped job holds its nodes
 KILL_AFTER_GRACE = 3.0  # the ranks' own count ends them first, each saying where it was
@@ -128,13 +133,29 @@ def record_exit(code: int, message: str) -> None:
         pass
 
 
-def rank_exit_code(directory: Path) -> Optional[int]:
-    """The first documented exit code a rank recorded, after repeating its message."""
+def record_cause(line: str) -> None:
+    """Called by a rank's guard (hvdkit.launch.guard) where a signal or the out-of-memory killer
+    ended the rank: what `hvdkit launch` says last for an ending no rank recorded a code for."""
+    directory = os.environ.get(JOB_DIR)
+    if directory:
+        with contextlib.suppress(OSError):
+            write_whole(Path(directory, f"cause-{os.getpid()}"), f"{line}\n")
+
+
+def rank_cause(directory: Path) -> Optional[str]:
+    """The first cause a guard recorded (record_cause), if any."""
+    records = sorted(directory.glob("cause-*"), key=lambda p: p.stat().st_mtime) if directory.is_dir() else []
+    for path in records:
+        with contextlib.suppress(OSError):
+            return path.read_text().strip()
+    return None
+
+
+def rank_exit(directory: Path) -> Optional[tuple[int, str]]:
+    """The first documented exit code a rank recorded and its message, after repeating the message."""
     records = sorted(directory.glob("exit-*"), key=lambda p: p.stat().st_mtime) if directory.is_dir() else []
     for path in records:
         code, _, message = path.read_text().strip().partition(" ")
         print(f"hvdkit launch: {message}", file=sys.stderr, flush=True)
-        return int(code)
+        return int(code), message
     return None
-
-

@@ -105,12 +105,13 @@ class Session:
         # Elastic: a stop signal on the driver's host ends the job (with a checkpoint); elsewhere
         # it ends that worker alone, as Horovod has it (a node drained or preempted), and the job goes on.
         self._signal = stops.StopSignal(install=not cfg.elastic or orphan.started_by_horovodrun_here(),
-                                        rank=self.rank, where=lambda watchdog=self.watchdog: watchdog.where)
+                                        rank=self.rank, where=lambda watchdog=self.watchdog: watchdog.where,
+                                        on_overdue=self.watchdog.write_stacks)
         state.log_dir = cfg.log_dir or startup.run_dir(cfg, hvd)
         self._unread_step = False  # a step's agreement that should_stop() has not read yet
         self._input_format = torch.preserve_format  # channels_last for a convolutional model on a GPU, from setup()
         # The parts, each handed what it uses; none holds the Session.
-        self._lockstep = meetings = Lockstep(hvd, strict=not cfg.elastic)
+        self._lockstep = meetings = Lockstep(hvd, strict=not cfg.elastic, gone=self.watchdog.gone)
         self._times = times = StepTimes(self.rank, self.size, cfg.straggler_threshold)
         self._reports = reports = Reports(cfg, hvd, device, state, times, own_loggers)
         self._consistency = consistency = Consistency(cfg, hvd, device, state)
@@ -179,7 +180,8 @@ class Session:
         # Heartbeats for naming a stalled rank, once the run is accepted: a refused resume
         # leaves the log directory as it was.
         job_dir = os.environ.get(job.JOB_DIR)
-        self.watchdog.share(job_dir or str(Path(self.log_dir) / "ranks"), own=not job_dir)
+        self.watchdog.share(job_dir or str(Path(self.log_dir) / "ranks"), own=not job_dir, stacks=self.log_dir,
+                            facts=self._checkpoints.place())
         self._reports.restart_window()
         return model, self.optimizer
 
@@ -297,7 +299,7 @@ class Session:
             self._step.apply()
         self.global_step += 1
         self._unread_step = True
-        self._signal.step = self.global_step  # the steps done, for a second Ctrl-C's message
+        self._signal.step = self.watchdog.finished = self.global_step  # the steps done: a second Ctrl-C's, a guard's
         self._elastic.stepped(stopping=bool(self._lockstep.signum))
         consistency, checkpoint = self._consistency.due(), self._checkpoints.due()
         if consistency or checkpoint:  # the steps' non-finite flags are read here, not in every step

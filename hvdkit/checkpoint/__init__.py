@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 from hvdkit.checkpoint.format import (
     MAGIC,
+    PATTERN,
     PREFIX,
     SHARDS,
     SUFFIX,
@@ -36,7 +37,8 @@ from hvdkit.checkpoint.format import (
 from hvdkit.checkpoint.parts import PART_WAIT_SECONDS, Part, join_parts, legacy_shards, part_name, split
 from hvdkit.checkpoint.writer import Later, Writer, save
 
-__all__ = ["MAGIC", "PART_WAIT_SECONDS", "PREFIX", "SHARDS", "SUFFIX", "CheckpointError", "Later", "Part", "Writer",
+__all__ = ["MAGIC", "PART_WAIT_SECONDS", "PATTERN", "PREFIX", "SHARDS", "SUFFIX", "CheckpointError", "Later", "Part",
+           "Writer",
            "clean_partials", "existing", "is_shard_folder", "join_parts", "legacy_shards", "load", "load_latest",
            "load_whole", "part_name", "path_for", "rank_of_part", "read_checked", "save", "shard_folder",
            "split", "step_in", "step_of", "write"]

@@ -22,6 +22,7 @@ from hvdkit.system import wholefiles
 
 PREFIX = "ckpt-step"
 SUFFIX = ".pt"
+PATTERN = f"{PREFIX}*{SUFFIX}"  # every checkpoint file's name, as a glob
 MAGIC = b"HVDKIT-CHECKPOINT 1 sha256="
 SHARDS = ".shards"
 
@@ -60,7 +61,7 @@ def is_shard_folder(name: str) -> bool:
 
 def existing(directory: str) -> list[Path]:
     """Checkpoint files, oldest first (the step is zero-padded in the name)."""
-    return sorted(Path(directory).glob(f"{PREFIX}*{SUFFIX}"))
+    return sorted(Path(directory).glob(PATTERN))
 
 
 def shard_folder(path: Path) -> Path:

@@ -13,11 +13,13 @@ import os
 import re
 import shlex
 import shutil
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
 from hvdkit import job
 from hvdkit.args import LINK_RATE, OneLineParser, bits_per_second
+from hvdkit.launch import guard
 from hvdkit.launch.commands import (
     MPIRUN_BUILDERS,
     LaunchSpec,
@@ -187,7 +189,10 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
     if listed and hosts and not args.oversubscribe:
         hosts, spares = needed(hosts, args.np)
 
-    spec = LaunchSpec(np=args.np, command=list(command), hosts=hosts, hostfile=args.hostfile,
+    # Under hvdkit launch each rank runs under a guard that says how a killed rank ended (not elastic:
+    # Horovod's driver restarts its workers itself).
+    ranks_run = guard.command(sys.executable, command) if supervised and not is_elastic else list(command)
+    spec = LaunchSpec(np=args.np, command=ranks_run, hosts=hosts, hostfile=args.hostfile,
                       controller=args.controller, set_env=set_env, oversubscribe=args.oversubscribe,
                       as_root=as_root, srun_mpi=args.srun_mpi, program=program, launcher_args=list(launcher_args),
                       restarts=supervised and getattr(args, "max_restarts", 0) > 0)

@@ -41,6 +41,8 @@ def cause(ended: Ended) -> Optional[str]:
         return None
     if ended.lost:
         return ended.lost
+    if ended.cause:
+        return ended.cause
     if ended.code - job.stopped_by(0) in {number.value for number in signal.Signals}:  # mpirun has codes above too
         return f"a rank or its launcher was ended by {signal.Signals(ended.code - job.stopped_by(0)).name} " \
                f"(exit {ended.code})"

@@ -48,13 +48,14 @@ from hvdkit.job import (
     LINK,
     LOST,
     STANDBY,
-    rank_exit_code,
+    rank_cause,
+    rank_exit,
     restarting,
     shell_code,
     stop_grace,
     stopped_by,
 )
-from hvdkit.launch import network, rank_output
+from hvdkit.launch import guard, network, rank_output
 from hvdkit.launch.links import Links
 from hvdkit.system.proctree import MPI_LAUNCHERS, SRUN, end_processes, wait_child
 from hvdkit.system.sighandlers import Handlers
@@ -116,10 +117,11 @@ def _name(process: "psutil.Process") -> str:
 
 
 def _is_rank(process: "psutil.Process") -> bool:
+    """A rank on this host: not its guard, which passes on what it is sent (hvdkit.launch.guard)."""
     import psutil
 
     try:
-        return any(name in process.environ() for name in RANK_VARIABLES)
+        return any(name in process.environ() for name in RANK_VARIABLES) and not guard.is_guard(process.cmdline())
     except psutil.Error:
         return False
 
@@ -133,12 +135,14 @@ def translate(signum: int, forwarder: str) -> int:
 class Ended:
     """How a job ended: its exit code (what run() returns), whether hvdkit launch itself was
     stopped by a signal, the code a rank recorded with its line (job.record_exit), and the line
-    and name of a host that stopped answering."""
+    and name of a host that stopped answering; ``cause``: what a rank's guard said ended it (a
+    signal, the out-of-memory killer) where no rank recorded a code, else the recorded code's line."""
     code: int
     stopped: bool = False
     recorded: Optional[int] = None
     lost: str = ""
     host: str = ""
+    cause: str = ""
 
 
 def run(command: Sequence[str], env: Mapping[str, str], join_lines: bool = False,
@@ -249,7 +253,7 @@ def attempt(command: Sequence[str], env: Mapping[str, str], join_lines: bool = F
                 pump.join(timeout=5)
         if hosts.lost:
             return Ended(LOST, bool(stopped), lost=hosts.lost, host=hosts.lost_host)
-        recorded = rank_exit_code(Path(launched.job_dir))
+        recorded, said = rank_exit(Path(launched.job_dir)) or (None, "")
         if recorded is None and stopped and code > 0:  # it exited by itself, not killed after the grace
             # No rank said where it stopped: stopped while starting (importing torch, before the
             # Session's handlers), or ranks on hosts that do not share this job directory
@@ -258,7 +262,10 @@ def attempt(command: Sequence[str], env: Mapping[str, str], join_lines: bool = F
                   f"step (while starting, or on another host); exit {stopped_by(stopped[0])}",
                   file=sys.stderr, flush=True)
             return Ended(stopped_by(stopped[0]), True)
-        return Ended(recorded or shell_code(code), bool(stopped), recorded)
+        cause = rank_cause(Path(launched.job_dir)) if code != 0 and recorded is None and not stopped else None
+        if cause:  # the guard's line, said again after the launcher's own text
+            print(f"hvdkit launch: {cause}", file=sys.stderr, flush=True)
+        return Ended(recorded or shell_code(code), bool(stopped), recorded, cause=cause or said)
     finally:
         launched.close()
 

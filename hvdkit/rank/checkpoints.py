@@ -384,6 +384,12 @@ class RunCheckpoints:
 
         return {**of(self.writer), **({"snapshots": of(self.snapshots.writer)} if self.snapshots else {})}
 
+    def place(self) -> dict:
+        """Where a rerun looks for the checkpoint it resumes from: for a guard to find it once the
+        rank is gone (hvdkit.launch.guard), without listing the directory every second."""
+        directory = self.cfg.checkpoint_dir
+        return {"checkpoints": [str(directory), checkpoint.PATTERN]} if directory else {}
+
     def kept(self) -> str:
         """Which checkpoint a run that stops now leaves behind (after the save in flight ends)."""
         directory = self.cfg.checkpoint_dir

@@ -20,7 +20,7 @@ allgather) starts is how ranks fell a step out of line.
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from horovod.common.exceptions import HorovodInternalError
@@ -60,8 +60,8 @@ class RankEnded(RuntimeError):
 class Lockstep:
     """The meetings of one Session's ranks, and the stop they agreed on."""
 
-    def __init__(self, hvd, strict: bool = True) -> None:
-        self.hvd = hvd
+    def __init__(self, hvd, strict: bool = True, gone: Callable[[int], str] = lambda size: "") -> None:
+        self.hvd, self.gone = hvd, gone  # gone: 'rank 1 (host h, pid p) is gone ...' where the heartbeats tell
         self.strict = strict  # False in elastic runs: a worker joining mid-run meets the others before it syncs
         self.pending: Optional[tuple] = None  # (handle, call, steps) of a meeting submitted, not yet read
         self.signum = 0  # the stop signal all ranks agreed on, 0 until one is
@@ -118,9 +118,10 @@ class Lockstep:
             if not self.strict:
                 raise
             self.read_after_shutdown()
-            raise RankEnded(f"Horovod shut down while rank {rank} waited in {where(call, steps)}: another rank ended "
-                            f"(it raised, returned early or was killed) or Horovod's stall inspector ended the job; "
-                            f"the lines above say which") from None
+            gone = self.gone(self.hvd.size())
+            raise RankEnded(f"Horovod shut down while rank {rank} waited in {where(call, steps)}: " + (
+                gone or "another rank ended (it raised, returned early or was killed) or Horovod's stall inspector "
+                        "ended the job; the lines above say which")) from None
 
 
 def where(call: str, steps: int) -> str:

@@ -46,7 +46,8 @@ REQUEUE_SIGNAL = signal.SIGUSR1
 class StopSignal:
     """Remembers that a stop was asked for; installed for the loop's lifetime."""
 
-    def __init__(self, install: bool = True, rank: int = 0, where: Callable[[], str] = lambda: "its loop") -> None:
+    def __init__(self, install: bool = True, rank: int = 0, where: Callable[[], str] = lambda: "its loop",
+                 on_overdue: Callable[[], str] = lambda: "") -> None:
         try:
             self.grace = job.stop_grace()  # checked now, not when the stop comes
         except ValueError as exc:  # HVDKIT_STOP_GRACE
@@ -60,7 +61,8 @@ class StopSignal:
         if install:
             self._handlers.install()  # nohup's SIGHUP stays ignored
         self.installed = install
-        self.rank, self.where = rank, where
+        # on_overdue: the rank's stacks written, and ', stuck at train.py:42 in f' where it is in the user's code
+        self.rank, self.where, self.on_overdue = rank, where, on_overdue
         self.since: Optional[float] = None  # time.monotonic() of the first stop
         self._countdown: Optional[threading.Timer] = None
         self._wakeup = self._wake_on_signals() if install else None
@@ -98,7 +100,7 @@ class StopSignal:
 
         def overdue() -> None:
             line = (f"rank {self.rank} did not reach a step boundary within {grace:g} s of {why} (it was in "
-                    f"{self.where()}); ending it without a checkpoint")
+                    f"{self.where()}{self.on_overdue()}); ending it without a checkpoint")
             job.end_rank(code, line)
 
         self._countdown = threading.Timer(grace, overdue)

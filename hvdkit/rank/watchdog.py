@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import socket
 import threading
@@ -21,10 +22,13 @@ from pathlib import Path
 from typing import Optional
 
 from hvdkit import job
-from hvdkit.system import wholefiles
+from hvdkit.rank import stacks as stack_files
+from hvdkit.rank.memory import peak_rss
+from hvdkit.system import cgroups, wholefiles
 
 HEARTBEAT_SECONDS = 1.0
 FROZEN_SECONDS = 5.0  # a rank whose watchdog thread has not written for this long is frozen or gone
+STACKS_AT = 0.8  # of the stall limit: every waiting rank's stacks are written before the first one ends the job
 
 
 class Watchdog:
@@ -38,26 +42,51 @@ class Watchdog:
         self.timeout, self.rank = timeout, rank
         self.where = "start-up"
         self.last: Optional[float] = None  # no limit before the first beat: start-up is not a stall
-        self.last_wall = time.time()
+        self.last_wall = self.started = time.time()  # started: older heartbeats are another run's
         self.shared: Optional[Path] = None
+        self.stacks: Optional[stack_files.Stacks] = None
+        self._armed: Optional[float] = None  # the beat the stacks' timer counts from
         self._own = False
+        self._guard = _guard_page()
+        self._steps = self._guard[:8].cast("q") if self._guard is not None else None
+        self._facts: dict = {}
         self._written = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hvdkit-watchdog", daemon=True)
         if timeout > 0:
             self._thread.start()
 
-    def share(self, directory: str, own: bool = True) -> None:
+    def share(self, directory: str, own: bool = True, stacks: Optional[str] = None,
+              facts: Optional[dict] = None) -> None:
         """Write heartbeats to ``directory`` (every rank must pass the same one); ``own``: the
-        directory is only for them, and the last rank to stop removes it."""
-        self.shared, self._own = Path(directory), own
+        directory is only for them, and the last rank to stop removes it. ``stacks``: where each
+        rank's stacks are written when it stalls (hvdkit.rank.stacks), the run's log directory.
+        ``facts``: what the rank's guard is told besides (hvdkit.launch.guard: where its checkpoints are);
+        data, not a callable: this watchdog outlives the Session (the stop signal's handler holds it)."""
+        self.shared, self._own, self._facts = Path(directory), own, dict(facts or {})
+        if stacks and self.timeout > 0:
+            with contextlib.suppress(OSError):  # without them, the line says less
+                self.stacks = stack_files.Stacks(Path(stacks), self.rank)
+        self._arm_stacks()  # now too: a rank stuck before its watchdog's next round holds the GIL, say
         self._write_heartbeat()  # now: a rank that freezes within its first second is named too
 
     def beat(self, where: str) -> None:
         self.where, self.last, self.last_wall = where, time.monotonic(), time.time()
 
+    @property
+    def finished(self) -> int:
+        return self._steps[0] if self._steps is not None else -1
+
+    @finished.setter
+    def finished(self, step: int) -> None:
+        """The steps finished, on the guard's page (a store in memory: the step pays no call)."""
+        if self._steps is not None:
+            self._steps[0] = step
+
     def stop(self) -> None:
         self._stop.set()
+        if self.stacks is not None:
+            self.stacks.close()
         if self.shared is not None:
             self._path(self.rank).unlink(missing_ok=True)
             if self._own:
@@ -73,6 +102,7 @@ class Watchdog:
         while not self._stop.wait(interval):
             slept, woke = time.monotonic() - woke, time.monotonic()
             self._write_heartbeat()
+            self._arm_stacks()
             idle = woke - self.last if self.last is not None else 0.0
             # This whole process was stopped for longer than the others wait for it. Not merely
             # FROZEN_SECONDS: a long call holding the GIL (pickling a large checkpoint) also
@@ -82,18 +112,61 @@ class Watchdog:
                         f"{self.where}; ending")
                 job.end_rank(job.STALLED, line)
             if idle > self.timeout:
-                culprit = self._culprit()
+                self.write_stacks()
+                culprit, stalled = self._culprit()
                 self._kill_frozen_here()
-                line = (f"{culprit}; rank {self.rank} waited {idle:.0f} s in {self.where}; ending the job "
-                        f"(--stall-timeout sets the limit)" if culprit else
-                        f"rank {self.rank} made no progress for {idle:.0f} s in {self.where}; ending the job (a rank "
-                        f"is stalled or gone; --stall-timeout sets the limit)")
+                line = (f"{culprit}; rank {self.rank} waited {idle:.0f} s in {self.where}{self._waiting(stalled)}; "
+                        f"ending the job (--stall-timeout sets the limit){self._stacks_said()}" if culprit else
+                        f"rank {self.rank} made no progress for {idle:.0f} s in {self.where}"
+                        f"{self._stuck_at(self.rank)}; ending the job (a rank is stalled or gone; "
+                        f"--stall-timeout sets the limit){self._stacks_said()}")
                 job.end_rank(job.STALLED, line)
+
+    def _arm_stacks(self) -> None:
+        """The stacks' timer set to go off STACKS_AT of the limit after the last beat: again after
+        each new beat, left running while none comes (a rank stuck holding the GIL cannot re-arm it)."""
+        if self.stacks is not None and self.last is not None and self.last != self._armed:
+            self._armed = self.last
+            self.stacks.arm(self.last + STACKS_AT * self.timeout - time.monotonic())
+
+    def write_stacks(self) -> str:
+        """This rank's stacks into its file now (the job is ending on a stall or a stop); ', stuck at
+        train.py:42 in f' where its main thread is in the user's code."""
+        if self.stacks is None:
+            return ""
+        self.stacks.write_now()
+        return self._stuck_at(self.rank)
+
+    def _stuck_at(self, rank: int) -> str:
+        """', stuck at train.py:42 in __getitem__': a stalled rank's innermost frame in the user's code,
+        from its stacks (none from a rank stopped by SIGSTOP: its faulthandler thread is stopped too)."""
+        if self.stacks is None:
+            return ""
+        frame = stack_files.users(stack_files.read(self.stacks.path.parent, rank))
+        return f", stuck at {frame}" if frame else ""
+
+    def _waiting(self, stalled: set) -> str:
+        """'; ranks 0, 2 waiting in Horovod's synchronize() from step.py:140' (the ranks whose stacks are written)."""
+        if self.stacks is None:
+            return ""
+        calls: dict[str, list[int]] = {}
+        for record in sorted(self._records(), key=lambda r: r["rank"]):
+            if record["rank"] in stalled:
+                continue
+            call = stack_files.horovod_call(stack_files.read(self.stacks.path.parent, record["rank"]))
+            if call:
+                calls.setdefault(call, []).append(record["rank"])
+        return "".join(f"; rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} waiting in Horovod's "
+                       f"{call}" for call, ranks in calls.items())
+
+    def _stacks_said(self) -> str:
+        return f"; every rank's stacks: {self.stacks.path.parent / stack_files.PREFIX}*.txt" if self.stacks else ""
 
     def _write_heartbeat(self) -> None:
         now = time.time()
         if self.shared is None or now - self._written < HEARTBEAT_SECONDS:
             return
+        self._report()
         record = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "where": self.where,
                   "beat": self.last_wall, "alive": now}
         try:
@@ -103,6 +176,34 @@ class Watchdog:
             self._written = now
         except OSError:
             pass  # heartbeats only improve the message; never fail training for them
+
+    def gone(self, size: int) -> str:
+        """Who is gone, from the heartbeats, for a rank that Horovod's shutdown (a peer's connection
+        closed) finds waiting: one the kernel's out-of-memory killer ended (its log, where it can be
+        read), one on this host whose process is gone, or one whose watchdog has not written for
+        FROZEN_SECONDS, waited for that long at most; '' at once where a rank of the ``size`` has no
+        heartbeat (it ended on an error, said so itself and removed it), else after the wait."""
+        deadline = time.monotonic() + FROZEN_SECONDS + HEARTBEAT_SECONDS
+        here = socket.gethostname()
+        while True:
+            now, victims = time.time(), cgroups.oom_victims() or set()
+            records = [r for r in self._records() if r["rank"] != self.rank and r["alive"] > self.started]
+            gone = [r for r in records if r["pid"] in victims or now - r["alive"] > FROZEN_SECONDS
+                    or (r["host"] == here and not Path(f"/proc/{r['pid']}").exists())]
+            if gone or len(records) < size - 1 or time.monotonic() > deadline:
+                break
+            time.sleep(HEARTBEAT_SECONDS / 4)
+        said = {r["pid"]: "was killed by the kernel's out-of-memory killer" for r in gone if r["pid"] in victims}
+        return "; ".join(f"rank {r['rank']} (host {r['host']}, pid {r['pid']}) {said.get(r['pid'], 'is gone')}, "
+                         f"last seen in {r['where']}" for r in sorted(gone, key=lambda r: r["rank"]))
+
+    def _report(self) -> None:
+        """The record the guard `hvdkit launch` started this rank under reads, if any: a rank killed
+        by a signal says nothing, and the guard says for it who it was and how far it got."""
+        if self._guard is None:
+            return
+        record = json.dumps({"rank": self.rank, "peak": peak_rss(), **self._facts}).encode()[:job.GUARD_PAGE - 9]
+        self._guard[8:8 + len(record) + 1] = record + b"\0"
 
     def _records(self) -> list[dict]:
         records = []
@@ -137,16 +238,33 @@ class Watchdog:
             except psutil.Error:
                 pass
 
-    def _culprit(self) -> Optional[str]:
-        """Who stopped the job, from the other ranks' heartbeats: 'rank 1 (host h, pid p) ...'."""
+    def _culprit(self) -> tuple[Optional[str], set]:
+        """Who stopped the job, from the other ranks' heartbeats: ('rank 1 (host h, pid p) ...', their
+        ranks). One whose watchdog thread went silent is frozen (SIGSTOP, a host gone, a call into C
+        holding the GIL); else it is the one whose last progress is oldest."""
         records = self._records()
         if len(records) < 2:
-            return None
+            return None, set()
         now = time.time()
         frozen = self._frozen(records)
         if frozen:
             return "; ".join(f"rank {r['rank']} (host {r['host']}, pid {r['pid']}) stopped responding "
-                             f"{now - r['alive']:.0f} s ago, last seen in {r['where']}" for r in frozen)
+                             f"{now - r['alive']:.0f} s ago, last seen in {r['where']}{self._stuck_at(r['rank'])}"
+                             for r in frozen), {r["rank"] for r in frozen}
         oldest = min(records, key=lambda r: r["beat"])
         return (f"rank {oldest['rank']} (host {oldest['host']}, pid {oldest['pid']}) made no progress since "
-                f"{oldest['where']} ({now - oldest['beat']:.0f} s ago)")
+                f"{oldest['where']} ({now - oldest['beat']:.0f} s ago){self._stuck_at(oldest['rank'])}"), \
+            {oldest["rank"]}
+
+
+def _guard_page() -> Optional[memoryview]:
+    """The page this rank's guard reads once the rank has ended (job.GUARD); None without a guard.
+    Its descriptor is closed: the programs the rank starts do not hold it."""
+    text = os.environ.get(job.GUARD, "")
+    if not text.isdigit():
+        return None
+    try:
+        with open(int(text), "r+b") as page:
+            return memoryview(mmap.mmap(page.fileno(), job.GUARD_PAGE))
+    except (OSError, ValueError):
+        return None

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import INTEL, MPICH, OPENMPI, REPO, run
 from hvdkit.checks import selftest
-from hvdkit.launch import planner
+from hvdkit.launch import guard, planner
 from hvdkit.launch.hostfile import LaunchError
 
 WORKER = ["python", "train.py"]
@@ -52,7 +52,25 @@ def test_auto_prefers_srun_in_an_allocation_then_mpirun_then_gloo():
     assert _plan(["-np", "2"]).launcher == "mpirun"
     fallback = _plan(["-np", "2"], on_path=("horovodrun",))
     assert fallback.launcher == "horovodrun" and "no mpirun" in fallback.reason
-    assert _plan(["-np", "2", "--gloo"]).command[-3:] == ["--gloo", *WORKER]
+    assert _plan(["-np", "2", "--gloo"]).command[-7:] == ["--gloo", *guard.command(sys.executable, WORKER)]
+
+
+def test_each_rank_runs_under_its_guard_where_hvdkit_launch_watches_it():
+    """The guard (hvdkit.launch.guard) says how a killed rank ended; not for an elastic job, whose
+    workers Horovod's driver starts again itself, nor for a command run without hvdkit launch."""
+    for launcher in ("mpirun", "horovodrun", "srun"):
+        environ = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]"} if launcher == "srun" else {}
+        command = _plan(["-np", "2", "--launcher", launcher], environ).command
+        assert command[-6:] == [sys.executable, "-m", "hvdkit.launch.guard", "--", *WORKER], (launcher, command)
+    args = planner.parser().parse_args(["-np", "2", "--launcher", "mpirun"])
+    plain = planner.plan(args, WORKER, {}, lambda name: f"/opt/bin/{name}", lambda _: OPENMPI, False, 2,
+                         supervised=False).command
+    assert "hvdkit.launch.guard" not in plain and plain[-2:] == WORKER
+    assert guard.is_guard(_plan(["-np", "2", "--launcher", "horovodrun"]).command[-6:])
+    args = planner.parser().parse_args(["-np", "2", "--launcher", "horovodrun"])
+    elastic = planner.plan(args, WORKER, {}, lambda name: f"/opt/bin/{name}", lambda _: OPENMPI, False, 2,
+                           ["--host-discovery-script", "discover.sh"]).command
+    assert "hvdkit.launch.guard" not in elastic and elastic[-2:] == WORKER
 
 
 @pytest.mark.parametrize("version, builder", [(OPENMPI, "-bind-to"), (MPICH, "-genvlist"), (INTEL, "-ppn")])

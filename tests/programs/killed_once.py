@@ -17,8 +17,8 @@ step = session_module.Session.step
 def step_then_die(self) -> None:
     step(self)
     if self.global_step == AT and self.rank == RANK and int(os.environ.get("HVDKIT_RESTART", "0")) < ATTEMPTS:
-        print(f"killed_once: rank {RANK} killed at step {AT}, attempt {os.environ.get('HVDKIT_RESTART')}",
-              file=sys.stderr, flush=True)
+        print(f"killed_once: rank {RANK} killed at step {AT}, attempt {os.environ.get('HVDKIT_RESTART')} "
+              f"(pid {os.getpid()})", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -1,0 +1,113 @@
+"""A stalled job says where: a rank stuck in its data loading, in Python's time.sleep or in a C call
+that holds the GIL (tests/programs/stuck_loader.py), under hvdkit launch (mpirun, horovodrun
+--gloo) and as users type them (mpirun, horovodrun --gloo). Every rank's stacks land in the run's
+log directory and the job's line names the stuck frame, file:line of the program, and the Horovod
+call the other rank waits in. The eight jobs run at once: each idles through its stall limit."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import REPO, kill_tree, untagged
+from hvdkit.checks import selftest
+from hvdkit.launch import planner
+
+pytestmark = pytest.mark.slow
+
+PROGRAM = REPO / "tests" / "programs" / "stuck_loader.py"
+LAUNCH = [sys.executable, "-m", "hvdkit", "launch", "-np", "2"]
+LAUNCHERS = {
+    "hvdkit launch mpirun": lambda command: [*LAUNCH, "--launcher", "mpirun", "--", *command],
+    "hvdkit launch horovodrun --gloo": lambda command: [*LAUNCH, "--launcher", "horovodrun", "--gloo", "--",
+                                                        *command],
+    "mpirun": lambda command: planner.local_command("mpirun", 2, command),
+    "horovodrun --gloo": lambda command: planner.local_command("horovodrun --gloo", 2, command),
+}
+STALL = 8
+SECONDS = 150  # eight jobs of two ranks starting at once on two cores
+
+
+def marked_line(mark):
+    """The line of the program that gets stuck, found by its comment."""
+    lines = PROGRAM.read_text().splitlines()
+    return next(number for number, text in enumerate(lines, 1) if mark in text)
+
+
+def ours(log_dir):
+    """The processes of one job still running: those whose command line names its log directory."""
+    left = []
+    for process in psutil.process_iter(["cmdline"]):
+        if str(log_dir) in " ".join(process.info["cmdline"] or []):
+            left.append(process)
+    return left
+
+
+def test_a_stalled_rank_leaves_every_ranks_stacks_and_its_stuck_line(tmp_path):
+    jobs = {}
+    try:
+        for how in ("sleep", "gil"):
+            for launcher, command in LAUNCHERS.items():
+                directory = tmp_path / f"{how}-{launcher.replace(' ', '-')}"
+                directory.mkdir()
+                with open(directory / "output", "w") as output:
+                    jobs[how, launcher] = (directory, subprocess.Popen(
+                        command([sys.executable, str(PROGRAM), "--how", how, "--at", "3", "--stall-timeout",
+                                 str(STALL), "--log-dir", str(directory / "logs")]),
+                        env=dict(selftest.mpi_root_env(), PYTHONPATH=str(REPO)), stdout=output,
+                        stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + SECONDS
+        for (how, launcher), (directory, proc) in jobs.items():
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{how}, {launcher}: still running {SECONDS} s after the start: "
+                            f"{(directory / 'output').read_text()[-3000:]}")
+        left = {job: [p.pid for p in psutil.wait_procs(ours(directory), timeout=10)[1]]
+                for job, (directory, _) in jobs.items()}
+    finally:
+        for _, proc in jobs.values():
+            kill_tree(proc)
+    for (how, launcher), (directory, proc) in jobs.items():
+        output = untagged((directory / "output").read_text())
+        where = f"{(how, launcher)}: {output[-3000:]}"
+        assert proc.returncode in ((75,) if launcher.startswith("hvdkit") else (75, 137, 1)), where
+        stuck = f"stuck at {PROGRAM.relative_to(REPO)}:{marked_line('STUCK-' + how.upper())} in __getitem__"
+        lines = [line for line in output.splitlines() if line.startswith("hvdkit") and stuck in line]
+        assert lines, where
+        assert re.search(r"waiting in Horovod's \w+\(\)", lines[-1]) or "rank 1 waited" in lines[-1], where
+        assert f"every rank's stacks: {directory / 'logs'}/stacks-rank-*.txt" in lines[-1], where
+        for rank in (0, 1):
+            stacks = (directory / "logs" / f"stacks-rank-{rank}.txt").read_text()
+            assert stacks.startswith(f"# rank {rank}, pid ") and 'File "' in stacks, (where, stacks)
+        assert str(PROGRAM) in (directory / "logs" / "stacks-rank-1.txt").read_text(), where
+        assert left[how, launcher] == [], f"{where}: processes of the job outlived it: {left[how, launcher]}"
+
+
+def test_stacks_are_read_as_faulthandler_writes_them(tmp_path):
+    """The parsing, on a file faulthandler wrote here (no launcher): the main thread's frames,
+    the innermost in the user's code (this file, not threading's or hvdkit's)."""
+    import threading
+
+    from hvdkit.rank import stacks
+
+    written = stacks.Stacks(tmp_path, 3)
+
+    def inner():
+        written.write_now()
+
+    inner()
+    text = written.path.read_text()
+    written.close()
+    assert not written.path.exists()
+    frames = stacks.main_thread(text)
+    assert text.startswith(f"# rank 3, pid {os.getpid()}, main thread {threading.main_thread().ident:#x}")
+    assert frames[0].file.endswith(os.path.join("hvdkit", "rank", "stacks.py"))
+    user = stacks.users(frames)
+    assert user is not None and Path(user.file) == Path(__file__) and user.function == "inner", frames
+    assert stacks.horovod_call(frames) is None

@@ -40,9 +40,9 @@ import inotify_simple as inotify
 
 from hvdkit import checkpoint, job
 from hvdkit.rehearse import processes, verdict
-from hvdkit.rehearse.faults import ELASTIC_TOLERANCE, FAULTS, Strike
+from hvdkit.rehearse.faults import ELASTIC_TOLERANCE, FAULTS, OOM_BYTES, Strike
 from hvdkit.rehearse.namespaces import Hosts
-from hvdkit.system import proctree, wholefiles
+from hvdkit.system import cgroups, proctree, wholefiles
 
 GIVE_BACK_SECONDS = 30.0  # a lost host is listed again at the latest this long after its loss
 TICK = 0.05  # how often the faults' moments are looked for, at most
@@ -272,6 +272,15 @@ class Chaos:
             process.send_signal(signal.SIGSTOP)
             self._later(strike.seconds, lambda: process.send_signal(signal.SIGCONT))
             return
+        if fault == "oom":
+            try:
+                confined = cgroups.confine(process.pid, OOM_BYTES, f"hvdkit-chaos-oom-{process.pid}")
+            except OSError as exc:
+                strike.phase = ""
+                self._unstruck(strike, f"no memory cgroup to confine the rank in: {exc}")
+                return
+            self.undo.append(lambda: cgroups.release(confined))
+            return
         with contextlib.suppress(psutil.Error):
             process.kill()
         if fault == "in-write":
@@ -304,6 +313,7 @@ class Chaos:
         rank = sorted(found)[-1]
         process, host = found[rank]
         strike.phase = f"training, then rank {rank} killed again {second['delay']:.1f} s into the restart"
+        strike.target = f"{strike.target}, then rank {rank} ({host})"  # what ends the attempt its line names
         self.say(f"{strike.describe()}: and rank {rank} ({host}) as the job starts again")
         with contextlib.suppress(Exception):
             process.kill()

@@ -105,6 +105,9 @@ def parser() -> argparse.ArgumentParser:
                        help="an elastic job's final model may be this far from the undisturbed run's: relative L2 "
                             f"distance of the weights (default {fault_menu.ELASTIC_TOLERANCE}); others are held "
                             "bitwise")
+    chaos.add_argument("--min-diagnosed", type=float, metavar="F",
+                       help="fail the run where fewer than this fraction of its endings named their cause and "
+                            "the rank or host struck (0 to 1; default: reported, not held)")
     chaos.add_argument("--out", type=Path, metavar="DIR",
                        help="for the report and each attempt's output (default runs/rehearse/chaos-<time>)")
     return p
@@ -131,7 +134,8 @@ def check(args: argparse.Namespace, command: Sequence[str]) -> Optional[str]:
     if args.chaos is None:
         given = [flag for flag, value in (("--chaos-seed", args.chaos_seed), ("--faults", args.faults),
                                           ("--reference", args.reference), ("--checkpoint-dir", args.checkpoint_dir),
-                                          ("--tolerance", args.tolerance), ("--out", args.out)) if value is not None]
+                                          ("--tolerance", args.tolerance), ("--min-diagnosed", args.min_diagnosed),
+                                          ("--out", args.out)) if value is not None]
         return f"{given[0]} goes with --chaos K" if given else None
     return check_chaos(args, command)
 
@@ -148,6 +152,8 @@ def check_chaos(args: argparse.Namespace, command: Sequence[str]) -> Optional[st
         return "--tolerance is for an elastic job's final model; a fixed-size job's is held bitwise"
     if args.tolerance is not None and not args.tolerance >= 0:
         return f"--tolerance {args.tolerance}: a distance, 0 or more"
+    if args.min_diagnosed is not None and not 0 <= args.min_diagnosed <= 1:
+        return f"--min-diagnosed {args.min_diagnosed}: a fraction of the endings, from 0 to 1"
     ckpt = args.checkpoint_dir or fault_menu.command_checkpoint_dir(command, dict(os.environ))
     if not ckpt:
         return ("--chaos needs the job's checkpoint directory: give the command --checkpoint-dir, or set "
@@ -273,7 +279,7 @@ def _rehearse(args: argparse.Namespace, command: list[str], hosts: Hosts, runnin
 
 def _chaos(args: argparse.Namespace, command: list[str], running: dict) -> int:
     """--chaos: the undisturbed run, the faults, the checks; the report; 0 only if all held."""
-    from hvdkit.rehearse import chaos, verdict  # torch: only once the arguments are good
+    from hvdkit.rehearse import chaos, diagnosis, verdict  # torch: only once the arguments are good
     seed = args.chaos_seed if args.chaos_seed is not None else random.SystemRandom().randrange(1 << 31)
     faults = fault_menu.menu(args.faults, args.hosts, elastic(command))[0]
     ckpt = Path(args.checkpoint_dir or fault_menu.command_checkpoint_dir(command, dict(os.environ))).resolve()
@@ -311,6 +317,8 @@ def _chaos(args: argparse.Namespace, command: list[str], running: dict) -> int:
                 ends = set() if elastic(command) else {f for f, fault in fault_menu.FAULTS.items() if fault.ends}
                 verdict.measure_goodput(report, fault_menu.command_option(command, "--log-dir"), ends, began_wall,
                                         time.monotonic() - began_storm)
+                report.diagnosis = diagnosis.score(report.strikes, out)
+                report.problems += filter(None, [diagnosis.below(report.diagnosis, args.min_diagnosed)])
                 verdict.judge(report, ckpt, final, run.elastic, run.tolerance)
     except Stopped as exc:
         say(f"stopped by {signal.Signals(exc.signum).name}; every host and process it made is removed")

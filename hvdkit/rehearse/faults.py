@@ -26,7 +26,9 @@ FAULTS = {f.name: f for f in (
     Fault("in-write", 1, True),  # SIGKILL of the rank writing a checkpoint, while its temporary file is there
     Fault("disk-full", 1, True),  # the checkpoint directory's filesystem full before a save; space back to restart
     Fault("while-resuming", 1, True),  # SIGKILL of one rank, then of another as the restarted job resumes
+    Fault("oom", 1, True),  # one rank confined to a memory cgroup of OOM_BYTES: the kernel's OOM killer ends it
 )}
+OOM_BYTES = 8 << 20  # what the rank may allocate after the oom fault (what it holds already stays charged elsewhere)
 # What an elastic job is rehearsed with: the faults it rides out, hosts coming back. Preemption,
 # a full disk and the kills around a write or a resume end it as they end a fixed-size job,
 # which the fixed-size rehearsal covers.

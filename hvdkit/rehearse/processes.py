@@ -9,7 +9,7 @@ from typing import Optional
 
 from hvdkit import checkpoint, job
 from hvdkit.env import RANK_VARIABLES
-from hvdkit.launch import restarts
+from hvdkit.launch import guard, restarts
 from hvdkit.rank import lifeline
 from hvdkit.rehearse.namespaces import Hosts
 from hvdkit.system import proctree, wholefiles
@@ -21,7 +21,8 @@ NOT_RANKS = {"sh", "bash", "dash", "ssh", "sshd", "env", "timeout", proctree.HOR
 
 def ranks(hosts: Hosts) -> dict[int, tuple]:
     """The job's ranks on the hosts: {rank: (psutil.Process, host)}. A rank is the process that
-    carries a launcher's rank variable and whose parent does not (its data workers do too); of two
+    carries a launcher's rank variable and whose parent does not, or is its guard (its data workers
+    carry it too; the guard hvdkit launch starts it under does, and is not the rank); of two
     with one rank, the running attempt's (the other is the next one's, started ahead of need: its
     HVDKIT_RESTART is higher)."""
     import psutil
@@ -32,11 +33,13 @@ def ranks(hosts: Hosts) -> dict[int, tuple]:
         for pid in hosts.pids(name):
             try:
                 process = psutil.Process(pid)
-                if process.name() in NOT_RANKS or process.status() == psutil.STATUS_ZOMBIE:
+                if (process.name() in NOT_RANKS or process.status() == psutil.STATUS_ZOMBIE
+                        or guard.is_guard(process.cmdline())):
                     continue
                 rank = _rank_of(process)
                 parent = process.parent()
-                if rank is None or (parent and parent.name() not in NOT_RANKS and _rank_of(parent) == rank):
+                if rank is None or (parent and parent.name() not in NOT_RANKS and not guard.is_guard(parent.cmdline())
+                                    and _rank_of(parent) == rank):
                     continue
                 attempt = int(process.environ().get(job.RESTART) or 0)
                 if rank in found and attempts[rank] <= attempt:

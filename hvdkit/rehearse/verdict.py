@@ -101,6 +101,7 @@ class Report:
     world_size_changes: list = field(default_factory=list)  # an elastic job's, as it said them
     seconds: float = 0.0
     goodput: dict = field(default_factory=dict)  # what the faults cost (hvdkit.rehearse.goodput)
+    diagnosis: dict = field(default_factory=dict)  # whether each ending said its cause (hvdkit.rehearse.diagnosis)
 
     def table(self) -> str:
         rows = [("#", "fault", "target", "step", "phase", "ended", "back in", "resumed at", "redone")]
@@ -118,6 +119,11 @@ class Report:
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
         lines += [f"world size {c['from']} -> {c['to']} at step {c['step']}, about {c['seconds_lost']} s lost"
                   for c in self.world_size_changes]
+        said = self.diagnosis
+        if said.get("endings"):
+            lines.append(f"diagnosed {said['diagnosed']} of {said['endings']} endings")
+            lines += [f"  not diagnosed: fault {m['number']} ({m['fault']} {m['target'] or ''}): {m['why']}: "
+                      f"{m['line'] or '(none)'}" for m in said["misses"]]
         cost = self.goodput
         if cost.get("faults_measured"):
             lines.append(f"goodput: {cost['faults_measured']} faults were followed by a restart: on average "

@@ -1,0 +1,90 @@
+"""Whether each ending of a chaos run said what ended it (hvdkit.rehearse.chaos): the job's line
+for an attempt a fault ended, or hvdkit launch's restart line for one it restarted within the job,
+must name the fault's cause (killed, out of memory, stalled, host lost, partition, disk full,
+preempted) and the rank or the host it struck. The report counts "diagnosed D of E endings" and
+lists each miss with the line that was printed; ``--min-diagnosed`` fails a run below it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Optional
+
+# hvdkit's lines, and the launchers' own where they name the rank and the host: mpirun's "exited on
+# signal 9", horovodrun's (patched: hvdkit.build) "rank 1 on node1 exited with code 137".
+KILLED = r"killed by SIGKILL|ended without a word|exited on signal 9 |exited with code 137\b"
+LOST = r"stopped answering|does not answer|unreachable|\blost\b"
+# What a line must say for each fault that may end a job (the faults a job rides out have no ending).
+CAUSES = {
+    "kill": KILLED,
+    "in-write": KILLED,
+    "while-resuming": KILLED,
+    "oom": r"out-of-memory killer|out of memory",
+    "stall": r"made no progress|stopped responding|frozen|stalled",
+    "host-lost": LOST,
+    "partition": LOST,
+    "slow": LOST,
+    "disk-full": r"no space|disk is full|ENOSPC",
+    "preempt": r"SIGTERM|SIGUSR1|preempt",
+}
+CAUSE_WORDS = {"kill": "killed", "in-write": "killed", "while-resuming": "killed", "oom": "out of memory",
+               "stall": "stalled", "host-lost": "host lost", "partition": "partition", "slow": "host lost",
+               "disk-full": "disk full", "preempt": "preempted"}
+RESTART = re.compile(r"^hvdkit launch: (.*); restart \d+ of \d+ on ")
+TARGET_RANK = re.compile(r"rank (\d+) \(([^)\s]+)\)")  # the last in a target: while-resuming's second kill
+
+
+def restart_lines(log: Path) -> list[str]:
+    """hvdkit launch's restart lines in an attempt's output, in order: what ended each attempt within the job."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return []
+    return [found.group(1) for found in map(RESTART.match, text.splitlines()) if found]
+
+
+def missed(fault: str, target: str, line: str) -> Optional[str]:
+    """Why ``line`` does not diagnose ``fault`` struck at ``target``; None where it does."""
+    if not line:
+        return "no line"
+    if not re.search(CAUSES.get(fault, r"(?!)"), line, re.IGNORECASE):
+        return f"it does not say {CAUSE_WORDS.get(fault, fault)}"
+    rank = ([None] + list(TARGET_RANK.finditer(target)))[-1]
+    if rank and not (re.search(rf"\brank {rank.group(1)}\b", line) or re.search(rf"\b{re.escape(rank.group(2))}\b",
+                                                                                 line)):
+        return f"it does not name {target}"
+    if not rank and target.startswith("node") and not re.search(rf"\b{re.escape(target)}\b", line):
+        return f"it does not name {target}"
+    return None
+
+
+def score(strikes: list[dict], out: Path) -> dict:
+    """{'diagnosed': D, 'endings': E, 'misses': [...]}: the endings are the strikes whose attempt
+    ended (their line) and those restarted within the job (the restart lines of their attempt's
+    output, in the order they struck)."""
+    restarts: dict[int, list[str]] = {}
+    endings = []
+    for strike in sorted(strikes, key=lambda s: s["number"]):
+        if strike.get("ended"):
+            endings.append((strike, strike["ended"]["line"]))
+        elif strike.get("restarted_in_job"):
+            lines = restarts.setdefault(strike["attempt"], restart_lines(out / f"attempt-{strike['attempt']}.log"))
+            endings.append((strike, lines.pop(0) if lines else ""))
+    misses = []
+    for strike, line in endings:
+        why = missed(strike["fault"], strike.get("target") or "", line)
+        if why:
+            misses.append({"number": strike["number"], "fault": strike["fault"], "target": strike.get("target"),
+                           "line": line, "why": why})
+    return {"diagnosed": len(endings) - len(misses), "endings": len(endings), "misses": misses}
+
+
+def below(diagnosis: dict, least: Optional[float]) -> Optional[str]:
+    """The problem of a run diagnosed below ``least`` (a fraction of its endings), or None."""
+    if least is None or not diagnosis.get("endings"):
+        return None
+    share = diagnosis["diagnosed"] / diagnosis["endings"]
+    if share >= least:
+        return None
+    return (f"diagnosed {diagnosis['diagnosed']} of {diagnosis['endings']} endings ({share:.2f}), below "
+            f"--min-diagnosed {least:g}")

@@ -94,6 +94,7 @@ def train(args: argparse.Namespace) -> int:
     from hvdkit.session import OWN_ERRORS
     from hvdkit.trainer import Trainer, failure_hint
 
+    trainer = None
     try:
         cfg = config.from_args(args)
         trainer = Trainer(cfg)
@@ -101,7 +102,9 @@ def train(args: argparse.Namespace) -> int:
     except OWN_ERRORS as exc:
         if args.debug:
             raise
-        _say_once(f"hvdkit train: {exc}")
+        speaks = trainer is not None and env.detect().rank in (0, None)  # as _say_once
+        gone = trainer.session.watchdog.after_shutdown(exc, trainer.session.size) if speaks else ""
+        _say_once(f"hvdkit train: {exc}{gone}")
         from hvdkit.rank.stops import leave_rank0_the_word
 
         leave_rank0_the_word(env.detect().rank)

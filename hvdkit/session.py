@@ -105,8 +105,7 @@ class Session:
         # Elastic: a stop signal on the driver's host ends the job (with a checkpoint); elsewhere
         # it ends that worker alone, as Horovod has it (a node drained or preempted), and the job goes on.
         self._signal = stops.StopSignal(install=not cfg.elastic or orphan.started_by_horovodrun_here(),
-                                        rank=self.rank, where=lambda watchdog=self.watchdog: watchdog.where,
-                                        on_overdue=self.watchdog.write_stacks)
+                                        rank=self.rank, watchdog=self.watchdog)
         state.log_dir = cfg.log_dir or startup.run_dir(cfg, hvd)
         self._unread_step = False  # a step's agreement that should_stop() has not read yet
         self._input_format = torch.preserve_format  # channels_last for a convolutional model on a GPU, from setup()

@@ -30,6 +30,12 @@ class Rank:
     ready: bool = False  # a standby's rank, waiting to be told to go
     said: bytes = b""
 
+    def described(self) -> str:
+        """A rank that died without a word, for a restart's line where its guard left none (the
+        guard died with it: its host was lost)."""
+        return (f"rank {self.rank} (host {self.host}, pid {self.pid}) ended without a word (a signal, a crash or its "
+                f"host lost)")
+
 
 class Links:
     """A server on ``address`` (where every rank reaches this host) for one attempt of the job."""

@@ -33,6 +33,9 @@ from hvdkit.system.sighandlers import Handlers
 NOT_FAILURES = (job.OK, job.BAD_INPUT, job.OVER_CAP)
 SHM = "/dev/shm"
 SNAPSHOT_PREFIX = "hvdkit-snapshots-"
+# Set by hvdkit rehearse: its jobs' snapshot folders carry it, so that it tells them from those of
+# another rehearsal's job on the same machine (it removes what a job leaves).
+SNAPSHOT_TAG = "HVDKIT_SNAPSHOT_TAG"
 
 
 def cause(ended: Ended) -> Optional[str]:
@@ -50,10 +53,12 @@ def cause(ended: Ended) -> Optional[str]:
     return f"exit {ended.code}: {meaning.split(':')[0].split(';')[0]}"
 
 
-def snapshot_place() -> str:
+def snapshot_place(environ: Mapping[str, str] = os.environ) -> str:
     """Where each host keeps this job's snapshots (session.snapshot_steps): host memory, a name of
     the job's own, so that no other job's are taken."""
-    return str(Path(SHM if os.path.isdir(SHM) else tempfile.gettempdir()) / f"{SNAPSHOT_PREFIX}{uuid.uuid4().hex}")
+    tag = "".join(c for c in environ.get(SNAPSHOT_TAG, "") if c.isalnum())
+    return str(Path(SHM if os.path.isdir(SHM) else tempfile.gettempdir()) /
+               f"{SNAPSHOT_PREFIX}{tag + '-' if tag else ''}{uuid.uuid4().hex}")
 
 
 def run(start: Callable[[Mapping[str, str], frozenset], Ended], max_restarts: int,

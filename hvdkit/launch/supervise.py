@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
 from hvdkit.env import RANK_VARIABLES
 from hvdkit.job import (
+    FAILED,
     JOB_DIR,
     KILL_AFTER_GRACE,
     LINK,
@@ -262,9 +263,12 @@ def attempt(command: Sequence[str], env: Mapping[str, str], join_lines: bool = F
                   f"step (while starting, or on another host); exit {stopped_by(stopped[0])}",
                   file=sys.stderr, flush=True)
             return Ended(stopped_by(stopped[0]), True)
-        cause = rank_cause(Path(launched.job_dir)) if code != 0 and recorded is None and not stopped else None
-        if cause:  # the guard's line, said again after the launcher's own text
+        # A guard's cause over a rank's plain error (FAILED): another rank's death is what ended that one's wait.
+        cause = rank_cause(Path(launched.job_dir)) if code != 0 and recorded in (None, FAILED) and not stopped else None
+        if cause and not lines:  # the guard's line, said again after the launcher's own text (a restart's says it)
             print(f"hvdkit launch: {cause}", file=sys.stderr, flush=True)
+        if not cause and lines and lines.died and code != 0 and not stopped:
+            cause = lines.died.described()
         return Ended(recorded or shell_code(code), bool(stopped), recorded, cause=cause or said)
     finally:
         launched.close()

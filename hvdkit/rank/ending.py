@@ -28,7 +28,7 @@ class Ending:
         self.cfg, self.hvd, self.state, self.lockstep, self.signal = cfg, hvd, state, lockstep, signal
         self.checkpoints, self.reports, self.watchdog, self.lifeline = checkpoints, reports, watchdog, lifeline
         self.locks: list = []
-        self.undo_hook = stops.exit_on_own_errors(hvd.rank(), own_errors, bad_input, self.after_error)
+        self.undo_hook = stops.exit_on_own_errors(hvd.rank(), own_errors, bad_input, self.after_error, self.who_is_gone)
         self.locks = startup.lock_directories(cfg, hvd, state.log_dir)
 
     def take_stop(self, step: TrainingStep) -> bool:
@@ -73,14 +73,17 @@ class Ending:
             self.undo_hook()
 
     def release(self, watching: bool = False) -> None:
-        """Let go of what this run holds; ``watching`` keeps the watches on its launcher, which
-        end this rank should its launcher go while it is still ending."""
-        self.watchdog.stop()
+        """Let go of what this run holds; ``watching`` (after an error) keeps the watches on its
+        launcher, which end this rank should its launcher go while it is still ending, and its stacks."""
+        self.watchdog.stop(keep_stacks=watching)
         for watch in () if watching else (self.lifeline, self.signal.launcher):
             if watch:
                 watch.stop()
         for held in self.locks:
             held.release()
+
+    def who_is_gone(self, exc: BaseException) -> str:
+        return self.watchdog.after_shutdown(exc, self.hvd.size())
 
     def after_error(self) -> None:
         """One of hvdkit's errors ends this rank (stops.exit_on_own_errors): a save in flight

@@ -81,16 +81,17 @@ class Stacks:
             self._clear()
             faulthandler.dump_traceback(self._file, all_threads=True)
 
-    def close(self) -> None:
-        """At the run's end: the timer off, the file closed and removed (a rank ended by a stall or a
-        stop's count exits without closing it, and the file stays)."""
+    def close(self, remove: bool = True) -> None:
+        """At the run's end: the timer off, the file closed and removed unless not to be (a rank
+        ended by a stall or a stop's count exits without closing it, and the file stays)."""
         with self._lock:
             if self._file is None:
                 return
             faulthandler.cancel_dump_traceback_later()
             self._file.close()
             self._file = None
-        self.path.unlink(missing_ok=True)
+        if remove:
+            self.path.unlink(missing_ok=True)
 
 
 def main_thread(text: str) -> list[Frame]:

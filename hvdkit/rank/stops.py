@@ -32,12 +32,15 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 from hvdkit import job
 from hvdkit.config import ConfigError
 from hvdkit.rank import link, orphan
 from hvdkit.system import sighandlers
+
+if TYPE_CHECKING:
+    from hvdkit.rank.watchdog import Watchdog
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 REQUEUE_SIGNAL = signal.SIGUSR1
@@ -46,8 +49,7 @@ REQUEUE_SIGNAL = signal.SIGUSR1
 class StopSignal:
     """Remembers that a stop was asked for; installed for the loop's lifetime."""
 
-    def __init__(self, install: bool = True, rank: int = 0, where: Callable[[], str] = lambda: "its loop",
-                 on_overdue: Callable[[], str] = lambda: "") -> None:
+    def __init__(self, install: bool = True, rank: int = 0, watchdog: Optional["Watchdog"] = None) -> None:
         try:
             self.grace = job.stop_grace()  # checked now, not when the stop comes
         except ValueError as exc:  # HVDKIT_STOP_GRACE
@@ -61,8 +63,9 @@ class StopSignal:
         if install:
             self._handlers.install()  # nohup's SIGHUP stays ignored
         self.installed = install
-        # on_overdue: the rank's stacks written, and ', stuck at train.py:42 in f' where it is in the user's code
-        self.rank, self.where, self.on_overdue = rank, where, on_overdue
+        # The watchdog says where the rank is, writes its stacks when the stop is overdue, and knows
+        # from the heartbeats which rank is gone when the stop is a launcher ending the job after it.
+        self.rank, self.watchdog = rank, watchdog
         self.since: Optional[float] = None  # time.monotonic() of the first stop
         self._countdown: Optional[threading.Timer] = None
         self._wakeup = self._wake_on_signals() if install else None
@@ -97,10 +100,14 @@ class StopSignal:
         if self._countdown is not None:
             return
         grace, self.since = self.grace, time.monotonic()
+        gone = self.watchdog.gone_at_a_stop() if self.watchdog else ""
+        if gone:
+            print(f"hvdkit: rank {self.rank} was told to stop by {why}: {gone}", file=sys.stderr, flush=True)
 
         def overdue() -> None:
+            where = f"{self.watchdog.where}{self.watchdog.write_stacks()}" if self.watchdog else "its loop"
             line = (f"rank {self.rank} did not reach a step boundary within {grace:g} s of {why} (it was in "
-                    f"{self.where()}{self.on_overdue()}); ending it without a checkpoint")
+                    f"{where}); ending it without a checkpoint")
             job.end_rank(code, line)
 
         self._countdown = threading.Timer(grace, overdue)
@@ -227,16 +234,18 @@ def leave_rank0_the_word(rank: Optional[int]) -> None:
     time.sleep(SPEAKER_GRACE)
 
 
-def exit_on_own_errors(rank: int, own: tuple, bad_input: tuple,
-                       end: Optional[Callable[[], None]] = None) -> Callable[[], None]:
+def exit_on_own_errors(rank: int, own: tuple, bad_input: tuple, end: Optional[Callable[[], None]] = None,
+                       explain: Optional[Callable[[BaseException], str]] = None) -> Callable[[], None]:
     """From now on, an exception of the ``own`` types that nothing caught ends this rank with
     its message once (rank 0's, as one line) instead of a traceback on every rank: ``end()``
     (a bound method: Horovod's shutdown; none before hvd.init), then exit with the exception's
-    ``exit_code``, else 2 for ``bad_input`` types, else 1. Returns the undo.
+    ``exit_code``, else 2 for ``bad_input`` types, else 1; ``explain(exc)`` (a bound method too) adds to
+    its line (who is gone, after Horovod's shutdown). Returns the undo.
 
     The other ranks leave rank 0 the word (``leave_rank0_the_word``) after Horovod's shutdown."""
     previous = sys.excepthook
     end = weakref.WeakMethod(end) if end else (lambda: None)  # the hook must not keep a Session alive
+    explained = weakref.WeakMethod(explain) if explain else (lambda: None)
 
     def hook(kind, exc, tb) -> None:
         if not issubclass(kind, own):
@@ -245,6 +254,8 @@ def exit_on_own_errors(rank: int, own: tuple, bad_input: tuple,
         code = job.code_for(exc, bad_input)
         line = str(exc).splitlines()[0] if str(exc) else kind.__name__
         if rank == 0 or getattr(exc, "said_by_its_rank", False):  # an error of this rank alone
+            explain_now = explained()
+            line += explain_now(exc) if explain_now else ""
             print(f"hvdkit: error: {line}", file=sys.stderr, flush=True)
             job.record_exit(code, line)
         link.leaving()  # before Horovod's shutdown, which may block until this rank is killed

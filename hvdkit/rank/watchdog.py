@@ -83,10 +83,12 @@ class Watchdog:
         if self._steps is not None:
             self._steps[0] = step
 
-    def stop(self) -> None:
+    def stop(self, keep_stacks: bool = False) -> None:
+        """At the run's end; ``keep_stacks`` where it ends on an error (Horovod shut down by a stalled
+        peer's end: this rank's stacks, written before, are part of the story)."""
         self._stop.set()
         if self.stacks is not None:
-            self.stacks.close()
+            self.stacks.close(remove=not keep_stacks)
         if self.shared is not None:
             self._path(self.rank).unlink(missing_ok=True)
             if self._own:
@@ -177,25 +179,44 @@ class Watchdog:
         except OSError:
             pass  # heartbeats only improve the message; never fail training for them
 
-    def gone(self, size: int) -> str:
+    def gone(self, size: int = 0, wait: bool = True) -> str:
         """Who is gone, from the heartbeats, for a rank that Horovod's shutdown (a peer's connection
         closed) finds waiting: one the kernel's out-of-memory killer ended (its log, where it can be
         read), one on this host whose process is gone, or one whose watchdog has not written for
-        FROZEN_SECONDS, waited for that long at most; '' at once where a rank of the ``size`` has no
-        heartbeat (it ended on an error, said so itself and removed it), else after the wait."""
+        FROZEN_SECONDS, waited for that long at most (``wait``); '' at once where a rank of the
+        ``size`` has no heartbeat (it ended on an error, said so itself and removed it)."""
         deadline = time.monotonic() + FROZEN_SECONDS + HEARTBEAT_SECONDS
-        here = socket.gethostname()
         while True:
-            now, victims = time.time(), cgroups.oom_victims() or set()
-            records = [r for r in self._records() if r["rank"] != self.rank and r["alive"] > self.started]
-            gone = [r for r in records if r["pid"] in victims or now - r["alive"] > FROZEN_SECONDS
-                    or (r["host"] == here and not Path(f"/proc/{r['pid']}").exists())]
-            if gone or len(records) < size - 1 or time.monotonic() > deadline:
+            records, gone, victims = self._missing()
+            if gone or not wait or len(records) < size - 1 or time.monotonic() > deadline:
                 break
             time.sleep(HEARTBEAT_SECONDS / 4)
         said = {r["pid"]: "was killed by the kernel's out-of-memory killer" for r in gone if r["pid"] in victims}
         return "; ".join(f"rank {r['rank']} (host {r['host']}, pid {r['pid']}) {said.get(r['pid'], 'is gone')}, "
                          f"last seen in {r['where']}" for r in sorted(gone, key=lambda r: r["rank"]))
+
+    def after_shutdown(self, exc: BaseException, size: int) -> str:
+        """' (rank 1 (host h, pid p) is gone, ...)' for Horovod's shutdown met outside hvdkit's calls:
+        Gloo's 'Read error [10.0.0.2]:41369: Connection reset by peer' names an address, not a rank."""
+        if type(exc).__name__ != "HorovodInternalError":
+            return ""
+        gone = self.gone(size)
+        return f" ({gone})" if gone else ""
+
+    def gone_at_a_stop(self) -> str:
+        """At a stop signal, who is gone already (a launcher ending the job after a rank died: mpirun's
+        SIGTERM, then its SIGKILL a second later), said by the lowest rank still running alone."""
+        records, gone, _ = self._missing()
+        living = [r["rank"] for r in records if r not in gone] + [self.rank]
+        return self.gone(wait=False) if gone and self.rank == min(living) else ""
+
+    def _missing(self) -> tuple[list, list, set]:
+        """(the other ranks' heartbeats of this run, those of ranks gone, the kernel's OOM victims)."""
+        now, here, victims = time.time(), socket.gethostname(), cgroups.oom_victims() or set()
+        records = [r for r in self._records() if r["rank"] != self.rank and r["alive"] > self.started]
+        gone = [r for r in records if r["pid"] in victims or now - r["alive"] > FROZEN_SECONDS
+                or (r["host"] == here and not Path(f"/proc/{r['pid']}").exists())]
+        return records, gone, victims
 
     def _report(self) -> None:
         """The record the guard `hvdkit launch` started this rank under reads, if any: a rank killed

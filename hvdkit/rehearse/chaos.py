@@ -39,6 +39,7 @@ from typing import Callable, Optional
 import inotify_simple as inotify
 
 from hvdkit import checkpoint, job
+from hvdkit.launch import restarts
 from hvdkit.rehearse import processes, verdict
 from hvdkit.rehearse.faults import ELASTIC_TOLERANCE, FAULTS, OOM_BYTES, Strike
 from hvdkit.rehearse.namespaces import Hosts
@@ -83,7 +84,8 @@ class Chaos:
         self.pending: list[Strike] = []
         self.armed: dict[int, float] = {}  # a strike's number: when its checkpoint came (monotonic)
         self.interval = 0.0  # seconds between two checkpoints in the undisturbed run (reference())
-        self.snapshots = processes.snapshots()  # those there before: not the job's
+        self.tag = env.get(restarts.SNAPSHOT_TAG, "")  # the job's snapshot folders carry it
+        self.snapshots = processes.snapshots(self.tag)  # those there before: not the job's
         # A small checkpoint is written in a few milliseconds: in-write hears of its temporary
         # file from the kernel (inotify) rather than looking for it.
         self.notify = inotify.INotify()
@@ -233,7 +235,7 @@ class Chaos:
                 self._list_hosts()
             if fault == "host-lost":
                 self.hosts.lose(host)
-                for folder in processes.snapshots() - self.snapshots:  # its memory goes with it
+                for folder in processes.snapshots(self.tag) - self.snapshots:  # its memory goes with it
                     shutil.rmtree(folder / host, ignore_errors=True)
             elif fault == "partition":
                 self.hosts.link(host, up=False)
@@ -428,7 +430,7 @@ class Chaos:
             self.report.left.setdefault("processes", []).extend(left)
             for name in self.hosts.names:
                 self.hosts.end_jobs(name)
-        kept = sorted(processes.snapshots() - self.snapshots)
+        kept = sorted(processes.snapshots(self.tag) - self.snapshots)
         if kept:  # each attempt's snapshots go with it (hvdkit launch and the ranks remove them)
             self.report.problems.append(f"after {what}: snapshots left in host memory: {', '.join(map(str, kept))}")
             self.report.left.setdefault("snapshots", []).extend(map(str, kept))

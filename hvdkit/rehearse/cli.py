@@ -50,6 +50,7 @@ from typing import Optional, Sequence
 
 from hvdkit import job
 from hvdkit.args import LINK_RATE, OneLineParser, bits_per_second, checked, duration
+from hvdkit.launch.restarts import SNAPSHOT_TAG
 from hvdkit.rehearse import faults as fault_menu
 from hvdkit.rehearse.namespaces import (
     FIRST_HOST,
@@ -184,7 +185,7 @@ def host_environment(hosts: Hosts, slots: int, hostfile: Path) -> dict:
     less, so binding is off unless each host has its own cores (--cpus) or the user chose it."""
     hostfile.write_text("".join(f"{name} slots={slots}\n" for name in hosts.names))
     seen = {"HVDKIT_HOSTS": ",".join(f"{name}:{slots}" for name in hosts.names), "HVDKIT_HOSTFILE": str(hostfile),
-            "HVDKIT_HOSTS_FILE": str(hostfile)}
+            "HVDKIT_HOSTS_FILE": str(hostfile), SNAPSHOT_TAG: hosts.prefix}
     if not hosts.cpus and BINDING not in os.environ:
         seen[BINDING] = "none"
     if hosts.rate:

@@ -13,7 +13,7 @@ from typing import Optional
 # hvdkit's lines, and the launchers' own where they name the rank and the host: mpirun's "exited on
 # signal 9", horovodrun's (patched: hvdkit.build) "rank 1 on node1 exited with code 137".
 KILLED = r"killed by SIGKILL|ended without a word|exited on signal 9 |exited with code 137\b"
-LOST = r"stopped answering|does not answer|unreachable|\blost\b"
+LOST = r"stopped answering|does not answer|unreachable|\blost\b|refuses ssh"
 # What a line must say for each fault that may end a job (the faults a job rides out have no ending).
 CAUSES = {
     "kill": KILLED,

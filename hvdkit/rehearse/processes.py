@@ -93,6 +93,7 @@ def step_of_partial(path: Path) -> Optional[int]:
     return step if step is not None else checkpoint.step_in(path.parent.name)
 
 
-def snapshots() -> set[Path]:
-    """The snapshot folders in host memory now (the rehearsal's hosts share this machine's)."""
-    return set(Path(restarts.SHM).glob(f"{restarts.SNAPSHOT_PREFIX}*"))
+def snapshots(tag: str) -> set[Path]:
+    """The snapshot folders in host memory now of the jobs given ``tag`` (restarts.SNAPSHOT_TAG:
+    the rehearsal's hosts share this machine's memory with other rehearsals' jobs)."""
+    return set(Path(restarts.SHM).glob(f"{restarts.SNAPSHOT_PREFIX}{tag}-*"))

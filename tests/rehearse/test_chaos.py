@@ -143,6 +143,8 @@ def test_an_ending_is_diagnosed_where_its_line_names_the_cause_and_the_rank_or_h
                                                                   "on node node2 exited on signal 9 (Killed).", None),
         ("host-lost", "node2", "hvdkit launch: host node2 (10.231.0.13, rank 2) does not answer on the network; the "
                                "job ended without it", None),
+        ("host-lost", "node2", "hvdkit launch: host node2 (10.231.0.13, rank 2) refuses ssh (port 22) since the job "
+                               "began: no rank starts there; the job ended without it", None),
         ("host-lost", "node1", "hvdkit train: Horovod shut down while rank 0 waited in session.step() (step 39): "
                                "another rank ended", "it does not say host lost"),
         ("disk-full", "/ckpt", "hvdkit train: cannot write checkpoint /ckpt/x.pt: No space left on device", None),

@@ -75,12 +75,6 @@ def run_doctor(args: argparse.Namespace) -> int:
     return hosts.main(listed, args.dir or hosts.default_directory(os.environ), in_allocation)
 
 
-def _say_once(message: str) -> None:
-    """Print on rank 0 only (or when not launched), so np ranks give one line, not np."""
-    if env.detect().rank in (0, None):
-        print(message, file=sys.stderr, flush=True)
-
-
 def train(args: argparse.Namespace) -> int:
     if args.list:
         from hvdkit import data, models
@@ -92,7 +86,7 @@ def train(args: argparse.Namespace) -> int:
         one_line,
     )
     from hvdkit.session import OWN_ERRORS
-    from hvdkit.trainer import Trainer, failure_hint
+    from hvdkit.trainer import PEER_HINT, Trainer, failure_hint
 
     trainer = None
     try:
@@ -102,13 +96,15 @@ def train(args: argparse.Namespace) -> int:
     except OWN_ERRORS as exc:
         if args.debug:
             raise
-        speaks = trainer is not None and env.detect().rank in (0, None)  # as _say_once
-        gone = trainer.session.watchdog.after_shutdown(exc, trainer.session.size) if speaks else ""
-        _say_once(f"hvdkit train: {exc}{gone}")
+        code = job.code_for(exc, (config.ConfigError,))
+        if env.detect().rank in (0, None):  # one line for np ranks; hvdkit launch says it again last
+            gone = trainer.session.watchdog.after_shutdown(exc, trainer.session.size) if trainer else ""
+            print(f"hvdkit train: {exc}{gone}", file=sys.stderr, flush=True)
+            job.record_exit(code, f"hvdkit train: {exc}{gone}")
         from hvdkit.rank.stops import leave_rank0_the_word
 
         leave_rank0_the_word(env.detect().rank)
-        return job.code_for(exc, (config.ConfigError,))
+        return code
     except UnreadableSample as exc:  # on the rank that read it: the others wait for it, or for the launcher
         if args.debug:
             raise
@@ -119,6 +115,8 @@ def train(args: argparse.Namespace) -> int:
         if hint is None or args.debug:
             raise
         rank = env.detect().rank
+        gone = trainer.session.watchdog.gone(trainer.session.size) if trainer and hint == PEER_HINT else ""
+        hint = f"stopped because another rank ended first: {gone}" if gone else hint  # it may have had no word
         print(f"hvdkit train: {'' if rank is None else f'rank {rank} '}{hint}", file=sys.stderr, flush=True)
         return job.FAILED
     return summary.get("exit_code", job.OK)

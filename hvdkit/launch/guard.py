@@ -15,7 +15,6 @@ same signal."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import resource
@@ -30,11 +29,10 @@ from typing import Optional, Sequence
 
 from hvdkit import env, job
 from hvdkit.system import cgroups
-from hvdkit.system.proctree import end_processes, wait_child
+from hvdkit.system.proctree import become_subreaper, die_with_parent, end_processes, wait_child
 from hvdkit.system.sighandlers import Handlers
 
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP, signal.SIGCONT)
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 LEFT_GRACE = 1.0  # SIGTERM to SIGKILL for what the rank left (DataLoader workers ignore SIGTERM)
 NOTE_SECONDS = 1.0  # how often the rank's memory cgroup is looked up (a rehearsal's `oom` moves it)
 MODULE = "hvdkit.launch.guard"
@@ -50,12 +48,8 @@ def is_guard(cmdline: Sequence[str]) -> bool:
     return list(cmdline[1:3]) == ["-m", MODULE]
 
 
-def _prctl(option: int, value: int) -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
-
-
 def _die_with_guard() -> None:
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    die_with_parent(signal.SIGKILL)
 
 
 def _end_what_it_left() -> None:
@@ -177,7 +171,7 @@ def _signal_name(number: int) -> str:
 
 
 def _gib(size: int) -> str:
-    return f"{size / 2 ** 30:.2f} GiB"
+    return f"{size / 2 ** 30:.2f} GiB" if size >= 2 ** 30 / 10 else f"{size / 2 ** 20:.0f} MiB"
 
 
 def main(argv: Sequence[str]) -> int:
@@ -186,7 +180,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"usage: python -m {MODULE} -- COMMAND [ARGS...]", file=sys.stderr)
         return job.BAD_INPUT
     rank_command = argv[argv.index("--") + 1:]
-    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    become_subreaper()
     page = os.memfd_create("hvdkit-guard")
     os.ftruncate(page, job.GUARD_PAGE)
     os.pwrite(page, struct.pack("<q", -1), 0)
@@ -207,12 +201,12 @@ def main(argv: Sequence[str]) -> int:
     reports = Reports(child.pid, page)
     with Handlers(PASSED_ON, pass_on):
         code = wait_child(child)
+        line = ending(code, reports, bool(stopped), env.detect(os.environ).rank)
+        if line:
+            with contextlib.suppress(OSError, ValueError):
+                print(f"hvdkit: {line}", file=sys.stderr, flush=True)
+            job.record_cause(line)
         _end_what_it_left()
-    line = ending(code, reports, bool(stopped), env.detect(os.environ).rank)
-    if line:
-        with contextlib.suppress(OSError, ValueError):
-            print(f"hvdkit: {line}", file=sys.stderr, flush=True)
-        job.record_cause(line)
     if code < 0:  # ended by the same signal: the launcher reports it as it would the rank's (no core of ours)
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         Handlers([] if -code == signal.SIGKILL else [-code], signal.SIG_DFL).install()

@@ -29,7 +29,6 @@ therefore starts the launcher as a child in its own session and stays as its par
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -58,7 +57,14 @@ from hvdkit.job import (
 )
 from hvdkit.launch import guard, network, rank_output
 from hvdkit.launch.links import Links
-from hvdkit.system.proctree import MPI_LAUNCHERS, SRUN, end_processes, wait_child
+from hvdkit.system.proctree import (
+    MPI_LAUNCHERS,
+    SRUN,
+    become_subreaper,
+    die_with_parent,
+    end_processes,
+    wait_child,
+)
 from hvdkit.system.sighandlers import Handlers
 
 if TYPE_CHECKING:  # imported where used: `hvdkit doctor` runs without psutil
@@ -66,17 +72,11 @@ if TYPE_CHECKING:  # imported where used: `hvdkit doctor` runs without psutil
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 FORWARDERS = (*MPI_LAUNCHERS, SRUN)  # launchers that pass signals on to the ranks on other hosts
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
-
-
-def _prctl(option: int, value: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(option, value, 0, 0, 0)
 
 
 def end_with_parent() -> None:
     """In the launcher's process: a SIGKILLed hvdkit still takes its launcher with it."""
-    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    die_with_parent(signal.SIGTERM)
 
 
 def signal_targets(launcher: "psutil.Process") -> list[tuple["psutil.Process", bool]]:
@@ -215,7 +215,7 @@ def attempt(command: Sequence[str], env: Mapping[str, str], join_lines: bool = F
     the next attempt as a standby, called once every rank of this one is on its line."""
     import psutil  # here: `hvdkit doctor` imports this module where psutil may be missing
 
-    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    become_subreaper()
     launched = standby or Launched(command, env, join_lines, watch)
     spare: list[Optional[Launched]] = []  # the next attempt's, once started (None: it could not be)
     try:

@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Optional
 
 # hvdkit's lines, and the launchers' own where they name the rank and the host: mpirun's "exited on
-# signal 9", horovodrun's (patched: hvdkit.build) "rank 1 on node1 exited with code 137".
-KILLED = r"killed by SIGKILL|ended without a word|exited on signal 9 |exited with code 137\b"
-LOST = r"stopped answering|does not answer|unreachable|\blost\b|refuses ssh"
+# signal 9", horovodrun's (patched: hvdkit.build) "rank 1 on node1 exited with code 137". A survivor's
+# "rank 1 (host node1, pid 4242) is gone" (its heartbeat stopped) stands for a kill or a lost host:
+# from where it stands the two read alike.
+KILLED = r"killed by SIGKILL|ended without a word|exited on signal 9 |exited with code 137\b|\bis gone\b"
+LOST = r"stopped answering|does not answer|unreachable|\blost\b|refuses ssh|\bis gone\b"
 # What a line must say for each fault that may end a job (the faults a job rides out have no ending).
 CAUSES = {
     "kill": KILLED,
@@ -72,7 +74,12 @@ def score(strikes: list[dict], out: Path) -> dict:
             endings.append((strike, lines.pop(0) if lines else ""))
     misses = []
     for strike, line in endings:
-        why = missed(strike["fault"], strike.get("target") or "", line)
+        # Another fault that struck the same attempt may be what ended it (a preemption's stop, then a kill
+        # as the ranks saved): a line naming any of them is right.
+        others = [s for s in strikes if s is not strike and s.get("attempt") == strike.get("attempt")
+                  and s.get("phase") and s["fault"] in CAUSES]
+        whys = [missed(s["fault"], s.get("target") or "", line) for s in [strike, *others]]
+        why = None if None in whys else whys[0]
         if why:
             misses.append({"number": strike["number"], "fault": strike["fault"], "target": strike.get("target"),
                            "line": line, "why": why})

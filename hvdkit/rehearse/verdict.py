@@ -23,7 +23,7 @@ TRAILING_TAG = re.compile(r"\[\d+(?:,\d+)?\]<std(?:out|err)>:$")  # a rank's nex
 WORLD_SIZE_CHANGE = re.compile(r"hvdkit: elastic: world size (\d+) -> (\d+), going on from step (\d+); "
                                r"about ([\d.]+) s lost")
 ENDING = re.compile(r"error|killed|signal|exited|failed|abort|cannot|stopped|does not answer|refuses|no restart|"
-                    r"no space", re.IGNORECASE)
+                    r"no space|shut down|is gone|out-of-memory", re.IGNORECASE)
 
 
 def plain(path: Path) -> dict:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # imported where used: a rank and `hvdkit doctor` may run wit
 MPI_LAUNCHERS = ("mpirun", "mpiexec", "orterun", "prterun")  # they pass a signal on to the ranks on every host
 MPI_DAEMONS = ("orted", "prted", "hydra_pmi_proxy")  # what they start on each host, the ranks' parents
 HOROVODRUN = "horovodrun"
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36  # Linux's prctl options
 SRUN = "srun"  # Slurm ends its tasks itself when srun goes
 
 
@@ -94,3 +95,19 @@ def _wait_gone(processes: Sequence["psutil.Process"], timeout: float) -> list:
         time.sleep(0.02)
         alive = [p for p in alive if running(p)]
     return alive
+
+
+def die_with_parent(signum: int) -> None:
+    """In a child, before it execs: ``signum`` to it when its parent dies (PR_SET_PDEATHSIG)."""
+    _prctl(PR_SET_PDEATHSIG, signum)
+
+
+def become_subreaper() -> None:
+    """Orphans below this process come to it, not to init (PR_SET_CHILD_SUBREAPER): it can end them."""
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def _prctl(option: int, value: int) -> None:
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)

@@ -165,11 +165,11 @@ def test_the_out_of_memory_killer_is_named_for_a_rank_and_for_a_dataloader_worke
         if leak == "rank":
             assert re.match(rf"hvdkit: rank 1 \(host {socket.gethostname()}, pid {victims[leak, launcher]}\) was "
                             r"killed by the kernel's out-of-memory killer \(SIGKILL\) after step \d+; its peak "
-                            r"\d+\.\d\d GiB(, its cgroup's limit 0\.09 GiB)?: lower the batch size", said[-1]), where
+                            r"\d+\.\d\d GiB(, its cgroup's limit 96 MiB)?: lower the batch size", said[-1]), where
         else:
             assert re.match(rf"hvdkit: rank 1 \(host {socket.gethostname()}, pid \d+\) ended \(exit 1\) after step "
                             rf"\d+ after the kernel's out-of-memory killer killed its process "
                             rf"{victims[leak, launcher]} "
-                            r"\(a DataLoader worker\); its peak \d+\.\d\d GiB(, its cgroup's limit 0\.09 GiB)?: "
+                            r"\(a DataLoader worker\); its peak \d+\.\d\d GiB(, its cgroup's limit 96 MiB)?: "
                             r"lower num_workers", said[-1]), where
         assert gone[leak, launcher] == [], where

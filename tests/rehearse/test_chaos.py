@@ -161,6 +161,10 @@ def test_an_ending_is_diagnosed_where_its_line_names_the_cause_and_the_rank_or_h
                {"number": 3, "fault": "kill", "target": "rank 0 (node0)", "attempt": 1,
                 "ended": {"code": 137, "line": "horovodrun: rank 1 on node1 exited with code 137"}}]
     said = diagnosis.score(strikes, tmp_path)
+    preempted = {"number": 4, "fault": "preempt", "target": "every rank", "attempt": 2, "phase": "training"}
+    killed = {"number": 5, "fault": "kill", "target": "rank 1 (node1)", "attempt": 2, "phase": "training",
+              "ended": {"code": 143, "line": "hvdkit launch: stopped by SIGTERM at step 292; checkpoint saved"}}
+    assert diagnosis.score([preempted, killed], tmp_path)["diagnosed"] == 1, "the preemption ended that attempt"
     assert said == {"diagnosed": 1, "endings": 2, "misses": [{
         "number": 3, "fault": "kill", "target": "rank 0 (node0)", "why": "it does not name rank 0 (node0)",
         "line": "horovodrun: rank 1 on node1 exited with code 137"}]}

@@ -88,7 +88,7 @@ def train(args: argparse.Namespace) -> int:
     from hvdkit.session import OWN_ERRORS
     from hvdkit.trainer import PEER_HINT, Trainer, failure_hint
 
-    trainer = None
+    trainer = None  # its Session names who is gone after Horovod's shutdown
     try:
         cfg = config.from_args(args)
         trainer = Trainer(cfg)
@@ -98,9 +98,11 @@ def train(args: argparse.Namespace) -> int:
             raise
         code = job.code_for(exc, (config.ConfigError,))
         if env.detect().rank in (0, None):  # one line for np ranks; hvdkit launch says it again last
-            gone = trainer.session.watchdog.after_shutdown(exc, trainer.session.size) if trainer else ""
+            session = getattr(trainer, "session", None)  # none yet where the Session itself refused
+            gone = session.watchdog.after_shutdown(exc, session.size) if session else ""
             print(f"hvdkit train: {exc}{gone}", file=sys.stderr, flush=True)
-            job.record_exit(code, f"hvdkit train: {exc}{gone}")
+            if code != job.BAD_INPUT:  # bad input ends the job before it trained: its one line is enough
+                job.record_exit(code, f"hvdkit train: {exc}{gone}")
         from hvdkit.rank.stops import leave_rank0_the_word
 
         leave_rank0_the_word(env.detect().rank)
@@ -115,7 +117,8 @@ def train(args: argparse.Namespace) -> int:
         if hint is None or args.debug:
             raise
         rank = env.detect().rank
-        gone = trainer.session.watchdog.gone(trainer.session.size) if trainer and hint == PEER_HINT else ""
+        session = getattr(trainer, "session", None)
+        gone = session.watchdog.gone(session.size) if session and hint == PEER_HINT else ""
         hint = f"stopped because another rank ended first: {gone}" if gone else hint  # it may have had no word
         print(f"hvdkit train: {'' if rank is None else f'rank {rank} '}{hint}", file=sys.stderr, flush=True)
         return job.FAILED

@@ -184,8 +184,10 @@ def main(argv: Sequence[str]) -> int:
     page = os.memfd_create("hvdkit-guard")
     os.ftruncate(page, job.GUARD_PAGE)
     os.pwrite(page, struct.pack("<q", -1), 0)
+    os.set_inheritable(page, True)
     try:
-        child = subprocess.Popen(rank_command, env={**os.environ, job.GUARD: str(page)}, pass_fds=(page,),
+        # Every descriptor the launcher gave stays the rank's: Hydra's and srun's PMI_FD among them.
+        child = subprocess.Popen(rank_command, env={**os.environ, job.GUARD: str(page)}, close_fds=False,
                                  preexec_fn=_die_with_guard)
     except OSError as exc:
         print(f"hvdkit: cannot start {rank_command[0]}: {exc.strerror}", file=sys.stderr)

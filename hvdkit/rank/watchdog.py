@@ -67,7 +67,7 @@ class Watchdog:
         if stacks and self.timeout > 0:
             with contextlib.suppress(OSError):  # without them, the line says less
                 self.stacks = stack_files.Stacks(Path(stacks), self.rank)
-        self._arm_stacks()  # now too: a rank stuck before its watchdog's next round holds the GIL, say
+        self._arm_stacks()  # now too: a rank may get stuck, holding the GIL, before its watchdog's next round
         self._write_heartbeat()  # now: a rank that freezes within its first second is named too
 
     def beat(self, where: str) -> None:

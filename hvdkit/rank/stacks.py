@@ -1,8 +1,8 @@
 """Where every rank is when a job stalls: each rank keeps a file of its threads' stacks in the
 run's log directory, ``stacks-rank-N.txt``. Python's faulthandler writes it from a C thread of its
-own, armed by the watchdog (hvdkit.rank.watchdog) to go off shortly before the stall limit: a rank
-stuck in C code that holds the GIL, which no Python thread of it can interrupt, is written too.
-The step pays nothing: the watchdog's thread re-arms the timer, once a second at most.
+own, on a timer armed once per run that repeats at a fraction of the stall limit: a rank stuck in
+C code that holds the GIL, which no Python thread of it can interrupt, is written too. The step
+pays nothing: the watchdog's thread (hvdkit.rank.watchdog) empties the file after progress.
 
 The rank whose watchdog ends the job reads every rank's file and names the stalled rank's
 innermost frame in the user's code (not in hvdkit, torch, Horovod or Python's own library), and the
@@ -19,7 +19,7 @@ import sysconfig
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Optional
+from typing import Optional
 
 import hvdkit
 
@@ -27,6 +27,8 @@ PREFIX = "stacks-rank-"
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)", re.IGNORECASE)
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 _HEADER = re.compile(r"^# rank (\d+), pid (\d+), main thread (0x[0-9a-f]+)")
+_NOW = "# written as the rank ended"
+_DUMP = re.compile(rf"^(?:Timeout \(.*\)!|{_NOW})$", re.MULTILINE)  # before each dump: the timer's, or ours
 
 
 @dataclass(frozen=True)
@@ -44,54 +46,55 @@ def path(directory: Path, rank: int) -> Path:
 
 
 class Stacks:
-    """This rank's file of stacks, open from setup() to the run's end (the C thread writes to its
-    descriptor)."""
+    """This rank's file of stacks, open from setup() to the run's end. faulthandler's C thread
+    appends the stacks every ``period`` seconds for the whole run; the watchdog's thread empties the
+    file after each progress, so what it holds was written since the rank last made progress. Armed
+    once: re-arming lets the GIL go while the old timer is cancelled, and a rank that takes it then
+    and stays in C would be left with no timer."""
 
-    def __init__(self, directory: Path, rank: int) -> None:
+    def __init__(self, directory: Path, rank: int, period: float) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)
         self.path = path(directory, rank)
-        self._header = f"# rank {rank}, pid {os.getpid()}, main thread {threading.main_thread().ident:#x}\n"
-        self._file: Optional[IO[str]] = open(self.path, "w+")
-        self._lock = threading.Lock()  # the watchdog's thread arms, the run's end closes
-        self._clear()
+        header = f"# rank {rank}, pid {os.getpid()}, main thread {threading.main_thread().ident:#x}\n"
+        self._header = header.encode()
+        self._fd: Optional[int] = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        self._lock = threading.Lock()  # the watchdog's thread empties, the run's end closes
+        os.write(self._fd, self._header)
+        faulthandler.dump_traceback_later(max(period, 0.01), repeat=True, file=self._fd)
 
-    def _clear(self) -> None:
-        self._file.seek(0)
-        self._file.truncate()
-        self._file.write(self._header)
-        self._file.flush()
-
-    def arm(self, seconds: float) -> None:
-        """The stacks written ``seconds`` from now unless armed again first; what an earlier
-        timer wrote (a slow moment that passed) is cleared."""
+    def progress(self) -> None:
+        """The rank made progress: what the timer wrote before is of a slow moment that passed."""
         with self._lock:
-            if self._file is None:
-                return
-            faulthandler.cancel_dump_traceback_later()
-            if os.fstat(self._file.fileno()).st_size > len(self._header):
-                self._clear()
-            faulthandler.dump_traceback_later(max(seconds, 0.01), file=self._file)
+            if self._fd is not None and os.fstat(self._fd).st_size > len(self._header):
+                os.ftruncate(self._fd, len(self._header))
 
     def write_now(self) -> None:
-        """This rank's stacks, now (the calling thread's among them)."""
+        """This rank's stacks, now (the calling thread's among them); the run is ending."""
         with self._lock:
-            if self._file is None:
+            if self._fd is None:
                 return
             faulthandler.cancel_dump_traceback_later()
-            self._clear()
-            faulthandler.dump_traceback(self._file, all_threads=True)
+            os.ftruncate(self._fd, len(self._header))
+            os.write(self._fd, f"{_NOW}\n".encode())
+            faulthandler.dump_traceback(self._fd, all_threads=True)
 
     def close(self, remove: bool = True) -> None:
         """At the run's end: the timer off, the file closed and removed unless not to be (a rank
         ended by a stall or a stop's count exits without closing it, and the file stays)."""
         with self._lock:
-            if self._file is None:
+            if self._fd is None:
                 return
             faulthandler.cancel_dump_traceback_later()
-            self._file.close()
-            self._file = None
+            os.close(self._fd)
+            self._fd = None
         if remove:
             self.path.unlink(missing_ok=True)
+
+
+def last_dump(text: str) -> str:
+    """The last of the dumps in a stacks file ('' if none is whole: one cut by an emptying)."""
+    marks = list(_DUMP.finditer(text))
+    return text[marks[-1].end():] if marks else ""
 
 
 def main_thread(text: str) -> list[Frame]:
@@ -100,7 +103,7 @@ def main_thread(text: str) -> list[Frame]:
     wanted = int(header.group(3), 16) if header else None
     frames: dict[int, list[Frame]] = {}
     current: Optional[list[Frame]] = None
-    for line in text.splitlines():
+    for line in last_dump(text).splitlines():
         thread = _THREAD.match(line)
         if thread:
             current = frames.setdefault(int(thread.group(1), 16), [])

@@ -28,7 +28,7 @@ from hvdkit.system import cgroups, wholefiles
 
 HEARTBEAT_SECONDS = 1.0
 FROZEN_SECONDS = 5.0  # a rank whose watchdog thread has not written for this long is frozen or gone
-STACKS_AT = 0.8  # of the stall limit: every waiting rank's stacks are written before the first one ends the job
+STACKS_EVERY = 0.4  # of the stall limit: each rank's stacks are written at least once before the first one ends the job
 
 
 class Watchdog:
@@ -45,7 +45,7 @@ class Watchdog:
         self.last_wall = self.started = time.time()  # started: older heartbeats are another run's
         self.shared: Optional[Path] = None
         self.stacks: Optional[stack_files.Stacks] = None
-        self._armed: Optional[float] = None  # the beat the stacks' timer counts from
+        self._emptied: Optional[float] = None  # the beat the stacks' file was last emptied after
         self._own = False
         self._guard = _guard_page()
         self._steps = self._guard[:8].cast("q") if self._guard is not None else None
@@ -66,8 +66,7 @@ class Watchdog:
         self.shared, self._own, self._facts = Path(directory), own, dict(facts or {})
         if stacks and self.timeout > 0:
             with contextlib.suppress(OSError):  # without them, the line says less
-                self.stacks = stack_files.Stacks(Path(stacks), self.rank)
-        self._arm_stacks()  # now too: a rank may get stuck, holding the GIL, before its watchdog's next round
+                self.stacks = stack_files.Stacks(Path(stacks), self.rank, STACKS_EVERY * self.timeout)
         self._write_heartbeat()  # now: a rank that freezes within its first second is named too
 
     def beat(self, where: str) -> None:
@@ -104,7 +103,7 @@ class Watchdog:
         while not self._stop.wait(interval):
             slept, woke = time.monotonic() - woke, time.monotonic()
             self._write_heartbeat()
-            self._arm_stacks()
+            self._progress_to_stacks()
             idle = woke - self.last if self.last is not None else 0.0
             # This whole process was stopped for longer than the others wait for it. Not merely
             # FROZEN_SECONDS: a long call holding the GIL (pickling a large checkpoint) also
@@ -124,12 +123,11 @@ class Watchdog:
                         f"--stall-timeout sets the limit){self._stacks_said()}")
                 job.end_rank(job.STALLED, line)
 
-    def _arm_stacks(self) -> None:
-        """The stacks' timer set to go off STACKS_AT of the limit after the last beat: again after
-        each new beat, left running while none comes (a rank stuck holding the GIL cannot re-arm it)."""
-        if self.stacks is not None and self.last is not None and self.last != self._armed:
-            self._armed = self.last
-            self.stacks.arm(self.last + STACKS_AT * self.timeout - time.monotonic())
+    def _progress_to_stacks(self) -> None:
+        """After a new beat the stacks' file holds only what is written from now on."""
+        if self.stacks is not None and self.last != self._emptied:
+            self._emptied = self.last
+            self.stacks.progress()
 
     def write_stacks(self) -> str:
         """This rank's stacks into its file now (the job is ending on a stall or a stop); ', stuck at

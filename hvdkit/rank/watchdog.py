@@ -24,10 +24,11 @@ from typing import Optional
 from hvdkit import job
 from hvdkit.rank import stacks as stack_files
 from hvdkit.rank.memory import peak_rss
-from hvdkit.system import cgroups, wholefiles
+from hvdkit.system import cgroups, probes, wholefiles
 
 HEARTBEAT_SECONDS = 1.0
 FROZEN_SECONDS = 5.0  # a rank whose watchdog thread has not written for this long is frozen or gone
+PRESENCE_SECONDS = 0.5  # a probe of a rank's port: refused at once where its process is gone, its host up
 STACKS_EVERY = 0.4  # of the stall limit: each rank's stacks are written at least once before the first one ends the job
 
 
@@ -47,6 +48,7 @@ class Watchdog:
         self.stacks: Optional[stack_files.Stacks] = None
         self._emptied: Optional[float] = None  # the beat the stacks' file was last emptied after
         self._own = False
+        self._presence: Optional[probes.Presence] = None
         self._guard = _guard_page()
         self._steps = self._guard[:8].cast("q") if self._guard is not None else None
         self._facts: dict = {}
@@ -64,6 +66,8 @@ class Watchdog:
         ``facts``: what the rank's guard is told besides (hvdkit.launch.guard: where its checkpoints are);
         data, not a callable: this watchdog outlives the Session (the stop signal's handler holds it)."""
         self.shared, self._own, self._facts = Path(directory), own, dict(facts or {})
+        with contextlib.suppress(OSError):  # without it, a rank gone is known from its heartbeat alone
+            self._presence = self._presence or probes.Presence()
         if stacks and self.timeout > 0:
             with contextlib.suppress(OSError):  # without them, the line says less
                 self.stacks = stack_files.Stacks(Path(stacks), self.rank, STACKS_EVERY * self.timeout)
@@ -90,6 +94,9 @@ class Watchdog:
             self.stacks.close(remove=not keep_stacks)
         if self.shared is not None:
             self._path(self.rank).unlink(missing_ok=True)
+        if self._presence is not None:  # after the heartbeat: a rank whose heartbeat is there is probed
+            self._presence.close()
+        if self.shared is not None:
             if self._own:
                 with contextlib.suppress(OSError):  # other ranks' heartbeats are still there
                     self.shared.rmdir()
@@ -104,6 +111,8 @@ class Watchdog:
             slept, woke = time.monotonic() - woke, time.monotonic()
             self._write_heartbeat()
             self._progress_to_stacks()
+            if self._presence is not None:
+                self._presence.drain()
             idle = woke - self.last if self.last is not None else 0.0
             # This whole process was stopped for longer than the others wait for it. Not merely
             # FROZEN_SECONDS: a long call holding the GIL (pickling a large checkpoint) also
@@ -168,7 +177,7 @@ class Watchdog:
             return
         self._report()
         record = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "where": self.where,
-                  "beat": self.last_wall, "alive": now}
+                  "beat": self.last_wall, "alive": now, "port": self._presence.port if self._presence else None}
         try:
             if self._own:  # a launcher's job directory is the launcher's: gone with it, not made again
                 self.shared.mkdir(parents=True, exist_ok=True)
@@ -209,11 +218,17 @@ class Watchdog:
         return self.gone(wait=False) if gone and self.rank == min(living) else ""
 
     def _missing(self) -> tuple[list, list, set]:
-        """(the other ranks' heartbeats of this run, those of ranks gone, the kernel's OOM victims)."""
+        """(the other ranks' heartbeats of this run, those of ranks gone, the kernel's OOM victims):
+        a rank is gone whose heartbeat is stale, whose process on this host is not there, or whose
+        port refuses a probe (its host answers; mpirun ends the others a second after a host's loss,
+        before a heartbeat goes stale)."""
         now, here, victims = time.time(), socket.gethostname(), cgroups.oom_victims() or set()
         records = [r for r in self._records() if r["rank"] != self.rank and r["alive"] > self.started]
         gone = [r for r in records if r["pid"] in victims or now - r["alive"] > FROZEN_SECONDS
                 or (r["host"] == here and not Path(f"/proc/{r['pid']}").exists())]
+        ports = [(r["host"], r["port"]) for r in records if r not in gone and r.get("port")]
+        refused = {target for target, answer in probes.probe_all(ports, PRESENCE_SECONDS).items() if answer is False}
+        gone += [r for r in records if r not in gone and (r["host"], r.get("port")) in refused]
         return records, gone, victims
 
     def _report(self) -> None:

@@ -1,8 +1,12 @@
 """The network between hosts (hvdkit.launch.network): the interface MPI and NCCL are pinned to,
 a host that does not resolve, a host that stops answering."""
 
+import contextlib
+import os
 import re
+import signal
 import socket
+import subprocess
 import sys
 import time
 
@@ -169,3 +173,25 @@ def wait_for(condition, seconds: float = 10) -> None:
     while not condition():
         assert time.monotonic() < deadline, "the watch's first probe did not come"
         time.sleep(0.01)
+
+
+def test_a_processs_presence_port_is_refused_once_it_is_killed_though_its_forked_child_lives():
+    """hvdkit.rank.watchdog's way to know at once that a rank is gone: a real process holds a
+    Presence, forks a child that outlives it (as a DataLoader worker may), then is SIGKILLed."""
+    program = ("import os, sys, time\nfrom hvdkit.system import probes\npresence = probes.Presence()\n"
+               "if os.fork() == 0:\n    time.sleep(60)\n    os._exit(0)\n"
+               "print(presence.port, flush=True)\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        port = int(proc.stdout.readline())
+        answers = probes.probe_all([("127.0.0.1", port)] * 3, timeout=5)
+        assert answers == {("127.0.0.1", port): True}, answers
+        proc.kill()
+        proc.wait()
+        assert probes.probe_all([("127.0.0.1", port)], timeout=5) == {("127.0.0.1", port): False}, \
+            "the forked child closed its copy"
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the child, by its group, as the process is gone
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

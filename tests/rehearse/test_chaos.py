@@ -231,13 +231,18 @@ def test_an_elastic_job_under_plain_horovodrun_rides_out_a_stall_a_kill_and_a_lo
 
 
 @pytest.mark.slow
-def test_plain_mpirun_survives_a_full_disk_a_stall_and_a_kill_during_a_write(tmp_path, loop_run):
+def test_plain_mpirun_survives_a_full_disk_a_stall_a_kill_during_a_write_and_a_lost_host(tmp_path, loop_run):
     """A Session loop under plain mpirun (the soak runs hvdkit train under it too), held to the
-    same loop's undisturbed run under horovodrun --mpi."""
-    code, err, report = _chaos(tmp_path, "mpirun", 12, "disk-full,stall,in-write",
+    same loop's undisturbed run under horovodrun --mpi; every ending's line names its cause and
+    its rank or host (--min-diagnosed 1): the lost host's too, though mpirun ends the other rank
+    a second after it notices (the survivor probes the lost rank's port: hvdkit.rank.watchdog)."""
+    faults = "disk-full,stall,in-write,host-lost"
+    code, err, report = _chaos(tmp_path, "mpirun", 12, faults,
                                lambda ckpt: ["sh", "-c", f"{MPIRUN} {sys.executable} {LOOP} 120"],
-                               reference=loop_run[2]["reference"]["dir"], env={"HVDKIT_CHECKPOINT_STEPS": "10"})
-    _survived(code, err, report, "disk-full,stall,in-write")
+                               reference=loop_run[2]["reference"]["dir"], env={"HVDKIT_CHECKPOINT_STEPS": "10"},
+                               extra=["--min-diagnosed", "1"])
+    _survived(code, err, report, faults)
+    assert report["diagnosis"]["misses"] == [], report["diagnosis"]
     (full,) = [s for s in report["strikes"] if s["fault"] == "disk-full"]
     assert "No space left on device; the previous checkpoints are untouched" in full["ended"]["line"]
     (in_write,) = [s for s in report["strikes"] if s["fault"] == "in-write"]

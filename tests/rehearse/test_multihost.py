@@ -184,6 +184,46 @@ def test_a_host_whose_link_goes_down_ends_the_job_naming_it(hosts, launcher, tmp
         hosts.end_jobs("h3")  # its ranks could not be reached while its link was down
 
 
+def test_a_rank_killed_on_another_host_under_plain_horovodrun_gloo_is_named_with_its_signals_code(hosts, tmp_path):
+    """As users type it: `horovodrun --gloo -np 2 -H h1:1,h2:1 hvdkit train`, rank 1 on h2 SIGKILLed.
+    horovodrun exits 137, not ssh's 255 (patch 0014: a shell waits for the rank on h2), its line
+    says so, and rank 0 names rank 1 as gone at once (the probe of its port, hvdkit.rank.watchdog),
+    before its heartbeat is stale."""
+    train = [*HVDKIT, "train", "--model", "mlp", "--epochs", "500", "--log-dir", str(tmp_path / "logs")]
+    proc = subprocess.Popen(hosts.on("h1", ["horovodrun", "--gloo", "-np", "2", "-H", "h1:1,h2:1", *train]),
+                            env=selftest.mpi_root_env(hosts.env()), cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    err, training = [], threading.Event()
+
+    def read():
+        for line in proc.stderr:
+            err.append(line)
+            if "[train] step" in line:
+                training.set()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert training.wait(180), "".join(err)[-3000:]
+        (rank1,) = [p for p in map(psutil.Process, hosts.pids("h2"))  # not its DataLoader workers
+                    if p.name().startswith("python") and "train" in p.cmdline()
+                    and not p.parent().name().startswith("python")]
+        rank1.kill()
+        code = proc.wait(timeout=60)
+        reader.join(timeout=10)
+        text = untagged("".join(err))
+        assert code == 137, text[-3000:]
+        assert "horovodrun: rank 1 on h2 exited with code 137; the other ranks were ended" in text, text[-3000:]
+        assert f"rank 1 (host h2, pid {rank1.pid}) is gone" in text, text[-3000:]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(set(hosts.commands(h)) != {"sshd"} for h in ("h1", "h2")):
+            time.sleep(0.5)
+        assert {h: set(hosts.commands(h)) for h in ("h1", "h2")} == {"h1": {"sshd"}, "h2": {"sshd"}}
+    finally:
+        kill_tree(proc)
+        hosts.end_jobs("h1")
+        hosts.end_jobs("h2")
+
+
 def test_elastic_training_loses_a_host_goes_on_and_takes_it_back(hosts, tmp_path):
     """Every worker on h3 ended (SIGTERM, as on a drained node) and h3 gone from discovery:
     training goes on with h1 and h2 at the learning rate of two ranks; h3 back in discovery: it

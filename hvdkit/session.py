@@ -298,7 +298,8 @@ class Session:
             self._step.apply()
         self.global_step += 1
         self._unread_step = True
-        self._signal.step = self.watchdog.finished = self.global_step  # the steps done: a second Ctrl-C's, a guard's
+        self._signal.step = self.global_step  # the steps done: a second Ctrl-C's
+        self.watchdog.step_done(self.global_step)  # and the guard's
         self._elastic.stepped(stopping=bool(self._lockstep.signum))
         consistency, checkpoint = self._consistency.due(), self._checkpoints.due()
         if consistency or checkpoint:  # the steps' non-finite flags are read here, not in every step

@@ -76,13 +76,8 @@ class Watchdog:
     def beat(self, where: str) -> None:
         self.where, self.last, self.last_wall = where, time.monotonic(), time.time()
 
-    @property
-    def finished(self) -> int:
-        return self._steps[0] if self._steps is not None else -1
-
-    @finished.setter
-    def finished(self, step: int) -> None:
-        """The steps finished, on the guard's page (a store in memory: the step pays no call)."""
+    def step_done(self, step: int) -> None:
+        """The steps finished, on the guard's page (a store in memory: the step makes no system call)."""
         if self._steps is not None:
             self._steps[0] = step
 
@@ -96,10 +91,9 @@ class Watchdog:
             self._path(self.rank).unlink(missing_ok=True)
         if self._presence is not None:  # after the heartbeat: a rank whose heartbeat is there is probed
             self._presence.close()
-        if self.shared is not None:
-            if self._own:
-                with contextlib.suppress(OSError):  # other ranks' heartbeats are still there
-                    self.shared.rmdir()
+        if self.shared is not None and self._own:
+            with contextlib.suppress(OSError):  # other ranks' heartbeats are still there
+                self.shared.rmdir()
 
     def _path(self, rank: int) -> Path:
         return self.shared / f"heartbeat-rank-{rank}.json"

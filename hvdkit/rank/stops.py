@@ -68,6 +68,7 @@ class StopSignal:
         self.rank, self.watchdog = rank, watchdog
         self.since: Optional[float] = None  # time.monotonic() of the first stop
         self._countdown: Optional[threading.Timer] = None
+        self._said = ""  # who is gone, as said at a stop
         self._wakeup = self._wake_on_signals() if install else None
 
     def _wake_on_signals(self) -> tuple[int, int]:
@@ -96,13 +97,16 @@ class StopSignal:
         return write_end, previous
 
     def _count_down(self, why: str, code: int) -> None:
-        """From the first stop: end this process if it still runs after the grace period."""
+        """From the first stop: end this process if it still runs after the grace period. At each
+        stop, who is gone by then, if not said yet (a launcher's SIGTERM after a rank died while a
+        preemption's stop was saving)."""
+        gone = self.watchdog.gone_at_a_stop() if self.watchdog else ""
+        if gone and gone != self._said:
+            self._said = gone
+            print(f"hvdkit: rank {self.rank} was told to stop by {why}: {gone}", file=sys.stderr, flush=True)
         if self._countdown is not None:
             return
         grace, self.since = self.grace, time.monotonic()
-        gone = self.watchdog.gone_at_a_stop() if self.watchdog else ""
-        if gone:
-            print(f"hvdkit: rank {self.rank} was told to stop by {why}: {gone}", file=sys.stderr, flush=True)
 
         def overdue() -> None:
             where = f"{self.watchdog.where}{self.watchdog.write_stacks()}" if self.watchdog else "its loop"

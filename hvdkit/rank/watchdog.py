@@ -49,6 +49,8 @@ class Watchdog:
         self._emptied: Optional[float] = None  # the beat the stacks' file was last emptied after
         self._own = False
         self._presence: Optional[probes.Presence] = None
+        self._stopping = False  # told to stop by a signal
+        self._writing = threading.Lock()
         self._guard = _guard_page()
         self._steps = self._guard[:8].cast("q") if self._guard is not None else None
         self._facts: dict = {}
@@ -165,18 +167,21 @@ class Watchdog:
     def _stacks_said(self) -> str:
         return f"; every rank's stacks: {self.stacks.path.parent / stack_files.PREFIX}*.txt" if self.stacks else ""
 
-    def _write_heartbeat(self) -> None:
-        now = time.time()
-        if self.shared is None or now - self._written < HEARTBEAT_SECONDS:
+    def _write_heartbeat(self, now: bool = False) -> None:
+        """Once a second at most, unless ``now``."""
+        written = time.time()
+        if self.shared is None or not now and written - self._written < HEARTBEAT_SECONDS:
             return
         self._report()
         record = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "where": self.where,
-                  "beat": self.last_wall, "alive": now, "port": self._presence.port if self._presence else None}
+                  "beat": self.last_wall, "alive": written, "port": self._presence.port if self._presence else None,
+                  "stopping": self._stopping}
         try:
             if self._own:  # a launcher's job directory is the launcher's: gone with it, not made again
                 self.shared.mkdir(parents=True, exist_ok=True)
-            wholefiles.write_whole(self._path(self.rank), json.dumps(record))
-            self._written = now
+            with self._writing:  # the watchdog's thread and a stop signal's: one temporary file
+                wholefiles.write_whole(self._path(self.rank), json.dumps(record))
+            self._written = written
         except OSError:
             pass  # heartbeats only improve the message; never fail training for them
 
@@ -206,7 +211,11 @@ class Watchdog:
 
     def gone_at_a_stop(self) -> str:
         """At a stop signal, who is gone already (a launcher ending the job after a rank died: mpirun's
-        SIGTERM, then its SIGKILL a second later), said by the lowest rank still running alone."""
+        SIGTERM, then its SIGKILL a second later), said by the lowest rank still running alone. Its
+        heartbeat says at once that it was told to stop: a rank that ends on the same signal is not
+        taken for one gone before it."""
+        self._stopping = True
+        self._write_heartbeat(now=True)
         records, gone, _ = self._missing()
         living = [r["rank"] for r in records if r not in gone] + [self.rank]
         return self.gone(wait=False) if gone and self.rank == min(living) else ""
@@ -218,9 +227,9 @@ class Watchdog:
         before a heartbeat goes stale)."""
         now, here, victims = time.time(), socket.gethostname(), cgroups.oom_victims() or set()
         records = [r for r in self._records() if r["rank"] != self.rank and r["alive"] > self.started]
-        gone = [r for r in records if r["pid"] in victims or now - r["alive"] > FROZEN_SECONDS
-                or (r["host"] == here and not Path(f"/proc/{r['pid']}").exists())]
-        ports = [(r["host"], r["port"]) for r in records if r not in gone and r.get("port")]
+        gone = [r for r in records if r["pid"] in victims or not r.get("stopping") and (
+                now - r["alive"] > FROZEN_SECONDS or (r["host"] == here and not Path(f"/proc/{r['pid']}").exists()))]
+        ports = [(r["host"], r["port"]) for r in records if r not in gone and r.get("port") and not r.get("stopping")]
         refused = {target for target, answer in probes.probe_all(ports, PRESENCE_SECONDS).items() if answer is False}
         gone += [r for r in records if r not in gone and (r["host"], r.get("port")) in refused]
         return records, gone, victims

@@ -6,6 +6,7 @@ lists each miss with the line that was printed; ``--min-diagnosed`` fails a run 
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Optional
@@ -95,3 +96,17 @@ def below(diagnosis: dict, least: Optional[float]) -> Optional[str]:
         return None
     return (f"diagnosed {diagnosis['diagnosed']} of {diagnosis['endings']} endings ({share:.2f}), below "
             f"--min-diagnosed {least:g}")
+
+
+def total(reports: list[Path]) -> list[str]:
+    """Lines summing several runs' diagnoses (a soak's, tests/programs/chaos_soak.sh): each miss
+    with its run, then 'diagnosed D of E endings (F)'."""
+    diagnosed = endings = 0
+    lines = []
+    for report in reports:
+        said = json.loads(Path(report).read_text()).get("diagnosis") or {}
+        diagnosed, endings = diagnosed + said.get("diagnosed", 0), endings + said.get("endings", 0)
+        lines += [f"not diagnosed: {Path(report).parent.name} fault {miss['number']} ({miss['fault']} "
+                  f"{miss['target']}): {miss['why']}: {miss['line']}" for miss in said.get("misses", [])]
+    share = f" ({diagnosed / endings:.2f})" if endings else ""
+    return [*lines, f"diagnosed {diagnosed} of {endings} endings{share}"]

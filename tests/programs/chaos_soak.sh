@@ -2,8 +2,8 @@
 # The chaos soak of docs/rehearse.md#the-chaos-soak: eleven `hvdkit rehearse --chaos` runs, 65
 # faults over the whole menu, on 2 and 3 hosts, under hvdkit launch (two with in-job restarts and
 # snapshots in host memory), plain horovodrun (Gloo and MPI) and mpirun, with `hvdkit train` and a
-# Session loop (tests/programs/chaos_loop.py), one an elastic job. Each run's report and attempts' output go to OUT/<run>/; a line per run and the
-# total time to OUT/soak.txt.
+# Session loop (tests/programs/chaos_loop.py), one an elastic job. Each run's report and attempts' output go to OUT/<run>/; a line per run, the
+# total time and the diagnosis of every ending (hvdkit.rehearse.diagnosis) to OUT/soak.txt.
 #
 #   sh tests/programs/chaos_soak.sh OUT [SEED]     (as root, from the repository, its venv active)
 set -u
@@ -45,3 +45,5 @@ soak restarts-train-2 2 7 "hvdkit launch -np 2 --max-restarts 3 -- $TRAIN --snap
 soak restarts-train-3 3 7 "hvdkit launch -np 3 --max-restarts 3 -- $TRAIN --snapshot-steps 1 \
 --checkpoint-dir \$HVDKIT_CHECKPOINT_DIR"
 echo "total: $(( $(date +%s) - began )) s" | tee -a "$OUT/soak.txt"
+python -c 'import sys; from pathlib import Path; from hvdkit.rehearse import diagnosis
+print(*diagnosis.total(sorted(Path(sys.argv[1]).glob("*/report.json"))), sep="\n")' "$OUT" | tee -a "$OUT/soak.txt"

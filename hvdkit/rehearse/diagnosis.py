@@ -79,12 +79,20 @@ def score(strikes: list[dict], out: Path) -> dict:
         # as the ranks saved): a line naming any of them is right.
         others = [s for s in strikes if s is not strike and s.get("attempt") == strike.get("attempt")
                   and s.get("phase") and s["fault"] in CAUSES]
-        whys = [missed(s["fault"], s.get("target") or "", line) for s in [strike, *others]]
+        whys = [missed(strike["fault"], strike.get("target") or "", line),
+                *(missed(s["fault"], _struck_in_its_attempt(s), line) for s in others)]
         why = None if None in whys else whys[0]
         if why:
             misses.append({"number": strike["number"], "fault": strike["fault"], "target": strike.get("target"),
                            "line": line, "why": why})
     return {"diagnosed": len(endings) - len(misses), "endings": len(endings), "misses": misses}
+
+
+def _struck_in_its_attempt(strike: dict) -> str:
+    """What a strike hit in the attempt it is recorded in: a while-resuming's first rank there
+    ('rank 1 (node1), then rank 2 (node2)': rank 1), its second in the restart after."""
+    target = strike.get("target") or ""
+    return target.split(", then ")[0] if strike["fault"] == "while-resuming" else target
 
 
 def below(diagnosis: dict, least: Optional[float]) -> Optional[str]:

@@ -165,6 +165,15 @@ def test_an_ending_is_diagnosed_where_its_line_names_the_cause_and_the_rank_or_h
     killed = {"number": 5, "fault": "kill", "target": "rank 1 (node1)", "attempt": 2, "phase": "training",
               "ended": {"code": 143, "line": "hvdkit launch: stopped by SIGTERM at step 292; checkpoint saved"}}
     assert diagnosis.score([preempted, killed], tmp_path)["diagnosed"] == 1, "the preemption ended that attempt"
+    resuming = {"number": 6, "fault": "while-resuming", "target": "rank 1 (node1), then rank 2 (node2)", "attempt": 3,
+                "phase": "training", "ended": {"code": 137, "line": "hvdkit launch: rank 2 (host node2, pid 8180) was "
+                                                                    "killed by SIGKILL"}}
+    also = {"number": 7, "fault": "kill", "target": "rank 0 (node0)", "attempt": 3, "phase": "training", "ended": {
+        "code": 137, "line": "hvdkit launch: rank 1 (host node1, pid 7629) was killed by SIGKILL after step 180"}}
+    assert diagnosis.score([resuming, also], tmp_path)["diagnosed"] == 2, \
+        "attempt 3 ended by the while-resuming's first kill (rank 1); its second (rank 2) ended attempt 4"
+    wrong = {**resuming, "ended": {"code": 137, "line": "hvdkit launch: rank 1 (host node1) was killed by SIGKILL"}}
+    assert diagnosis.score([wrong], tmp_path)["diagnosed"] == 0, "the second kill's attempt: rank 2"
     assert said == {"diagnosed": 1, "endings": 2, "misses": [{
         "number": 3, "fault": "kill", "target": "rank 0 (node0)", "why": "it does not name rank 0 (node0)",
         "line": "horovodrun: rank 1 on node1 exited with code 137"}]}

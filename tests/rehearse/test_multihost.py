@@ -144,13 +144,9 @@ def test_a_failed_jobs_snapshots_are_removed_on_its_other_hosts(hosts):
         shutil.rmtree(place, ignore_errors=True)
 
 
-@pytest.mark.parametrize("launcher", ["horovodrun --gloo", "horovodrun --mpi", "mpirun"])
-def test_a_host_whose_link_goes_down_ends_the_job_naming_it(hosts, launcher, tmp_path):
-    train = [*HVDKIT, "train", "--model", "mlp", "--epochs", "500", "--log-dir", str(tmp_path / "logs")]
-    proc = subprocess.Popen(hosts.on("h1", [*HVDKIT, "launch", "-np", "3", *launch_args(launcher, tmp_path), "--",
-                                            *train]),
-                            env=selftest.mpi_root_env(hosts.env()), cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+def read_until_training(proc):
+    """The job's stderr as it comes (a list of lines), an event set at its first training step, and
+    the thread that reads it."""
     err, training = [], threading.Event()
 
     def read():
@@ -160,6 +156,17 @@ def test_a_host_whose_link_goes_down_ends_the_job_naming_it(hosts, launcher, tmp
                 training.set()
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
+    return err, training, reader
+
+
+@pytest.mark.parametrize("launcher", ["horovodrun --gloo", "horovodrun --mpi", "mpirun"])
+def test_a_host_whose_link_goes_down_ends_the_job_naming_it(hosts, launcher, tmp_path):
+    train = [*HVDKIT, "train", "--model", "mlp", "--epochs", "500", "--log-dir", str(tmp_path / "logs")]
+    proc = subprocess.Popen(hosts.on("h1", [*HVDKIT, "launch", "-np", "3", *launch_args(launcher, tmp_path), "--",
+                                            *train]),
+                            env=selftest.mpi_root_env(hosts.env()), cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    err, training, reader = read_until_training(proc)
     try:
         assert training.wait(180), "".join(err)[-3000:]
         hosts.link("h3", up=False)
@@ -193,15 +200,7 @@ def test_a_rank_killed_on_another_host_under_plain_horovodrun_gloo_is_named_with
     proc = subprocess.Popen(hosts.on("h1", ["horovodrun", "--gloo", "-np", "2", "-H", "h1:1,h2:1", *train]),
                             env=selftest.mpi_root_env(hosts.env()), cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    err, training = [], threading.Event()
-
-    def read():
-        for line in proc.stderr:
-            err.append(line)
-            if "[train] step" in line:
-                training.set()
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    err, training, reader = read_until_training(proc)
     try:
         assert training.wait(180), "".join(err)[-3000:]
         (rank1,) = [p for p in map(psutil.Process, hosts.pids("h2"))  # not its DataLoader workers

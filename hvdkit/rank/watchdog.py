@@ -185,21 +185,19 @@ class Watchdog:
         except OSError:
             pass  # heartbeats only improve the message; never fail training for them
 
-    def gone(self, size: int = 0, wait: bool = True) -> str:
+    def gone(self, size: int = 0) -> str:
         """Who is gone, from the heartbeats, for a rank that Horovod's shutdown (a peer's connection
         closed) finds waiting: one the kernel's out-of-memory killer ended (its log, where it can be
-        read), one on this host whose process is gone, or one whose watchdog has not written for
-        FROZEN_SECONDS, waited for that long at most (``wait``); '' at once where a rank of the
-        ``size`` has no heartbeat (it ended on an error, said so itself and removed it)."""
+        read), one on this host whose process is gone, one whose port refuses a probe, or one whose
+        watchdog has not written for FROZEN_SECONDS, waited for that long at most; '' at once where a
+        rank of the ``size`` has no heartbeat (it ended on an error, said so itself and removed it)."""
         deadline = time.monotonic() + FROZEN_SECONDS + HEARTBEAT_SECONDS
         while True:
             records, gone, victims = self._missing()
-            if gone or not wait or len(records) < size - 1 or time.monotonic() > deadline:
+            if gone or len(records) < size - 1 or time.monotonic() > deadline:
                 break
             time.sleep(HEARTBEAT_SECONDS / 4)
-        said = {r["pid"]: "was killed by the kernel's out-of-memory killer" for r in gone if r["pid"] in victims}
-        return "; ".join(f"rank {r['rank']} (host {r['host']}, pid {r['pid']}) {said.get(r['pid'], 'is gone')}, "
-                         f"last seen in {r['where']}" for r in sorted(gone, key=lambda r: r["rank"]))
+        return _described(gone, victims)
 
     def after_shutdown(self, exc: BaseException, size: int) -> str:
         """' (rank 1 (host h, pid p) is gone, ...)' for Horovod's shutdown met outside hvdkit's calls:
@@ -216,9 +214,9 @@ class Watchdog:
         taken for one gone before it."""
         self._stopping = True
         self._write_heartbeat(now=True)
-        records, gone, _ = self._missing()
+        records, gone, victims = self._missing()
         living = [r["rank"] for r in records if r not in gone] + [self.rank]
-        return self.gone(wait=False) if gone and self.rank == min(living) else ""
+        return _described(gone, victims) if gone and self.rank == min(living) else ""
 
     def _missing(self) -> tuple[list, list, set]:
         """(the other ranks' heartbeats of this run, those of ranks gone, the kernel's OOM victims):
@@ -292,6 +290,13 @@ class Watchdog:
         return (f"rank {oldest['rank']} (host {oldest['host']}, pid {oldest['pid']}) made no progress since "
                 f"{oldest['where']} ({now - oldest['beat']:.0f} s ago){self._stuck_at(oldest['rank'])}"), \
             {oldest["rank"]}
+
+
+def _described(gone: list[dict], victims: set) -> str:
+    """'rank 1 (host h, pid p) is gone, last seen in training step 4; ...' of the heartbeats of ranks gone."""
+    said = {r["pid"]: "was killed by the kernel's out-of-memory killer" for r in gone if r["pid"] in victims}
+    return "; ".join(f"rank {r['rank']} (host {r['host']}, pid {r['pid']}) {said.get(r['pid'], 'is gone')}, "
+                     f"last seen in {r['where']}" for r in sorted(gone, key=lambda r: r["rank"]))
 
 
 def _guard_page() -> Optional[memoryview]:

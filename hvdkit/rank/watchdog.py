@@ -29,6 +29,9 @@ from hvdkit.system import cgroups, probes, wholefiles
 HEARTBEAT_SECONDS = 1.0
 FROZEN_SECONDS = 5.0  # a rank whose watchdog thread has not written for this long is frozen or gone
 PRESENCE_SECONDS = 0.5  # a probe of a rank's port: refused at once where its process is gone, its host up
+# A launcher's SIGTERM can come while the rank it follows is still dying: mpirun's, once a lost host's
+# daemon is gone, a few ms before that host's rank. Looked for again this long (mpirun's SIGKILL: 1 s).
+DYING_SECONDS = 0.5
 STACKS_EVERY = 0.4  # of the stall limit: each rank's stacks are written at least once before the first one ends the job
 
 
@@ -214,7 +217,12 @@ class Watchdog:
         taken for one gone before it."""
         self._stopping = True
         self._write_heartbeat(now=True)
-        records, gone, victims = self._missing()
+        deadline = time.monotonic() + DYING_SECONDS
+        while True:
+            records, gone, victims = self._missing()
+            if gone or all(r.get("stopping") for r in records) or time.monotonic() > deadline:
+                break  # every other rank told to stop too: a preemption, nobody to look for
+            time.sleep(DYING_SECONDS / 10)
         living = [r["rank"] for r in records if r not in gone] + [self.rank]
         return _described(gone, victims) if gone and self.rank == min(living) else ""
 

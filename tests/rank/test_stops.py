@@ -392,3 +392,26 @@ def test_a_stop_is_told_when_the_last_checkpoint_took_longer_than_its_grace_left
         "HVDKIT_STOP_GRACE, and under Slurm the lead time of --signal (USR1@N) above it")
     signal_stop = stops.StopSignal(install=False)
     assert signal_stop.grace_left() == signal_stop.grace
+
+
+@pytest.mark.fast
+def test_a_stop_that_comes_as_a_rank_is_still_dying_names_it(tmp_path):
+    """mpirun's SIGTERM after a lost host's daemon went can reach a rank a few ms before that host's
+    rank is dead: the rank told to stop looks again for a moment (watchdog.DYING_SECONDS) and names it.
+    A real process holds rank 1's heartbeat and port; it is SIGKILLed 0.2 s into rank 0's look."""
+    from hvdkit.rank.watchdog import Watchdog
+
+    here = Watchdog(timeout=0, rank=0)
+    here.share(str(tmp_path))
+    program = ("import sys, time\nfrom hvdkit.rank.watchdog import Watchdog\nw = Watchdog(timeout=60, rank=1)\n"
+               f"w.beat('training step 7')\nw.share({str(tmp_path)!r})\nprint('ready', flush=True)\ntime.sleep(60)\n")
+    peer = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
+    try:
+        assert peer.stdout.readline() == "ready\n"
+        threading.Timer(0.2, peer.kill).start()
+        said = here.gone_at_a_stop()
+        assert re.fullmatch(rf"rank 1 \(host \S+, pid {peer.pid}\) is gone, last seen in training step 7", said), said
+    finally:
+        peer.kill()
+        peer.wait()
+        here.stop()

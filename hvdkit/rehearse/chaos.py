@@ -41,7 +41,7 @@ import inotify_simple as inotify
 from hvdkit import checkpoint, job
 from hvdkit.launch import restarts
 from hvdkit.rehearse import processes, verdict
-from hvdkit.rehearse.faults import ELASTIC_TOLERANCE, FAULTS, OOM_BYTES, Strike
+from hvdkit.rehearse.faults import ELASTIC_TOLERANCE, FAULTS, OOM_BYTES, OOM_EXCESS, Strike
 from hvdkit.rehearse.namespaces import Hosts
 from hvdkit.system import cgroups, proctree, wholefiles
 
@@ -282,6 +282,7 @@ class Chaos:
                 self._unstruck(strike, f"no memory cgroup to confine the rank in: {exc}")
                 return
             self.undo.append(lambda: cgroups.release(confined))
+            cgroups.exceed(confined, OOM_EXCESS)
             return
         with contextlib.suppress(psutil.Error):
             process.kill()

@@ -28,7 +28,8 @@ FAULTS = {f.name: f for f in (
     Fault("while-resuming", 1, True),  # SIGKILL of one rank, then of another as the restarted job resumes
     Fault("oom", 1, True),  # one rank confined to a memory cgroup of OOM_BYTES: the kernel's OOM killer ends it
 )}
-OOM_BYTES = 8 << 20  # what the rank may allocate after the oom fault (what it holds already stays charged elsewhere)
+OOM_BYTES = 8 << 20  # the oom fault's limit (what the rank holds already stays charged elsewhere)
+OOM_EXCESS = 64 << 20  # what a process started in that cgroup then holds: past the limit, the rank is ended
 # What an elastic job is rehearsed with: the faults it rides out, hosts coming back. Preemption,
 # a full disk and the kills around a write or a resume end it as they end a fixed-size job,
 # which the fixed-size rehearsal covers.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import subprocess
 from pathlib import Path
 from typing import Optional
 
@@ -108,6 +109,16 @@ def confine(pid: int, limit_bytes: int, name: str) -> Path:
         release(child)
         raise
     return child
+
+
+def exceed(directory: Path, nbytes: int) -> int:
+    """Take cgroup ``directory`` past its limit: a process started in it holds ``nbytes`` (dd's
+    buffer), and the kernel's out-of-memory killer ends the cgroup's largest process first, the one
+    confine() put there. A confined rank whose memory is reused from step to step would otherwise ride
+    its limit out (the chaos rehearsal's ``oom`` fault). dd's exit code: -9 where it was ended too."""
+    script = 'echo $$ > "$1" && exec dd if=/dev/zero of=/dev/null bs="$2" count=1 2>/dev/null'
+    return subprocess.run(["sh", "-c", script, "sh", str(directory / "cgroup.procs"), str(nbytes)],
+                          timeout=60).returncode
 
 
 def release(directory: Path) -> None:

@@ -97,15 +97,19 @@ def train(args: argparse.Namespace) -> int:
         if args.debug:
             raise
         code = job.code_for(exc, (config.ConfigError,))
-        if env.detect().rank in (0, None):  # one line for np ranks; hvdkit launch says it again last
-            session = getattr(trainer, "session", None)  # none yet where the Session itself refused
-            gone = session.watchdog.after_shutdown(exc, session.size) if session else ""
+        rank = env.detect().rank
+        session = getattr(trainer, "session", None)  # none yet where the Session itself refused
+        gone = session.watchdog.after_shutdown(exc, session.size) if session else ""
+        # One line for np ranks (hvdkit launch says it again last): rank 0's, or where Horovod shut
+        # down because rank 0 is gone, the lowest rank left's.
+        speaks = rank in (0, None) or session is not None and session.watchdog.first_left()
+        if speaks:
             print(f"hvdkit train: {exc}{gone}", file=sys.stderr, flush=True)
             if code != job.BAD_INPUT:  # bad input ends the job before it trained: its one line is enough
                 job.record_exit(code, f"hvdkit train: {exc}{gone}")
         from hvdkit.rank.stops import leave_rank0_the_word
 
-        leave_rank0_the_word(env.detect().rank)
+        leave_rank0_the_word(None if speaks else rank)
         return code
     except UnreadableSample as exc:  # on the rank that read it: the others wait for it, or for the launcher
         if args.debug:

@@ -82,8 +82,11 @@ class Ending:
         for held in self.locks:
             held.release()
 
-    def who_is_gone(self, exc: BaseException) -> str:
-        return self.watchdog.after_shutdown(exc, self.hvd.size())
+    def who_is_gone(self, exc: BaseException) -> Optional[str]:
+        """What this rank adds to the line of the error that ends it; None where it leaves that line
+        to a rank below it (rank 0, or the lowest one left after Horovod's shutdown)."""
+        said = self.watchdog.after_shutdown(exc, self.hvd.size())
+        return said if self.hvd.rank() == 0 or self.watchdog.first_left() else None
 
     def after_error(self) -> None:
         """One of hvdkit's errors ends this rank (stops.exit_on_own_errors): a save in flight

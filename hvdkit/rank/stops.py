@@ -244,9 +244,10 @@ def exit_on_own_errors(rank: int, own: tuple, bad_input: tuple, end: Optional[Ca
     its message once (rank 0's, as one line) instead of a traceback on every rank: ``end()``
     (a bound method: Horovod's shutdown; none before hvd.init), then exit with the exception's
     ``exit_code``, else 2 for ``bad_input`` types, else 1; ``explain(exc)`` (a bound method too) adds to
-    its line (who is gone, after Horovod's shutdown). Returns the undo.
+    its line (who is gone, after Horovod's shutdown), or is None where a rank below says it. Returns the undo.
 
-    The other ranks leave rank 0 the word (``leave_rank0_the_word``) after Horovod's shutdown."""
+    The other ranks leave rank 0 the word (``leave_rank0_the_word``) after Horovod's shutdown; where
+    rank 0 is gone, the lowest rank left says it (``explain``)."""
     previous = sys.excepthook
     end = weakref.WeakMethod(end) if end else (lambda: None)  # the hook must not keep a Session alive
     explained = weakref.WeakMethod(explain) if explain else (lambda: None)
@@ -257,9 +258,10 @@ def exit_on_own_errors(rank: int, own: tuple, bad_input: tuple, end: Optional[Ca
             return
         code = job.code_for(exc, bad_input)
         line = str(exc).splitlines()[0] if str(exc) else kind.__name__
-        if rank == 0 or getattr(exc, "said_by_its_rank", False):  # an error of this rank alone
-            explain_now = explained()
-            line += explain_now(exc) if explain_now else ""
+        explain_now = explained()
+        said = explain_now(exc) if explain_now else ("" if rank == 0 else None)
+        if said is not None or getattr(exc, "said_by_its_rank", False):  # an error of this rank alone
+            line += said or ""
             print(f"hvdkit: error: {line}", file=sys.stderr, flush=True)
             job.record_exit(code, line)
         link.leaving()  # before Horovod's shutdown, which may block until this rank is killed
@@ -267,7 +269,7 @@ def exit_on_own_errors(rank: int, own: tuple, bad_input: tuple, end: Optional[Ca
         if shutdown is not None:
             shutdown()
         sys.stdout.flush()
-        leave_rank0_the_word(rank)
+        leave_rank0_the_word(rank if said is None else None)
         os._exit(code)
 
     sys.excepthook = hook

@@ -53,6 +53,7 @@ class Watchdog:
         self._own = False
         self._presence: Optional[probes.Presence] = None
         self._stopping = False  # told to stop by a signal
+        self._found_gone: set = set()  # the ranks gone at the last look after Horovod's shutdown
         self._writing = threading.Lock()
         self._guard = _guard_page()
         self._steps = self._guard[:8].cast("q") if self._guard is not None else None
@@ -194,13 +195,21 @@ class Watchdog:
         read), one on this host whose process is gone, one whose port refuses a probe, or one whose
         watchdog has not written for FROZEN_SECONDS, waited for that long at most; '' at once where a
         rank of the ``size`` has no heartbeat (it ended on an error, said so itself and removed it)."""
+        return _described(*self._gone(size))
+
+    def _gone(self, size: int) -> tuple[list, set]:
         deadline = time.monotonic() + FROZEN_SECONDS + HEARTBEAT_SECONDS
         while True:
             records, gone, victims = self._missing()
             if gone or len(records) < size - 1 or time.monotonic() > deadline:
-                break
+                self._found_gone = {r["rank"] for r in gone}
+                return gone, victims
             time.sleep(HEARTBEAT_SECONDS / 4)
-        return _described(gone, victims)
+
+    def first_left(self) -> bool:
+        """Whether every rank below this one was gone at the last look after Horovod's shutdown: rank
+        0 says the job's errors, and where it is gone, this rank (hvdkit.rank.stops.exit_on_own_errors)."""
+        return set(range(self.rank)) <= self._found_gone
 
     def after_shutdown(self, exc: BaseException, size: int) -> str:
         """' (rank 1 (host h, pid p) is gone, ...)' for Horovod's shutdown met outside hvdkit's calls:

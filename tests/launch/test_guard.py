@@ -77,42 +77,46 @@ def worker(rank):
 
 def test_a_sigkilled_rank_is_named_with_its_host_pid_signal_and_last_step(tmp_path):
     """Under hvdkit launch, the guard's line; under Gloo, the surviving rank's names it too (Horovod
-    shut down when its connection closed), as it does under plain horovodrun, where no guard is."""
+    shut down when its connection closed), as it does under plain horovodrun, where no guard is:
+    rank 0's, or where rank 0 is the one killed, rank 1's."""
     jobs = {}
     args = ["--model", "mlp", "--epochs", "3", "--checkpoint-steps", "10"]
     try:
-        for launcher in (*LAUNCHERS, "plain horovodrun --gloo"):
-            directory = tmp_path / launcher.replace(" ", "-")
+        for launcher, victim in ((*((name, 1) for name in LAUNCHERS), ("plain horovodrun --gloo", 1),
+                                  ("plain horovodrun --gloo", 0))):
+            directory = tmp_path / f"{launcher.replace(' ', '-')}-{victim}"
             own = [*args, "--checkpoint-dir", str(directory / "ckpt"), "--log-dir", str(directory / "logs")]
             if launcher.startswith("plain"):
                 directory.mkdir()
                 with open(directory / "output", "w") as output:
                     proc = subprocess.Popen(
                         planner.local_command("horovodrun --gloo", 2, [sys.executable, str(REPO / KILLED), *own]),
-                        env=dict(selftest.mpi_root_env(), PYTHONPATH=str(REPO), KILL_AT_STEP="15"), stdout=output,
-                        stderr=subprocess.STDOUT, start_new_session=True)
+                        env=dict(selftest.mpi_root_env(), PYTHONPATH=str(REPO), KILL_AT_STEP="15",
+                                 KILL_RANK=str(victim)),
+                        stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
             else:
                 proc = start(directory, launcher, KILLED, *own, KILL_AT_STEP="15")
-            jobs[launcher] = (directory, proc)
+            jobs[launcher, victim] = (directory, proc)
         wait_all(jobs)
-        gone = {launcher: psutil.wait_procs([psutil.Process(p) for p in left(directory)], timeout=10)[1]
-                for launcher, (directory, _) in jobs.items()}
+        gone = {job: psutil.wait_procs([psutil.Process(p) for p in left(directory)], timeout=10)[1]
+                for job, (directory, _) in jobs.items()}
     finally:
         for _, proc in jobs.values():
             kill_tree(proc)
-    for launcher, (directory, proc) in jobs.items():
+    for (launcher, victim), (directory, proc) in jobs.items():
         output = untagged((directory / "output").read_text())
-        pid = re.search(r"killed_once: rank 1 killed at step 15, attempt \w+ \(pid (\d+)\)", output)
-        assert pid and proc.returncode != 0, (launcher, output[-3000:])
-        who = f"rank 1 (host {socket.gethostname()}, pid {pid.group(1)})"
+        where = (launcher, victim, output[-3000:])
+        pid = re.search(rf"killed_once: rank {victim} killed at step 15, attempt \w+ \(pid (\d+)\)", output)
+        assert pid and proc.returncode != 0, where
+        who = f"rank {victim} (host {socket.gethostname()}, pid {pid.group(1)})"
         if not launcher.startswith("plain"):
             line = (f"hvdkit: {who} was killed by SIGKILL after step 15 (not the kernel's out-of-memory killer); a "
                     f"rerun resumes from {directory / 'ckpt' / 'ckpt-step000000010.pt'}")
-            assert line in output.splitlines(), (launcher, output[-3000:])
+            assert line in output.splitlines(), where
         if "gloo" in launcher:
-            assert re.search(rf"Horovod shut down while rank 0 waited in [^:]+: {re.escape(who)} is gone, last "
-                             rf"seen in ", output), (launcher, output[-3000:])
-        assert gone[launcher] == [], (launcher, gone[launcher])
+            assert re.search(rf"Horovod shut down while rank {1 - victim} waited in [^:]+: {re.escape(who)} is gone, "
+                             rf"last seen in ", output), where
+        assert gone[launcher, victim] == [], (where, gone[launcher, victim])
 
 
 @pytest.fixture

@@ -107,6 +107,8 @@ def train(args: argparse.Namespace) -> int:
             print(f"hvdkit train: {exc}{gone}", file=sys.stderr, flush=True)
             if code != job.BAD_INPUT:  # bad input ends the job before it trained: its one line is enough
                 job.record_exit(code, f"hvdkit train: {exc}{gone}")
+            if session:  # its heartbeat goes before it ends: the ranks left know it said why (not gone)
+                session.watchdog.stop(keep_stacks=True)
         from hvdkit.rank.stops import leave_rank0_the_word
 
         leave_rank0_the_word(None if speaks else rank)

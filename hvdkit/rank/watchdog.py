@@ -60,9 +60,10 @@ class Watchdog:
         self._facts: dict = {}
         self._written = 0.0
         self._stop = threading.Event()
+        # Heartbeats and the port's draining without a stall limit too: a rank whose heartbeat went
+        # stale would be taken for gone.
         self._thread = threading.Thread(target=self._watch, name="hvdkit-watchdog", daemon=True)
-        if timeout > 0:
-            self._thread.start()
+        self._thread.start()
 
     def share(self, directory: str, own: bool = True, stacks: Optional[str] = None,
               facts: Optional[dict] = None) -> None:
@@ -105,7 +106,7 @@ class Watchdog:
         return self.shared / f"heartbeat-rank-{rank}.json"
 
     def _watch(self) -> None:
-        interval = min(HEARTBEAT_SECONDS, self.timeout / 10)
+        interval = min(HEARTBEAT_SECONDS, self.timeout / 10) if self.timeout > 0 else HEARTBEAT_SECONDS
         woke = time.monotonic()
         while not self._stop.wait(interval):
             slept, woke = time.monotonic() - woke, time.monotonic()
@@ -113,6 +114,8 @@ class Watchdog:
             self._progress_to_stacks()
             if self._presence is not None:
                 self._presence.drain()
+            if self.timeout <= 0:  # --stall-timeout 0: no limit
+                continue
             idle = woke - self.last if self.last is not None else 0.0
             # This whole process was stopped for longer than the others wait for it. Not merely
             # FROZEN_SECONDS: a long call holding the GIL (pickling a large checkpoint) also

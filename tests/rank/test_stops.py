@@ -415,3 +415,21 @@ def test_a_stop_that_comes_as_a_rank_is_still_dying_names_it(tmp_path):
         peer.kill()
         peer.wait()
         here.stop()
+
+
+@pytest.mark.fast
+def test_without_a_stall_limit_a_rank_still_beats_and_is_not_taken_for_gone(tmp_path):
+    """--stall-timeout 0 takes the limit away, not the heartbeats: a rank whose heartbeat went
+    stale after FROZEN_SECONDS would be said to be gone by a peer at a stop or after a shutdown."""
+    from hvdkit.rank.watchdog import Watchdog
+
+    here = Watchdog(timeout=0, rank=0)
+    try:
+        here.share(str(tmp_path))
+        path = tmp_path / "heartbeat-rank-0.json"
+        first, deadline = json.loads(path.read_text())["alive"], time.monotonic() + 5
+        while json.loads(path.read_text())["alive"] == first:
+            assert time.monotonic() < deadline, "the heartbeat was not written again within 5 s"
+            time.sleep(0.05)
+    finally:
+        here.stop()

@@ -99,11 +99,15 @@ def below(diagnosis: dict, least: Optional[float]) -> Optional[str]:
     """The problem of a run diagnosed below ``least`` (a fraction of its endings), or None."""
     if least is None or not diagnosis.get("endings"):
         return None
-    share = diagnosis["diagnosed"] / diagnosis["endings"]
-    if share >= least:
+    if diagnosis["diagnosed"] / diagnosis["endings"] >= least:
         return None
-    return (f"diagnosed {diagnosis['diagnosed']} of {diagnosis['endings']} endings ({share:.2f}), below "
-            f"--min-diagnosed {least:g}")
+    return (f"diagnosed {diagnosis['diagnosed']} of {diagnosis['endings']} endings "
+            f"({share(diagnosis['diagnosed'], diagnosis['endings'])}), below --min-diagnosed {least:g}")
+
+
+def share(diagnosed: int, endings: int) -> str:
+    """The fraction cut, not rounded, to two places: 36 of 38 reads 0.94, below a --min-diagnosed 0.95."""
+    return f"{diagnosed * 100 // endings / 100:.2f}"
 
 
 def total(reports: list[Path]) -> list[str]:
@@ -116,5 +120,5 @@ def total(reports: list[Path]) -> list[str]:
         diagnosed, endings = diagnosed + said.get("diagnosed", 0), endings + said.get("endings", 0)
         lines += [f"not diagnosed: {Path(report).parent.name} fault {miss['number']} ({miss['fault']} "
                   f"{miss['target']}): {miss['why']}: {miss['line']}" for miss in said.get("misses", [])]
-    share = f" ({diagnosed / endings:.2f})" if endings else ""
-    return [*lines, f"diagnosed {diagnosed} of {endings} endings{share}"]
+    fraction = f" ({share(diagnosed, endings)})" if endings else ""
+    return [*lines, f"diagnosed {diagnosed} of {endings} endings{fraction}"]

@@ -179,6 +179,8 @@ def test_an_ending_is_diagnosed_where_its_line_names_the_cause_and_the_rank_or_h
         "line": "horovodrun: rank 1 on node1 exited with code 137"}]}
     assert diagnosis.below(said, 0.95) == "diagnosed 1 of 2 endings (0.50), below --min-diagnosed 0.95"
     assert diagnosis.below(said, 0.5) is None and diagnosis.below(said, None) is None
+    assert diagnosis.below({"diagnosed": 36, "endings": 38}, 0.95) == \
+        "diagnosed 36 of 38 endings (0.94), below --min-diagnosed 0.95", "0.947 is not rounded up to 0.95"
     for run, diagnosed in (("a", said), ("b", {"diagnosed": 3, "endings": 3, "misses": []})):
         (tmp_path / run).mkdir()
         (tmp_path / run / "report.json").write_text(json.dumps({"diagnosis": diagnosed}))

@@ -242,14 +242,20 @@ class Watchdog:
         """(the other ranks' heartbeats of this run, those of ranks gone, the kernel's OOM victims):
         a rank is gone whose heartbeat is stale, whose process on this host is not there, or whose
         port refuses a probe (its host answers; mpirun ends the others a second after a host's loss,
-        before a heartbeat goes stale)."""
+        before a heartbeat goes stale); one whose heartbeat is stale and whose port still answers is
+        marked ``frozen``."""
         now, here, victims = time.time(), socket.gethostname(), cgroups.oom_victims() or set()
         records = [r for r in self._records() if r["rank"] != self.rank and r["alive"] > self.started]
-        gone = [r for r in records if r["pid"] in victims or not r.get("stopping") and (
-                now - r["alive"] > FROZEN_SECONDS or (r["host"] == here and not Path(f"/proc/{r['pid']}").exists()))]
+        gone = [r for r in records if r["pid"] in victims or not r.get("stopping") and r["host"] == here
+                and not Path(f"/proc/{r['pid']}").exists()]
         ports = [(r["host"], r["port"]) for r in records if r not in gone and r.get("port") and not r.get("stopping")]
-        refused = {target for target, answer in probes.probe_all(ports, PRESENCE_SECONDS).items() if answer is False}
-        gone += [r for r in records if r not in gone and (r["host"], r.get("port")) in refused]
+        answers = probes.probe_all(ports, PRESENCE_SECONDS)
+        for r in records:
+            answer = answers.get((r["host"], r.get("port")))
+            if r in gone or r.get("stopping") or answer is not False and now - r["alive"] <= FROZEN_SECONDS:
+                continue
+            r["frozen"] = answer is True  # its heartbeat stale, its process there: stopped, or stuck holding the GIL
+            gone.append(r)
         return records, gone, victims
 
     def _report(self) -> None:
@@ -313,8 +319,11 @@ class Watchdog:
 
 
 def _described(gone: list[dict], victims: set) -> str:
-    """'rank 1 (host h, pid p) is gone, last seen in training step 4; ...' of the heartbeats of ranks gone."""
+    """'rank 1 (host h, pid p) is gone, last seen in training step 4; ...' of the heartbeats of ranks gone
+    (or stopped responding, or killed by the kernel's out-of-memory killer)."""
     said = {r["pid"]: "was killed by the kernel's out-of-memory killer" for r in gone if r["pid"] in victims}
+    said.update({r["pid"]: "stopped responding (its process is there: stopped, or stuck holding the GIL)"
+                 for r in gone if r.get("frozen") and r["pid"] not in said})
     return "; ".join(f"rank {r['rank']} (host {r['host']}, pid {r['pid']}) {said.get(r['pid'], 'is gone')}, "
                      f"last seen in {r['where']}" for r in sorted(gone, key=lambda r: r["rank"]))
 

@@ -286,6 +286,33 @@ def test_a_frozen_rank_ends_the_job_at_the_stall_limit_named_with_exit_code_75(t
             assert f"hvdkit: {named}" in err and "Traceback" not in err, (launcher, err[-3000:])
 
 
+def test_without_a_stall_limit_gloos_timeout_names_the_frozen_peer(tmp_path):
+    """--stall-timeout 0 under plain horovodrun --gloo: a frozen rank ends the job at Gloo's own
+    timeout (HOROVOD_GLOO_TIMEOUT_SECONDS, 6 s here), and the rank left names it, frozen, not gone."""
+    with open(tmp_path / "output", "w") as output:
+        proc = subprocess.Popen(LAUNCHERS["horovodrun --gloo"]([
+            *TRAIN, *LONG, "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs"),
+            "--stall-timeout", "0"]), env=dict(selftest.mpi_root_env(), PYTHONPATH=str(REPO),
+                                              HOROVOD_GLOO_TIMEOUT_SECONDS="6"),
+            stdout=output, stderr=output, text=True, start_new_session=True)
+    frozen = None
+    try:
+        tree = wait_for_training(proc, tmp_path / "logs")
+        (frozen,) = [p for p in tree if p.cmdline()[1:4] == ["-m", "hvdkit", "train"]
+                     and p.environ().get("HOROVOD_RANK") == "1"]
+        frozen.suspend()
+        proc.wait(timeout=60)
+    finally:
+        kill_tree(proc)
+        if frozen is not None and frozen.is_running():
+            frozen.kill()
+    err = untagged((tmp_path / "output").read_text())
+    assert proc.returncode != 0, err[-3000:]
+    assert re.search(rf"hvdkit train: Horovod shut down while rank 0 waited in [^:]+: rank 1 \(host \S+, pid "
+                     rf"{frozen.pid}\) stopped responding \(its process is there: stopped, or stuck holding the "
+                     rf"GIL\), last seen in ", err), err[-3000:]
+
+
 def test_a_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     proc = run(planner.local_command("mpirun", 2, [*TRAIN, "--model", "mlp", "--base-lr", "1e6",
                                                   "--checkpoint-steps", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),

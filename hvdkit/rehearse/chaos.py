@@ -269,6 +269,13 @@ class Chaos:
             rank = sorted(found)[min(int(strike.pick * len(found)), len(found) - 1)]
         process, host = found[rank]
         strike.target = f"rank {rank} ({host})"
+        if fault == "oom":
+            # The rank or one of its DataLoader workers, each as likely: the draw's fraction within the rank's share.
+            workers = processes.loader_workers(process)
+            which = min(int((strike.pick * len(found)) % 1 * (len(workers) + 1)), len(workers))
+            if which:
+                process = workers[which - 1]
+                strike.target += f"'s DataLoader worker (pid {process.pid})"
         self.say(strike.describe())
         if fault == "stall":
             process.send_signal(signal.SIGSTOP)
@@ -279,7 +286,7 @@ class Chaos:
                 confined = cgroups.confine(process.pid, OOM_BYTES, f"hvdkit-chaos-oom-{process.pid}")
             except OSError as exc:
                 strike.phase = ""
-                self._unstruck(strike, f"no memory cgroup to confine the rank in: {exc}")
+                self._unstruck(strike, f"no memory cgroup to confine the process in: {exc}")
                 return
             self.undo.append(lambda: cgroups.release(confined))
             cgroups.exceed(confined, OOM_EXCESS)

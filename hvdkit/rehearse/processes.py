@@ -50,6 +50,25 @@ def ranks(hosts: Hosts) -> dict[int, tuple]:
     return found
 
 
+def loader_workers(rank) -> list:
+    """A rank's DataLoader workers (psutil.Process): the children of its fork server, or the
+    children it forked itself running its own command (the fork start method)."""
+    import psutil
+
+    workers = []
+    try:
+        command = rank.cmdline()
+        for child in rank.children():
+            below = child.cmdline()
+            if any("multiprocessing.forkserver" in word for word in below):
+                workers += child.children()
+            elif below == command:
+                workers.append(child)
+    except psutil.Error:
+        pass
+    return sorted(workers, key=lambda process: process.pid)
+
+
 def _rank_of(process) -> Optional[int]:
     environ = process.environ()
     for variable in RANK_VARIABLES:

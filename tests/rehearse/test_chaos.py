@@ -12,6 +12,7 @@ must catch, and bad input.
 
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -315,21 +316,26 @@ def test_in_job_restarts_of_zero_2_go_on_from_snapshots_and_a_lost_hosts_shard_f
 
 
 @pytest.mark.slow
-def test_a_rank_out_of_memory_and_a_killed_one_are_each_named_in_the_line_that_ends_the_job(tmp_path):
-    """The oom fault for real (a rank confined to a memory cgroup, a process started in it past its
-    limit, the rank ended by the kernel's out-of-memory killer) and a kill, under hvdkit launch on 2
-    hosts: every ending's line names its cause and its rank (the guard's line, hvdkit.launch.guard),
-    held by --min-diagnosed 1."""
+def test_a_dataloader_worker_and_a_rank_out_of_memory_are_each_named_in_the_line_that_ends_the_job(tmp_path):
+    """The oom fault for real, twice, under hvdkit launch on 2 hosts, a DataLoader worker per rank:
+    seed 22 draws rank 1's worker, then rank 0 itself. Each is confined to a memory cgroup, a
+    process started in it goes past the limit, and the kernel's out-of-memory killer ends it; each
+    ending's line (the guard's, hvdkit.launch.guard) names the cause, the rank and its peak, held by
+    --min-diagnosed 1."""
     require_namespaces()
-    code, err, report = _chaos(tmp_path, "oom", 39, "oom,kill", lambda ckpt: [
-        "hvdkit", "launch", "-np", "2", "--", *TRAIN, "--checkpoint-dir", str(ckpt)], extra=["--min-diagnosed", "1"])
-    _survived(code, err, report, "oom,kill")
-    (oom,) = [s for s in report["strikes"] if s["fault"] == "oom"]
-    (kill,) = [s for s in report["strikes"] if s["fault"] == "kill"]
-    assert oom["target"] == "rank 0 (node0)" and oom["phase"] == "training", oom
-    assert "rank 0 (host node0, pid " in oom["ended"]["line"], oom
-    assert "was killed by the kernel's out-of-memory killer (SIGKILL)" in oom["ended"]["line"], oom
-    assert "was killed by SIGKILL" in kill["ended"]["line"] and "rank 1 (host node1" in kill["ended"]["line"], kill
+    code, err, report = _chaos(tmp_path, "oom", 22, "oom,oom", lambda ckpt: [
+        "hvdkit", "launch", "-np", "2", "--", *TRAIN, "--num-workers", "1", "--checkpoint-dir", str(ckpt)],
+        extra=["--min-diagnosed", "1"])
+    _survived(code, err, report, "oom,oom")
+    worker, rank = report["strikes"]
+    assert re.fullmatch(r"rank 1 \(node1\)'s DataLoader worker \(pid \d+\)", worker["target"]), worker
+    assert rank["target"] == "rank 0 (node0)" and rank["phase"] == "training", rank
+    pid = worker["target"].split("(pid ")[1].rstrip(")")
+    assert re.search(rf"rank 1 \(host node1, pid \d+\) ended \(exit \d+\)( after step \d+)? after the kernel's "
+                     rf"out-of-memory killer killed its process {pid} \(a DataLoader worker\); its peak \d+\.\d\d GiB",
+                     worker["ended"]["line"]), worker
+    assert re.search(r"rank 0 \(host node0, pid \d+\) was killed by the kernel's out-of-memory killer \(SIGKILL\)"
+                     r"( after step \d+)?; its peak \d+\.\d\d GiB", rank["ended"]["line"]), rank
     assert report["diagnosis"] == {"diagnosed": 2, "endings": 2, "misses": []}, report["diagnosis"]
     assert "diagnosed 2 of 2 endings" in err
 

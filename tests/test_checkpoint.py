@@ -544,10 +544,10 @@ def test_deferred_tensors_are_copied_by_the_thread_before_the_next_update(tmp_pa
 def test_deferred_tensors_changed_before_the_update_fail_that_save_in_one_line(tmp_path, monkeypatch):
     """A loop that changes the weights in place between a background save and the next optimizer step
     (weight clipping after step()) would have a checkpoint of either values: it is not written."""
-    release = _held_copies(monkeypatch)
     writer = checkpoint.Writer()
     writer.save(str(tmp_path), 1, {"w": torch.zeros(10)}, keep=3)
     writer.finish()
+    release = _held_copies(monkeypatch)  # the second save's copy only: the first is written as it comes
     weights = torch.zeros(10)
     writer.save(str(tmp_path), 2, {"w": weights}, keep=3, deferred=[weights])
     weights.clamp_(min=1)

@@ -90,10 +90,10 @@ def test_template_runs_to_completion(cluster, tmp_path, template, nodes, tasks, 
         assert sorted(p.name for p in shards.iterdir()) == ["part-00000-of-00002.pt", "part-00001-of-00002.pt"]
 
 
-def test_a_template_restarts_a_killed_rank_within_the_allocation(cluster, tmp_path):
+def test_a_template_restarts_a_killed_rank_within_the_allocation(cluster, tmp_path, time_limited_job):
     """Rank 1, on the second node, dies of SIGKILL at step 12 (checkpoints every 5): the template's
     hvdkit launch --max-restarts starts the job again in the same allocation, from step 10, and the
-    job completes, each rank's log keeping both attempts."""
+    job completes, each rank's log keeping both attempts. (It starts the time-limit test's job.)"""
     killed_once = f"env KILL_AT_STEP=12 {sys.executable} {REPO / 'tests' / 'programs' / 'killed_once.py'}"
     job = submit(cluster, tmp_path, "multi-node-mpirun.sbatch", extra_env={"HVDKIT_COMMAND": killed_once},
                  args="--model mlp --max-steps 20 --warmup-epochs 0 --lr-schedule none --checkpoint-dir ckpt "
@@ -302,14 +302,24 @@ def test_plain_scancel_saves_the_step_it_stopped_at_and_a_resubmitted_job_finish
 SLOW_LOOP = [sys.executable, str(REPO / "tests" / "programs" / "slow_loop.py")]
 
 
-def test_a_time_limit_saves_the_step_it_stopped_at_and_a_resubmitted_job_finishes(cluster, tmp_path):
+@pytest.fixture(scope="module")
+def time_limited_job(cluster):
+    """The time-limit test's job, submitted by an earlier test of the module: its minute runs out
+    while the tests between run their own jobs beside it (the partition shares its nodes)."""
+    tmp_path = cluster.home / "time-limit"
+    tmp_path.mkdir()
+    ckpt = tmp_path / "run" / "checkpoints"
+    job = submit(cluster, tmp_path, "single-node.sbatch", "--time=1",
+                 args=f"--checkpoint-dir {ckpt} --step-seconds 0.1", extra_env={"HVDKIT_COMMAND": " ".join(SLOW_LOOP)})
+    return tmp_path, ckpt, job
+
+
+def test_a_time_limit_saves_the_step_it_stopped_at_and_a_resubmitted_job_finishes(cluster, time_limited_job):
     """At --time=1 Slurm sends SIGTERM (no --signal in single-node.sbatch) between 60 and 90 s
     in; slow_loop's 0.1 s steps would take 160 s. The resubmitted job runs them at full speed."""
+    tmp_path, ckpt, job = time_limited_job
     reference = reference_run(tmp_path, SLOW_LOOP)
-    ckpt = tmp_path / "run" / "checkpoints"
     slow = {"HVDKIT_COMMAND": " ".join(SLOW_LOOP)}
-    job = submit(cluster, tmp_path, "single-node.sbatch", "--time=1",
-                 args=f"--checkpoint-dir {ckpt} --step-seconds 0.1", extra_env=slow)
     info = cluster.wait(job, timeout=240)
     rank0 = (tmp_path / "run" / "rank-0.log").read_text()
     assert info["JobState"] == "TIMEOUT", rank0[-3000:]

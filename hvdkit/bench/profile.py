@@ -10,11 +10,10 @@ one JSON and one text table per implementation beside the figures.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
-
-from hvdkit.checks.syncaudit import SyncAudit
+if TYPE_CHECKING:  # torch is imported where steps are profiled: the bench's command line does not wait for it
+    import torch
 
 STEPS = 5
 TOP = 8
@@ -24,7 +23,10 @@ HOST_SYNCS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceS
 
 def profile_steps(step: Callable[[], None], device: torch.device, steps: int = STEPS) -> dict:
     """Run ``steps`` steps under the profiler and the sync audit; their summary per step."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
+
+    from hvdkit.checks.syncaudit import SyncAudit
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     audit = SyncAudit()

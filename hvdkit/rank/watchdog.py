@@ -28,6 +28,9 @@ from hvdkit.system import cgroups, probes, wholefiles
 
 HEARTBEAT_SECONDS = 1.0
 FROZEN_SECONDS = 5.0  # a rank whose watchdog thread has not written for this long is frozen or gone
+# How a rank gone is said where its heartbeat or a probe tells more than that it is gone.
+OOM_KILLED = "was killed by the kernel's out-of-memory killer"
+FROZEN = "stopped responding (its process is there: stopped, or stuck holding the GIL)"
 PRESENCE_SECONDS = 0.5  # a probe of a rank's port: refused at once where its process is gone, its host up
 # A launcher's SIGTERM can come while the rank it follows is still dying: mpirun's, once a lost host's
 # daemon is gone, a few ms before that host's rank. Looked for again this long (mpirun's SIGKILL: 1 s).
@@ -200,13 +203,13 @@ class Watchdog:
         rank of the ``size`` has no heartbeat (it ended on an error, said so itself and removed it)."""
         return _described(*self._gone(size))
 
-    def _gone(self, size: int) -> tuple[list, set, set]:
+    def _gone(self, size: int) -> tuple[list, dict]:
         deadline = time.monotonic() + FROZEN_SECONDS + HEARTBEAT_SECONDS
         while True:
-            records, gone, victims, frozen = self._missing()
+            records, gone, how = self._missing()
             if gone or len(records) < size - 1 or time.monotonic() > deadline:
                 self._found_gone = {r["rank"] for r in gone}
-                return gone, victims, frozen
+                return gone, how
             time.sleep(HEARTBEAT_SECONDS / 4)
 
     def first_left(self) -> bool:
@@ -231,34 +234,35 @@ class Watchdog:
         self._write_heartbeat(now=True)
         deadline = time.monotonic() + DYING_SECONDS
         while True:
-            records, gone, victims, frozen = self._missing()
+            records, gone, how = self._missing()
             if gone or all(r.get("stopping") for r in records) or time.monotonic() > deadline:
                 break  # every other rank told to stop too: a preemption, nobody to look for
             time.sleep(DYING_SECONDS / 10)
         living = [r["rank"] for r in records if r not in gone] + [self.rank]
-        return _described(gone, victims, frozen) if gone and self.rank == min(living) else ""
+        return _described(gone, how) if gone and self.rank == min(living) else ""
 
-    def _missing(self) -> tuple[list, list, set, set]:
-        """(the other ranks' heartbeats of this run, those of ranks gone, the kernel's OOM victims,
-        the frozen among those gone): a rank is gone whose heartbeat is stale, whose process on this
-        host is not there, or whose port refuses a probe (its host answers; mpirun ends the others a
-        second after a host's loss, before a heartbeat goes stale); one whose heartbeat is stale and
-        whose port still answers is frozen (its PID in the last set)."""
+    def _missing(self) -> tuple[list, list, dict]:
+        """(the other ranks' heartbeats of this run, those of ranks gone, how each of those is said
+        where not 'is gone'): a rank is gone whose heartbeat is stale, whose process on this host is
+        not there, or whose port refuses a probe (its host answers; mpirun ends the others a second
+        after a host's loss, before a heartbeat goes stale). Of those, one the kernel's out-of-memory
+        killer ended was killed by it; one whose heartbeat is stale and whose port still answers is
+        frozen."""
         now, here, victims = time.time(), socket.gethostname(), cgroups.oom_victims() or set()
         records = [r for r in self._records() if r["rank"] != self.rank and r["alive"] > self.started]
         gone = [r for r in records if r["pid"] in victims or not r.get("stopping") and r["host"] == here
                 and not Path(f"/proc/{r['pid']}").exists()]
+        how = {r["pid"]: OOM_KILLED for r in gone if r["pid"] in victims}
         ports = [(r["host"], r["port"]) for r in records if r not in gone and r.get("port") and not r.get("stopping")]
         answers = probes.probe_all(ports, PRESENCE_SECONDS)
-        frozen = set()
         for r in records:
             answer = answers.get((r["host"], r.get("port")))
             if r in gone or r.get("stopping") or answer is not False and now - r["alive"] <= FROZEN_SECONDS:
                 continue
-            if answer is True:  # its heartbeat stale, its process there: stopped, or stuck holding the GIL
-                frozen.add(r["pid"])
+            if answer is True:
+                how[r["pid"]] = FROZEN
             gone.append(r)
-        return records, gone, victims, frozen
+        return records, gone, how
 
     def _report(self) -> None:
         """The record the guard `hvdkit launch` started this rank under reads, if any: a rank killed
@@ -320,13 +324,10 @@ class Watchdog:
             {oldest["rank"]}
 
 
-def _described(gone: list[dict], victims: set, frozen: set) -> str:
-    """'rank 1 (host h, pid p) is gone, last seen in training step 4; ...' of the heartbeats of ranks gone
-    (or stopped responding: ``frozen``'s PIDs, or killed by the kernel's out-of-memory killer: ``victims``')."""
-    said = {r["pid"]: "was killed by the kernel's out-of-memory killer" for r in gone if r["pid"] in victims}
-    said.update({r["pid"]: "stopped responding (its process is there: stopped, or stuck holding the GIL)"
-                 for r in gone if r["pid"] in frozen and r["pid"] not in said})
-    return "; ".join(f"rank {r['rank']} (host {r['host']}, pid {r['pid']}) {said.get(r['pid'], 'is gone')}, "
+def _described(gone: list[dict], how: dict) -> str:
+    """'rank 1 (host h, pid p) is gone, last seen in training step 4; ...' of the heartbeats of ranks
+    gone, each said as ``how`` says it where it does (hvdkit.rank.watchdog.Watchdog._missing)."""
+    return "; ".join(f"rank {r['rank']} (host {r['host']}, pid {r['pid']}) {how.get(r['pid'], 'is gone')}, "
                      f"last seen in {r['where']}" for r in sorted(gone, key=lambda r: r["rank"]))
 
 

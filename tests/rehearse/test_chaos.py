@@ -5,9 +5,10 @@ One short run per launcher family, each a few faults at a fixed seed, the menu s
 them, each held to its own undisturbed run; the Session loop's under horovodrun --mpi is also
 the one plain mpirun's and the planted defects' runs are held to (the same loop ends bitwise the
 same whichever launcher started its ranks, and each run it spares is seconds of the suite): an
-elastic job under plain horovodrun (Gloo), plain mpirun, hvdkit launch replaying the soak's seed
-101 on 3 hosts, a Session loop under plain horovodrun --mpi. Then two planted defects the tool
-must catch, and bad input.
+elastic job under plain horovodrun (Gloo), plain mpirun, hvdkit launch (out of memory, a
+preemption, kills as the job resumes; and with in-job restarts on 4 hosts), a Session loop under
+plain horovodrun --mpi. Then two planted defects the tool must catch, and bad input. (The soak's
+seed 101 on 3 hosts is replayed by the soak itself, tests/programs/chaos_soak.sh.)
 """
 
 import json

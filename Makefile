@@ -6,7 +6,12 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMPS := .make
-APT_PACKAGES := openmpi-bin libopenmpi-dev mpich libmpich-dev cmake g++ patch slurm-wlm munge \
+# Training needs an MPI, a compiler, CMake and patch (Horovod's build); where their commands are
+# on PATH (a cluster's `module load` too), `make train` installs no Debian package.
+TRAIN_COMMANDS := mpicc mpirun cmake g++ patch
+TRAIN_APT := openmpi-bin libopenmpi-dev cmake g++ patch
+# The suite needs the rest: MPICH, a Slurm cluster, sshd on namespace hosts, containers.
+TEST_APT := openmpi-bin libopenmpi-dev mpich libmpich-dev cmake g++ patch slurm-wlm munge \
     openssh-server openssh-client iproute2 podman runc mmdebstrap libfaketime
 PYTEST_ARGS ?=
 # pytest-xdist workers, one per core and at least two: the suite waits on launches, timeouts and
@@ -21,25 +26,35 @@ ifeq ($(shell id -u),0)
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 endif
+comma := ,
 # horovodrun and mpirun from the virtual environment come first.
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup system-packages horovod bytecode train train-lm doctor image test test-fast lint gpu-check clean
+.PHONY: setup test-setup system-packages test-system-packages horovod bytecode train train-lm doctor image test \
+    test-fast lint gpu-check clean
 
 setup: system-packages $(STAMPS)/python-packages horovod bytecode
+test-setup: setup test-system-packages $(STAMPS)/test-packages
+	@$(MAKE) --no-print-directory bytecode  # the suite's packages too, installed after setup's compiling
 
-# Debian packages: installed only when one is missing, so a second run needs no apt.
-# HVDKIT_SKIP_APT=1 skips this step where MPI comes from `module load` instead.
-system-packages:
-	@if [ "$(HVDKIT_SKIP_APT)" = 1 ]; then echo "setup: HVDKIT_SKIP_APT=1, not installing Debian packages"; exit 0; fi; \
-	missing=$$(for p in $(APT_PACKAGES); do \
+# Debian packages, each list installed only where one is missing (a second run needs no apt), as
+# root or with sudo; else one line naming them. HVDKIT_SKIP_APT=1 skips both.
+APT_INSTALL = if [ "$(HVDKIT_SKIP_APT)" = 1 ]; then echo "setup: HVDKIT_SKIP_APT=1, not installing Debian packages"; \
+	exit 0; fi; missing=$$(for p in $(1); do \
 	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; done); \
 	[ -z "$$missing" ] && exit 0; \
 	if [ "$$(id -u)" = 0 ]; then sudo=""; \
 	elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then sudo=sudo; \
-	else echo "setup: missing Debian packages:" $$missing "- install them as root, or load your cluster's MPI (module load) and rerun with HVDKIT_SKIP_APT=1" >&2; exit 1; fi; \
+	else echo "setup: missing Debian packages:" $$missing "- install them as root$(2)" >&2; exit 1; fi; \
 	echo "setup: installing Debian packages:" $$missing; \
 	$$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q $$missing
+
+system-packages:
+	@ok=1; for c in $(TRAIN_COMMANDS); do command -v $$c >/dev/null || ok=0; done; [ $$ok = 1 ] && exit 0; \
+	$(call APT_INSTALL,$(TRAIN_APT),$(comma) or load your cluster's MPI and compilers (module load) and rerun)
+
+test-system-packages:
+	@$(call APT_INSTALL,$(TEST_APT),: the suite starts a Slurm cluster$(comma) namespace hosts and containers)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -48,10 +63,15 @@ $(PY):
 # compiles everything once, faster, on both cores.
 PIP_INSTALL := $(PY) -m pip install -q --no-compile
 
-# Re-run pip only when what it installs changes.
+# Re-run pip only when what it installs changes; the suite's own packages (pytest, the trackers,
+# Jupyter's) only for `make test`.
 $(STAMPS)/python-packages: setup.cfg pyproject.toml constraints.txt | $(PY)
 	$(PIP_INSTALL) --upgrade pip
 	$(PIP_INSTALL) -c constraints.txt torch torchvision
+	$(PIP_INSTALL) -c constraints.txt -e .
+	@mkdir -p $(STAMPS) && touch $@
+
+$(STAMPS)/test-packages: $(STAMPS)/python-packages
 	$(PIP_INSTALL) -c constraints.txt -e '.[test]'
 	@mkdir -p $(STAMPS) && touch $@
 
@@ -90,12 +110,12 @@ train-lm: setup
 	    --clip-grad-norm 1.0 --amp $(TRAIN_ARGS)
 
 # The whole suite, what CI runs; it ends with the 15 slowest tests, so that growth is seen.
-test: setup
+test: test-setup
 	$(PY) -m pytest tests $(XDIST) --durations=15 $(PYTEST_ARGS)
 
 # The inner loop: the unit tests and one real 2-rank run of each launcher (horovodrun with
 # Gloo and MPI, mpirun, srun on the test Slurm cluster), in under 4 minutes.
-test-fast: setup
+test-fast: test-setup
 	$(PY) -m pytest tests -m "not slow or fast" $(XDIST) --durations=5 $(PYTEST_ARGS)
 
 # pyflakes, pycodestyle, bugbear and import-order checks at 120 columns; the tests' helper

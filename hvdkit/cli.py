@@ -102,16 +102,16 @@ def train(args: argparse.Namespace) -> int:
         gone = session.watchdog.after_shutdown(exc, session.size) if session else ""
         # One line for np ranks (hvdkit launch says it again last): rank 0's, or where Horovod shut
         # down because rank 0 is gone, the lowest rank left's.
-        speaks = rank in (0, None) or session is not None and session.watchdog.first_left()
+        speaks = rank in (0, None) or session is not None and session.watchdog.lowest_rank_left()
         if speaks:
             print(f"hvdkit train: {exc}{gone}", file=sys.stderr, flush=True)
             if code != job.BAD_INPUT:  # bad input ends the job before it trained: its one line is enough
                 job.record_exit(code, f"hvdkit train: {exc}{gone}")
             if session:  # its heartbeat goes before it ends: the ranks left know it said why (not gone)
                 session.watchdog.stop(keep_stacks=True)
-        from hvdkit.rank.stops import leave_rank0_the_word
+        from hvdkit.rank.ending.stops import defer_to_rank0
 
-        leave_rank0_the_word(None if speaks else rank)
+        defer_to_rank0(None if speaks else rank)
         return code
     except UnreadableSample as exc:  # on the rank that read it: the others wait for it, or for the launcher
         if args.debug:
@@ -160,7 +160,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             return train(args)
         finally:
-            if args.debug:  # the traceback, not the Session's one line (hvdkit.rank.stops.exit_on_own_errors)
+            if args.debug:  # the traceback, not the Session's one line (hvdkit.rank.ending.stops.exit_on_own_errors)
                 sys.excepthook = sys.__excepthook__
     parser.error(f"unknown command {args.command}")
     return job.BAD_INPUT

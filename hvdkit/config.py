@@ -222,7 +222,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-LOGGERS = ("tensorboard", "csv", "mlflow", "wandb")  # what --logger takes (hvdkit.rank.loggers makes them)
+LOGGERS = ("tensorboard", "csv", "mlflow", "wandb")  # what --logger takes (hvdkit.rank.reports.loggers makes them)
 LOGGER_EXTRAS = {"mlflow": "mlflow", "wandb": "wandb"}  # logger: the module its extra installs
 
 

@@ -1,4 +1,4 @@
-"""Datasets by name (each rank's samplers and loader settings are in hvdkit.rank.loaders).
+"""Datasets by name (each rank's samplers and loader settings are in hvdkit.rank.start.loaders).
 
 Nothing here downloads: clusters' compute nodes rarely reach the internet, and a job that
 fetches data on every rank at once is a job that fails at scale. The default dataset, the

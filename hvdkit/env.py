@@ -12,23 +12,14 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 from hvdkit import slurm
+from hvdkit.system.launchers import READ_ORDER, SRUN
 
 # Prefixes of the variables that say how a process was launched; shown by `hvdkit doctor`.
 LAUNCH_PREFIXES = ("HOROVOD_", "OMPI_COMM_WORLD_", "PMI_", "PMIX_", "SLURM_")
 
-# Each launcher's variables for rank, size, local rank, local size and node rank, most
-# specific first: mpirun inside a Slurm allocation also carries SLURM_*, so MPI's win.
-_LAUNCHERS = (
-    ("horovodrun", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK"),
-    ("mpirun (Open MPI)", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", None),
-    ("srun", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None, "SLURM_NODEID"),
-    ("mpirun (MPICH/Hydra or Intel MPI)", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", None),
-    ("PMIx launcher", "PMIX_RANK", None, None, None, None),
-)
 # The variables that only a launcher's ranks carry, which tell a rank's process from others: not
-# SLURM_PROCID, which a batch script and what it starts (a launcher among them) carry as well.
-RANK_VARIABLES = tuple(rank for _, rank, *_ in _LAUNCHERS if rank != "SLURM_PROCID")
+# those that need another beside them (SLURM_PROCID, which a batch script and what it starts carry).
+RANK_VARIABLES = tuple(told.rank for told in READ_ORDER if told.only_with is None)
 
 
 @dataclass(frozen=True)
@@ -84,15 +75,12 @@ def _srun_local_size(environ: Mapping[str, str]) -> Optional[int]:
 def detect(environ: Mapping[str, str] = os.environ) -> LaunchEnv:
     """The launcher and this process's place in the job, from the environment alone."""
     variables = {k: v for k, v in sorted(environ.items()) if k.startswith(LAUNCH_PREFIXES)}
-    for launcher, rank, size, local_rank, local_size, node_rank in _LAUNCHERS:
-        if rank not in environ:
+    for told in READ_ORDER:
+        if told.rank not in environ or (told.only_with and told.only_with not in environ):
             continue
-        # SLURM_PROCID is set in batch scripts too; only a step (srun) has ranks.
-        if launcher == "srun" and "SLURM_STEP_ID" not in environ:
-            continue
-        found_local_size = _srun_local_size(environ) if launcher == "srun" else _int(environ, local_size)
-        return LaunchEnv(launcher, _int(environ, rank), _int(environ, size), _int(environ, local_rank),
-                         found_local_size, _int(environ, node_rank), variables)
+        local_size = _srun_local_size(environ) if told in SRUN.variables else _int(environ, told.local_size)
+        return LaunchEnv(told.said_as, _int(environ, told.rank), _int(environ, told.size),
+                         _int(environ, told.local_rank), local_size, _int(environ, told.node_rank), variables)
     if "SLURM_JOB_ID" in environ:
         return LaunchEnv("Slurm allocation, not inside an srun step", variables=variables)
     return LaunchEnv("none (a single process, not started by a launcher)", variables=variables)
@@ -103,7 +91,7 @@ def disagreement(launch: LaunchEnv, rank: int, size: int, local_rank: int) -> Op
     if launch.rank is None:
         return None
     if launch.size and launch.size > 1 and size == 1:
-        fix = ("srun needs --mpi=pmix (or pmi2) for MPI to see the other tasks" if launch.launcher == "srun"
+        fix = ("srun needs --mpi=pmix (or pmi2) for MPI to see the other tasks" if launch.launcher == SRUN.name
                else "Horovod's MPI is not the launcher's MPI; rebuild with the launcher's MPI on PATH")
         return (f"{launch.launcher} started {launch.size} processes, but Horovod sees a world of 1: "
                 f"every process trains alone as rank 0. {fix}")

@@ -66,7 +66,7 @@ def shell_code(returncode: int) -> int:
 
 
 # The programs that start ranks, by process name: a rank looks for them among its ancestors
-# (hvdkit.rank.orphan), hvdkit launch among its children (hvdkit.launch.supervise).
+# (hvdkit.rank.liveness.orphan), hvdkit launch among its children (hvdkit.launch.supervise).
 JOB_DIR = "HVDKIT_JOB_DIR"  # set by `hvdkit launch` for its ranks: where they leave exit records
 RESTART = "HVDKIT_RESTART"  # set by `hvdkit launch` for its ranks: the attempt's number, 0 first (--max-restarts)
 SNAPSHOTS = "HVDKIT_SNAPSHOT_DIR"  # set by `hvdkit launch --max-restarts`: where each host keeps its snapshots
@@ -74,7 +74,7 @@ LINK = "HVDKIT_LAUNCHER_LINK"  # set by `hvdkit launch --max-restarts`: address:
 # "1" in the ranks of the next attempt, which `hvdkit launch --max-restarts` starts ahead of need:
 # they import what they need, then wait on their line until told to GO (empty for the others).
 STANDBY = "HVDKIT_STANDBY"
-# On that line (hvdkit.launch.links, hvdkit.rank.link) a rank says HELLO and LEAVING, a standby's
+# On that line (hvdkit.launch.links, hvdkit.rank.liveness.link) a rank says HELLO and LEAVING, a standby's
 # READY; the launcher WELCOME (to HELLO), END, STOP or GO.
 HELLO, WELCOME, LEAVING, END, STOP, READY, GO = "hello", "welcome", "leaving", "end", "stop", "ready", "go"
 # Set by the guard `hvdkit launch` starts each rank under (hvdkit.launch.guard): the descriptor of a

@@ -1,5 +1,5 @@
 """Tensors nested in dicts, lists and tuples (batches, state dicts, checkpoints): the one walker that
-moves a batch to its device and splits it into micro-batches (hvdkit.rank.step, hvdkit.data),
+moves a batch to its device and splits it into micro-batches (hvdkit.rank.step.training, hvdkit.data),
 stages, splits and joins a checkpoint (hvdkit.checkpoint) and compares two states
 (hvdkit.rehearse.verdict)."""
 

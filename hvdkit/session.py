@@ -24,12 +24,7 @@ A Horovod script keeps its loop and hands hvdkit the parts that are easy to get 
 same ``TrainConfig`` keys, checked alike (docs/own-loop.md).
 
 ``Session`` is a facade, as Lightning Fabric's is: it holds the run's state (hvdkit.rank.state)
-and delegates to parts handed that state and what else each uses (none holds the Session):
-process set-up (hvdkit.rank.startup), loaders and the data position (rank.loaders), the
-distributed optimizer (rank.buckets), the step (rank.step), the ranks' meetings (rank.lockstep),
-checkpoints and resume (rank.checkpoints), reports (rank.reports), stop signals (rank.stops), how the
-run ends (rank.ending), the ranks' copies compared (rank.consistency), stragglers (rank.stragglers),
-elastic runs (rank.elastic).
+and delegates to the parts hvdkit.rank lists, each handed that state and what else it uses.
 """
 
 from __future__ import annotations
@@ -47,33 +42,30 @@ from torch.utils.data import DataLoader
 from hvdkit import job
 from hvdkit.checkpoint import CheckpointError
 from hvdkit.config import ConfigError, TrainConfig
-from hvdkit.rank import lockstep, orphan, startup, stops
-from hvdkit.rank.buckets import distributed_optimizer
-from hvdkit.rank.checkpoints import RunCheckpoints
-from hvdkit.rank.consistency import Consistency, DivergenceError
-from hvdkit.rank.elastic import Elastic
-from hvdkit.rank.ending import Ending
-from hvdkit.rank.lifeline import Lifeline
-from hvdkit.rank.loaders import Loaders
-from hvdkit.rank.lockstep import Lockstep, LockstepError, RankEnded, where
-from hvdkit.rank.loggers import LoggerError, take_loggers
-from hvdkit.rank.memory import PhasePeaks
-from hvdkit.rank.metrics import Metrics
-from hvdkit.rank.reports import Reports
+from hvdkit.rank.agree import lockstep
+from hvdkit.rank.agree.consistency import Consistency, DivergenceError
+from hvdkit.rank.agree.lockstep import Lockstep, LockstepError, RankEnded, where
+from hvdkit.rank.agree.stragglers import StepTimes
+from hvdkit.rank.ending import stops
+from hvdkit.rank.ending.finish import Ending
+from hvdkit.rank.liveness import orphan
+from hvdkit.rank.liveness.lifeline import Lifeline
+from hvdkit.rank.liveness.watchdog import Watchdog
+from hvdkit.rank.reports.loggers import LoggerError, take_loggers
+from hvdkit.rank.reports.memory import PhasePeaks
+from hvdkit.rank.reports.metrics import Metrics
+from hvdkit.rank.reports.report import Reports
+from hvdkit.rank.resume.checkpoints import RunCheckpoints
+from hvdkit.rank.resume.elastic import Elastic
+from hvdkit.rank.start import startup
+from hvdkit.rank.start.loaders import Loaders
 from hvdkit.rank.state import RunState, state_field
-from hvdkit.rank.step import (
-    NonFiniteError,
-    TrainingStep,
-    input_format,
-    lr_lambda,
-    lr_multiplier,
-    use_fused_kernels,
-)
-from hvdkit.rank.stragglers import StepTimes
-from hvdkit.rank.watchdog import Watchdog
+from hvdkit.rank.step import training
+from hvdkit.rank.step.buckets import distributed_optimizer
 
 # hvdkit's own errors: each ends every rank with one line instead of a traceback per rank.
-OWN_ERRORS = (ConfigError, CheckpointError, NonFiniteError, DivergenceError, LockstepError, RankEnded, LoggerError)
+OWN_ERRORS = (ConfigError, CheckpointError, training.NonFiniteError, DivergenceError, LockstepError, RankEnded,
+              LoggerError)
 
 
 class Session:
@@ -85,10 +77,10 @@ class Session:
     variables set the keys your keywords leave out (``HVDKIT_CHECKPOINT_DIR=ckpt``). Every
     method that communicates must be called by every rank at the same point of the loop, as
     with Horovod itself. hvdkit's own errors that your loop does not catch end every rank with
-    one line (see hvdkit.rank.stops).
+    one line (see hvdkit.rank.ending.stops).
 
     ``loggers``: where rank 0's reports go besides metrics.jsonl: names (as ``--logger``) and
-    Logger objects of your own, such as ``MLflow(tracking_uri=...)`` (hvdkit.rank.loggers).
+    Logger objects of your own, such as ``MLflow(tracking_uri=...)`` (hvdkit.rank.reports.loggers).
     """
 
     def __init__(self, config: Optional[TrainConfig] = None, loggers: Union[str, Sequence, None] = None,
@@ -102,30 +94,35 @@ class Session:
         self._state = state = RunState(
             scaler=torch.amp.GradScaler("cuda") if cfg.amp and device.type == "cuda" else None,
             peaks=PhasePeaks(device))
-        # Elastic: a stop signal on the driver's host ends the job (with a checkpoint); elsewhere
-        # it ends that worker alone, as Horovod has it (a node drained or preempted), and the job goes on.
-        self._signal = stops.StopSignal(install=not cfg.elastic or orphan.started_by_horovodrun_here(),
-                                        rank=self.rank, watchdog=self.watchdog)
+        self._signal = stops.StopSignal(rank=self.rank, watchdog=self.watchdog)
         state.log_dir = cfg.log_dir or startup.run_dir(cfg, hvd)
         self._unread_step = False  # a step's agreement that should_stop() has not read yet
         self._input_format = torch.preserve_format  # channels_last for a convolutional model on a GPU, from setup()
-        # The parts, each handed what it uses; none holds the Session.
+        # The parts, each handed what it uses; none holds the Session, none starts anything when made.
         self._lockstep = meetings = Lockstep(hvd, strict=not cfg.elastic, gone=self.watchdog.gone)
         self._times = times = StepTimes(self.rank, self.size, cfg.straggler_threshold)
         self._reports = reports = Reports(cfg, hvd, device, state, times, own_loggers)
         self._consistency = consistency = Consistency(cfg, hvd, device, state)
         self._loaders = loaders = Loaders(cfg, hvd, device, state)
         self._checkpoints = checkpoints = RunCheckpoints(cfg, hvd, state, loaders, consistency, self.watchdog)
-        # Own errors in one line from here, Horovod's shutdown met outside hvdkit's calls (your own
-        # loss.backward()) too; then the directories' locks. Lifeline: horovodrun --gloo's.
+        # Own errors: Horovod's shutdown met outside hvdkit's calls (your own loss.backward()) too.
         self._ending = Ending(cfg, hvd, state, meetings, self._signal, checkpoints, reports, self.watchdog,
-                              Lifeline.from_environ(os.environ, self.rank),
+                              Lifeline.from_environ(os.environ, self.rank),  # horovodrun --gloo's
                               OWN_ERRORS + (() if cfg.elastic else (HorovodInternalError,)),
                               (ConfigError, LockstepError))
+        self._start()
         checkpoints.read_ahead()  # a sharded run resumed at another size adapts K before its step and loaders
-        self._step = step = TrainingStep(cfg, hvd, device, state, times, checkpoints.kept)
+        self._step = step = training.TrainingStep(cfg, hvd, device, state, times, checkpoints.checkpoint_left)
         self._elastic = Elastic(cfg, hvd, state, loaders, checkpoints, reports, times, meetings, step.settle)
-        if self._signal.installed:  # a rank whose launcher is gone stops as on SIGTERM
+
+    def _start(self) -> None:
+        """The parts start (the order: hvdkit.rank). Elastic: the stop handlers on the driver's host
+        only; elsewhere a signal ends that worker alone, as Horovod has it, and the job goes on."""
+        self.watchdog.start()
+        if not self.cfg.elastic or orphan.started_by_horovodrun_here():
+            self._signal.install()
+        self._ending.start()
+        if self._signal.installed:
             orphan.watch(self._signal, Path(self.log_dir) / "ranks" / f"rank-{self.rank}-after-launcher.log")
 
     # -- who and where -------------------------------------------------------------------
@@ -135,7 +132,7 @@ class Session:
     is_main = property(lambda self: self.rank == 0)
     skipped_steps = property(lambda self: self._step.skipped, doc="Steps skipped as non-finite (on_nonfinite: skip)")
     step_times = property(lambda self: self._times,
-                          doc="Each rank's compute and wait per step (hvdkit.rank.stragglers)")
+                          doc="Each rank's compute and wait per step (hvdkit.rank.agree.stragglers)")
 
     # -- where the run is (hvdkit.rank.state), shared with the parts below -------------------
     global_step = state_field("global_step", "optimizer steps taken")
@@ -156,38 +153,38 @@ class Session:
         if self.rank == 0:
             print(*args, **kwargs, flush=True)
 
-    # -- model, optimizer, resume (hvdkit.rank.checkpoints) ------------------------------------------
+    # -- model, optimizer, resume (hvdkit.rank.resume.checkpoints) ------------------------------------------
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler=None):
         """(model, optimizer): the model on this rank's device, the optimizer wrapped in
         Horovod's DistributedOptimizer (or, with ``zero``, hvdkit.zero's ShardedOptimizer), and
         every rank holding the same state: the newest valid checkpoint in ``checkpoint_dir``, else
-        rank 0's initial weights (hvdkit.rank.checkpoints). A ``scheduler`` is stepped once per
+        rank 0's initial weights (hvdkit.rank.resume.checkpoints). A ``scheduler`` is stepped once per
         optimizer step by ``step()``."""
         cfg, hvd = self.cfg, self.hvd
         self.watchdog.beat("setup()")  # the stall limit counts from here: loading data before it is not a stall
         model = model.to(self.device)
         self.model, self.scheduler, self._state.inner = model, scheduler, optimizer
-        self._input_format = input_format(cfg, model, self.device)
+        self._input_format = training.input_format(cfg, model, self.device)
         self.optimizer = distributed_optimizer(cfg, hvd, optimizer, model, self.device)
         with self._state.peaks.phase("setup and resume"):
-            self._checkpoints.take_over(model)
+            self._checkpoints.resume_or_broadcast(model)
         self._signal.step = self.global_step
         # After the resume, whose param groups replace these.
-        use_fused_kernels(self.optimizer.inner if cfg.zero else self.optimizer,
+        training.use_fused_kernels(self.optimizer.inner if cfg.zero else self.optimizer,
                           convert=cfg.fused_optimizer and self.device.type == "cuda")
-        self._reports.metrics()  # the trackers start, continuing the runs of a checkpoint resumed
+        self._reports.start()  # after the resume: the trackers continue the runs its checkpoint names
         # Heartbeats for naming a stalled rank, once the run is accepted: a refused resume
         # leaves the log directory as it was.
         job_dir = os.environ.get(job.JOB_DIR)
         self.watchdog.share(job_dir or str(Path(self.log_dir) / "ranks"), own=not job_dir, stacks=self.log_dir,
-                            facts=self._checkpoints.place())
+                            facts=self._checkpoints.resume_location())
         self._reports.restart_window()
         return model, self.optimizer
 
     def lr_multiplier(self) -> float:
         """Peak learning rate / base_lr for this world size, by ``lr_scaling``."""
         on_nccl = self.device.type == "cuda" and self.hvd.nccl_built()
-        return lr_multiplier(self.cfg, self.size, self.hvd.local_size(), on_nccl)
+        return training.lr_multiplier(self.cfg, self.size, self.hvd.local_size(), on_nccl)
 
     def save(self, background: bool = False) -> None:
         """Write a checkpoint of this step to ``checkpoint_dir`` (all ranks call it; rank 0 writes):
@@ -201,7 +198,7 @@ class Session:
     def run(self, loop: Callable[[], Any]) -> Any:
         """``loop()``, your epochs, once; in an elastic run inside Horovod's ``hvd.elastic.run``, which
         after a change of hosts restores the last commit on every rank and calls it again from
-        there (hvdkit.rank.elastic). Make the training loader with ``loader()`` first."""
+        there (hvdkit.rank.resume.elastic). Make the training loader with ``loader()`` first."""
         return self._elastic.run(loop) if self.cfg.elastic else loop()
 
     def save_elastic(self, sampler) -> None:
@@ -214,7 +211,7 @@ class Session:
         False if none. The sampler's position goes into a stop's checkpoint."""
         return self._checkpoints.load_elastic(sampler)
 
-    # -- data (hvdkit.rank.loaders) -------------------------------------------------------------
+    # -- data (hvdkit.rank.start.loaders) -------------------------------------------------------------
     def loader(self, data_or_loader, batch_size: Optional[int] = None, shuffle: bool = True,
                **loader_args) -> DataLoader:
         """A training DataLoader over this rank's shard, whose batches hold K micro-batches.
@@ -238,7 +235,7 @@ class Session:
     def lr_lambda(self, factor: Callable[[float, float], float]) -> Callable[[int], float]:
         """For LambdaLR, after loader(): ``factor(epochs done, lr_multiplier())`` at each step, the epochs
         fractional (elastic: the epoch's samples processed), the multiplier at the world size of the moment."""
-        return lr_lambda(self.cfg, self.hvd, self.device.type == "cuda" and self.hvd.nccl_built(),
+        return training.lr_lambda(self.cfg, self.hvd, self.device.type == "cuda" and self.hvd.nccl_built(),
                          self._loaders.progress(), factor)
 
     def epochs(self, count: int, max_steps: Optional[int] = None) -> Iterator[int]:
@@ -252,7 +249,7 @@ class Session:
 
     def join(self) -> None:
         """Wait for every rank to finish its batches. Every rank must have taken the same number of
-        steps: ranks that did not end the job with one line saying so (hvdkit.rank.lockstep)."""
+        steps: ranks that did not end the job with one line saying so (hvdkit.rank.agree.lockstep)."""
         if self._epoch_ended():
             self._end_stopped()
 
@@ -263,7 +260,7 @@ class Session:
         self._meet(lockstep.EPOCH_END)
         return self._ending.take_stop(self._step)
 
-    # -- the step (hvdkit.rank.step) ------------------------------------------------------------
+    # -- the step (hvdkit.rank.step.training) ------------------------------------------------------------
     def micro_batches(self, batch: Any) -> list:
         """``batch`` on this device, split into the micro-batches of one optimizer step."""
         return self._step.micro_batches(batch, self._loaders.micro_size, self._input_format)
@@ -273,28 +270,27 @@ class Session:
         return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.cfg.amp)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch's loss, averaged over the step's micro-batches and
-        scaled for fp16. The last micro-batch's backward starts the allreduce; the step's
-        first starts its meeting (hvdkit.rank.lockstep), ahead of the gradients."""
+        """Backward of one micro-batch's loss, averaged over the step's micro-batches and scaled for fp16.
+        The last micro-batch's starts the allreduce, the step's meeting (hvdkit.rank.agree.lockstep) with it."""
         with self._lockstep.waiting(lockstep.STEP, self.global_step, self.rank):  # the gradients' allreduces start here
-            self._start_step()
-            with self._state.peaks.phase("backward"):
+            self._start_step(in_backward=True)
+            with self._state.peaks.step_phase("backward", self.global_step):
                 self._step.backward(loss)
 
     def step(self) -> None:
-        """The optimizer step (see hvdkit.rank.step), once every rank is at this step (and has agreed
-        on a stop: see should_stop); then a checkpoint every ``checkpoint_steps``."""
+        """The optimizer step (see hvdkit.rank.step.training), once every rank is at this step (and has agreed on a
+        stop: see should_stop); then a checkpoint every ``checkpoint_steps``. Each duty's cost: docs/performance.md."""
         self.watchdog.beat(f"training step {self.global_step + 1}")
         self._checkpoints.check()  # a background save that failed ends the run at the next step
         self._checkpoints.before_update()  # its copy of the weights, made during this forward and backward
         self._ending.record_saves()
         self._start_step()
-        phase = "optimizer step" if "first optimizer step" in self._state.peaks.peaks else "first optimizer step"
-        with self._lockstep.waiting(lockstep.STEP, self.global_step, self.rank), self._state.peaks.phase(phase):
-            self._times.waiting()  # for a rank late to the step, the others wait here (hvdkit.rank.stragglers)
+        with self._lockstep.waiting(lockstep.STEP, self.global_step, self.rank), \
+                self._state.peaks.step_phase("optimizer step", self.global_step, first="first optimizer step"):
+            self._times.waiting()  # for a rank late to the step, the others wait here (hvdkit.rank.agree.stragglers)
             self._lockstep.collect()
             self._times.waited()
-            self._elastic.before_update()  # (each does nothing but in session.run() of an elastic run)
+            self._elastic.before_update()  # before the update, whose scheduler reads its sampler (elastic run() only)
             self._step.apply()
         self.global_step += 1
         self._unread_step = True
@@ -302,30 +298,32 @@ class Session:
         self.watchdog.step_done(self.global_step)  # and the guard's
         self._elastic.stepped(stopping=bool(self._lockstep.signum))
         consistency, checkpoint = self._consistency.due(), self._checkpoints.due()
-        if consistency or checkpoint:  # the steps' non-finite flags are read here, not in every step
+        if consistency or checkpoint:  # the flags read here, not in every step; both assert it
             self._step.settle()
         if consistency:
             self._consistency.check()
         self._checkpoints.after_step(checkpoint)  # or the snapshot due
         self._times.step_ended()
 
-    def _start_step(self) -> None:
-        """A step begins: a stop agreed at the last one that the loop did not ask should_stop()
-        about ends the run here (its checkpoint written); else this step's meeting starts."""
-        if self._lockstep.pending is None:
+    def _start_step(self, in_backward: bool = False) -> None:
+        """A step begins: a stop agreed at the last one that the loop did not ask should_stop() about ends the
+        run here (its checkpoint written); else its meeting starts (Lockstep.start_step; step() sends it if held)."""
+        if self._lockstep.pending is None and self._lockstep.held is None:
             self._end_stopped()
-            self._lockstep.submit(lockstep.STEP, self.global_step, self._signal.received or 0)
+            self._lockstep.start_step(self.global_step, lambda: self._signal.received, in_backward and self.optimizer)
+        elif not in_backward:
+            self._lockstep.send_held()
 
     def check_consistency(self) -> None:
         """Check now that every rank holds the same weights, buffers and optimizer state (all
         ranks call it at the same point); a difference raises DivergenceError naming the ranks,
-        which ends the job with one line and exit code 77 (see hvdkit.rank.consistency). It also runs
+        which ends the job with one line and exit code 77 (see hvdkit.rank.agree.consistency). It also runs
         every ``check_consistency_steps`` steps and before every checkpoint."""
         self._meet(lockstep.CHECK_CONSISTENCY)
         self._step.settle()
         self._consistency.check()
 
-    # -- metrics (hvdkit.rank.reports) and stopping (hvdkit.rank.stops) ------------------------------
+    # -- metrics (hvdkit.rank.reports.report) and stopping (hvdkit.rank.ending.stops) ------------------------------
     def log(self, samples: int, **means) -> None:
         """Add a micro-batch's metrics (each a mean over its ``samples``) to this report's sums."""
         self._reports.log(samples, means)
@@ -360,7 +358,7 @@ class Session:
 
     def should_stop(self) -> bool:
         """True on every rank at the same step once any rank got SIGTERM, SIGHUP, SIGINT or SIGUSR1
-        (see hvdkit.rank.stops), with that step's checkpoint written. Call it after step(): it reads
+        (see hvdkit.rank.ending.stops), with that step's checkpoint written. Call it after step(): it reads
         what the ranks agreed in the step's meeting, at no extra wait. A loop that does not call
         it stops as well, at its next step or epoch's end, and exits with the stop's code."""
         if self.stopped:
@@ -372,7 +370,7 @@ class Session:
         return self._ending.take_stop(self._step)
 
     def _meet(self, call: str) -> None:
-        """Every rank at ``call`` after the same steps, or one line saying who is where (hvdkit.rank.lockstep)."""
+        """Every rank at ``call`` after the same steps, or one line saying who is where (hvdkit.rank.agree.lockstep)."""
         self.watchdog.beat(where(call, self.global_step))
         self._lockstep.meet_now(call, self.global_step, self._signal.received or 0, self.rank)
 
@@ -391,7 +389,7 @@ class Session:
         return self._ending.finish(self._step, summary)
 
     def elastic_reset(self, step: int) -> None:
-        """Elastic, your own ``hvd.elastic.run``: call it from a reset callback (hvdkit.rank.elastic)."""
+        """Elastic, your own ``hvd.elastic.run``: call it from a reset callback (hvdkit.rank.resume.elastic)."""
         self._elastic.reset(step)
 
     def world_size_changes(self) -> list:

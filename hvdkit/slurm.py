@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
+from hvdkit.system.launchers import SRUN
+
 
 class SlurmFormatError(ValueError):
     pass
@@ -150,7 +152,7 @@ def check(request: JobRequest) -> None:
                                    f"commas between several)")
     if request.launcher not in TEMPLATES:
         raise SlurmFormatError(f"--launcher must be one of {', '.join(TEMPLATES)} (got {request.launcher!r})")
-    if request.requeue and request.launcher != "srun":
+    if request.requeue and request.launcher != SRUN.name:
         raise SlurmFormatError("--requeue uses the preemptible template, which starts ranks with srun")
     if not request.command:
         raise SlurmFormatError("no command after '--'")

@@ -88,8 +88,8 @@ def require_slurm_on_namespaces():
 
     missing = ", ".join(slurm_cluster.missing_binaries())
     if missing:
-        _missing(f"Slurm is required in CI but {missing} is missing (make setup installs it)",
-                 f"Slurm is not installed here ({missing} missing): run `make setup`")
+        _missing(f"Slurm is required in CI but {missing} is missing (make test-setup installs it)",
+                 f"Slurm is not installed here ({missing} missing): run `make test-setup`")
     require_namespaces()
 
 
@@ -106,8 +106,8 @@ def require_podman():
 
     missing = [tool for tool in ("podman", "mmdebstrap") if shutil.which(tool) is None]
     if missing:
-        _missing(f"CI must run the container tests, but {', '.join(missing)} is missing (make setup installs it)",
-                 f"{', '.join(missing)} not installed here: run `make setup`")
+        _missing(f"CI must run the container tests, but {', '.join(missing)} is missing (make test-setup installs it)",
+                 f"{', '.join(missing)} not installed here: run `make test-setup`")
 
 
 def build_image(*args, timeout=1800):

@@ -11,7 +11,7 @@ from PIL import Image
 from hvdkit import data
 from hvdkit.config import TrainConfig
 from hvdkit.data import DataError
-from hvdkit.rank import loaders
+from hvdkit.rank.start import loaders
 
 
 def write_idx(path, array):

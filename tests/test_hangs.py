@@ -56,7 +56,7 @@ def test_every_loop_shape_trains_to_the_canonical_weights(tmp_path, how, np):
     for shape in TRAINING:
         for run in range(3):
             # Bitwise at 3 ranks too: the gradients go in fixed buckets, each fused alone, so every
-            # element is summed in the same order (hvdkit.rank.buckets.gradient_buckets).
+            # element is summed in the same order (hvdkit.rank.step.buckets.gradient_buckets).
             assert_bitwise_equal(torch.load(tmp_path / "out" / f"{shape}-{run}.pt"), reference)
 
 

@@ -8,11 +8,12 @@ from pathlib import Path
 
 from conftest import REPO
 from hvdkit import job
+from hvdkit.system.launchers import BY_NAME
 
 PACKAGE = REPO / "hvdkit"
 # What runs inside every rank: it must start without the launcher's code, which may be absent
 # from a rank's image and would pull the launch side's concerns into a rank.
-RANK_SIDE = [*sorted((PACKAGE / "rank").glob("*.py")), *sorted((PACKAGE / "checkpoint").glob("*.py")),
+RANK_SIDE = [*sorted((PACKAGE / "rank").rglob("*.py")), *sorted((PACKAGE / "checkpoint").glob("*.py")),
              *sorted((PACKAGE / "system").glob("*.py")), *(PACKAGE / name for name in (
                  "session.py", "trainer.py", "job.py", "data.py", "models.py", "config.py", "env.py", "nested.py"))]
 
@@ -202,14 +203,14 @@ def test_the_code_check_finds_literals_and_computed_codes():
 def test_one_of_each_lives_in_hvdkit_system():
     """Signal handlers (sighandlers.Handlers: nohup's SIGHUP kept), a whole file
     (wholefiles.write_whole) and a process tree's end (proctree.end_processes) each have one home,
-    in hvdkit/system/. A loader worker ignores the stop signals for good (rank/loaders.py), which no
+    in hvdkit/system/. A loader worker ignores the stop signals for good (rank/start/loaders.py), which no
     handler restores."""
     patterns = {"signal.signal(": "sighandlers.Handlers", "os.replace(": "wholefiles.write_whole",
                 "os.kill(": "proctree.end_processes"}
     homes = {"signal.signal(": "system/sighandlers.py", "os.replace(": "system/wholefiles.py",
              "os.kill(": "system/proctree.py"}
-    allowed = {("rank/loaders.py", "signal.signal("),  # a worker's SIG_IGN, for good
-               ("rank/consistency.py", "os.replace("),  # checkpoints set aside: a move, not a write
+    allowed = {("rank/start/loaders.py", "signal.signal("),  # a worker's SIG_IGN, for good
+               ("rank/agree/consistency.py", "os.replace("),  # checkpoints set aside: a move, not a write
                ("launch/spawn.py", "os.kill(")}  # the caller's own signal's default action, on itself
     found = sorted({f"{path.relative_to(PACKAGE)}: {pattern} (use {use})" for path in PACKAGE.rglob("*.py")
                     for pattern, use in patterns.items()
@@ -238,13 +239,13 @@ def test_no_part_holds_the_session_or_reads_its_private_attributes():
 
 
 def test_the_launchers_rank_variables_are_listed_once():
-    """Which variable says a process is a rank, and which rank, is read from hvdkit.env's table by
-    every reader (the launcher's watch, the chaos rehearsal): two hand-made lists had drifted
-    apart (one without PMIx's)."""
+    """Which variable says a process is a rank, and which rank, is read from the launchers' table
+    (hvdkit.system.launchers, through hvdkit.env) by every reader (the launcher's watch, the chaos
+    rehearsal): two hand-made lists had drifted apart (one without PMIx's)."""
     names = {"HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"}
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.name == "env.py":
+        if path.name == "launchers.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
@@ -252,6 +253,50 @@ def test_the_launchers_rank_variables_are_listed_once():
                 if len(listed) >= 2:
                     found.append(f"{path.relative_to(REPO)}:{node.lineno} {sorted(listed)}")
     assert found == []
+
+
+RANK_CONCERNS = ("start", "step", "agree", "resume", "liveness", "ending", "reports")
+
+
+def test_the_rank_side_is_laid_out_by_concern_and_each_package_names_its_modules():
+    """A rank module sits in its concern's package (hvdkit/rank/__init__.py lists them), beside the
+    run's state and the loggers' documented name at the top; each package's docstring names every
+    module in it, so that a reader finds where a thing is from the package alone."""
+    rank = PACKAGE / "rank"
+    assert sorted(p.name for p in rank.glob("*.py")) == ["__init__.py", "loggers.py", "state.py"]
+    assert sorted(p.name for p in rank.iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(RANK_CONCERNS)
+    listed = (rank / "__init__.py").read_text()
+    unnamed = []
+    for concern in RANK_CONCERNS:
+        assert f"``{concern}/``" in listed, concern
+        doc = ast.get_docstring(ast.parse((rank / concern / "__init__.py").read_text())) or ""
+        unnamed += [f"{concern}/{module.stem}" for module in sorted((rank / concern).glob("*.py"))
+                    if module.name != "__init__.py" and not re.search(rf"\b{module.stem}\b", doc)]
+    assert unnamed == []
+
+
+def launcher_names_compared(source: str) -> list[str]:
+    """'line: name' for each launcher's name written as a string in a comparison (==, !=, in)."""
+    names = set(BY_NAME)
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        for side in (node.left, *node.comparators):
+            items = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+            found += [f"{node.lineno}: {item.value}" for item in items
+                      if isinstance(item, ast.Constant) and item.value in names]
+    return found
+
+
+def test_a_launchers_facts_are_read_from_its_record():
+    """What a launcher does (which to choose, its signals, its restarts, its processes) is read from
+    hvdkit.system.launchers; `!= "srun"` and its like had spread over nine files."""
+    found = [f"{path.relative_to(REPO)}:{line}" for path in sorted(PACKAGE.rglob("*.py"))
+             if path.name != "launchers.py" for line in launcher_names_compared(path.read_text())]
+    assert found == []
+    planted = 'if launcher == "srun" or name in ("mpirun", "x"):\n    pass\nif SRUN.name == launcher:\n    pass\n'
+    assert launcher_names_compared(planted) == ["1: srun", "1: mpirun"]
 
 
 MODULE_LINES = 500

@@ -259,7 +259,7 @@ import atexit, gc, sys, weakref, torch
 from torch.utils.data import TensorDataset
 import hvdkit
 
-# Registered before the Session, so it runs after hvdkit.rank.startup.exit_quickly (atexit is last-in, first-out).
+# Registered before the Session, so it runs after hvdkit.rank.start.startup.exit_quickly (atexit is last-in, first-out).
 atexit.register(lambda: print("frozen at exit", gc.get_freeze_count() > 0, flush=True))
 
 
@@ -285,7 +285,7 @@ def test_a_dropped_session_frees_its_loader_workers_and_the_process_exits(tmp_pa
     loader's persistent workers, alive until exit, where multiprocessing waits for workers that
     ignore SIGTERM (hvdkit.data), and a finished `hvdkit train --num-workers 1` hung (seen in
     tests/rank/test_stops.py). At exit, what is left is frozen before Python's last collections walk
-    it (hvdkit.rank.startup.exit_quickly). One process, no launcher."""
+    it (hvdkit.rank.start.startup.exit_quickly). One process, no launcher."""
     script = tmp_path / "dropped.py"
     script.write_text(DROPPED_SESSION)
     proc = run([sys.executable, str(script), str(tmp_path / "logs")], timeout=60)

@@ -65,6 +65,12 @@ def job_log(tmp_path, job):
     return (tmp_path / f"job-{job}.out").read_text()
 
 
+def what_ran(tmp_path, log):
+    """A failed job's message: the end of its log, then of each rank's (a rank's crash is told only there)."""
+    ranks = sorted((tmp_path / "run").glob("rank-*.log"))
+    return log[-3000:] + "".join(f"\n--- {path.name}\n{path.read_text()[-3000:]}" for path in ranks)
+
+
 @pytest.mark.parametrize("template, nodes, tasks, flags", [
     pytest.param("single-node.sbatch", 1, 2, "", marks=pytest.mark.fast),  # make test-fast's srun run
     ("multi-node-srun.sbatch", 2, 2, "--zero 2 --checkpoint-dir ckpt"),  # each node writes its shard
@@ -75,7 +81,7 @@ def test_template_runs_to_completion(cluster, tmp_path, template, nodes, tasks, 
     job = submit(cluster, tmp_path, template, args=f"--epochs 1 --max-steps 8 {flags}")
     info = cluster.wait(job)
     log = job_log(tmp_path, job)
-    assert info["JobState"] == "COMPLETED", log[-3000:]
+    assert info["JobState"] == "COMPLETED", what_ran(tmp_path, log)
     assert info["NumNodes"] == str(nodes) and info["NumTasks"] == str(tasks)
     head = log.splitlines()[:10]  # before training: the multi-node templates' doctor table, then the command
     assert any(f"{VENV_BIN / 'hvdkit'} train --epochs 1" in line for line in head), f"no resolved command in {head}"
@@ -370,7 +376,7 @@ def test_hvdkit_slurm_submit_runs_the_job(cluster, tmp_path):
 @pytest.mark.parametrize("how", ["raise", "kill"])
 def test_a_failing_rank_ends_an_srun_job_within_60s(cluster, tmp_path, how):
     """Issue 5's failure semantics under srun, started as users do: hvdkit launch in salloc."""
-    from test_checkpoint import FAILING_RANK
+    from rank.test_watchdog import FAILING_RANK
 
     script = tmp_path / "fail.py"
     script.write_text(FAILING_RANK)

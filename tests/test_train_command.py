@@ -67,7 +67,7 @@ def test_sharded_two_ranks_equal_one_rank_with_twice_the_batch(tmp_path, single_
         torch.testing.assert_close(two_ranks[name], big_batch[name], atol=1e-5, rtol=0)
     assert len(summary["memory"]) == 2 and all(m["optimizer_state"] > 0 and m["peak_rss"] > 0
                                                for m in summary["memory"])
-    for m in summary["memory"]:  # where each rank's memory peaked (hvdkit.rank.memory), none above its peak
+    for m in summary["memory"]:  # where each rank's memory peaked (hvdkit.rank.reports.memory), none above its peak
         phases = {k: v for k, v in m["phases"].items() if k != "unit"}
         assert {"setup and resume", "backward", "first optimizer step", "optimizer step"} <= set(phases), m
         assert m["phases"]["unit"] == "rss" and all(0 < v <= m["peak_rss"] for v in phases.values()), m
@@ -123,3 +123,18 @@ def test_readme_library_example_runs_on_two_ranks(tmp_path):
     assert summary["world_size"] == 2 and summary["test_samples"] == 512
     assert summary["test_accuracy"] > 0.85, summary
     assert (tmp_path / "runs" / "mine" / "metrics.jsonl").exists()
+
+
+def test_dataset_smaller_than_one_global_batch(tmp_path):
+    proc = run(planner.local_command("mpirun", 2, [*TRAIN, "--batch-size", "1024", "--log-dir", str(tmp_path)]))
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("hvdkit train:")]
+    assert lines == ["hvdkit train: data: the training set has 1437 samples, fewer than "
+                     "world size x batch_size = 2 x 1024"], proc.stderr[-2000:]
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    quiet = run([*TRAIN, "--model", "nope", "--log-dir", str(tmp_path)])
+    loud = run([*TRAIN, "--model", "nope", "--debug", "--log-dir", str(tmp_path)])
+    assert quiet.returncode == 2 and "Traceback" not in quiet.stderr
+    assert loud.returncode != 0 and "Traceback" in loud.stderr and "UnknownModel" in loud.stderr

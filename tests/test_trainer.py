@@ -210,7 +210,7 @@ def test_runs_started_at_once_get_directories_of_their_own(tmp_path):
     """The name is the start second; runs started in one second (a job array) must not share."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from hvdkit.rank.startup import new_run_dir
+    from hvdkit.rank.start.startup import new_run_dir
 
     with ThreadPoolExecutor(8) as pool:
         made = list(pool.map(lambda _: new_run_dir(str(tmp_path / "runs")), range(8)))
@@ -245,3 +245,18 @@ def test_sync_batch_norm_flag_is_refused_in_one_line_on_cpus(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == ("hvdkit train: sync_batch_norm: Horovod's SyncBatchNorm runs on "
                                                     "GPUs only and this host has none; drop sync_batch_norm "
                                                     "(--sync-batch-norm) on CPUs")
+
+
+def test_failure_hints_for_oom_and_nccl():
+    """Real exception objects as torch and Horovod raise them; a GPU to run out of is not here."""
+    from hvdkit.trainer import failure_hint
+
+    gpu = failure_hint(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert gpu.startswith("out of memory: lower --batch-size") and "Tried to allocate 2.00 GiB" in gpu
+    cpu = failure_hint(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"))
+    assert cpu.startswith("out of memory")
+    nccl = failure_hint(RuntimeError("NCCL error in: nccl_operations.cc:112, unhandled system error"))
+    assert "NCCL_DEBUG=INFO" in nccl and "NCCL_SOCKET_IFNAME" in nccl
+    assert failure_hint(ValueError("something else")) is None
+    peer = failure_hint(RuntimeError("Horovod has been shut down. This was caused by an exception on one of the ranks"))
+    assert peer == "stopped because another rank ended first; that rank's own line says why"

@@ -35,7 +35,7 @@ def allreduce_worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from hvdkit.rank.startup import performance_settings, place_process
+    from hvdkit.rank.start.startup import performance_settings, place_process
 
     launch = env.detect()
     if not args.no_tuning:

@@ -31,6 +31,7 @@ from hvdkit.bench.workers import (
 from hvdkit.bench.zero_drivers import zero
 from hvdkit.bench.zero_worker import zero_worker
 from hvdkit.launch.hostfile import LaunchError, parse_hosts
+from hvdkit.system import launchers
 
 _world_sizes = number_list(int, "1,2,4", "world sizes must be >= 1")
 _link_speeds = number_list(float, "10,25,100", "link speeds must be > 0")
@@ -126,7 +127,7 @@ def _byte_size(text: str) -> int:
 
 
 def _launch_arguments(p: argparse.ArgumentParser, files: bool) -> None:
-    p.add_argument("--launcher", choices=("auto", "horovodrun", "mpirun", "srun"), default="auto",
+    p.add_argument("--launcher", choices=launchers.CHOICES, default="auto",
                    help="how to start the ranks (as hvdkit launch; default: auto)")
     ctl = p.add_mutually_exclusive_group()
     ctl.add_argument("--gloo", dest="controller", action="store_const", const="gloo",
@@ -151,6 +152,11 @@ def _synthetic_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true",
                    help="after the timed steps, profile a few: the top CPU and GPU ops, host syncs and Horovod "
                         "waits per step, per implementation, written to --out")
+    p.add_argument("--counters", action="store_true",
+                   help="after the timed steps, time each duty of a step where it is called: host µs per step of "
+                        "each, per implementation (hvdkit, own-loop, horovod), written to --out")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
+                   help="every arm's optimizer (default sgd, as Horovod's benchmark)")
     p.add_argument("--lr", type=float, default=0.01, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=42, help=argparse.SUPPRESS)
 

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 from hvdkit import env
 from hvdkit.args import bits_per_second
-from hvdkit.bench import estimate, profile
+from hvdkit.bench import counters, estimate, profile
 from hvdkit.bench.environment import print_environment
 from hvdkit.bench.figures import (
     BenchError,
@@ -96,7 +96,8 @@ def synthetic_worker_args(args: argparse.Namespace, impl: str) -> list[str]:
               "--num-warmup-batches", str(args.num_warmup_batches),
               "--num-batches-per-iter", str(args.num_batches_per_iter), "--num-iters", str(args.num_iters),
               "--lr", str(args.lr), "--seed", str(args.seed)]
-    return worker + ["--fp16-allreduce"] * args.fp16_allreduce + ["--amp"] * args.amp + ["--profile"] * args.profile
+    return worker + ["--fp16-allreduce"] * args.fp16_allreduce + ["--amp"] * args.amp + ["--profile"] * args.profile \
+        + ["--counters"] * args.counters + ["--optimizer", args.optimizer]
 
 
 def compare_synthetic(args: argparse.Namespace) -> int:
@@ -115,6 +116,8 @@ def compare_synthetic(args: argparse.Namespace) -> int:
             runs[label].append(run_launch(command, "bench.synthetic", label, args.timeout))
     if args.profile:
         write_profiles(args, runs)
+    if args.counters:
+        write_counters(args, runs)
     print_environment(runs["hvdkit"][-1]["environment"])
     summary = {label: statistics.fmean(r["total_img_sec"] for r in results) for label, results in runs.items()}
     kind = runs["hvdkit"][-1]["device"]
@@ -176,15 +179,26 @@ def floor_line(floor: Optional[dict], np: int) -> str:
 
 def write_profiles(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
     """Each implementation's profile of its last round: profile-<label>.json and .txt."""
+    _write_last_rounds(args, runs, "profile", profile.text)
+
+
+def write_counters(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
+    """Each implementation's duty counters of its last round: counters-<label>.json and .txt."""
+    _write_last_rounds(args, runs, "counters", counters.text)
+
+
+def _write_last_rounds(args: argparse.Namespace, runs: dict[str, list[dict]], key: str, text) -> None:
+    """The ``key`` summary each implementation's last round recorded, as <key>-<label>.json and
+    .txt (``text(label, summary)``, also printed), in the synthetic bench's folder."""
     folder = out_dir(args, "synthetic")
     for label, results in runs.items():
-        summary = results[-1].get("profile")
+        summary = results[-1].get(key)
         if summary:
             name = re.sub(r"[^A-Za-z0-9_.=-]+", "_", label)
-            (folder / f"profile-{name}.json").write_text(json.dumps(summary, indent=1) + "\n")
-            (folder / f"profile-{name}.txt").write_text(profile.text(label, summary))
-            print(profile.text(label, summary), end="", flush=True)
-    print(f"profiles written to {folder}", flush=True)
+            (folder / f"{key}-{name}.json").write_text(json.dumps(summary, indent=1) + "\n")
+            (folder / f"{key}-{name}.txt").write_text(text(label, summary))
+            print(text(label, summary), end="", flush=True)
+    print(f"{key} written to {folder}", flush=True)
 
 
 def scaling(args: argparse.Namespace) -> int:

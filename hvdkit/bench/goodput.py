@@ -23,13 +23,15 @@ from hvdkit.system import wholefiles
 
 ARMS = ("restarts", "disk", "torchrun")
 RESTARTS = 100  # --max-restarts of the restarts arm: more than any storm here strikes
+EPOCHS = 1000  # hvdkit train's epochs: enough that --steps ends it, as it ends the torchrun arm's loop
 
 
 def train_command(args: argparse.Namespace, ckpt: Path, logs: Path) -> list[str]:
     """The job every arm trains: hvdkit train on synthetic images, a report per step (the faults'
     costs are read from them), checkpoints every --checkpoint-steps."""
     return ["hvdkit", "train", "--model", args.model, "--dataset", "synthetic", "--image-size", str(args.image_size),
-            "--max-steps", str(args.steps), "--checkpoint-steps", str(args.checkpoint_steps), "--warmup-epochs", "0",
+            "--epochs", str(EPOCHS), "--max-steps", str(args.steps), "--checkpoint-steps", str(args.checkpoint_steps),
+            "--warmup-epochs", "0",
             "--lr-schedule", "none", "--log-interval", "1", "--checkpoint-dir", str(ckpt), "--log-dir", str(logs)]
 
 
@@ -41,10 +43,12 @@ def arm_command(arm: str, args: argparse.Namespace, ckpt: Path, logs: Path) -> l
                 str(args.steps), "--checkpoint-steps", str(args.checkpoint_steps), "--checkpoint-dir", str(ckpt),
                 "--log-dir", str(logs)]
     train = train_command(args, ckpt, logs)
+    # One torch thread a rank, as the torchrun arm's agents give theirs: the rehearsal's hosts share
+    # this machine's cores, and each would otherwise take every core for its one rank.
+    launch = ["hvdkit", "launch", "-np", str(args.np), "-x", "OMP_NUM_THREADS=1"]
     if arm == "restarts":
-        return ["hvdkit", "launch", "-np", str(args.np), "--max-restarts", str(RESTARTS), "--", *train,
-                "--snapshot-steps", str(args.snapshot_steps)]
-    return ["hvdkit", "launch", "-np", str(args.np), "--", *train]
+        return [*launch, "--max-restarts", str(RESTARTS), "--", *train, "--snapshot-steps", str(args.snapshot_steps)]
+    return [*launch, "--", *train]
 
 
 def rehearse_command(arm: str, args: argparse.Namespace, out: Path) -> list[str]:
@@ -78,10 +82,12 @@ def run(args: argparse.Namespace) -> int:
           f"{args.np} hosts, {args.steps} steps, checkpoints every {args.checkpoint_steps}, snapshots every "
           f"{args.snapshot_steps} (restarts)")
     print(f"{'arm':<9} {'faults':>7} {'s to next step':>15} {'steps redone':>13} {'undisturbed s':>14} "
-          f"{'disturbed s':>12} {'ETTR':>6}  held")
+          f"{'start-up s':>11} {'steady ms':>10} {'steps':>6} {'disturbed s':>12} {'ETTR':>6}  held")
     for arm, row in table.items():
         print(f"{arm:<9} {row['faults_measured']:>7} {_text(row['mean_seconds_to_next_step']):>15} "
               f"{_text(row['mean_steps_redone']):>13} {_text(row['undisturbed_seconds']):>14} "
+              f"{_text(row['startup_seconds']):>11} {_text(row['steady_step_ms']):>10} "
+              f"{_text(row['trained_steps']):>6} "
               f"{_text(row['disturbed_seconds']):>12} {_text(row['effective_training_time_ratio']):>6}  "
               f"{row['held']}")
     record = {"event": "bench.goodput", "seed": args.seed, "faults": args.faults, "count": args.faults_count,
@@ -94,7 +100,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _row(report: dict) -> dict:
     held = "yes" if not report["problems"] else f"no: {report['problems'][0][:80]}"
-    return {**report["goodput"], "held": held, "exit_code": report["exit_code"],
+    reference = report.get("reference") or {}
+    pace = {key: reference.get(key)
+            for key in ("startup_seconds", "steady_step_ms", "trained_steps", "training_seconds")}
+    return {**report["goodput"], **pace, "held": held, "exit_code": report["exit_code"],
             "per_fault": [{k: s.get(k) for k in ("number", "fault", "target", "at_step", "resumed_step",
                                                  "steps_redone", "seconds_to_next_step")} for s in report["strikes"]]}
 

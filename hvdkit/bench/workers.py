@@ -12,7 +12,7 @@ import socket
 import statistics
 import sys
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 from hvdkit import env
 from hvdkit.bench.environment import environment
@@ -92,11 +92,11 @@ def synthetic_worker(args: argparse.Namespace) -> None:
     images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
     labels = torch.randint(0, args.num_classes, (args.batch_size,), device=device)
     if args.impl in ("hvdkit", "own-loop"):
-        step = _session_step(args, session, model, images, labels)
+        step, counted = _session_step(args, session, model, images, labels)
     elif args.impl == "ddp":
-        step = _ddp_step(args, model, images, labels, device)
+        step, counted = _ddp_step(args, model, images, labels, device), None
     else:
-        step = _horovod_step(args, hvd, model, images, labels, device)
+        step, counted = _horovod_step(args, hvd, model, images, labels, device)
 
     kind = "GPU" if device.type == "cuda" else "CPU"
     say = print if comm.rank == 0 else (lambda *a, **k: None)
@@ -116,9 +116,10 @@ def synthetic_worker(args: argparse.Namespace) -> None:
     steps = args.num_iters * args.num_batches_per_iter
     per_rank = _per_rank(session, times, steps) if times else []
     profiled = profile_steps(step, device) if args.profile else None
+    duties = _counted(step, counted, args.num_iters * args.num_batches_per_iter) if args.counters and counted else None
     if comm.rank == 0:
         gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        _report(args, comm, kind, rows, compute_ms, gradient_bytes, per_rank, profiled)
+        _report(args, comm, kind, rows, compute_ms, gradient_bytes, per_rank, profiled, duties)
     if args.impl == "ddp":
         _end_torch_distributed()
 
@@ -140,7 +141,7 @@ def _start(args: argparse.Namespace):
     started as its users start it, with the settings it would have."""
     import torch
 
-    from hvdkit.rank.startup import performance_settings, place_process
+    from hvdkit.rank.start.startup import performance_settings, place_process
     from hvdkit.session import Session
 
     launch = env.detect()
@@ -167,16 +168,36 @@ def _start(args: argparse.Namespace):
     return device, _horovod_comm(hvd), None, hvd
 
 
-def _session_step(args: argparse.Namespace, session, model, images, labels) -> Callable[[], None]:
-    """hvdkit: the Trainer's step; own-loop: the README's own loop on the Session API."""
+def _counted(step: Callable[[], None], install: Callable, steps: int) -> dict:
+    """As many steps as were timed, with a timer on each of their duties (hvdkit.bench.counters)."""
+    from hvdkit.bench import counters
+
+    timers = counters.Counters()
+    install(timers)
+    return counters.count_steps(timers, step, steps)
+
+
+def _optimizer(args: argparse.Namespace, parameters):
+    """The bench's optimizer, the same for every arm: SGD, or --optimizer adamw."""
     import torch
+
+    if args.optimizer == "adamw":
+        return torch.optim.AdamW(parameters, lr=args.lr)
+    return torch.optim.SGD(parameters, lr=args.lr)
+
+
+def _session_step(args: argparse.Namespace, session, model, images, labels):
+    """(step, its counters' installer): hvdkit: the Trainer's step; own-loop: the README's own
+    loop on the Session API."""
     import torch.nn.functional as F
 
+    from hvdkit.bench.counters import count_session
     from hvdkit.trainer import classification_loss, train_step
 
-    model, optimizer = session.setup(model, torch.optim.SGD(model.parameters(), lr=args.lr))
+    model, optimizer = session.setup(model, _optimizer(args, model.parameters()))
+    counted = lambda timers: count_session(timers, session, model)  # noqa: E731
     if args.impl == "hvdkit":
-        return lambda: train_step(session, model, classification_loss, (images, labels))
+        return (lambda: train_step(session, model, classification_loss, (images, labels))), counted
 
     def step() -> None:
         optimizer.zero_grad()
@@ -186,7 +207,7 @@ def _session_step(args: argparse.Namespace, session, model, images, labels) -> C
             session.backward(loss)
             session.log(len(y), loss=loss)
         session.step()
-    return step
+    return step, counted
 
 
 def _ddp_step(args: argparse.Namespace, model, images, labels, device) -> Callable[[], None]:
@@ -198,7 +219,7 @@ def _ddp_step(args: argparse.Namespace, model, images, labels, device) -> Callab
     if args.fp16_allreduce:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    optimizer = _optimizer(args, model.parameters())
     amp_dtype, scaler = _amp(args, device)
 
     def step() -> None:
@@ -215,13 +236,15 @@ def _ddp_step(args: argparse.Namespace, model, images, labels, device) -> Callab
     return step
 
 
-def _horovod_step(args: argparse.Namespace, hvd, model, images, labels, device) -> Callable[[], None]:
-    """Horovod's pytorch_synthetic_benchmark.py, as users write it."""
+def _horovod_step(args: argparse.Namespace, hvd, model, images, labels, device):
+    """(step, its counters' installer): Horovod's pytorch_synthetic_benchmark.py, as users write it."""
     import torch
     import torch.nn.functional as F
 
+    from hvdkit.bench.counters import count_horovod
+
     optimizer = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=args.lr), named_parameters=model.named_parameters(),
+        _optimizer(args, model.parameters()), named_parameters=model.named_parameters(),
         compression=hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
@@ -241,7 +264,7 @@ def _horovod_step(args: argparse.Namespace, hvd, model, images, labels, device) 
         else:
             loss.backward()
             optimizer.step()
-    return step
+    return step, lambda timers: count_horovod(timers, optimizer, model)
 
 
 def _amp(args: argparse.Namespace, device):
@@ -273,7 +296,7 @@ def _timed(args: argparse.Namespace, step: Callable[[], None], device, said: Cal
 
 
 def _report(args: argparse.Namespace, comm: _Comm, kind: str, rows: list, compute_ms: float, gradient_bytes: int,
-            per_rank: list, profiled) -> None:
+            per_rank: list, profiled, duties: Optional[dict]) -> None:
     """Rank 0's lines, as Horovod's benchmark prints them, then the JSON record the driver reads."""
     result = cross_rank_total([row[:2] for row in rows])
     print(f"Img/sec per {kind}: {result['img_sec_per_device']:.1f} +-{result['img_sec_per_device_conf']:.1f}")
@@ -290,11 +313,13 @@ def _report(args: argparse.Namespace, comm: _Comm, kind: str, rows: list, comput
               "per_rank": per_rank, "environment": environment(controller=comm.controller, impl=args.impl)}
     if profiled:
         record["profile"] = profiled
+    if duties:
+        record["counters"] = duties
     print(json.dumps(record), flush=True)
 
 
 def _per_rank(session, times, steps: int) -> list[dict]:
-    """Each rank's compute and wait per step over the timed batches (hvdkit.rank.stragglers), with its host."""
+    """Each rank's compute and wait per step over the timed batches (hvdkit.rank.agree.stragglers), with its host."""
     hvd = session.hvd
     hosts = hvd.allgather_object(socket.gethostname(), name="bench.hosts")
     times.reported(hvd.allreduce(times.row(), op=hvd.Sum, name="bench.per_rank").tolist(), steps, hosts)
@@ -311,7 +336,7 @@ def _compute_seconds(args: argparse.Namespace, device, images, labels) -> float:
     from hvdkit import models
 
     plain = models.build(args.model, 3, args.image_size, args.num_classes).to(device)
-    optimizer = torch.optim.SGD(plain.parameters(), lr=args.lr)
+    optimizer = _optimizer(args, plain.parameters())
     amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
 
     def step() -> None:

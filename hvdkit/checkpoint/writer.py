@@ -147,6 +147,13 @@ class Writer:
             self._thread.join()
             self._thread = None
 
+    def wait_written(self, timeout: float) -> None:
+        """From a thread other than the saving one: wait up to ``timeout`` seconds for the save in
+        flight to be written, changing nothing here (the saving thread may be anywhere)."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
     def close(self) -> None:
         """Wait for the save in flight; unmap the slots of raw saves."""
         self.wait()

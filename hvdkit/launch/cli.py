@@ -28,6 +28,7 @@ from hvdkit.launch.hostfile import (
 from hvdkit.launch.mpi import find_program, mpirun_version
 from hvdkit.launch.network import Network, NetworkError, remote_hosts, routable_network
 from hvdkit.launch.planner import Plan, check_command, elastic, local_slots, parser, plan
+from hvdkit.system.launchers import BY_NAME
 
 REMOVE_SECONDS = 15  # ssh's connect timeout (5 s) and the removal
 
@@ -89,8 +90,8 @@ def main(argv: Sequence[str]) -> int:
                                local_slots(), launcher_args, network=routable_network)
         return plans[lost]
 
-    # srun: a second step would wait for the allocation the running one holds; elastic: no restarts.
-    ahead = args.max_restarts and result.launcher != "srun" and not elastic(launcher_args) and (
+    # Not where the launcher says so (hvdkit.launchers: srun); elastic: no restarts.
+    ahead = args.max_restarts and BY_NAME[result.launcher].starts_ahead and not elastic(launcher_args) and (
         args.standby if args.standby is not None else runs_hvdkit_train(command))
     standby: dict[frozenset, supervise.Launched] = {}  # the next attempt, started ahead, by the hosts lost before it
 

@@ -13,9 +13,10 @@ from typing import Mapping, Optional, Sequence
 
 from hvdkit.launch.hostfile import Host, LaunchError, host_list
 from hvdkit.launch.network import Network
+from hvdkit.system.launchers import HOROVODRUN, MPIRUN, SRUN
 
 FORWARD_PREFIXES = ("NCCL_", "HOROVOD_", "HVDKIT_")  # HVDKIT_: config keys job scripts hand over
-# OMP_NUM_THREADS: a rank reads it for torch's threads (hvdkit.rank.startup); without it a rank
+# OMP_NUM_THREADS: a rank reads it for torch's threads (hvdkit.rank.start.startup); without it a rank
 # alone on another host would compute with more threads than the ranks here, and differently.
 FORWARD_NAMES = ("PYTHONPATH", "PATH", "LD_LIBRARY_PATH", "OMP_NUM_THREADS")
 
@@ -57,7 +58,7 @@ def elastic(launcher_args: Sequence[str]) -> bool:
 def horovodrun_command(spec: LaunchSpec) -> list[str]:
     """horovodrun forwards the environment itself; set_env is applied to its own environment.
     An elastic job's hosts are its discovery script's."""
-    cmd = [spec.program or "horovodrun", "-np", str(spec.np)]
+    cmd = [spec.program or HOROVODRUN.name, "-np", str(spec.np)]
     if spec.hostfile:
         cmd += ["--hostfile", spec.hostfile]
     elif not elastic(spec.launcher_args):
@@ -68,7 +69,7 @@ def horovodrun_command(spec: LaunchSpec) -> list[str]:
 
 
 def openmpi_command(spec: LaunchSpec) -> list[str]:
-    cmd = [spec.program or "mpirun", "-np", str(spec.np)]
+    cmd = [spec.program or MPIRUN.name, "-np", str(spec.np)]
     if spec.hostfile:
         cmd += ["--hostfile", spec.hostfile]
     elif spec.hosts:
@@ -99,7 +100,7 @@ def openmpi_command(spec: LaunchSpec) -> list[str]:
 
 def hydra_command(spec: LaunchSpec) -> list[str]:
     """MPICH's Hydra: -hosts host:N and -genv/-genvlist."""
-    cmd = [spec.program or "mpirun", "-np", str(spec.np)]
+    cmd = [spec.program or MPIRUN.name, "-np", str(spec.np)]
     if spec.hostfile:
         cmd += ["-f", spec.hostfile]
     elif spec.hosts:
@@ -119,7 +120,7 @@ def _hydra_env(spec: LaunchSpec) -> list[str]:
 
 def intel_command(spec: LaunchSpec) -> list[str]:
     """Intel MPI (also Hydra), which takes plain host names and -ppn for ranks per host."""
-    cmd = [spec.program or "mpirun", "-n", str(spec.np)]
+    cmd = [spec.program or MPIRUN.name, "-n", str(spec.np)]
     if spec.hostfile:
         cmd += ["-machinefile", spec.hostfile]
     elif spec.hosts:
@@ -134,7 +135,7 @@ def srun_command(spec: LaunchSpec) -> list[str]:
     """srun exports the whole environment; set_env is added to --export. --kill-on-bad-exit
     ends every task when one fails, where srun would otherwise wait for the rest."""
     export = ",".join(["ALL", *(f"{k}={v}" for k, v in spec.set_env.items())])
-    cmd = [spec.program or "srun", f"--ntasks={spec.np}", f"--mpi={spec.srun_mpi}", "--kill-on-bad-exit=1",
+    cmd = [spec.program or SRUN.name, f"--ntasks={spec.np}", f"--mpi={spec.srun_mpi}", "--kill-on-bad-exit=1",
            "--label", f"--export={export}"]
     if spec.hosts:
         cmd.append(f"--nodelist={','.join(h.name for h in spec.hosts)}")

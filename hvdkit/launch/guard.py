@@ -6,7 +6,7 @@ own terms (Open MPI's mpirun: "process rank 0 with PID 0 ... exited on signal 9"
 PID). The line is the rank's last output, before the launcher's own text.
 
 The rank writes what the line needs on a page of memory the guard gives it (job.GUARD;
-hvdkit.rank.watchdog): the step it finished, at each step (a store, no call into the kernel), and
+hvdkit.rank.liveness.watchdog): the step it finished, at each step (a store, no call into the kernel), and
 once a second its rank, where its checkpoints are and its peak memory. The guard passes the stop
 signals on to the rank, dies with a SIGKILL to it (the rank's PR_SET_PDEATHSIG), ends what the
 rank left running (it is their subreaper), and ends as the rank did: the same exit code, or the

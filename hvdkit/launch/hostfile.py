@@ -78,7 +78,7 @@ def format_hostfile(hosts: Sequence[Host], fmt: str) -> str:
     """The hosts as a hostfile for horovodrun (host:slots), Open MPI (host slots=N) or MPICH (host:N)."""
     if fmt == "openmpi":
         return "".join(f"{h.name} slots={h.slots}\n" for h in hosts)
-    if fmt in ("horovodrun", "mpich"):
+    if fmt in HOSTFILE_FORMATS:  # horovodrun's and MPICH's: host:N
         return "".join(f"{h.name}:{h.slots}\n" for h in hosts)
     raise LaunchError(f"unknown hostfile format {fmt!r}; choose one of: {', '.join(HOSTFILE_FORMATS)}")
 

@@ -1,4 +1,4 @@
-"""`hvdkit launch --max-restarts`'s line to its ranks (hvdkit.rank.link): each rank connects at
+"""`hvdkit launch --max-restarts`'s line to its ranks (hvdkit.rank.liveness.link): each rank connects at
 its start and says who it is; one whose connection closes without saying it was leaving died (a
 signal, a crash), and the other ranks are told to end at once, so that the restart follows the
 death in a fraction of a second instead of after mpirun's kill sequence on every host. A stop

@@ -43,8 +43,8 @@ from hvdkit.launch.hostfile import (
 )
 from hvdkit.launch.mpi import find_program, mpi_flavor, mpirun_version
 from hvdkit.launch.network import Network, NetworkError, routable_network
+from hvdkit.system.launchers import BY_NAME, CHOICES, HOROVODRUN, MPIRUN, SRUN
 
-CHOICES = ("auto", "horovodrun", "mpirun", "srun")  # --launcher
 REHEARSAL_HOSTS = "HVDKIT_HOSTS"  # host:slots,... that `hvdkit rehearse` sets; read where -H/--hostfile are not given
 
 
@@ -56,19 +56,19 @@ def choose_launcher(requested: str, controller: Optional[str], environ: Mapping[
                     which: Callable[[str], Optional[str]], is_elastic: bool = False) -> tuple[str, str]:
     """(launcher, reason). auto: srun in a Slurm allocation, mpirun if on PATH, else horovodrun --gloo;
     horovodrun for elastic jobs, which only it runs."""
-    if requested != "auto":
-        if is_elastic and requested != "horovodrun":
+    if requested in BY_NAME:
+        if is_elastic and not BY_NAME[requested].elastic:
             raise LaunchError(f"--host-discovery-script: elastic jobs run under horovodrun, not {requested}")
         return requested, "asked for with --launcher"
     if is_elastic:
-        return "horovodrun", "--host-discovery-script: elastic jobs run under horovodrun"
+        return HOROVODRUN.name, "--host-discovery-script: elastic jobs run under horovodrun"
     if controller == "gloo":
-        return "horovodrun", "--gloo: only horovodrun starts Gloo jobs"
-    if "SLURM_JOB_ID" in environ and which("srun"):
-        return "srun", f"inside Slurm allocation {environ['SLURM_JOB_ID']}"
-    if which("mpirun"):
-        return "mpirun", f"mpirun found at {which('mpirun')}"
-    return "horovodrun", "no Slurm allocation and no mpirun on PATH: horovodrun with Gloo"
+        return HOROVODRUN.name, "--gloo: only horovodrun starts Gloo jobs"
+    if "SLURM_JOB_ID" in environ and which(SRUN.name):
+        return SRUN.name, f"inside Slurm allocation {environ['SLURM_JOB_ID']}"
+    if which(MPIRUN.name):
+        return MPIRUN.name, f"mpirun found at {which(MPIRUN.name)}"
+    return HOROVODRUN.name, "no Slurm allocation and no mpirun on PATH: horovodrun with Gloo"
 
 
 def check_slots(spec: LaunchSpec, local_slots: int) -> Optional[str]:
@@ -173,16 +173,15 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
     set_env, extra = _variables(args.env)
     is_elastic = elastic(launcher_args)
     launcher, reason = choose_launcher(args.launcher, args.controller, environ, which, is_elastic)
+    chosen = BY_NAME[launcher]
     program = which(launcher)
     if program is None:
-        raise LaunchError(f"{launcher} not found on PATH; " + {
-            "mpirun": "install Open MPI (apt-get install openmpi-bin) or `module load` an MPI",
-            "srun": "srun runs only where Slurm is installed",
-        }.get(launcher, "activate the environment where Horovod is installed"))
-    if launcher != "horovodrun" and args.controller == "gloo":
+        raise LaunchError(f"{launcher} not found on PATH; {chosen.install}")
+    if not chosen.gloo and args.controller == "gloo":
         raise LaunchError(f"--gloo needs horovodrun; {launcher} starts MPI jobs")
-    if launcher == "srun" and "SLURM_JOB_ID" not in environ:
-        raise LaunchError("srun: not inside a Slurm allocation (run under salloc or sbatch, or pick another launcher)")
+    if chosen.in_allocation and "SLURM_JOB_ID" not in environ:
+        raise LaunchError(f"{launcher}: not inside a Slurm allocation (run under salloc or sbatch, or pick another "
+                          f"launcher)")
     hosts, listed, where = _hosts(given, args, launcher, environ, is_elastic)
     reason += where
     spares = []
@@ -198,7 +197,7 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
                       restarts=supervised and getattr(args, "max_restarts", 0) > 0)
     oversubscribed = check_slots(spec, local_slots)
     placed = ranks_by_host(hosts, args.np) if listed else {}
-    if launcher == "horovodrun":
+    if chosen is HOROVODRUN:
         env = dict(set_env)
         if as_root and args.controller != "gloo":  # its mpirun refuses root without these
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
@@ -206,7 +205,7 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
             env.update(data_path({**environ, **set_env}))
         return _spared(Plan(launcher, reason, horovodrun_command(spec), env, tagged=True, ranks=placed,
                             hosts=hosts if listed else []), spares)
-    if launcher == "srun":
+    if chosen is SRUN:
         return Plan(launcher, reason, srun_command(spec), {})
     # What hvdkit launch sets for its ranks.
     launch_side = [job.JOB_DIR, job.RESTART, job.SNAPSHOTS, job.LINK, job.STANDBY] if supervised else []
@@ -264,7 +263,7 @@ def _hosts(hosts: Optional[list], args: argparse.Namespace, launcher: str, envir
     if is_elastic and hosts is not None:  # choose_launcher made it horovodrun
         raise LaunchError("--host-discovery-script gives an elastic job its hosts; drop -H/--hostfile "
                           "(with both, horovodrun ignores them)")
-    if launcher == "horovodrun" and hosts is None and not is_elastic:
+    if launcher == HOROVODRUN.name and hosts is None and not is_elastic:
         if "SLURM_JOB_NODELIST" in environ:
             hosts = slurm_hosts(environ)
             where = "; hosts from the Slurm allocation"
@@ -308,7 +307,7 @@ FAST_LINK_GBIT = 10
 def data_path(environ: Mapping[str, str]) -> dict:
     """What moves a CPU job's tensors across hosts, set alike in every rank: on links the user (or a
     rehearsal) says are 10 Gbit/s or faster, MPI (HOROVOD_CPU_OPERATIONS=mpi); else nothing, and the
-    ranks give Gloo the tensors (hvdkit.rank.startup.gloo_data_settings). Measured on both link
+    ranks give Gloo the tensors (hvdkit.rank.start.startup.gloo_data_settings). Measured on both link
     speeds: docs/performance.md#across-hosts."""
     rate = environ.get(LINK_RATE)
     if not rate or "HOROVOD_CPU_OPERATIONS" in environ:  # the user's, exported or given with -x

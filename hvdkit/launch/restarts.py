@@ -16,6 +16,7 @@ newer than the newest checkpoint), which a restart resumes from and which go whe
 
 from __future__ import annotations
 
+import enum
 import os
 import shutil
 import signal
@@ -30,7 +31,6 @@ from hvdkit.launch.hostfile import LaunchError
 from hvdkit.launch.supervise import FORWARDED, Ended
 from hvdkit.system.sighandlers import Handlers
 
-NOT_FAILURES = (job.OK, job.BAD_INPUT, job.OVER_CAP)
 SHM = "/dev/shm"
 SNAPSHOT_PREFIX = "hvdkit-snapshots-"
 # Set by hvdkit rehearse: its jobs' snapshot folders carry it, so that it tells them from those of
@@ -38,15 +38,45 @@ SNAPSHOT_PREFIX = "hvdkit-snapshots-"
 SNAPSHOT_TAG = "HVDKIT_SNAPSHOT_TAG"
 
 
+class Why(enum.Enum):
+    """How an attempt ended, as the restarts read it (as torch elastic's WorkerState)."""
+    STOPPED = "stopped"  # a signal to hvdkit launch, or a stop a rank recorded: checkpointed, not restarted
+    FINISHED = "finished"
+    REFUSED = "refused"  # bad input, or a model over its memory cap: a restart would end alike
+    HOST_LOST = "host lost"  # a host stopped answering: left out of the restarts after it
+    RANK_ENDED = "rank ended"  # a rank's guard said how (a signal, the out-of-memory killer), or its recorded line
+    SIGNALLED = "signalled"  # the launcher's exit code for a signal, no rank's word
+    FAILED = "failed"  # any other exit code (job.EXIT_CODES)
+
+
+RESTARTED = frozenset({Why.HOST_LOST, Why.RANK_ENDED, Why.SIGNALLED, Why.FAILED})
+
+
+def why(ended: Ended) -> Why:
+    """How ``ended`` ended, from its code, its stop and what its ranks and hosts said."""
+    if ended.stopped or (ended.recorded or 0) > job.stopped_by(0):
+        return Why.STOPPED
+    if ended.code in (job.OK, job.BAD_INPUT, job.OVER_CAP):
+        return Why.FINISHED if ended.code == job.OK else Why.REFUSED
+    if ended.lost:
+        return Why.HOST_LOST
+    if ended.cause:
+        return Why.RANK_ENDED
+    if ended.code - job.stopped_by(0) in {number.value for number in signal.Signals}:  # mpirun has codes above too
+        return Why.SIGNALLED
+    return Why.FAILED
+
+
 def cause(ended: Ended) -> Optional[str]:
     """What ended a failed attempt, in words; None where the job is not to be started again."""
-    if ended.stopped or ended.code in NOT_FAILURES or (ended.recorded or 0) > job.stopped_by(0):
+    kind = why(ended)
+    if kind not in RESTARTED:
         return None
-    if ended.lost:
+    if kind is Why.HOST_LOST:
         return ended.lost
-    if ended.cause:
+    if kind is Why.RANK_ENDED:
         return ended.cause
-    if ended.code - job.stopped_by(0) in {number.value for number in signal.Signals}:  # mpirun has codes above too
+    if kind is Why.SIGNALLED:
         return f"a rank or its launcher was ended by {signal.Signals(ended.code - job.stopped_by(0)).name} " \
                f"(exit {ended.code})"
     meaning = {entry.code: entry.meaning for entry in job.EXIT_CODES}.get(ended.code, "a failure")

@@ -38,9 +38,10 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from hvdkit import job
 from hvdkit.launch import rank_output, supervise
 from hvdkit.system import proctree, sighandlers, wholefiles
+from hvdkit.system.launchers import HOROVODRUN, MPIRUN
 
-LAUNCH_FLAGS = {"horovodrun": ["--launcher", "horovodrun"], "mpirun": ["--launcher", "mpirun"],
-                "gloo": ["--launcher", "horovodrun", "--gloo"]}
+LAUNCH_FLAGS = {HOROVODRUN.name: ["--launcher", HOROVODRUN.name], MPIRUN.name: ["--launcher", MPIRUN.name],
+                "gloo": ["--launcher", HOROVODRUN.name, "--gloo"]}
 CALL = "call.pkl"
 ENDING = (signal.SIGTERM, signal.SIGHUP)  # the caller's own end, passed to the job first
 

@@ -11,7 +11,7 @@ therefore starts the launcher as a child in its own session and stays as its par
   directly. srun takes a single Ctrl-C as "show status", so SIGINT reaches srun
   as SIGTERM, as Open MPI's mpirun passes it to its ranks;
 * a stop always ends: the ranks end themselves ``stop_grace()`` seconds after the signal where
-  no step boundary comes (hvdkit.rank.stops), and whatever still runs a few seconds later (a
+  no step boundary comes (hvdkit.rank.ending.stops), and whatever still runs a few seconds later (a
   frozen rank, a launcher that does not exit) is killed, with one line;
 * when the launcher exits, every process still left below it is ended (SIGTERM, then
   SIGKILL), by PID, and the launcher's exit code is returned, or the documented code a rank
@@ -57,9 +57,8 @@ from hvdkit.job import (
 )
 from hvdkit.launch import guard, network, rank_output
 from hvdkit.launch.links import Links
+from hvdkit.system import launchers
 from hvdkit.system.proctree import (
-    MPI_LAUNCHERS,
-    SRUN,
     become_subreaper,
     die_with_parent,
     end_processes,
@@ -71,7 +70,8 @@ if TYPE_CHECKING:  # imported where used: `hvdkit doctor` runs without psutil
     import psutil
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
-FORWARDERS = (*MPI_LAUNCHERS, SRUN)  # launchers that pass signals on to the ranks on other hosts
+FORWARDERS = launchers.programs((launcher for launcher in launchers.LAUNCHERS if launcher.forwards_signals),
+                               daemons=False)
 
 
 def end_with_parent() -> None:
@@ -128,8 +128,9 @@ def _is_rank(process: "psutil.Process") -> bool:
 
 
 def translate(signum: int, forwarder: str) -> int:
-    """srun shows its tasks' status on a single SIGINT instead of passing it on."""
-    return signal.SIGTERM if signum == signal.SIGINT and forwarder == SRUN else signum
+    """What to send the launcher ``forwarder`` (a process name) for ``signum``: its own word for a SIGINT."""
+    launcher = launchers.running_as(forwarder)
+    return launcher.interrupt if launcher and signum == signal.SIGINT else signum
 
 
 @dataclass

@@ -1,7 +1,31 @@
-"""What runs inside every rank: start-up, the data each rank reads, the step, resume, reports,
-the checks between ranks, and what ends a rank (stop signals, the watchdog, a lost launcher).
+"""What runs inside every rank, by concern; each subpackage's docstring names its modules:
 
-The Session (hvdkit.session) puts these parts together. Nothing here imports hvdkit.launch:
-what a rank and its launcher agree on (the job directory, exit records, exit codes) is in
-hvdkit.job.
+- ``state``: where the run is (its counters and the objects it trains), shared by the parts.
+- ``start/``: Horovod started for one training process (startup), the data each rank reads (loaders).
+- ``step/``: the training step and its guard (training), the distributed optimizer (buckets).
+- ``agree/``: the ranks' meetings (lockstep), their copies compared (consistency), stragglers.
+- ``resume/``: checkpoints and resume (checkpoints), elastic runs, snapshots in host memory.
+- ``liveness/``: the watchdog and its stacks, the watches on the launcher (orphan, lifeline), the
+  line to hvdkit launch (link).
+- ``ending/``: stop signals and requeues (stops), the run's end (finish), one run per directory (lock).
+- ``reports/``: metrics combined at each report and the summary (report), rank 0's output
+  (metrics), the trackers (loggers; users import them as ``hvdkit.rank.loggers``), memory's peaks.
+
+The Session (hvdkit.session) holds the run's state and makes the parts, each handed that state and
+what else it uses (none holds the Session); none starts anything when made. The calls that start
+them, in order:
+
+1. ``Session.__init__`` makes every part, then ``Session._start``: the watchdog's thread
+   (``Watchdog.start``); the stop signals' handlers (``StopSignal.install``: on an elastic run
+   only on the driver's host); hvdkit's own errors said in one line, the launcher line's hook for
+   a save in flight, the lifeline's probes and the run's locks (``Ending.start``); the watch on
+   the launcher (``orphan.watch``, where the handlers are installed).
+2. ``RunCheckpoints.read_ahead``: a sharded run resumed at another world size takes its K before
+   the step is made.
+3. ``Session.setup``: the resume read (``RunCheckpoints.resume_or_broadcast``), then the reports' trackers
+   (``Reports.start``: they continue the runs the checkpoint names), then the heartbeats and
+   stacks once the run is accepted (``Watchdog.share``).
+
+Nothing here imports hvdkit.launch: what a rank and its launcher agree on (the job directory,
+exit records, exit codes) is in hvdkit.job.
 """

@@ -50,7 +50,7 @@ TICK = 0.05  # how often the faults' moments are looked for, at most
 GIVEN_DEADLINE = 1800.0  # seconds an attempt may take when the undisturbed run was not timed here
 # Seconds after the command ends for its processes on the hosts to go. A rank that horovodrun
 # --gloo started over ssh, its launcher gone, ends itself once it has not answered for
-# LOST_SECONDS (hvdkit.rank.lifeline), found by a probe up to one interval later that may itself
+# LOST_SECONDS (hvdkit.rank.liveness.lifeline), found by a probe up to one interval later that may itself
 # take one. mpirun's daemons and hvdkit launch end what they started before they exit: a few
 # seconds for a process in its exit.
 SETTLE = job.LOST_SECONDS + 2 * job.PROBE_SECONDS + 3.0
@@ -59,6 +59,7 @@ RESUMED = re.compile(r"hvdkit: resumed from \S+ \(epoch \d+, step (\d+)")
 BALLAST = ".chaos-ballast"  # disk-full's file, in the checkpoint directory's own filesystem
 STEPS_FILE = "chaos-steps.json"  # beside the undisturbed run's checkpoints: every step it wrote one at
 SLOW = "20mbit"  # slow's link (tc tbf; netem's delay is not in every kernel)
+NOT_AT_A_RANK = ("host-lost", "partition", "slow", "disk-full")  # faults that strike a host or the disk
 
 
 class Chaos:
@@ -105,7 +106,7 @@ class Chaos:
             return checkpoint.existing(str(given))[-1]
         self.say("the undisturbed run first, for the final state to compare with")
         seen: set[int] = set()
-        began = time.monotonic()
+        began, began_wall = time.monotonic(), time.time()
         attempt = self._attempt(0, lambda: seen.update(self._written()))
         self._after(attempt, [])
         if attempt.code != 0:
@@ -119,7 +120,8 @@ class Chaos:
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
         seconds = time.monotonic() - began
         self.deadline = max(120.0, 4 * seconds)
-        self.report.reference = {"dir": str(kept), "steps": sorted(seen), "seconds": round(seconds, 1)}
+        self.report.reference = {"dir": str(kept), "steps": sorted(seen), "seconds": round(seconds, 1),
+                                 "began_wall": began_wall}
         if len(seen) > 1:  # the mean time from one checkpoint to the next, at the undisturbed pace
             self.interval = seconds * (max(seen) - min(seen)) / (len(seen) - 1) / max(seen)
         if not seen:
@@ -190,9 +192,13 @@ class Chaos:
             state["known"] = written
             state["mine"].append(strike)
             try:
-                self._strike(strike, state["number"])
+                struck = self._strike(strike, state["number"])
             except (OSError, RuntimeError, ValueError) as exc:
+                struck = True
                 self.report.problems.append(f"{strike.describe()} could not strike: {exc}")
+            if not struck:  # no rank to strike: this attempt is ending; its moment comes again in the next
+                state["mine"].remove(strike)
+                self.pending.insert(0, strike)
         self.writing = []
 
     def _moment(self, strike: Strike) -> bool:
@@ -217,11 +223,15 @@ class Chaos:
             return True
         return any(step >= strike.step for step in written - state["known"])
 
-    def _strike(self, strike: Strike, attempt: int) -> None:
+    def _strike(self, strike: Strike, attempt: int) -> bool:
+        """Strike it now; False, with nothing recorded, where it finds no rank to strike (the attempt is ending)."""
+        fault = strike.fault
+        found = {} if fault in NOT_AT_A_RANK else processes.ranks(self.hosts)
+        if fault not in NOT_AT_A_RANK and not found:
+            return False
         self.struck_at[strike.number] = now = time.monotonic()
         strike.struck_wall = time.time()
         strike.attempt, strike.struck_after = attempt, round(now - self.started, 1)
-        fault = strike.fault
         strike.phase = "training"
         if fault in ("host-lost", "partition", "slow"):
             others = self.hosts.names[1:]
@@ -243,26 +253,21 @@ class Chaos:
             else:
                 self.hosts.shape(host, SLOW)
                 self._later(strike.seconds, lambda: self.hosts.unshape(host))
-            return
+            return True
         if fault == "disk-full":
             strike.target = str(self.ckpt)
             self.say(strike.describe())
             self._fill()
-            return
+            return True
         import psutil
 
-        found = processes.ranks(self.hosts)
-        if not found:
-            strike.phase = ""
-            self._unstruck(strike, "no rank was left to strike: the job was ending")
-            return
         if fault == "preempt":
             strike.target = "every rank"
             self.say(strike.describe())
             for process, _ in found.values():
                 with contextlib.suppress(psutil.Error):
                     process.send_signal(getattr(signal, strike.signal))
-            return
+            return True
         if fault == "in-write":
             rank = self._writer(found)
         else:
@@ -280,17 +285,17 @@ class Chaos:
         if fault == "stall":
             process.send_signal(signal.SIGSTOP)
             self._later(strike.seconds, lambda: process.send_signal(signal.SIGCONT))
-            return
+            return True
         if fault == "oom":
             try:
                 confined = cgroups.confine(process.pid, OOM_BYTES, f"hvdkit-chaos-oom-{process.pid}")
             except OSError as exc:
                 strike.phase = ""
                 self._unstruck(strike, f"no memory cgroup to confine the process in: {exc}")
-                return
+                return True
             self.undo.append(lambda: cgroups.release(confined))
             cgroups.exceed(confined, OOM_EXCESS)
-            return
+            return True
         with contextlib.suppress(psutil.Error):
             process.kill()
         if fault == "in-write":
@@ -298,6 +303,7 @@ class Chaos:
                             else "checkpoint write (its write had just ended)")
         if fault == "while-resuming":
             self.second = {"strike": strike, "delay": strike.seconds / 4}
+        return True
 
     def _writer(self, found: dict) -> int:
         """The rank whose temporary file is there (a shard's part names it), else rank 0."""

@@ -52,6 +52,7 @@ from hvdkit import job
 from hvdkit.args import LINK_RATE, OneLineParser, bits_per_second, checked, duration
 from hvdkit.launch.restarts import SNAPSHOT_TAG
 from hvdkit.rehearse import faults as fault_menu
+from hvdkit.rehearse import goodput
 from hvdkit.rehearse.namespaces import (
     FIRST_HOST,
     MAX_HOSTS,
@@ -304,6 +305,10 @@ def _chaos(args: argparse.Namespace, command: list[str], running: dict) -> int:
             run = chaos.Chaos(command, hosts, env, ckpt, out, report, lambda m: say(f"chaos: {m}"), running,
                               elastic=elastic(command), tolerance=args.tolerance)
             final = run.reference(args.reference)
+            log_dir = fault_menu.command_option(command, "--log-dir")
+            if final is not None and "began_wall" in report.reference:  # its start-up and steady step
+                report.reference.update(goodput.pace(goodput.records(log_dir, report.reference["began_wall"]),
+                                                     report.reference["began_wall"]))
             if final is not None:
                 if small:
                     room = 4 * sum(p.stat().st_size for p in final.parent.rglob("*") if p.is_file()) + (64 << 20)
@@ -316,7 +321,7 @@ def _chaos(args: argparse.Namespace, command: list[str], running: dict) -> int:
                 run.run(strikes, final, limit=2 * args.chaos + 3)
                 report.strikes = [dataclasses.asdict(s) for s in strikes]
                 ends = set() if elastic(command) else {f for f, fault in fault_menu.FAULTS.items() if fault.ends}
-                verdict.measure_goodput(report, fault_menu.command_option(command, "--log-dir"), ends, began_wall,
+                verdict.measure_goodput(report, log_dir, ends, began_wall,
                                         time.monotonic() - began_storm)
                 report.diagnosis = diagnosis.score(report.strikes, out)
                 report.problems += filter(None, [diagnosis.below(report.diagnosis, args.min_diagnosed)])

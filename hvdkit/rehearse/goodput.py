@@ -64,3 +64,18 @@ def summary(costs: Sequence[dict], undisturbed: Optional[float], disturbed: floa
             if costs and all("steps_redone" in c for c in costs) else None,
             "effective_training_time_ratio": round(undisturbed / disturbed, 3) if undisturbed and disturbed else None,
             "undisturbed_seconds": undisturbed, "disturbed_seconds": round(disturbed, 1)}
+
+
+def pace(found: Sequence[dict], began: float) -> dict:
+    """An undisturbed run's start-up and steady step, from its train reports (``--log-interval 1``)
+    stamped with the wall time, ``began`` being when it was launched: seconds from the launch to
+    the first trained step, and the median seconds from one trained step to the next (a step's
+    own report included, a checkpoint's step among them)."""
+    times = [r["time"] for r in found if r.get("event") == "train" and "time" in r]
+    if not times:
+        return {}
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    return {"startup_seconds": round(times[0] - began, 2), "trained_steps": len(times),
+            "steady_step_ms": round(statistics.median(gaps) * 1e3, 2) if gaps else None,
+            "training_seconds": round(times[-1] - times[0], 2)}
+

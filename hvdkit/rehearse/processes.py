@@ -10,13 +10,13 @@ from typing import Optional
 from hvdkit import checkpoint, job
 from hvdkit.env import RANK_VARIABLES
 from hvdkit.launch import guard, restarts
-from hvdkit.rank import lifeline
+from hvdkit.rank.liveness import lifeline
 from hvdkit.rehearse.namespaces import Hosts
-from hvdkit.system import proctree, wholefiles
+from hvdkit.system import launchers, wholefiles
 
 TORCHRUN_WORKER = "TORCHELASTIC_RUN_ID"  # what torchrun's agent sets in the workers it starts, beside RANK
-NOT_RANKS = {"sh", "bash", "dash", "ssh", "sshd", "env", "timeout", proctree.HOROVODRUN, *proctree.MPI_LAUNCHERS,
-             *proctree.MPI_DAEMONS}
+NOT_RANKS = {"sh", "bash", "dash", "ssh", "sshd", "env", "timeout",
+             *launchers.programs(launcher for launcher in launchers.LAUNCHERS if not launcher.ends_its_ranks)}
 
 
 def ranks(hosts: Hosts) -> dict[int, tuple]:

@@ -1,5 +1,5 @@
-"""Probes of a host, a launcher's server or a rank over TCP: is it there (hvdkit.rank.lifeline, hvdkit
-launch, hvdkit.rank.watchdog)."""
+"""Probes of a host, a launcher's server or a rank over TCP: is it there (hvdkit.rank.liveness.lifeline, hvdkit
+launch, hvdkit.rank.liveness.watchdog)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hvdkit.job import PROBE_SECONDS
 def probe(address: str, port: int, timeout: float = PROBE_SECONDS) -> Optional[bool]:
     """One TCP connection to ``address:port``: True if accepted, False if refused (the host is
     up, nothing listens there), None if nothing answered within ``timeout``. A rank probes its
-    launcher's server this way (hvdkit.rank.lifeline), `hvdkit launch` the other hosts."""
+    launcher's server this way (hvdkit.rank.liveness.lifeline), `hvdkit launch` the other hosts."""
     try:
         with socket.create_connection((address, port), timeout=timeout):
             return True

@@ -1,4 +1,4 @@
-"""Processes: the launchers and their daemons by name, a child's exit awaited, and the one way
+"""Processes: a child's exit awaited, and the one way
 hvdkit ends processes, by PID, only what it started."""
 
 from __future__ import annotations
@@ -13,11 +13,7 @@ if TYPE_CHECKING:  # imported where used: a rank and `hvdkit doctor` may run wit
 
     import psutil
 
-MPI_LAUNCHERS = ("mpirun", "mpiexec", "orterun", "prterun")  # they pass a signal on to the ranks on every host
-MPI_DAEMONS = ("orted", "prted", "hydra_pmi_proxy")  # what they start on each host, the ranks' parents
-HOROVODRUN = "horovodrun"
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36  # Linux's prctl options
-SRUN = "srun"  # Slurm ends its tasks itself when srun goes
 
 
 def wait_child(proc: "subprocess.Popen", timeout: Optional[float] = None) -> Optional[int]:

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-# Not the gradient buckets' rule (hvdkit.rank.buckets): this layout is saved in checkpoints, so it
+# Not the gradient buckets' rule (hvdkit.rank.step.buckets): this layout is saved in checkpoints, so it
 # may not change with the device, and 8 MiB rather than 32 gave a lower peak and ran faster on CPUs
 # (docs/zero.md).
 BUCKET_BYTES = 8 * 1024 * 1024

@@ -383,7 +383,7 @@ class ShardedOptimizer:
         moved = [n for n in range(len(self.buckets)) if not self._aliased(n)]
         for n in moved:  # the weights are the truth: loaded, broadcast or stepped
             self._read_slice(self.slices[n], self.buckets[n])
-        # GradScaler (and hvdkit.rank.step) hand a fused optimizer found_inf and grad_scale as
+        # GradScaler (and hvdkit.rank.step.training) hand a fused optimizer found_inf and grad_scale as
         # attributes of the optimizer they step, this one: the inner one steps.
         handed = {name: getattr(self, name) for name in ("found_inf", "grad_scale") if hasattr(self, name)}
         for name, value in handed.items():

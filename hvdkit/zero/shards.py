@@ -109,7 +109,7 @@ def load(optimizer: ShardedOptimizer, main: Path, manifest: dict) -> None:
 
 
 def load_own(optimizer: ShardedOptimizer, snapshot: Path, manifest: dict, shard: dict) -> None:
-    """This rank's slices' state from its shard as a snapshot kept it (rank.shard_snapshots): the
+    """This rank's slices' state from its shard as a snapshot kept it (rank.resume.shard_snapshots): the
     same world size and buckets, so it is this rank's state as it was, with nothing re-sliced."""
     if (manifest["buckets"] != [b.describe() for b in optimizer.buckets] or shard["rank"] != optimizer.rank
             or shard["world_size"] != optimizer.size):

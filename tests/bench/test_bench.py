@@ -247,7 +247,7 @@ def test_synthetic_under_horovodrun_prints_horovods_output(hvd_built):
     assert record["total_img_sec"] == pytest.approx(sum(rates))
     assert float(total.group(1)) == pytest.approx(sum(rates), abs=0.05)
     assert float(per.group(1)) == pytest.approx(sum(rates) / 2, abs=0.05)
-    # each rank's compute and wait per step (hvdkit.rank.stragglers), printed and in the record
+    # each rank's compute and wait per step (hvdkit.rank.agree.stragglers), printed and in the record
     host = socket.gethostname()
     assert [(row["rank"], row["host"]) for row in record["per_rank"]] == [(0, host), (1, host)]
     assert all(row["compute_ms"] > 0 and row["wait_ms"] >= 0 for row in record["per_rank"])
@@ -256,9 +256,9 @@ def test_synthetic_under_horovodrun_prints_horovods_output(hvd_built):
 
 
 @pytest.mark.slow
-def test_compare_runs_each_implementation_and_reports_ratios(hvd_built):
+def test_compare_runs_each_implementation_and_reports_ratios(hvd_built, tmp_path):
     proc = run(HVDKIT + ["synthetic", "-np", "2", "--compare", "own-loop,horovod,ddp", "--knob", "HOROVOD_CYCLE_TIME=1",
-                         *TINY], timeout=600, raw=True)
+                         "--counters", "--out", str(tmp_path), *TINY], timeout=600, raw=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert not TAG.search(proc.stdout.encode()), "rank 0's lines are echoed as one process's, untagged"
     labels = ("hvdkit", "own-loop", "horovod", "ddp", "hvdkit HOROVOD_CYCLE_TIME=1")
@@ -288,6 +288,20 @@ def test_compare_runs_each_implementation_and_reports_ratios(hvd_built):
     assert record["compute_ms"] > 0 and record["gradient_bytes"] == 4 * 2_117_962
     assert (f"hvdkit bench estimate --compute-ms {record['compute_ms']:.1f} --gradient-bytes 8471848 "
             "--batch-size 4") in proc.stdout
+    # --counters: each duty of the step, timed where it is called, as many steps as were timed (6)
+    counted = {arm: json.loads((tmp_path / f"counters-{arm}.json").read_text()) for arm in ("hvdkit", "horovod")}
+    assert not (tmp_path / "counters-ddp.json").exists(), "DDP's step is not counted"
+    duties = {arm: {row["duty"]: row for row in summary["duties"]} for arm, summary in counted.items()}
+    assert counted["hvdkit"]["steps"] == 6 and all(row["us_per_step"] >= 0 for row in duties["hvdkit"].values())
+    assert duties["hvdkit"]["lockstep.submit (the meeting's allreduce started)"]["calls_per_step"] == 1.0
+    assert duties["hvdkit"]["lockstep.collect (the meeting read)"]["calls_per_step"] == 1.0
+    assert duties["hvdkit"]["model.forward()"]["calls_per_step"] == 1.0
+    assert duties["hvdkit"]["memory phase (entry and exit)"]["calls_per_step"] == 0.0, "steps 5 to 10: none measured"
+    # the cnn's 8 MB of gradients go in buckets, each stepped as it lands: no synchronize of them all
+    assert duties["hvdkit"]["a bucket's allreduce started (the 1/size division, enqueue)"]["calls_per_step"] > 1
+    assert duties["hvdkit"]["optimizer.synchronize() (wait for the averaged gradients)"]["calls_per_step"] == 0.0
+    assert duties["horovod"]["a gradient's allreduce started (enqueue)"]["calls_per_step"] >= 8
+    assert "timer_ns" in counted["horovod"] and "µs a step" in (tmp_path / "counters-horovod.txt").read_text()
 
 
 def _read_allreduce(out):
@@ -423,13 +437,15 @@ def test_the_goodput_arms_run_one_job_differing_only_in_how_it_comes_back(tmp_pa
     from hvdkit.bench.cli import parser
 
     args = parser().parse_args(["goodput", "--count", "4", "--seed", "7", "--steps", "60"])
-    train = ["hvdkit", "train", "--model", "mlp", "--dataset", "synthetic", "--image-size", "32", "--max-steps", "60",
+    train = ["hvdkit", "train", "--model", "mlp", "--dataset", "synthetic", "--image-size", "32", "--epochs", "1000",
+             "--max-steps", "60",
              "--checkpoint-steps", "20", "--warmup-epochs", "0", "--lr-schedule", "none", "--log-interval", "1",
              "--checkpoint-dir", f"{tmp_path}/ckpt", "--log-dir", f"{tmp_path}/logs"]
     assert goodput.arm_command("restarts", args, tmp_path / "ckpt", tmp_path / "logs") == [
-        "hvdkit", "launch", "-np", "3", "--max-restarts", "100", "--", *train, "--snapshot-steps", "1"]
+        "hvdkit", "launch", "-np", "3", "-x", "OMP_NUM_THREADS=1", "--max-restarts", "100", "--", *train,
+        "--snapshot-steps", "1"]
     assert goodput.arm_command("disk", args, tmp_path / "ckpt", tmp_path / "logs") == [
-        "hvdkit", "launch", "-np", "3", "--", *train]
+        "hvdkit", "launch", "-np", "3", "-x", "OMP_NUM_THREADS=1", "--", *train]
     assert goodput.arm_command("torchrun", args, tmp_path / "ckpt", tmp_path / "logs") == [
         sys.executable, "-m", "hvdkit.bench.ddp_job", "launch", "--nodes", "3", "--max-restarts", "100", "--",
         "--model", "mlp", "--image-size", "32", "--max-steps", "60", "--checkpoint-steps", "20", "--checkpoint-dir",
@@ -441,4 +457,4 @@ def test_the_goodput_arms_run_one_job_differing_only_in_how_it_comes_back(tmp_pa
         f"node0:29400 --rdzv-id hvdkit-goodput -m hvdkit.bench.ddp_job train --max-steps 60"]
     assert goodput.rehearse_command("disk", args, tmp_path)[1:] == [
         "-m", "hvdkit", "rehearse", "--hosts", "3", "--chaos", "4", "--chaos-seed", "7", "--faults", "kill", "--out",
-        f"{tmp_path}/rehearsal", "--", "hvdkit", "launch", "-np", "3", "--", *train]
+        f"{tmp_path}/rehearsal", "--", "hvdkit", "launch", "-np", "3", "-x", "OMP_NUM_THREADS=1", "--", *train]

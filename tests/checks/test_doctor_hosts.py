@@ -111,7 +111,7 @@ def plant_unshared_directory(hosts, tmp_path):
 
 def plant_clock_offset(hosts, tmp_path):
     if not Path(FAKETIME).exists():
-        pytest.fail(f"{FAKETIME} is missing: `make setup` installs libfaketime")
+        pytest.fail(f"{FAKETIME} is missing: `make test-setup` installs libfaketime")
     hosts.restart_sshd("h2", env={"LD_PRELOAD": FAKETIME, "FAKETIME": "+30s"})
     return lambda: hosts.restart_sshd("h2")
 

@@ -41,13 +41,14 @@ def by_module(counts: dict) -> dict:
 
 
 def host_reads(step: dict) -> dict:
-    """The host tensors read in a step, by module: the lockstep meeting's rows, once."""
+    """The host tensors read in a step (Tensor.numpy), by module: none, the lockstep meeting's rows
+    being read through the numpy view of its tensor made once (hvdkit.rank.agree.lockstep)."""
     return by_module(step["host_reads"])
 
 
 def settle_reads(step: dict) -> int:
-    """Reads of the non-finite flags (hvdkit/rank/step.py's settle)."""
-    return sum(n for key, n in step["reads"].items() if "hvdkit/rank/step.py" in key)
+    """Reads of the non-finite flags (hvdkit/rank/step/training.py's settle)."""
+    return sum(n for key, n in step["reads"].items() if "hvdkit/rank/step/training.py" in key)
 
 
 @pytest.mark.parametrize("shape", ["trainer", "session", "amp"])
@@ -56,13 +57,13 @@ def test_a_steady_step_of_distributed_optimizer_reads_nothing_and_waits_once(sha
     steps = result["steps"]
     assert [(step["reads"], step["cuda_syncs"]) for step in steps] == [({}, 0)] * len(steps), steps
     assert [step["waits"] for step in steps] == [1] * len(steps), steps
-    assert [host_reads(step) for step in steps] == [{"rank/lockstep.py": 1}] * len(steps), steps
+    assert [host_reads(step) for step in steps] == [{}] * len(steps), steps
     # The flags of the 14 steps before are read once, at the report (AMP: GradScaler keeps its own).
     assert settle_reads(result["report_step"]) == (0 if shape == "amp" else 1), result["report_step"]
-    # The report reads its allreduced metrics and every rank's step times once (rank/reports.py);
-    # the straggler rule works on that read (rank/stragglers.py reads nothing of its own).
+    # The report reads its allreduced metrics and every rank's step times once (rank/reports/report.py);
+    # the straggler rule works on that read (rank/agree/stragglers.py reads nothing of its own).
     reads = by_module(result["report_step"]["reads"])
-    assert reads.get("rank/reports.py") == 1 and "rank/stragglers.py" not in reads, result["report_step"]
+    assert reads.get("rank/reports/report.py") == 1 and "rank/agree/stragglers.py" not in reads, result["report_step"]
 
 
 def test_a_snapshot_every_step_adds_no_read_and_no_wait_to_the_step(tmp_path):
@@ -73,7 +74,7 @@ def test_a_snapshot_every_step_adds_no_read_and_no_wait_to_the_step(tmp_path):
     steps = result["steps"]
     assert [(step["reads"], step["cuda_syncs"]) for step in steps] == [({}, 0)] * len(steps), steps
     assert [step["waits"] for step in steps] == [1] * len(steps), steps
-    assert [host_reads(step) for step in steps] == [{"rank/lockstep.py": 1}] * len(steps), steps
+    assert [host_reads(step) for step in steps] == [{}] * len(steps), steps
     assert not (tmp_path / "snapshots").exists(), "the run's snapshots go at its end"
 
 
@@ -86,7 +87,7 @@ def test_a_zero_snapshot_sends_its_shard_to_another_host_without_a_read_or_a_wai
     assert result["buckets"] == 2
     assert [step["reads"] for step in steps] == [{}] * len(steps), steps
     assert [step["waits"] for step in steps] == [3 + max(0, 2 - STAGE2_IN_FLIGHT)] * len(steps), steps
-    assert [host_reads(step) for step in steps] == [{"rank/lockstep.py": 1}] * len(steps), steps
+    assert [host_reads(step) for step in steps] == [{}] * len(steps), steps
     assert not (tmp_path / "snapshots").exists(), "the run's snapshots go at its end"
 
 
@@ -101,7 +102,7 @@ def test_a_steady_zero_step_reads_nothing_and_its_waits_do_not_grow_with_the_buc
     assert (few["buckets"], many["buckets"]) == (2, 7)
     for result in (few, many):
         assert [step["reads"] for step in result["steps"]] == [{}] * len(result["steps"]), result
-        assert [host_reads(step) for step in result["steps"]] == [{"rank/lockstep.py": 1}] * len(result["steps"])
+        assert [host_reads(step) for step in result["steps"]] == [{}] * len(result["steps"])
         assert settle_reads(result["report_step"]) == 1, result["report_step"]
     waits = {result["buckets"]: {step["waits"] for step in result["steps"]} for result in (few, many)}
     if stage == 1:

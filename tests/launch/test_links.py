@@ -1,4 +1,4 @@
-"""hvdkit launch's line to its ranks under --max-restarts (hvdkit.launch.links, hvdkit.rank.link),
+"""hvdkit launch's line to its ranks under --max-restarts (hvdkit.launch.links, hvdkit.rank.liveness.link),
 with real processes on it: a rank that dies has the others ended at once, one that leaves by
 itself does not, and a stop reaches a rank on another host (its own UTS namespace) as a signal."""
 

@@ -74,7 +74,7 @@ def test_mpirun_across_hosts_is_pinned_to_that_network_unless_the_user_chose():
 
 
 def test_on_links_of_10_gbits_and_more_mpi_moves_the_tensors_in_every_rank():
-    """Across hosts the ranks give Gloo the tensors (hvdkit.rank.startup.gloo_data_settings);
+    """Across hosts the ranks give Gloo the tensors (hvdkit.rank.start.startup.gloo_data_settings);
     where the link is known fast, the launcher tells every rank alike to leave them to MPI."""
     hosts = ["-np", "3", "-H", "h1:1,h2:1,h3:1"]
     fast = _pinned_plan([*hosts, "--launcher", "mpirun"], {"HVDKIT_LINK_RATE": "10gbit"})
@@ -176,7 +176,7 @@ def wait_for(condition, seconds: float = 10) -> None:
 
 
 def test_a_processs_presence_port_is_refused_once_it_is_killed_though_its_forked_child_lives():
-    """hvdkit.rank.watchdog's way to know at once that a rank is gone: a real process holds a
+    """hvdkit.rank.liveness.watchdog's way to know at once that a rank is gone: a real process holds a
     Presence, forks a child that outlives it (as a DataLoader worker may), then is SIGKILLed."""
     program = ("import os, sys, time\nfrom hvdkit.system import probes\npresence = probes.Presence()\n"
                "if os.fork() == 0:\n    time.sleep(60)\n    os._exit(0)\n"

@@ -2,7 +2,7 @@
 or killed (SIGKILL): every rank saves and ends, nothing of the job keeps running, and the same
 command resumes. hvdkit's horovodrun passes SIGTERM and SIGHUP to the ranks and waits for them
 (hvdkit/build/patches/0005); killed, it leaves mpirun a SIGTERM (MPI mode) or its middlemen a closed
-pipe (--gloo), and the ranks notice that their launcher is gone (hvdkit.rank.orphan) and stop as on
+pipe (--gloo), and the ranks notice that their launcher is gone (hvdkit.rank.liveness.orphan) and stop as on
 SIGTERM, keeping their output in the run directory where nothing relays it. One test per mode
 and program runs the three signals in turn, each launch resuming from the checkpoint the one
 before left."""

@@ -32,6 +32,17 @@ KILLED_ONCE = str(REPO / "tests" / "programs" / "killed_once.py")
 ])
 def test_what_is_restarted(ended, restarted):
     assert (restarts.cause(ended) is not None) == restarted
+    assert (restarts.why(ended) in restarts.RESTARTED) == restarted
+
+
+@pytest.mark.parametrize("ended, why", [
+    (Ended(137), restarts.Why.SIGNALLED), (Ended(205), restarts.Why.FAILED), (Ended(job.OK), restarts.Why.FINISHED),
+    (Ended(job.LOST, lost="host node1 (rank 1) stopped answering"), restarts.Why.HOST_LOST),
+    (Ended(137, cause="rank 1 was killed by SIGKILL"), restarts.Why.RANK_ENDED),
+    (Ended(job.BAD_INPUT), restarts.Why.REFUSED), (Ended(143, recorded=143), restarts.Why.STOPPED),
+])
+def test_an_ending_is_one_kind(ended, why):
+    assert restarts.why(ended) is why
 
 
 def test_the_lines_of_restarts_and_of_the_last_failure(capsys):
@@ -108,16 +119,22 @@ def _launch(tmp_path, launcher, *extra, env=None, train=TWO_RANK_TRAIN):
 def test_a_rank_killed_between_checkpoints_restarts_and_ends_where_an_undisturbed_run_ends(
         tmp_path, launcher, two_ranks_trained):
     """Rank 1 dies of SIGKILL at step 12 (checkpoints every 5): the job restarts by itself, resumes
-    from step 10, exits 0 and ends bitwise at the weights of the run that was never killed. The
+    from step 10, exits 0 and ends bitwise at the weights of the run that was never killed. Under
+    horovodrun the death lands while rank 0 still writes step 10's checkpoint (held until rank 1 is
+    gone), and rank 0, told to end, writes it first; under mpirun, which kills every rank's guard at
+    once, rank 1 dies once it is written (docs/stops-and-recovery.md#restarts-within-the-job). The
     restart's ranks were started ahead of need (--standby) and waited until then; the standby
     started for a restart after it was not needed, and nothing of it is left."""
-    proc, ckpt = _launch(tmp_path, launcher, "--max-restarts", "2", "--standby")
+    death = ({"HOLD_WRITE": "10", "KILL_MARK": str(tmp_path / "killed")} if launcher == "horovodrun" else
+             {"KILL_AFTER_WRITTEN": str(checkpoint.path_for(str(tmp_path / "ckpt"), 10))})
+    proc, ckpt = _launch(tmp_path, launcher, "--max-restarts", "2", "--standby", env=death)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "killed_once: rank 1 killed at step 12, attempt 0" in proc.stderr
     [line] = [line for line in proc.stderr.splitlines() if "restart 1 of 2" in line]
     assert line.startswith("hvdkit launch: ") and "on this machine, from the newest checkpoint" in line, line
     assert "restart 2 of 2" not in proc.stderr
-    assert f"resumed from {checkpoint.path_for(str(ckpt), 10)}" in proc.stderr, "2 steps redone, no more"
+    assert f"resumed from {checkpoint.path_for(str(ckpt), 10)}" in proc.stderr, ("2 steps redone, no more",
+                                                                                 proc.stderr)
     assert_bitwise_equal(final_weights(ckpt), two_ranks_trained)
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if str(ckpt) in " ".join(p.info["cmdline"] or [])]
     assert left == [], "a standby's processes outlived the job"

@@ -1,6 +1,6 @@
 """A user's own loop on hvdkit.Session whose checkpoints take long to write: a 4096x4096 layer,
 134 MB with SGD's momentum, so that a test can act while a background save is in flight (its
-temporary file is there). For tests/test_checkpoint.py.
+temporary file is there). For tests/rank/test_checkpoints.py.
 
     mpirun -np 2 python tests/programs/big_state_script.py --checkpoint-dir ckpt --log-dir logs \
         --steps 20 --checkpoint-steps 5 [--sync]

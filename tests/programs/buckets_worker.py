@@ -1,6 +1,8 @@
-"""Bucket views (hvdkit.rank.buckets) against Horovod's own DistributedOptimizer, in every rank of a
+"""Bucket views (hvdkit.rank.step.buckets) against Horovod's own DistributedOptimizer, in every rank of a
 real job: the same averaged gradients, step after step, in the loop shapes users write, on each
-rank's GPU where there is one (tests/checks/test_gpu.py). Prints "buckets: ok on <device type>" on
+rank's GPU where there is one (tests/checks/test_gpu.py); and hvdkit's step that updates each
+bucket as it lands, to the bit the step at once (SGD with momentum, Adam, AdamW; with and without
+clipping; fp32 and bf16 autocast). Prints "buckets: ok on <device type>" on
 rank 0, or fails with the assertion.
 
 `horovodrun -np N python tests/programs/buckets_worker.py`"""
@@ -12,7 +14,7 @@ import horovod.torch as hvd
 import torch
 from torch import nn
 
-from hvdkit.rank import buckets
+from hvdkit.rank.step import buckets
 
 
 class Net(nn.Module):
@@ -94,7 +96,81 @@ def check(passes: int, fp16: bool, zero_first: bool, device: torch.device) -> No
         optimizer.step()
 
 
+def stepped_pair(optimizer_class, options: dict, clip, amp: bool, device: torch.device):
+    """The model twice, each under hvdkit's TrainingStep over bucket views (several buckets): one
+    that steps each bucket as it lands (on_nonfinite stop, no clipping), one that steps them all at
+    once (on_nonfinite skip, the same arithmetic otherwise). With clipping, both at once."""
+    from hvdkit.config import TrainConfig
+    from hvdkit.rank.agree.stragglers import StepTimes
+    from hvdkit.rank.state import RunState
+    from hvdkit.rank.step.training import TrainingStep
+
+    torch.manual_seed(0)
+    first = Net().to(device)
+    pairs = []
+    for model, policy in ((first, "stop"), (copy.deepcopy(first), "skip")):
+        made = buckets.gradient_buckets(model, cap=64 * 64 * 4, first_cap=64 * 3 * 4)
+        optimizer = buckets.with_bucket_views(optimizer_class(model.parameters(), **options), model.named_parameters(),
+                                               hvd.Compression.none, 1, made)
+        state = RunState(model=model, optimizer=optimizer)
+        cfg = TrainConfig(on_nonfinite=policy, clip_grad_norm=clip, amp=amp)
+        times = StepTimes(hvd.rank(), hvd.size(), 0.15)
+        step = TrainingStep(cfg, hvd, device, state, times, lambda: "no checkpoint_dir")
+        pairs.append((model, optimizer, step))
+    return pairs
+
+
+def train_steps(model, optimizer, step, steps: int, amp: bool, device: torch.device, poison_at: int = -1) -> None:
+    """The Session's step as its own loop makes it: zero_grad, forward (bf16 autocast where ``amp``),
+    TrainingStep.backward, TrainingStep.apply."""
+    for index in range(steps):
+        optimizer.zero_grad()
+        torch.manual_seed(1000 * index + hvd.rank())
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            loss = model(torch.randn(16, 8, device=device)).square().mean()
+        step.backward(loss * (float("nan") if index == poison_at else 1.0))
+        step.apply()
+
+
+def check_overlap(optimizer_class, options: dict, clip, amp: bool, device: torch.device) -> None:
+    """Stepped as the buckets land, the weights and the optimizer's state are the step at once's,
+    to the bit; with clipping, the overlap is off."""
+    (ours, our_optimizer, our_step), (theirs, their_optimizer, their_step) = stepped_pair(
+        optimizer_class, options, clip, amp, device)
+    what = f"{optimizer_class.__name__} {options} clip {clip} amp {amp}"
+    assert our_step._overlaps(our_optimizer) == (clip is None), what
+    assert not their_step._overlaps(their_optimizer), what
+    train_steps(ours, our_optimizer, our_step, 4, amp, device)
+    train_steps(theirs, their_optimizer, their_step, 4, amp, device)
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(a, b), f"{what}: {name} differs by {(a - b).abs().max()}"
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        a, b = our_optimizer.state.get(p, {}), their_optimizer.state.get(q, {})
+        assert a.keys() == b.keys() and all(torch.equal(torch.as_tensor(a[k]), torch.as_tensor(b[k])) for k in a), \
+            f"{what}: {name}'s optimizer state differs"
+
+
+def check_overlap_stops_on_a_nonfinite_step(device: torch.device) -> None:
+    """A non-finite step stops the run, its first bucket not stepped, and says so in one line."""
+    from hvdkit.rank.step.training import NonFiniteError
+
+    (model, optimizer, step), _ = stepped_pair(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, None, False, device)
+    train_steps(model, optimizer, step, 1, False, device)
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        train_steps(model, optimizer, step, 1, False, device, poison_at=0)
+    except NonFiniteError as error:
+        assert "step 1 (epoch 1) are not finite; stopped, no checkpoint holding it" in str(error), error
+    else:
+        raise AssertionError("a non-finite step was stepped")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)), "a NaN bucket was stepped"
+    assert not optimizer._handles, "an allreduce was left in flight"
+
+
 def main() -> None:
+    from hvdkit.rank.start.startup import reproducible_settings
+
+    os.environ.update(reproducible_settings())  # as the Session starts Horovod: each bucket fused alone, the same sums
     hvd.init()
     device = torch.device("cuda", hvd.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
@@ -105,6 +181,13 @@ def main() -> None:
         os.environ["HOROVOD_ELASTIC"] = "1"
     for passes, fp16, zero_first in [(1, False, True), (1, False, False), (2, False, True), (1, True, True)]:
         check(passes, fp16, zero_first, device)
+    if hvd.size() > 1:  # bucket views are made at two ranks and more
+        for optimizer_class, options in [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+                                         (torch.optim.Adam, {"lr": 1e-2}),
+                                         (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})]:
+            for clip, amp in [(None, False), (None, True), (0.5, False)]:
+                check_overlap(optimizer_class, options, clip, amp, device)
+        check_overlap_stops_on_a_nonfinite_step(device)
     if hvd.rank() == 0:
         print(f"buckets: ok on {device.type}", flush=True)
     hvd.join()

@@ -55,7 +55,7 @@ def loop() -> dict:
                 session.backward(loss)
                 losses.append(loss.item())
             session.step()
-    session.join()  # every rank at the end after the same steps (hvdkit.rank.lockstep), on a GPU too
+    session.join()  # every rank at the end after the same steps (hvdkit.rank.agree.lockstep), on a GPU too
     record = {"rank": session.rank, "device": str(session.device), "pin_memory": loader.pin_memory,
               "every_batch_pinned": all(pinned), "autocast_dtypes": sorted(autocast_dtypes),
               "scaler": type(session.scaler).__name__, "scale": session.scaler.get_scale() if session.scaler else None,

@@ -1,4 +1,4 @@
-"""A rank on hvdkit launch's line (hvdkit.rank.link) and nothing else: `link_rank.py RANK SIZE
+"""A rank on hvdkit launch's line (hvdkit.rank.liveness.link) and nothing else: `link_rank.py RANK SIZE
 [fork]`. It says on stdout whether it is on the line, and each signal it gets; SIGUSR2 ends it by
 Python's own exit (its line says it is leaving, at exit). With ``fork`` it first forks a child
 that sleeps, as a DataLoader's worker waits, and says its pid. Started as a standby's rank
@@ -9,7 +9,7 @@ import signal
 import sys
 import time
 
-from hvdkit.rank import link
+from hvdkit.rank.liveness import link
 
 got: list[str] = []
 

@@ -2,7 +2,10 @@
 world size 1 (hvd.init() in a process of its own, so that the test process never holds MPI).
 `python tests/programs/parts_worker.py PART DIR` checks PART and exits 0, or fails with the assertion."""
 
+import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import horovod.torch as hvd
@@ -12,14 +15,20 @@ from torch.utils.data import TensorDataset
 
 from hvdkit import checkpoint
 from hvdkit.config import ConfigError, TrainConfig, from_mapping, validate
-from hvdkit.rank.checkpoints import RunCheckpoints
-from hvdkit.rank.consistency import Consistency
-from hvdkit.rank.loaders import Loaders
-from hvdkit.rank.reports import Reports
+from hvdkit.rank.agree.consistency import Consistency
+from hvdkit.rank.agree.lockstep import Lockstep
+from hvdkit.rank.agree.stragglers import StepTimes
+from hvdkit.rank.ending import stops
+from hvdkit.rank.ending.finish import Ending
+from hvdkit.rank.liveness import link
+from hvdkit.rank.liveness.lifeline import Lifeline
+from hvdkit.rank.liveness.watchdog import Watchdog
+from hvdkit.rank.reports.report import Reports
+from hvdkit.rank.resume.checkpoints import RunCheckpoints
+from hvdkit.rank.resume.elastic import Elastic
+from hvdkit.rank.start.loaders import Loaders
 from hvdkit.rank.state import RunState
-from hvdkit.rank.step import NonFiniteError, TrainingStep
-from hvdkit.rank.stragglers import StepTimes
-from hvdkit.rank.watchdog import Watchdog
+from hvdkit.rank.step.training import NonFiniteError, TrainingStep
 
 CPU = torch.device("cpu")
 
@@ -61,7 +70,7 @@ def step(directory: Path) -> None:
     for mode in ("skip", "stop"):
         cfg, state = config(on_nonfinite=mode), RunState()
         trained(state, cfg)
-        part = TrainingStep(cfg, hvd, CPU, state, times, kept=lambda: "last good checkpoint X kept")
+        part = TrainingStep(cfg, hvd, CPU, state, times, checkpoint_left=lambda: "last good checkpoint X kept")
         before = [p.detach().clone() for p in state.model.parameters()]
         state.optimizer.zero_grad()
         part.backward(state.model(torch.full((1, 3), float("nan"))).sum())
@@ -108,6 +117,45 @@ def reports(directory: Path) -> None:
     part.metrics().close()
     (record,) = [line for line in (directory / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
     assert '"lr": 0.5' in record and '"loss": 2.5' in record, record
+
+
+def held() -> dict:
+    """What this process holds that a part could start: threads, stop handlers and the wakeup fd,
+    sys.excepthook, the launcher line's hooks, file locks (/proc/locks)."""
+    wakeup = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(wakeup)
+    locks = [line for line in Path("/proc/locks").read_text().splitlines() if f" {os.getpid()} " in line]
+    return {"threads": sorted(t.name for t in threading.enumerate()), "excepthook": sys.excepthook,
+            "handlers": [signal.getsignal(s) for s in stops.SIGNALS], "wakeup": wakeup,
+            "before_end": list(link._before_end), "locks": locks}
+
+
+def start_nothing(directory: Path) -> None:
+    """Each part made leaves the process as it was; its start() changes what it says it starts."""
+    cfg = config(checkpoint_dir=str(directory / "ckpt"), log_dir=str(directory / "logs"), stall_timeout=60)
+    before = held()
+    state, times = RunState(log_dir=cfg.log_dir), StepTimes(0, 1, 0.0)
+    watchdog, signals = Watchdog(cfg.stall_timeout, 0), stops.StopSignal(rank=0)
+    signals.watchdog = watchdog
+    lockstep, reports = Lockstep(hvd), Reports(cfg, hvd, CPU, state, times)
+    loaders, consistency = Loaders(cfg, hvd, CPU, state), Consistency(cfg, hvd, CPU, state)
+    checkpoints = RunCheckpoints(cfg, hvd, state, loaders, consistency, watchdog)
+    ending = Ending(cfg, hvd, state, lockstep, signals, checkpoints, reports, watchdog,
+                    Lifeline("127.0.0.1", 9, 0), (ConfigError,), (ConfigError,))
+    step = TrainingStep(cfg, hvd, CPU, state, times, checkpoints.checkpoint_left)
+    Elastic(cfg, hvd, state, loaders, checkpoints, reports, times, lockstep, step.settle)
+    assert held() == before, (before, held())
+    watchdog.start()
+    assert "hvdkit-watchdog" in held()["threads"]
+    signals.install()
+    assert held()["handlers"] != before["handlers"] and held()["wakeup"] != before["wakeup"]
+    ending.start()
+    now = held()
+    assert now["excepthook"] is not before["excepthook"] and len(now["before_end"]) == len(before["before_end"]) + 1
+    assert "hvdkit-lifeline" in now["threads"] and len(now["locks"]) == len(before["locks"]) + 2, now
+    ending.release()
+    ending.undo_hook(), ending.undo_before_end(), signals.restore()
+    assert {k: v for k, v in held().items() if k != "threads"} == {k: v for k, v in before.items() if k != "threads"}
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import hvdkit
-from hvdkit.rank.step import NonFiniteError
+from hvdkit.rank.step.training import NonFiniteError
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--epochs", type=int, default=100)

@@ -1,4 +1,4 @@
-"""Gradient buckets (hvdkit.rank.buckets): DDP's bucket rule, and Horovod's DistributedOptimizer
+"""Gradient buckets (hvdkit.rank.step.buckets): DDP's bucket rule, and Horovod's DistributedOptimizer
 over buckets whose gradients are views of one tensor, checked against Horovod's own in real jobs."""
 
 import sys
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import REPO, run
-from hvdkit.rank.buckets import gradient_buckets
+from hvdkit.rank.step.buckets import gradient_buckets
 
 
 def test_gradients_go_in_fixed_buckets_in_backward_order_and_sparse_ones_alone():

@@ -1,5 +1,5 @@
-"""The checks inside a running job: the ranks' copies of the model compared (hvdkit.rank.consistency),
-and the rank the others wait for named (hvdkit.rank.stragglers). Real launches of a user's own loop
+"""The checks inside a running job: the ranks' copies of the model compared (hvdkit.rank.agree.consistency),
+and the rank the others wait for named (hvdkit.rank.agree.stragglers). Real launches of a user's own loop
 (tests/programs/checks_script.py) and of `hvdkit train`; the digests and the straggler rule also alone."""
 
 import json
@@ -16,7 +16,7 @@ from torch import nn
 from conftest import REPO, metrics_records, run
 from hvdkit import checkpoint, job
 from hvdkit.checks import selftest
-from hvdkit.rank import consistency, stragglers
+from hvdkit.rank.agree import consistency, stragglers
 from hvdkit.rank.state import RunState
 
 SCRIPT = [sys.executable, str(REPO / "tests" / "programs" / "checks_script.py")]

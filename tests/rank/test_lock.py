@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from hvdkit.rank import lock
+from hvdkit.rank.ending import lock
 
 
 def test_a_held_directory_is_refused_naming_the_holder_and_released_at_the_end(tmp_path):

@@ -1,10 +1,10 @@
-"""The lines hvdkit.rank.lockstep says when the ranks are out of step, from the rows the ranks send
+"""The lines hvdkit.rank.agree.lockstep says when the ranks are out of step, from the rows the ranks send
 (real runs of each shape: tests/test_hangs.py), and the stop grace period's setting."""
 
 import pytest
 
 from hvdkit import job
-from hvdkit.rank import lockstep
+from hvdkit.rank.agree import lockstep
 
 STEP, SAVE, REPORT, END, FINISH = (lockstep.CALLS.index(call) + 1 for call in (
     "session.step()", "session.save()", "session.report()",

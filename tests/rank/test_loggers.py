@@ -16,7 +16,7 @@ from hvdkit import checkpoint, config
 from hvdkit import plot as plots
 from hvdkit.checks import selftest
 from hvdkit.launch import planner
-from hvdkit.rank import loggers
+from hvdkit.rank.reports import loggers
 from programs import tracked
 
 ALL = "mlflow,wandb,csv,tensorboard"

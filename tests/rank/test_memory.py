@@ -1,8 +1,8 @@
-"""hvdkit.rank.memory: each phase's peak is its own, not the process's so far (real allocations)."""
+"""hvdkit.rank.reports.memory: each phase's peak is its own, not the process's so far (real allocations)."""
 
 import torch
 
-from hvdkit.rank.memory import PhasePeaks, peak_rss
+from hvdkit.rank.reports.memory import PhasePeaks, peak_rss
 
 MB = 2**20
 
@@ -21,3 +21,16 @@ def test_each_phase_reports_its_own_peak_and_the_largest_of_its_repeats():
     assert summary["unit"] == "rss"
     assert summary["big"] - summary["small"] >= 250 * MB, summary
     assert 0 < summary["small"] <= summary["big"] <= peak_rss()
+
+
+def test_a_steps_phases_are_measured_on_the_first_steps_and_every_50th():
+    """A steady step's phases cost no system call: measured at steps 0-2, then one in STEP_PHASES_EVERY."""
+    from hvdkit.rank.reports import memory
+
+    peaks = PhasePeaks()
+    measured = []
+    for step in range(120):
+        with peaks.step_phase(f"step {step}", step):
+            pass
+        measured += [step] if f"step {step}" in peaks.peaks else []
+    assert measured == [0, 1, 2, 50, 100] and memory.STEP_PHASES_EVERY == 50

@@ -1,9 +1,9 @@
-"""What rank 0 writes (hvdkit.rank.metrics): strict JSON, progress lines, elastic world size changes."""
+"""What rank 0 writes (hvdkit.rank.reports.metrics): strict JSON, progress lines, elastic world size changes."""
 
 import json
 import math
 
-from hvdkit.rank.metrics import finite_or_none
+from hvdkit.rank.reports.metrics import finite_or_none
 
 
 def test_json_never_holds_nan():
@@ -13,7 +13,7 @@ def test_json_never_holds_nan():
 
 
 def test_plain_progress_lines_say_step_total_rate_and_eta():
-    from hvdkit.rank.metrics import progress_text
+    from hvdkit.rank.reports.metrics import progress_text
 
     assert progress_text(50, 360, 10.0, 40) == "step 50/360 (13%), 4 steps/s, ETA 0:01:18,"
     assert progress_text(10, 360, 0.0, 0) == "step 10/360 (2%),"
@@ -24,7 +24,7 @@ def test_plain_progress_lines_say_step_total_rate_and_eta():
 def test_world_size_changes_time_what_each_change_lost():
     """Records as an elastic job wrote them (tests/rehearse/test_multihost.py runs one for real): a host
     lost after step 15 (two resets, one change) and one that rejoined after step 75."""
-    from hvdkit.rank.metrics import world_size_changes
+    from hvdkit.rank.reports.metrics import world_size_changes
 
     def train(step, size, t):
         return {"event": "train", "step": step, "world_size": size, "time": t}
@@ -49,7 +49,7 @@ def test_a_world_size_change_before_the_first_train_report_is_one():
     """An elastic job that lost a host at step 32, before its first report at step 40 (a chaos
     rehearsal's, seed 1: its summary listed no change): the change is timed from the checkpoint
     record before it, at the config's world size."""
-    from hvdkit.rank.metrics import world_size_changes
+    from hvdkit.rank.reports.metrics import world_size_changes
 
     records = [{"event": "config", "world_size": 2}, {"event": "checkpoint", "step": 20, "time": 1.0},
                {"event": "test", "step": 32, "time": 1.2}, {"event": "checkpoint", "step": 32, "time": 1.25},

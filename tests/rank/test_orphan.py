@@ -14,7 +14,8 @@ from conftest import REPO
 PROBE = """
 import sys, time
 from pathlib import Path
-from hvdkit.rank import orphan
+from hvdkit.rank.liveness import orphan
+from hvdkit.system.wholefiles import write_whole
 
 lines = []
 watch = orphan.LauncherWatch(orphan.launcher_chain(), lines.append, every=0.1)
@@ -22,7 +23,7 @@ print("chain", " | ".join(watch.names), flush=True)  # named at start, while the
 deadline = time.monotonic() + 20
 while not lines and time.monotonic() < deadline:
     time.sleep(0.05)
-Path(sys.argv[1]).write_text(lines[0] if lines else "not noticed")
+write_whole(Path(sys.argv[1]), lines[0] if lines else "not noticed")  # whole: the test reads it once it is there
 """
 
 
@@ -68,7 +69,8 @@ def test_a_rank_notices_within_seconds_that_horovodruns_shell_is_gone(tmp_path):
 
 def test_a_rank_without_a_launcher_above_it_watches_nothing(tmp_path):
     """Started by srun, by ssh, or by hand: no chain, no thread."""
-    probe = subprocess.run([sys.executable, "-c", "from hvdkit.rank import orphan; print(orphan.launcher_chain())"],
+    probe = subprocess.run([sys.executable, "-c",
+                            "from hvdkit.rank.liveness import orphan; print(orphan.launcher_chain())"],
                            env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=60)
     assert probe.stdout.strip() == "[]", probe.stdout + probe.stderr
 
@@ -76,7 +78,7 @@ def test_a_rank_without_a_launcher_above_it_watches_nothing(tmp_path):
 KEPT = """
 import sys
 from pathlib import Path
-from hvdkit.rank import orphan
+from hvdkit.rank.liveness import orphan
 
 orphan.keep_streams(Path(sys.argv[1]))
 sys.stdin.readline()  # the reader of our output is gone when this returns
@@ -104,7 +106,7 @@ def test_only_a_rank_horovodrun_gloo_started_has_a_lifeline():
     --gloo started: the variables as the real launchers set them."""
     from hvdkit.checks import selftest
 
-    script = "import os; from hvdkit.rank import lifeline; print('watches', lifeline.watches(os.environ))"
+    script = "import os; from hvdkit.rank.liveness import lifeline; print('watches', lifeline.watches(os.environ))"
     env = selftest.mpi_root_env(dict(os.environ, PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"))
     for launcher, watched in ((["horovodrun", "--gloo", "-np", "1", "-H", "localhost:1"], True),
                               (["mpirun", "-np", "1", "--allow-run-as-root"], False)):

@@ -10,7 +10,7 @@ from hvdkit.checks import selftest
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("part", ["loaders", "step", "checkpoints", "reports"])
+@pytest.mark.parametrize("part", ["loaders", "step", "checkpoints", "reports", "start_nothing"])
 def test_a_part_works_with_what_it_is_handed(part, tmp_path):
     proc = run([sys.executable, str(REPO / "tests" / "programs" / "parts_worker.py"), part, str(tmp_path)],
                env=selftest.mpi_root_env(), timeout=120)

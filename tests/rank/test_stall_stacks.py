@@ -6,6 +6,7 @@ call the other rank waits in. The four jobs run at once: each idles through its 
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -98,7 +99,7 @@ def test_stacks_are_read_as_faulthandler_writes_them(tmp_path):
     the innermost in the user's code (this file, not threading's or hvdkit's)."""
     import threading
 
-    from hvdkit.rank import stacks
+    from hvdkit.rank.liveness import stacks
 
     written = stacks.Stacks(tmp_path, 3, period=3600)
 
@@ -111,7 +112,7 @@ def test_stacks_are_read_as_faulthandler_writes_them(tmp_path):
     assert not written.path.exists()
     frames = stacks.main_thread(text)
     assert text.startswith(f"# rank 3, pid {os.getpid()}, main thread {threading.main_thread().ident:#x}")
-    assert frames[0].file.endswith(os.path.join("hvdkit", "rank", "stacks.py"))
+    assert frames[0].file.endswith(os.path.join("hvdkit", "rank", "liveness", "stacks.py"))
     user = stacks.users(frames)
     assert user is not None and Path(user.file) == Path(__file__) and user.function == "inner", frames
     assert stacks.horovod_call(frames) is None
@@ -120,7 +121,7 @@ def test_stacks_are_read_as_faulthandler_writes_them(tmp_path):
 def test_the_timer_writes_until_progress_and_the_last_dump_is_read(tmp_path):
     """Armed once, the timer appends a dump each period; progress empties the file to its header;
     the reader takes the main thread's frames of the last dump only."""
-    from hvdkit.rank import stacks
+    from hvdkit.rank.liveness import stacks
 
     written = stacks.Stacks(tmp_path, 0, period=0.2)
     try:
@@ -138,3 +139,76 @@ def test_the_timer_writes_until_progress_and_the_last_dump_is_read(tmp_path):
     finally:
         written.close()
     assert not written.path.exists()
+
+
+HELD_IN_C = """
+import ctypes, os, sys, time
+from pathlib import Path
+from hvdkit.rank.ending import stops
+from hvdkit.rank.liveness import stacks
+from hvdkit.rank.liveness.watchdog import Watchdog
+
+directory, seconds = Path(sys.argv[1]), float(sys.argv[2])
+watchdog = Watchdog(timeout=2, rank=0).start()
+stops.StopSignal(rank=0, watchdog=watchdog).install()
+watchdog.share(str(directory / "heartbeats"), stacks=str(directory / "logs"))
+watchdog.beat("training step 1")
+print("holding", flush=True)
+ctypes.PyDLL(None).sleep(int(seconds))  # HELD: the GIL held; a signal with a handler ends it early
+watchdog.beat("training step 2")
+time.sleep(1)  # the watchdog's thread looks 5 times (every 0.2 s)
+sys.stdout.write(stacks.path(directory / "logs", 0).read_text())
+os._exit(0)
+"""
+
+
+def held_in_c(tmp_path, seconds):
+    """The program above, holding the GIL in a C call for ``seconds`` once its first beat is made."""
+    program = tmp_path / "held_in_c.py"
+    program.write_text(HELD_IN_C)
+    proc = subprocess.Popen([sys.executable, str(program), str(tmp_path), str(seconds)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.stdout.readline() == "holding\n"
+    return program, proc
+
+
+def held_frame(program, text):
+    """Whether a dump in a stacks file has the main thread in the program's held call."""
+    line = next(number for number, code in enumerate(HELD_IN_C.splitlines(), 1) if "# HELD" in code)
+    return f'File "{program}", line {line} in <module>' in text
+
+
+def test_a_rank_frozen_in_a_call_holding_the_gil_ends_with_the_stacks_written_while_it_was(tmp_path):
+    """The watchdog's thread runs again after 6 s held out: it ends the rank as frozen before a
+    beat since would empty the stacks faulthandler wrote meanwhile, the only word of where it was."""
+    program, proc = held_in_c(tmp_path, 6)
+    try:
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 75, stderr
+    assert re.search(r"hvdkit: rank 0 was frozen for \d+ s \(stopped, or its host paused\) in training step",
+                     stderr), stderr
+    from hvdkit.rank.liveness import stacks
+
+    text = stacks.path(tmp_path / "logs", 0).read_text()
+    assert held_frame(program, text), text
+
+
+def test_a_stop_keeps_the_stacks_written_during_a_stall_it_ends(tmp_path):
+    """SIGTERM ends a call that held the GIL (as a launcher's, once another rank ended the job on
+    this one's stall): the rank's beats after it no longer empty the stacks its stall left."""
+    from hvdkit.rank.liveness import stacks
+
+    program, proc = held_in_c(tmp_path, 600)
+    try:
+        written, deadline = stacks.path(tmp_path / "logs", 0), time.monotonic() + 30
+        while not held_frame(program, written.read_text()) or written.read_text().count("Timeout (") < 2:
+            assert time.monotonic() < deadline, written.read_text()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr
+    assert held_frame(program, stdout), stdout

@@ -1,11 +1,16 @@
-"""A rank's start-up (hvdkit.rank.startup): the settings exported before hvd.init()."""
+"""A rank's start-up (hvdkit.rank.start.startup): the settings exported before hvd.init(), and a crash's stacks."""
 
 import ipaddress
+import re
+import signal
 import socket
+import sys
 
 import psutil
+import pytest
 
-from hvdkit.rank.startup import (
+from conftest import run
+from hvdkit.rank.start.startup import (
     ALLREDUCE_RULES,
     data_path_hint,
     gloo_data_settings,
@@ -76,3 +81,27 @@ def test_where_mpi_moves_the_tensors_because_nothing_chose_rank_0_says_what_to_p
     assert "HOROVOD_CPU_OPERATIONS=gloo" in hint and "\n" not in hint
     assert data_path_hint(True, {"HOROVOD_CPU_OPERATIONS": "mpi"}) is None, "chosen: by you or hvdkit launch"
     assert data_path_hint(False, {}) is None, "one host, GPUs, elastic or no Gloo: nothing to say"
+
+
+def test_stall_settings():
+    from hvdkit.rank.start.startup import stall_settings
+
+    assert stall_settings(300) == {"HOROVOD_STALL_CHECK_TIME_SECONDS": "60",
+                                   "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "305", "HOROVOD_GLOO_TIMEOUT_SECONDS": "305"}
+    assert stall_settings(6) == {"HOROVOD_STALL_CHECK_TIME_SECONDS": "2", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "11",
+                                 "HOROVOD_GLOO_TIMEOUT_SECONDS": "11"}
+    assert stall_settings(0) == {"HOROVOD_STALL_CHECK_DISABLE": "1"}
+
+
+@pytest.mark.slow
+def test_a_rank_that_crashes_in_c_code_prints_its_python_stacks(tmp_path):
+    """A segmentation fault in a rank (here a read of address 0 from the user's script) ends it with
+    Python's stacks on its stderr, naming the user's function, not with only the launcher's
+    "Segmentation fault"."""
+    script = tmp_path / "crashing_loop.py"
+    script.write_text("import ctypes\nimport hvdkit\n\n\ndef users_step():\n    ctypes.string_at(0)\n\n\n"
+                      "session = hvdkit.Session(log_dir=%r, stall_timeout=0)\nusers_step()\n" % str(tmp_path / "run"))
+    proc = run([sys.executable, str(script)], timeout=120)
+    assert proc.returncode == -signal.SIGSEGV, proc.stderr[-3000:]
+    assert "Fatal Python error: Segmentation fault" in proc.stderr, proc.stderr[-3000:]
+    assert re.search(r'File ".*crashing_loop.py", line 6 in users_step', proc.stderr), proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""The training step's pieces in one process (hvdkit.rank.step): batches split into micro-batches,
+"""The training step's pieces in one process (hvdkit.rank.step.training): batches split into micro-batches,
 the learning rate multiplier per world size, the fused optimizers that skip a step on the device."""
 
 from collections import namedtuple
@@ -8,7 +8,7 @@ import torch
 
 from hvdkit.config import TrainConfig
 from hvdkit.data import batch_len
-from hvdkit.rank.step import (
+from hvdkit.rank.step.training import (
     lr_multiplier,
     prepare_momentum,
     skips_on_device,

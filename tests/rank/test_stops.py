@@ -28,7 +28,7 @@ from conftest import (
 from hvdkit import checkpoint
 from hvdkit.checks import selftest
 from hvdkit.launch import planner
-from hvdkit.rank import stops
+from hvdkit.rank.ending import stops
 
 pytestmark = pytest.mark.slow
 
@@ -405,7 +405,7 @@ def test_a_stop_is_told_when_the_last_checkpoint_took_longer_than_its_grace_left
         "the last checkpoint took 9.0 s to write and 4 s are left of the 10 s a stop gives a rank to save and end "
         "(HVDKIT_STOP_GRACE); this one may be cut off and the run would resume from the checkpoint before: raise "
         "HVDKIT_STOP_GRACE, and under Slurm the lead time of --signal (USR1@N) above it")
-    signal_stop = stops.StopSignal(install=False)
+    signal_stop = stops.StopSignal()
     assert signal_stop.grace_left() == signal_stop.grace
 
 
@@ -414,11 +414,12 @@ def test_a_stop_that_comes_as_a_rank_is_still_dying_names_it(tmp_path):
     """mpirun's SIGTERM after a lost host's daemon went can reach a rank a few ms before that host's
     rank is dead: the rank told to stop looks again for a moment (watchdog.DYING_SECONDS) and names it.
     A real process holds rank 1's heartbeat and port; it is SIGKILLed 0.2 s into rank 0's look."""
-    from hvdkit.rank.watchdog import Watchdog
+    from hvdkit.rank.liveness.watchdog import Watchdog
 
-    here = Watchdog(timeout=0, rank=0)
+    here = Watchdog(timeout=0, rank=0).start()
     here.share(str(tmp_path))
-    program = ("import sys, time\nfrom hvdkit.rank.watchdog import Watchdog\nw = Watchdog(timeout=60, rank=1)\n"
+    program = ("import sys, time\nfrom hvdkit.rank.liveness.watchdog import Watchdog\n"
+               "w = Watchdog(timeout=60, rank=1).start()\n"
                f"w.beat('training step 7')\nw.share({str(tmp_path)!r})\nprint('ready', flush=True)\ntime.sleep(60)\n")
     peer = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
     try:
@@ -436,9 +437,9 @@ def test_a_stop_that_comes_as_a_rank_is_still_dying_names_it(tmp_path):
 def test_without_a_stall_limit_a_rank_still_beats_and_is_not_taken_for_gone(tmp_path):
     """--stall-timeout 0 takes the limit away, not the heartbeats: a rank whose heartbeat went
     stale after FROZEN_SECONDS would be said to be gone by a peer at a stop or after a shutdown."""
-    from hvdkit.rank.watchdog import Watchdog
+    from hvdkit.rank.liveness.watchdog import Watchdog
 
-    here = Watchdog(timeout=0, rank=0)
+    here = Watchdog(timeout=0, rank=0).start()
     try:
         here.share(str(tmp_path))
         path = tmp_path / "heartbeat-rank-0.json"
@@ -448,3 +449,30 @@ def test_without_a_stall_limit_a_rank_still_beats_and_is_not_taken_for_gone(tmp_
             time.sleep(0.05)
     finally:
         here.stop()
+
+
+def test_requeues_are_bounded(tmp_path):
+    """Past the bound, no scontrol requeue is run and the exit code says the job stopped."""
+    from hvdkit.rank.ending import stops
+
+    assert stops.requeue({}, 3) == "not a Slurm job: rerun the same command to resume"
+    limited = stops.requeue({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "3"}, 3)
+    assert limited == "not requeued: job 7 was restarted 3 times already (--max-requeues 3)"
+    stopped = {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "3"}
+    assert stops.after_stop(signal.SIGUSR1, stopped, 3) == (limited, 138)
+    assert not stops.will_requeue(signal.SIGUSR1, stopped, 3)
+    assert stops.will_requeue(signal.SIGUSR1, dict(stopped, SLURM_RESTART_COUNT="2"), 3)
+    assert not stops.will_requeue(signal.SIGTERM, dict(stopped, SLURM_RESTART_COUNT="0"), 3)
+
+
+def test_without_scontrol_every_rank_exits_138_for_the_job_script_to_requeue(monkeypatch, tmp_path):
+    """In a container under Slurm (slurm/container.sbatch) the ranks see the job but not Slurm's
+    commands: no rank takes the stop for a requeue, and the script outside requeues on 138."""
+    from hvdkit.rank.ending import stops
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    job = {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "0"}
+    said, code = stops.after_stop(signal.SIGUSR1, job, 3)
+    assert code == 138 and said == ("not requeued from here: no scontrol on PATH (a container?); every rank exits "
+                                    "138 for the job script to requeue job 7")
+    assert not stops.will_requeue(signal.SIGUSR1, job, 3)

@@ -32,6 +32,8 @@ TRAIN = ["hvdkit", "train", "--model", "mlp", "--image-size", "48", "--dataset",
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 MPIRUN = ("mpirun -np 2 --hostfile $HVDKIT_HOSTFILE --allow-run-as-root -x PATH -x OMP_NUM_THREADS "
           "-x HVDKIT_CHECKPOINT_DIR -x HVDKIT_CHECKPOINT_STEPS")
+# Open MPI's own text where its TCP transport ends a rank whose peer's connection dropped (help-mpi-btl-tcp.txt).
+OPEN_MPI_PEER_HUNG_UP = "An MPI communication peer process has unexpectedly disconnected"
 
 
 def test_bad_input_is_one_line_exit_2_and_nothing_made(tmp_path):
@@ -104,6 +106,19 @@ def test_a_faults_cost_is_read_from_the_jobs_metrics_across_its_restarts():
                      "effective_training_time_ratio": 0.5, "undisturbed_seconds": 40.0, "disturbed_seconds": 80.0}
     coarse = [{**r, "log_interval": 10} if r.get("event") == "config" else r for r in found]
     assert goodput.per_fault(coarse, [(1, 125.5)]) == {1: {"seconds_to_next_step": 9.5}}
+
+
+def test_an_undisturbed_runs_start_up_and_steady_step_are_read_from_its_reports():
+    """From the launch to the first trained step, and the median time from one step to the next:
+    a checkpoint's slower step does not move the median."""
+    from hvdkit.rehearse import goodput
+
+    found = [{"event": "config", "time": 101.0}, {"event": "train", "step": 1, "time": 104.5},
+             *({"event": "train", "step": s, "time": 104.5 + 0.01 * (s - 1) + (0.5 if s > 20 else 0.0)}
+               for s in range(2, 31))]
+    assert goodput.pace(found, 100.0) == {"startup_seconds": 4.5, "trained_steps": 30, "steady_step_ms": 10.0,
+                                          "training_seconds": 0.79}
+    assert goodput.pace([{"event": "config", "time": 101.0}], 100.0) == {}
 
 
 def test_states_are_compared_bitwise_and_the_first_difference_named():
@@ -203,9 +218,14 @@ def _chaos(tmp_path, name, seed, faults, command, reference=None, count=None, en
     try:
         _, err = proc.communicate(timeout=600)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:  # timed out: stopped as a user would, so that it removes its hosts and job
+            proc.terminate()
+            try:
+                proc.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            wait_for_none_left(proc.pid, mark, tmp_path)
     wait_for_none_left(proc.pid, mark, tmp_path)
     report = json.loads((out / "report.json").read_text())
     return proc.returncode, err, report
@@ -251,15 +271,23 @@ def test_an_elastic_job_under_plain_horovodrun_rides_out_a_stall_a_kill_and_a_lo
 def test_plain_mpirun_survives_a_full_disk_a_stall_a_kill_during_a_write_and_a_lost_host(tmp_path, loop_run):
     """A Session loop under plain mpirun (the soak runs hvdkit train under it too), held to the
     same loop's undisturbed run under horovodrun --mpi; every ending's line names its cause and
-    its rank or host (--min-diagnosed 1): the lost host's too, though mpirun ends the other rank
-    a second after it notices (the survivor probes the lost rank's port: hvdkit.rank.watchdog)."""
+    its rank or host: the lost host's too, though mpirun ends the other rank a second after it
+    notices (the survivor probes the lost rank's port: hvdkit.rank.liveness.watchdog). The one ending
+    allowed to go unsaid is the lost host's where Open MPI ended the survivor itself: its TCP
+    transport saw the peer's connection drop in the middle of an exchange and called _exit, so no
+    code of hvdkit's ran (docs/rehearse.md, open); its own text is then checked to name the host."""
     faults = "disk-full,stall,in-write,host-lost"
     code, err, report = _chaos(tmp_path, "mpirun", 12, faults,
                                lambda ckpt: ["sh", "-c", f"{MPIRUN} {sys.executable} {LOOP} 120"],
                                reference=loop_run[2]["reference"]["dir"], env={"HVDKIT_CHECKPOINT_STEPS": "10"},
-                               extra=["--min-diagnosed", "1"])
+                               extra=["--min-diagnosed", "0.6"])
     _survived(code, err, report, faults)
-    assert report["diagnosis"]["misses"] == [], report["diagnosis"]
+    for miss in report["diagnosis"]["misses"]:
+        (strike,) = [s for s in report["strikes"] if s["number"] == miss["number"]]
+        log = (tmp_path / "mpirun-out" / f"attempt-{strike['attempt']}.log").read_text(errors="replace")
+        assert miss["fault"] == "host-lost" and OPEN_MPI_PEER_HUNG_UP in log, report["diagnosis"]
+        assert re.search(rf"Peer host:\s+{miss['target']}\b", log), log[-3000:]
+        print(f"the lost host's ending went unsaid: Open MPI ended the survivor itself ({miss['line']!r})")
     (full,) = [s for s in report["strikes"] if s["fault"] == "disk-full"]
     assert "No space left on device; the previous checkpoints are untouched" in full["ended"]["line"]
     (in_write,) = [s for s in report["strikes"] if s["fault"] == "in-write"]

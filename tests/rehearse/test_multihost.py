@@ -194,7 +194,7 @@ def test_a_host_whose_link_goes_down_ends_the_job_naming_it(hosts, launcher, tmp
 def test_a_rank_killed_on_another_host_under_plain_horovodrun_gloo_is_named_with_its_signals_code(hosts, tmp_path):
     """As users type it: `horovodrun --gloo -np 2 -H h1:1,h2:1 hvdkit train`, rank 1 on h2 SIGKILLed.
     horovodrun exits 137, not ssh's 255 (patch 0014: a shell waits for the rank on h2), its line
-    says so, and rank 0 names rank 1 as gone at once (the probe of its port, hvdkit.rank.watchdog),
+    says so, and rank 0 names rank 1 as gone at once (the probe of its port, hvdkit.rank.liveness.watchdog),
     before its heartbeat is stale."""
     train = [*HVDKIT, "train", "--model", "mlp", "--epochs", "500", "--log-dir", str(tmp_path / "logs")]
     proc = subprocess.Popen(hosts.on("h1", ["horovodrun", "--gloo", "-np", "2", "-H", "h1:1,h2:1", *train]),

@@ -306,7 +306,7 @@ def test_a_checkpoint_whose_zero_part_is_missing_or_corrupted_is_skipped_for_the
 
 @pytest.mark.fast
 def test_each_shard_has_a_buddy_on_another_host_and_a_resume_takes_the_newest_step_every_shard_has():
-    from hvdkit.rank.shard_snapshots import buddies, folder_name, plan
+    from hvdkit.rank.resume.shard_snapshots import buddies, folder_name, plan
 
     assert buddies(["a", "a", "b", "b"]) == [2, 2, 0, 0]
     assert buddies(["a", "b", "c"]) == [1, 2, 0]

@@ -1,5 +1,5 @@
 """The lifeline of a rank that `horovodrun --gloo` started over ssh: it ends the rank once its
-launcher is gone (hvdkit.rank.orphan watches launchers on the rank's own host)."""
+launcher is gone (hvdkit.rank.liveness.orphan watches launchers on the rank's own host)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,11 @@ class Lifeline:
         self.address, self.port, self.rank = address, port, rank
         self.lost_after, self.every, self.on_lost = lost_after, every, on_lost or _end_rank
         self._stop = threading.Event()
+
+    def start(self) -> "Lifeline":
+        """Its probing thread started (Ending.start); returns itself."""
         threading.Thread(target=self._watch, name="hvdkit-lifeline", daemon=True).start()
+        return self
 
     @classmethod
     def from_environ(cls, environ, rank: int) -> Optional["Lifeline"]:

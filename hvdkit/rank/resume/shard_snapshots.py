@@ -5,9 +5,9 @@ shard to its buddy, the next rank on another host, by an alltoall left in flight
 writing thread waits for it). Every shard is then on two hosts, so losing one loses none.
 
 A resume takes the newest step that every shard has somewhere, each file checked by its digest,
-where it is newer than the newest checkpoint; each shard reaches its rank by one alltoall, the
-rest of the state by a broadcast. A snapshot serves a restart at the same world size only (a
-restart keeps it); any other resume reads the checkpoints, which re-slice.
+where it is as new as the newest checkpoint or newer (memory is read faster); each shard reaches
+its rank by one alltoall, the rest of the state by a broadcast. A snapshot serves a restart at
+the same world size only (a restart keeps it); any other resume reads the checkpoints, which re-slice.
 
 A folder's name says which shards its files hold (``zero-of-3-holds-1-0``: the job's world
 size, its rank's own shard 1, the copy of rank 0's), so a resume knows where each shard is

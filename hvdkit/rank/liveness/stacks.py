@@ -2,7 +2,7 @@
 run's log directory, ``stacks-rank-N.txt``. Python's faulthandler writes it from a C thread of its
 own, on a timer armed once per run that repeats at a fraction of the stall limit: a rank stuck in
 C code that holds the GIL, which no Python thread of it can interrupt, is written too. The step
-pays nothing: the watchdog's thread (hvdkit.rank.watchdog) empties the file after progress.
+pays nothing: the watchdog's thread (hvdkit.rank.liveness.watchdog) empties the file after progress.
 
 The rank whose watchdog ends the job reads every rank's file and names the stalled rank's
 innermost frame in the user's code (not in hvdkit, torch, Horovod or Python's own library), and the
@@ -132,7 +132,7 @@ def users(frames: list[Frame]) -> Optional[Frame]:
 
 
 def horovod_call(frames: list[Frame]) -> Optional[str]:
-    """'synchronize() from hvdkit/rank/step.py:140' where the innermost frames are Horovod's."""
+    """'synchronize() from hvdkit/rank/step/training.py:140' where the innermost frames are Horovod's."""
     inside = [i for i, frame in enumerate(frames) if f"{os.sep}horovod{os.sep}" in frame.file]
     if not inside or inside[0] > 2:  # waiting in Horovod, not merely called from it further out
         return None

@@ -6,10 +6,13 @@ them, and the restart waits with them. A stop signal to the launcher reaches the
 hosts on this line too, not through mpirun, whose kill sequence is then left no delay.
 
 A rank that leaves by itself says so first: at the interpreter's exit (a finished run, a stop, a
-traceback) and before the Session's own errors end it (hvdkit.rank.stops.exit_on_own_errors).
+traceback) and before the Session's own errors end it (hvdkit.rank.ending.stops.exit_on_own_errors).
 The processes it forks (a DataLoader's workers) close their copy of the line at once.
 One killed by a signal, or ended by its own thread (job.end_rank: a stall, a stop's countdown),
-has no word: the others are ended with it, as the job is ending anyway."""
+has no word: the others are ended with it, as the job is ending anyway; each first finishes the
+checkpoint it is writing (before_end), which a restart would otherwise lose. (Under Open MPI's
+mpirun, which kills every rank's guard as soon as one has ended, with no pause under --max-restarts,
+a rank dies with its guard before that: docs/stops-and-recovery.md#restarts-within-the-job.)"""
 
 from __future__ import annotations
 
@@ -20,13 +23,22 @@ import signal
 import socket
 import sys
 import threading
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 from hvdkit import job
 
 CONNECT_SECONDS = 5.0
 
 _line: Optional[socket.socket] = None
+_before_end: list[Callable[[], None]] = []  # run by the line's thread before this rank ends on END
+
+
+def before_end(hook: Callable[[], None]) -> Callable[[], None]:
+    """Have ``hook`` run before this rank ends because another rank died (END from the launcher),
+    in the line's thread while the rank's own threads go on (a checkpoint's write in flight is
+    finished: the restart resumes from it); the undo, which removes it. Called on every rank."""
+    _before_end.append(hook)
+    return lambda: _before_end.remove(hook) if hook in _before_end else None
 
 
 def connect(environ: Mapping[str, str], rank: int, size: int) -> bool:
@@ -112,6 +124,9 @@ def _listen(said) -> None:
     with contextlib.suppress(OSError):
         for words in (raw.decode(errors="replace").split() for raw in said):
             if words == [job.END]:
+                for hook in list(_before_end):
+                    with contextlib.suppress(Exception):  # the rank ends as told, whatever the hook met
+                        hook()
                 with contextlib.suppress(OSError, ValueError):
                     sys.stderr.flush()
                 os._exit(job.FAILED)

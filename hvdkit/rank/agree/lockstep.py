@@ -5,7 +5,7 @@ Horovod pairs collectives by name, so a call made on one rank only (``if rank ==
 session.save()``, the Horovod habit) or ranks taking different numbers of steps leave a rank
 waiting for a tensor the others never send: a hang until the stall limit. So each of the
 Session's calls that communicate first meets the other ranks in one small allreduce of one
-name, ``hvdkit.rank.lockstep``, in which every rank fills its own row: which call, after how many
+name, ``hvdkit.rank.agree.lockstep``, in which every rank fills its own row: which call, after how many
 steps, and the stop signal it received. Ranks at different calls meet each other there and
 all see who is where; the same allreduce is the stop agreement (the largest signal wins).
 
@@ -19,7 +19,6 @@ allgather) starts is how ranks fell a step out of line.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Optional
 
 import torch
@@ -65,13 +64,53 @@ class Lockstep:
         self.strict = strict  # False in elastic runs: a worker joining mid-run meets the others before it syncs
         self.pending: Optional[tuple] = None  # (handle, call, steps) of a meeting submitted, not yet read
         self.signum = 0  # the stop signal all ranks agreed on, 0 until one is
+        self._rows: Optional[torch.Tensor] = None  # the meeting's tensor, made once per world size
+        self._codes = {call: index + 1 for index, call in enumerate(CALLS)}
+        self.held: Optional[Callable] = None  # the optimizer's with_last_bucket, holding this step's meeting
 
     def submit(self, call: str, steps: int, signum: int) -> None:
-        """Start this rank's part of a meeting at ``call`` after ``steps`` steps."""
-        rows = torch.zeros(self.hvd.size(), FIELDS, dtype=torch.float64)  # elastic: the size of now
-        rows[self.hvd.rank()] = torch.tensor([CALLS.index(call) + 1, steps, signum], dtype=torch.float64)
-        handle = self.hvd.allreduce_async(rows, op=self.hvd.Sum, name="hvdkit.lockstep")
+        """Start this rank's part of a meeting at ``call`` after ``steps`` steps: its row filled in
+        the one tensor every meeting reuses (read back in ``collect`` before the next is made),
+        summed in place."""
+        rows = self._rows
+        if rows is None or not self.strict:  # elastic: the size and rank of now
+            self._rank, size = self.hvd.rank(), self.hvd.size()
+            if rows is None or rows.shape[0] != size:
+                rows = self._rows = torch.zeros(size, FIELDS, dtype=torch.float64)
+                self._table = rows.numpy()
+        table = self._table
+        table.fill(0.0)
+        table[self._rank] = (self._codes[call], steps, signum)
+        handle = self.hvd.allreduce_async_(rows, op=self.hvd.Sum, name="hvdkit.lockstep")
         self.pending = (handle, call, steps)
+
+    def start_step(self, steps: int, signum: Callable[[], int], optimizer=None) -> None:
+        """This step's meeting: submitted now, or, where ``optimizer`` (from backward()) sends
+        gradient buckets (hvdkit.rank.step.buckets' ``with_last_bucket``), held until just before the
+        step's last bucket goes (``held``), so that one Horovod cycle carries both: a meeting in a
+        cycle of its own cost a quarter of a small model's step
+        (docs/performance.md#the-steps-duties-counted). ``signum``: the stop signal received
+        (None: none), read when it is sent."""
+        with_last_bucket = getattr(optimizer, "with_last_bucket", None) if optimizer else None
+
+        def send() -> None:
+            self.held = None
+            self.submit(STEP, steps, signum() or 0)
+
+        if with_last_bucket is None:
+            send()
+        else:
+            self.held = with_last_bucket
+            with_last_bucket(send)
+
+    def send_held(self) -> None:
+        """The meeting held for a last bucket that did not go from backward (a gradient not made on
+        this rank) or that another call comes before (backward() without step()): submitted now."""
+        with_last_bucket, self.held = self.held, None
+        if with_last_bucket is not None:
+            send = with_last_bucket(None)
+            if send is not None:
+                send()
 
     def collect(self) -> int:
         """Wait for the meeting submitted, if any; LockstepError if the ranks were not at the same
@@ -80,12 +119,21 @@ class Lockstep:
             return self.signum
         handle, call, steps = self.pending
         self.pending = None
-        rows = self.hvd.synchronize(handle).numpy()  # host memory on every device: numpy() refuses a GPU tensor
-        problem = self.strict and mismatch(rows.tolist())
-        if problem:
-            raise LockstepError(problem)
-        self.signum = self.signum or int(rows[:, 2].max())
+        self.hvd.synchronize(handle)
+        table = self._table  # host memory on every device: the tensor is a CPU one
+        if self.strict and not (table[:, :2] == table[0, :2]).all():
+            raise LockstepError(mismatch(table.tolist()))
+        if not self.signum:
+            self.signum = int(table[:, 2].max())
         return self.signum
+
+    def abandon(self) -> None:
+        """Elastic: a meeting started before a reset belongs to the old ranks; the next one gets a
+        tensor of its own, which nothing of the old ranks' may still write into."""
+        self.pending = self._rows = None
+        if self.held is not None:
+            self.held(None)
+            self.held = None
 
     def read_after_shutdown(self) -> None:
         """Horovod shut down while a meeting was submitted: the LockstepError of a meeting that
@@ -103,25 +151,42 @@ class Lockstep:
 
     def meet_now(self, call: str, steps: int, signum: int, rank: int) -> int:
         """Every rank at ``call`` after ``steps`` steps, or one line saying who is where; a step's
-        meeting still open (the loop called backward() without step()) is read first."""
+        meeting still open or held (the loop called backward() without step()) is read first."""
+        self.send_held()
         with self.waiting(call, steps, rank):
             self.collect()
             return self.meet(call, steps, signum)
 
-    @contextlib.contextmanager
-    def waiting(self, call: str, steps: int, rank: int):
-        """Horovod's shutdown by another rank (it raised, returned early or was killed), said in
-        one line here; elastic runs (not strict) recover from it instead."""
-        try:
-            yield
-        except HorovodInternalError:
-            if not self.strict:
-                raise
-            self.read_after_shutdown()
-            gone = self.gone(self.hvd.size())
-            raise RankEnded(f"Horovod shut down while rank {rank} waited in {where(call, steps)}: " + (
-                gone or "another rank ended (it raised, returned early or was killed) or Horovod's stall inspector "
-                        "ended the job; the lines above say which")) from None
+    def waiting(self, call: str, steps: int, rank: int) -> "_Waiting":
+        """A context in which Horovod's shutdown by another rank (it raised, returned early or was
+        killed) is said in one line; elastic runs (not strict) recover from it instead. A class,
+        not a generator: it is entered twice a step."""
+        return _Waiting(self, call, steps, rank)
+
+    def shut_down_while(self, call: str, steps: int, rank: int) -> "RankEnded":
+        """The error that says Horovod shut down while ``rank`` waited in ``call``."""
+        self.read_after_shutdown()
+        gone = self.gone(self.hvd.size())
+        return RankEnded(f"Horovod shut down while rank {rank} waited in {where(call, steps)}: " + (
+            gone or "another rank ended (it raised, returned early or was killed) or Horovod's stall inspector "
+                    "ended the job; the lines above say which"))
+
+
+class _Waiting:
+    """Lockstep.waiting's context."""
+
+    __slots__ = ("lockstep", "call", "steps", "rank")
+
+    def __init__(self, lockstep: Lockstep, call: str, steps: int, rank: int) -> None:
+        self.lockstep, self.call, self.steps, self.rank = lockstep, call, steps, rank
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, traceback) -> bool:
+        if kind is None or not issubclass(kind, HorovodInternalError) or not self.lockstep.strict:
+            return False
+        raise self.lockstep.shut_down_while(self.call, self.steps, self.rank) from None
 
 
 def where(call: str, steps: int) -> str:

@@ -1,5 +1,5 @@
 """Where rank 0's metrics go: a progress bar or plain lines, metrics.jsonl, and the trackers
-chosen with --logger (TensorBoard by default; hvdkit.rank.loggers).
+chosen with --logger (TensorBoard by default; hvdkit.rank.reports.loggers).
 
 Other ranks get a sink that drops everything, so the loop calls it unconditionally and
 only rank 0 prints or writes.
@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from hvdkit.rank.loggers import Trackers, scalars
+from hvdkit.rank.reports.loggers import Trackers, scalars
 
 
 class Metrics:
-    """``trackers``: rank 0's loggers, already started (hvdkit.rank.loggers); other ranks' are empty.
+    """``trackers``: rank 0's loggers, already started (hvdkit.rank.reports.loggers); other ranks' are empty.
     ``total_steps``: the run's length as known at each report (the loop's epochs() sets it after
     the sink is made, at setup)."""
 

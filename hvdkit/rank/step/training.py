@@ -4,7 +4,9 @@ finiteness check.
 A step is K micro-batches (``batches_per_allreduce``) whose backward passes accumulate locally;
 the last one's backward starts Horovod's allreduce. ``TrainingStep.apply`` then waits for the
 averaged gradients once, unscales (fp16) and clips them, checks that they are finite, and steps
-the optimizer without a second wait, then the GradScaler and the scheduler.
+the optimizer without a second wait, then the GradScaler and the scheduler; or, where that gives
+the same bits (``_overlaps``), checks and steps each gradient bucket as it lands, while the
+buckets after it are still reduced.
 
 Nothing in a steady step reads the device: on a GPU such a read blocks the host until the GPU has
 finished, so the next step's kernels could not be queued meanwhile (measured on an H200: 20% of a
@@ -26,8 +28,9 @@ from torch import nn
 
 from hvdkit import nested
 from hvdkit.config import TrainConfig
+from hvdkit.rank.agree.stragglers import StepTimes
 from hvdkit.rank.state import RunState, say
-from hvdkit.rank.stragglers import StepTimes
+from hvdkit.zero import optimizer as zero
 
 MAX_SKIPS_IN_A_ROW = 10
 SETTLE_AT_MOST_EVERY = 1000  # steps: a loop that never reports still reads its flags now and then
@@ -102,15 +105,18 @@ def input_format(cfg: TrainConfig, model: nn.Module, device: torch.device) -> to
 
 class TrainingStep:
     """The step of one run: it steps the state's model, optimizer, scaler and scheduler, timed by
-    ``times``; ``kept()`` says which checkpoint a run stopped by a non-finite step leaves."""
+    ``times``; ``checkpoint_left()`` says which checkpoint a run stopped by a non-finite step leaves."""
 
-    def __init__(self, cfg, hvd, device, state: RunState, times: StepTimes, kept: Callable[[], str]) -> None:
-        self.cfg, self.hvd, self.device, self.state, self.times, self.kept = cfg, hvd, device, state, times, kept
+    def __init__(self, cfg, hvd, device, state: RunState, times: StepTimes,
+                 checkpoint_left: Callable[[], str]) -> None:
+        self.cfg, self.hvd, self.device, self.state, self.times = cfg, hvd, device, state, times
+        self.checkpoint_left = checkpoint_left  # RunCheckpoints.checkpoint_left
         self.micro_count = cfg.batches_per_allreduce  # of the step under way
         self.skipped, self.skips_in_a_row = 0, 0  # on_nonfinite: skip
-        self.pending: list[tuple] = []  # (flag on the device, step, epoch) of the steps not yet settled
+        self.pending: list[tuple] = state.unsettled  # (flag on the device, step, epoch) of the steps not yet settled
         self.momentum_ready = False  # fused SGD's buffers made (prepare_momentum)
         self._listed: Optional[tuple] = None  # (model, its parameters)
+        self._overlap: Optional[tuple] = None  # (optimizer, whether its buckets are stepped as they land)
 
     def micro_batches(self, batch: Any, micro_size: int,
                       memory_format: torch.memory_format = torch.preserve_format) -> list:
@@ -118,11 +124,19 @@ class TrainingStep:
         floating-point tensors (images) in ``memory_format`` (the Session's channels_last)."""
         chunks = split_batch(batch, micro_size) if self.cfg.batches_per_allreduce > 1 else [batch]
         self.micro_count = len(chunks)
+        if self.device.type == "cpu" and memory_format == torch.preserve_format:
+            return chunks  # a CPU run's batches are on the CPU: moving them would return each tensor itself
         return [to_device(chunk, self.device, memory_format) for chunk in chunks]
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss = loss / self.micro_count
+        """Backward of one micro-batch's loss, divided by the step's micro-batches and, where the
+        optimizer's buckets leave the averaging to the loss (hvdkit.rank.step.buckets), by the ranks:
+        a scalar's division in place of a pass over every gradient. Not under fp16 loss scaling,
+        whose half-precision gradients would underflow that much sooner."""
         scaler = self.state.scaler
+        average_in_loss = None if scaler else getattr(self.state.optimizer, "average_in_loss", None)
+        ranks = average_in_loss() if average_in_loss else None
+        loss = loss / (self.micro_count * ranks if ranks else self.micro_count)
         (scaler.scale(loss) if scaler else loss).backward()
 
     def apply(self) -> None:
@@ -131,6 +145,19 @@ class TrainingStep:
         ranks' updates inside step() instead, so there the local gradients are unscaled and
         clipped. Then the GradScaler and the scheduler."""
         cfg, optimizer, scaler = self.cfg, self.state.optimizer, self.state.scaler
+        if self._overlaps(optimizer):
+            self._apply_as_buckets_land(optimizer)
+        else:
+            self._apply_at_once(optimizer, scaler)
+        if scaler:
+            scaler.update()
+        if self.state.scheduler is not None:
+            self.state.scheduler.step()
+        self.micro_count = cfg.batches_per_allreduce
+
+    def _apply_at_once(self, optimizer, scaler) -> None:
+        """Every averaged gradient awaited, then unscaled, clipped and checked, then one step."""
+        cfg = self.cfg
         if not cfg.use_adasum:
             self.times.waiting()
             optimizer.synchronize()
@@ -139,25 +166,86 @@ class TrainingStep:
             scaler.unscale_(optimizer)
             if cfg.zero:  # each rank checked only its own slices for an overflow
                 optimizer.agree_on_overflow(scaler)
-        bad = self._clip_and_check()
+        checked = self._clip_and_check()
         with contextlib.nullcontext() if cfg.use_adasum else optimizer.skip_synchronize():
             if scaler:  # GradScaler skips an overflow: on the device where the optimizer takes found_inf
                 scaler.step(optimizer)
-            elif bad is None:
+            elif checked is None:
                 optimizer.step()
             else:
-                self._step_unless(optimizer, bad)
-        if scaler:
-            scaler.update()
-        if self.state.scheduler is not None:
-            self.state.scheduler.step()
-        self.micro_count = cfg.batches_per_allreduce
+                self._step_unless(optimizer, checked)
+
+    def _overlaps(self, optimizer) -> bool:
+        """Whether each bucket is stepped as it lands (``_apply_as_buckets_land``), decided once per
+        optimizer: where the update is the one the step at once makes, bit for bit, and needs
+        nothing of the other buckets. So: bucket views with several buckets; an optimizer that
+        updates each element on its own (hvdkit.zero's list); no clipping (its global norm needs
+        every bucket first); no fp16 GradScaler (its unscale and skip need every gradient);
+        ``on_nonfinite: stop`` (a skip would have to take back buckets already stepped: the
+        stop ends the run instead, and no checkpoint holds what it stepped); and either an
+        optimizer whose bucket checks are read as each lands, on a CPU only (on a GPU, a host sync
+        per bucket), or a fused one, which skips a bad bucket on the device and whose flags are
+        read at the next settle, without snapshots (a snapshot is taken without that read, and a
+        step stepped in part would be restored from it)."""
+        if self._overlap is not None and self._overlap[0] is optimizer:
+            return self._overlap[1]
+        cfg = self.cfg
+        overlaps = (hasattr(optimizer, "landed") and optimizer.bucket_count() > 1
+                    and isinstance(optimizer, zero.ELEMENTWISE) and not cfg.clip_grad_norm
+                    and self.state.scaler is None and cfg.on_nonfinite == "stop" and not cfg.use_adasum
+                    and not any(group.get("differentiable") for group in optimizer.param_groups)
+                    and (not cfg.snapshot_steps if skips_on_device(optimizer) else self.device.type == "cpu"))
+        self._overlap = (optimizer, overlaps)
+        return overlaps
+
+    def _apply_as_buckets_land(self, optimizer) -> None:
+        """Each bucket's parameters stepped as soon as its averaged gradients land, while the
+        buckets after it are still being reduced (DDP's optimizer in backward does the same);
+        each bucket checked for finiteness first, as the step at once checks them all: a
+        non-finite bucket is not stepped, nor any after it, and the run stops (``_overlaps``)."""
+        fused = skips_on_device(optimizer)
+        if fused and not self.momentum_ready:
+            prepare_momentum(optimizer)
+            self.momentum_ready = True
+        landed, step, epoch = optimizer.landed(), self.state.global_step + 1, self.state.epoch + 1
+        bad = None
+        while True:
+            self.times.waiting()
+            bucket = next(landed, None)
+            self.times.waited()
+            if bucket is None:
+                break
+            parameters, gradients = bucket
+            total = torch.stack([g.sum(dtype=torch.float32) for g in gradients]).sum()
+            if not fused:  # read now, a plain read on a CPU
+                if not math.isfinite(total.item()):
+                    for _ in landed:  # the rest awaited, so that nothing is left in flight
+                        pass
+                    self._nonfinite(step, epoch, partly=True)
+                optimizer.step_parameters(parameters)
+                continue
+            flag = self._flag(total)  # on the device: the bucket skips itself there, and the ones after it
+            bad = flag if bad is None else torch.maximum(bad, flag)
+            optimizer.found_inf = bad
+            try:
+                optimizer.step_parameters(parameters)
+            finally:
+                del optimizer.found_inf
+        if fused and bad is not None:
+            self.pending.append((bad, step, epoch))
+            if len(self.pending) >= SETTLE_AT_MOST_EVERY:
+                self.settle()
+        else:
+            self.skips_in_a_row = 0
 
     def _clip_and_check(self) -> Optional[torch.Tensor]:
-        """Clip the gradients; a tensor on the device, 1.0 where they are not finite (0.0 else), or
-        None where nothing is to check (fp16 loss scaling: GradScaler checks them itself). Averaged
-        gradients are the same on every rank, and ZeRO's norm sums every rank's slices, so every
-        rank decides alike; Adasum's gradients are local, so there the ranks add their flags."""
+        """Clip the gradients; a value on the device whose finiteness decides the step (the
+        clipping's norm where it clips; else, over bucket views, the sum of the buckets' flat
+        tensors, one pass in a few kernels, half a norm's time on a CPU, and finite exactly where
+        every element is, short of a sum past 3e38; else the gradients' norm), or None where
+        nothing is to check (fp16 loss scaling: GradScaler checks them itself). Averaged gradients
+        are the same on every rank, and ZeRO's norm sums every rank's slices, so every rank decides
+        alike; Adasum's gradients are local, so there the ranks add their flags (``_flag``)."""
         cfg, state = self.cfg, self.state
         optimizer = state.optimizer
         if cfg.zero:  # the norm of the whole gradient, from every rank's slices
@@ -167,21 +255,28 @@ class TrainingStep:
                 norm = optimizer.grad_norm()
             else:
                 return None
-        else:
-            parameters = self._parameters()
-            grads = [p.grad for p in parameters if p.grad is not None]
-            if cfg.clip_grad_norm:
-                norm = nn.utils.clip_grad_norm_(parameters, cfg.clip_grad_norm)
-            elif state.scaler is None and grads:
-                norm = nn.utils.get_total_norm(grads)
+        elif cfg.clip_grad_norm:
+            norm = nn.utils.clip_grad_norm_(self._parameters(), cfg.clip_grad_norm)
+        elif state.scaler is None:
+            gradients = getattr(optimizer, "gradient_tensors", None)
+            if gradients:  # a few flat tensors: their sum is non-finite where any element is (NaN, ±inf)
+                norm = torch.stack([g.sum(dtype=torch.float32) for g in gradients()]).sum()
             else:
-                return None
-        if state.scaler is not None:
+                grads = [p.grad for p in self._parameters() if p.grad is not None]
+                if not grads:
+                    return None
+                norm = nn.utils.get_total_norm(grads)
+        else:
             return None
-        bad = torch.logical_not(torch.isfinite(norm)).float().reshape(1)
-        if cfg.use_adasum:
+        return None if state.scaler is not None else norm
+
+    def _flag(self, checked: torch.Tensor) -> torch.Tensor:
+        """1.0 on the device where ``checked`` is not finite on some rank, else 0.0; 0-d, as
+        GradScaler's found_inf: the fused kernels take no other."""
+        bad = torch.logical_not(torch.isfinite(checked)).float().reshape(1)
+        if self.cfg.use_adasum:
             bad = self.hvd.allreduce(bad, op=self.hvd.Sum, name="hvdkit.finite").clamp(max=1.0)
-        return bad.reshape(())  # 0-d, as GradScaler's found_inf: the fused kernels take no other
+        return bad.reshape(())
 
     def _parameters(self) -> list:
         """The model's parameters, listed once per model: walking the modules every step takes host
@@ -191,26 +286,33 @@ class TrainingStep:
             self._listed = (model, list(model.parameters()))
         return self._listed[1]
 
-    def _step_unless(self, optimizer, bad: torch.Tensor) -> None:
-        """Step unless ``bad``. A fused optimizer is handed the flag as GradScaler hands it
-        ``found_inf``, and skips on the device: nothing is read, and the flag is kept for
-        ``settle()``. Any other optimizer is told by reading the flag now, a host sync."""
-        self.pending.append((bad, self.state.global_step + 1, self.state.epoch + 1))
+    def _step_unless(self, optimizer, checked: torch.Tensor) -> None:
+        """Step unless ``checked`` (``_clip_and_check``'s value) is not finite. A fused optimizer is
+        handed the flag as GradScaler hands it ``found_inf``, and skips on the device: nothing is
+        read, and the flag is kept for ``settle()``. Any other optimizer is told by reading the
+        value now: a host sync on a GPU, a plain read on a CPU."""
         target = getattr(optimizer, "inner", optimizer)  # hvdkit.zero's ShardedOptimizer steps its inner one
-        if skips_on_device(target):
-            if not self.momentum_ready:  # once: every parameter has its buffer from then on
-                prepare_momentum(target)
-                self.momentum_ready = True
-            target.found_inf = bad
-            try:
+        if not skips_on_device(target):
+            self.settle()  # flags of steps a fused optimizer took before (one changed by a resume)
+            finite = not self._flag(checked).item() if self.cfg.use_adasum else math.isfinite(checked.item())
+            if finite:
+                self.skips_in_a_row = 0
                 optimizer.step()
-            finally:
-                del target.found_inf
-            if len(self.pending) >= SETTLE_AT_MOST_EVERY:
-                self.settle()
+            else:
+                self._nonfinite(self.state.global_step + 1, self.state.epoch + 1)
             return
-        if not self.settle():
+        bad = self._flag(checked)
+        self.pending.append((bad, self.state.global_step + 1, self.state.epoch + 1))
+        if not self.momentum_ready:  # once: every parameter has its buffer from then on
+            prepare_momentum(target)
+            self.momentum_ready = True
+        target.found_inf = bad
+        try:
             optimizer.step()
+        finally:
+            del target.found_inf
+        if len(self.pending) >= SETTLE_AT_MOST_EVERY:
+            self.settle()
 
     def settle(self) -> bool:
         """Read the flags of the steps taken since the last call, in one read, and act on each
@@ -220,8 +322,8 @@ class TrainingStep:
         MAX_SKIPS_IN_A_ROW in a row. True if the last step read was skipped."""
         if not self.pending:
             return False
-        flags, steps = torch.stack([bad for bad, _, _ in self.pending]).tolist(), self.pending
-        self.pending = []
+        flags, steps = torch.stack([bad for bad, _, _ in self.pending]).tolist(), list(self.pending)
+        self.pending.clear()
         for flag, (_, step, epoch) in zip(flags, steps, strict=True):
             if flag:
                 self._nonfinite(step, epoch)
@@ -229,12 +331,15 @@ class TrainingStep:
                 self.skips_in_a_row = 0
         return bool(flags[-1])
 
-    def _nonfinite(self, step: int, epoch: int) -> None:
-        kept = self.kept()
+    def _nonfinite(self, step: int, epoch: int, partly: bool = False) -> None:
+        """Act on a non-finite step as ``on_nonfinite`` says; ``partly``: the buckets before the
+        bad one were stepped (as they landed), in this process's memory only."""
+        kept = self.checkpoint_left()
         if self.cfg.on_nonfinite == "stop":
-            raise NonFiniteError(f"the loss or gradients of step {step} (epoch {epoch}) are not finite; stopped before "
-                                 f"applying them, {kept}; lower --base-lr, set --clip-grad-norm, or pass "
-                                 f"--on-nonfinite skip")
+            applied = ("stopped, no checkpoint holding it" if partly or self._overlap and self._overlap[1]
+                       else "stopped before applying them")
+            raise NonFiniteError(f"the loss or gradients of step {step} (epoch {epoch}) are not finite; {applied}, "
+                                 f"{kept}; lower --base-lr, set --clip-grad-norm, or pass --on-nonfinite skip")
         self.skipped += 1
         self.skips_in_a_row += 1
         if self.skips_in_a_row >= MAX_SKIPS_IN_A_ROW:

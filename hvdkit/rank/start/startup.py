@@ -11,6 +11,8 @@ checkpoint directory against a second run (``lock_directories``).
 from __future__ import annotations
 
 import atexit
+import contextlib
+import faulthandler
 import gc
 import hashlib
 import ipaddress
@@ -30,8 +32,9 @@ import torch
 from hvdkit import env
 from hvdkit.config import ConfigError, TrainConfig, from_environ, from_mapping, validate
 from hvdkit.models import seed_everything
-from hvdkit.rank import link, stops
-from hvdkit.rank.lock import DirectoryInUse, DirectoryLock
+from hvdkit.rank.ending import stops
+from hvdkit.rank.ending.lock import DirectoryInUse, DirectoryLock
+from hvdkit.rank.liveness import link
 from hvdkit.system import wholefiles
 
 
@@ -51,9 +54,10 @@ def read_config(config: Optional[TrainConfig], keys: Mapping[str, object]) -> Tr
 
 
 def start(cfg: TrainConfig):
-    """hvd.init() with hvdkit's settings, a warning where the launcher disagrees with Horovod,
-    the line to `hvdkit launch --max-restarts` (hvdkit.rank.link; not elastic: Horovod goes on
-    without a rank that died), this rank's device and seeds; (horovod.torch, device)."""
+    """hvd.init() with hvdkit's settings, a crash's Python stacks on stderr (``faulthandler``),
+    a warning where the launcher disagrees with Horovod, the line to `hvdkit launch
+    --max-restarts` (hvdkit.rank.liveness.link; not elastic: Horovod goes on without a rank that
+    died), this rank's device and seeds; (horovod.torch, device)."""
     import horovod.torch as hvd
 
     spans_hosts = env.detect().spans_hosts
@@ -63,6 +67,9 @@ def start(cfg: TrainConfig):
         os.environ.setdefault(name, value)  # a variable the user exported wins
     link.wait_for_go(os.environ)  # a standby attempt's rank, until it is needed
     hvd.init()
+    if not faulthandler.is_enabled():  # after hvd.init: MPI's own handler for SIGSEGV still runs after it
+        with contextlib.suppress(ValueError, OSError, AttributeError):  # a stderr with no file (a notebook's)
+            faulthandler.enable(all_threads=True)
     hint = data_path_hint(spans_hosts and not cfg.elastic and not torch.cuda.is_available() and hvd.gloo_built()
                           and hvd.mpi_enabled(), os.environ)
     if hint and hvd.rank() == 0:
@@ -139,7 +146,7 @@ def stall_settings(timeout: float) -> dict:
 
 
 def reproducible_settings() -> dict:
-    """Horovod fuses each group of gradients (hvdkit.rank.buckets.gradient_buckets) alone, not with
+    """Horovod fuses each group of gradients (hvdkit.rank.step.buckets.gradient_buckets) alone, not with
     whatever else is ready in the same cycle: the same buffers every step, so the same sums."""
     return {"HOROVOD_DISABLE_GROUP_FUSION": "1"}
 
@@ -306,7 +313,7 @@ def run_dir(cfg: TrainConfig, hvd) -> str:
 
 
 def lock_directories(cfg: TrainConfig, hvd, log_dir: str) -> list[DirectoryLock]:
-    """Rank 0 locks the checkpoint and log directories for this run (see hvdkit.rank.lock);
+    """Rank 0 locks the checkpoint and log directories for this run (see hvdkit.rank.ending.lock);
     every rank stops with the same line when another run holds one."""
     if cfg.elastic:  # rank 0 may leave and another process take its place
         return []

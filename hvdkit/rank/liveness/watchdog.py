@@ -1,7 +1,7 @@
 """A per-rank watchdog that ends a job which has stopped making progress.
 
 Horovod's stall inspector names the tensor a missing rank never submitted (before the
-timeout, hvdkit.rank.startup.stall_settings), but its shutdown works only under the MPI controller,
+timeout, hvdkit.rank.start.startup.stall_settings), but its shutdown works only under the MPI controller,
 and not even there when a rank is frozen (SIGSTOP: measured here with Horovod 0.28.1, the
 job ran on past the limit). The watchdog works under any controller and is what ends a
 stalled job at ``--stall-timeout``: the loop beats at each step and at each of hvdkit's calls,
@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Optional
 
 from hvdkit import job
-from hvdkit.rank import stacks as stack_files
-from hvdkit.rank.memory import peak_rss
+from hvdkit.rank.liveness import stacks as stack_files
+from hvdkit.rank.reports.memory import peak_rss
 from hvdkit.system import cgroups, probes, wholefiles
 
 HEARTBEAT_SECONDS = 1.0
@@ -55,7 +55,8 @@ class Watchdog:
         self._emptied: Optional[float] = None  # the beat the stacks' file was last emptied after
         self._own = False
         self._presence: Optional[probes.Presence] = None
-        self._stopping = False  # told to stop by a signal
+        self._stopping = False  # told to stop by a signal, as its heartbeat tells the others (gone_at_a_stop)
+        self._stacks_kept = False  # from a stop signal on: the stacks' file is no longer emptied
         self._found_gone: set = set()  # the ranks gone at the last look after Horovod's shutdown
         self._writing = threading.Lock()
         self._guard = _guard_page()
@@ -63,16 +64,22 @@ class Watchdog:
         self._facts: dict = {}
         self._written = 0.0
         self._stop = threading.Event()
-        # Heartbeats and the port's draining without a stall limit too: a rank whose heartbeat went
-        # stale would be taken for gone.
-        self._thread = threading.Thread(target=self._watch, name="hvdkit-watchdog", daemon=True)
-        self._thread.start()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> "Watchdog":
+        """Its thread started (once; the Session's start, every rank): the stall limit, and the
+        heartbeats and the port's draining without a limit too (a rank whose heartbeat went stale
+        would be taken for gone). Returns itself."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="hvdkit-watchdog", daemon=True)
+            self._thread.start()
+        return self
 
     def share(self, directory: str, own: bool = True, stacks: Optional[str] = None,
               facts: Optional[dict] = None) -> None:
         """Write heartbeats to ``directory`` (every rank must pass the same one); ``own``: the
         directory is only for them, and the last rank to stop removes it. ``stacks``: where each
-        rank's stacks are written when it stalls (hvdkit.rank.stacks), the run's log directory.
+        rank's stacks are written when it stalls (hvdkit.rank.liveness.stacks), the run's log directory.
         ``facts``: what the rank's guard is told besides (hvdkit.launch.guard: where its checkpoints are);
         data, not a callable: this watchdog outlives the Session (the stop signal's handler holds it)."""
         self.shared, self._own, self._facts = Path(directory), own, dict(facts or {})
@@ -113,20 +120,24 @@ class Watchdog:
         woke = time.monotonic()
         while not self._stop.wait(interval):
             slept, woke = time.monotonic() - woke, time.monotonic()
+            # This whole process was stopped for longer than the others wait for it. Not merely
+            # FROZEN_SECONDS: a long call holding the GIL (pickling a large checkpoint) also
+            # delays this thread, and must not end the run. Before the stacks are emptied: those
+            # faulthandler wrote while this thread could not run say where the rank was held.
+            if self.timeout > 0 and slept > max(FROZEN_SECONDS, self.timeout):
+                line = (f"rank {self.rank} was frozen for {slept:.0f} s (stopped, or its host paused) in "
+                        f"{self.where}; ending")
+                job.end_rank(job.STALLED, line)
             self._write_heartbeat()
-            self._progress_to_stacks()
+            # Held out past a dump (a call held the GIL): that dump stays a look longer, for a stop
+            # signal that ended the hold to be heard first (the main thread's handler).
+            if slept < STACKS_EVERY * self.timeout:
+                self._progress_to_stacks()
             if self._presence is not None:
                 self._presence.drain()
             if self.timeout <= 0:  # --stall-timeout 0: no limit
                 continue
             idle = woke - self.last if self.last is not None else 0.0
-            # This whole process was stopped for longer than the others wait for it. Not merely
-            # FROZEN_SECONDS: a long call holding the GIL (pickling a large checkpoint) also
-            # delays this thread, and must not end the run.
-            if slept > max(FROZEN_SECONDS, self.timeout):
-                line = (f"rank {self.rank} was frozen for {slept:.0f} s (stopped, or its host paused) in "
-                        f"{self.where}; ending")
-                job.end_rank(job.STALLED, line)
             if idle > self.timeout:
                 self.write_stacks()
                 culprit, stalled = self._culprit()
@@ -138,9 +149,15 @@ class Watchdog:
                         f"--stall-timeout sets the limit){self._stacks_said()}")
                 job.end_rank(job.STALLED, line)
 
+    def told_to_stop(self) -> None:
+        """A stop signal arrived (StopSignal's handler, in the main thread): the stacks' file is no
+        longer emptied, for what it holds may be of the stall that ended the job, which its line
+        points to (a launcher's SIGTERM ends a call that held the GIL, and the rank beats again)."""
+        self._stacks_kept = True
+
     def _progress_to_stacks(self) -> None:
-        """After a new beat the stacks' file holds only what is written from now on."""
-        if self.stacks is not None and self.last != self._emptied:
+        """After a new beat the stacks' file holds only what is written from now on, until a stop."""
+        if self.stacks is not None and self.last != self._emptied and not self._stacks_kept:
             self._emptied = self.last
             self.stacks.progress()
 
@@ -212,9 +229,9 @@ class Watchdog:
                 return gone, how
             time.sleep(HEARTBEAT_SECONDS / 4)
 
-    def first_left(self) -> bool:
+    def lowest_rank_left(self) -> bool:
         """Whether every rank below this one was gone at the last look after Horovod's shutdown: rank
-        0 says the job's errors, and where it is gone, this rank (hvdkit.rank.stops.exit_on_own_errors)."""
+        0 says the job's errors, and where it is gone, this rank (hvdkit.rank.ending.stops.exit_on_own_errors)."""
         return set(range(self.rank)) <= self._found_gone
 
     def after_shutdown(self, exc: BaseException, size: int) -> str:
@@ -326,7 +343,7 @@ class Watchdog:
 
 def _described(gone: list[dict], how: dict) -> str:
     """'rank 1 (host h, pid p) is gone, last seen in training step 4; ...' of the heartbeats of ranks
-    gone, each said as ``how`` says it where it does (hvdkit.rank.watchdog.Watchdog._missing)."""
+    gone, each said as ``how`` says it where it does (hvdkit.rank.liveness.watchdog.Watchdog._missing)."""
     return "; ".join(f"rank {r['rank']} (host {r['host']}, pid {r['pid']}) {how.get(r['pid'], 'is gone')}, "
                      f"last seen in {r['where']}" for r in sorted(gone, key=lambda r: r["rank"]))
 

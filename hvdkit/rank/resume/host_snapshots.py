@@ -1,7 +1,7 @@
 """Snapshots (``snapshot_steps``): the state in host memory for hvdkit launch's restarts, in the
 background beside the checkpoints, in a folder named by the host (hosts that share a memory, as
 rehearsal hosts do, keep theirs apart). Each host's local rank 0 writes its copy; under ZeRO
-every rank writes its own, with a copy of another's shard (rank.shard_snapshots)."""
+every rank writes its own, with a copy of another's shard (rank.resume.shard_snapshots)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import torch
 
 from hvdkit import checkpoint
 from hvdkit.config import ConfigError
-from hvdkit.rank.shard_snapshots import KEEP as SHARD_KEEP
-from hvdkit.rank.shard_snapshots import ShardSnapshots
-from hvdkit.rank.startup import rng_state
+from hvdkit.rank.resume.shard_snapshots import KEEP as SHARD_KEEP
+from hvdkit.rank.resume.shard_snapshots import ShardSnapshots
+from hvdkit.rank.start.startup import rng_state
 from hvdkit.zero import shards
 
 

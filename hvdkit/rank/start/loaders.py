@@ -8,9 +8,11 @@ the same order. An evaluation loader gives every sample to exactly one rank.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import math
 import signal
+import weakref
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -18,8 +20,30 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from hvdkit import data
 from hvdkit.config import ConfigError, TrainConfig
-from hvdkit.rank import stops
+from hvdkit.rank.ending import stops
 from hvdkit.rank.state import RunState
+
+_WITH_WORKERS: "weakref.WeakSet[DataLoader]" = weakref.WeakSet()  # made here with workers: ended at exit
+
+
+def _workers_end_at_exit(loader: DataLoader) -> DataLoader:
+    """``loader``, whose persistent workers are shut down at the interpreter's exit (end_workers)."""
+    if loader.num_workers > 0:
+        if not _WITH_WORKERS:  # once a process (again after every loader went: atexit runs each once per entry)
+            atexit.unregister(end_workers)
+            atexit.register(end_workers)  # after multiprocessing's own, so that it runs before it
+        _WITH_WORKERS.add(loader)
+    return loader
+
+
+def end_workers() -> None:
+    """At the interpreter's exit: the workers of the loaders still referenced (a script's globals)
+    are shut down as their iterator would. They ignore SIGTERM (WorkerInit), which multiprocessing's
+    own end of its children sends before waiting for them: without this the process would not end."""
+    for loader in list(_WITH_WORKERS):
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
 
 
 class Loaders:
@@ -43,8 +67,8 @@ class Loaders:
             raise ConfigError(f"data: the training set has {len(dataset)} samples, fewer than "
                               f"world size x batch_size = {size} x {batch_size}")
         sampler = ResumableSampler(dataset, num_replicas=size, rank=rank, shuffle=shuffle, seed=self.cfg.seed)
-        made = DataLoader(dataset, batch_size=batch_size * self.cfg.batches_per_allreduce, sampler=sampler,
-                          **options)
+        made = _workers_end_at_exit(DataLoader(dataset, batch_size=batch_size * self.cfg.batches_per_allreduce,
+                                               sampler=sampler, **options))
         self.micro_size = batch_size
         self.made.append(made)
         return made
@@ -54,12 +78,14 @@ class Loaders:
         dataset, batch_size, options = self._parts(dataset, batch_size, loader_args, kept=("collate_fn",))
         sampler = self.hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=self.cfg.seed)
         self.micro_size = batch_size
-        return DataLoader(dataset, batch_size=batch_size * self.cfg.batches_per_allreduce, sampler=sampler, **options)
+        return _workers_end_at_exit(DataLoader(dataset, batch_size=batch_size * self.cfg.batches_per_allreduce,
+                                               sampler=sampler, **options))
 
     def evaluation(self, data_or_loader, batch_size: Optional[int], loader_args: dict) -> DataLoader:
         dataset, batch_size, options = self._parts(data_or_loader, batch_size, loader_args, kept=("collate_fn",))
-        return DataLoader(dataset, batch_size=batch_size,
-                          sampler=ShardSampler(len(dataset), self.hvd.rank, self.hvd.size), **options)
+        return _workers_end_at_exit(DataLoader(dataset, batch_size=batch_size,
+                                               sampler=ShardSampler(len(dataset), self.hvd.rank, self.hvd.size),
+                                               **options))
 
     def _parts(self, data_or_loader, batch_size: Optional[int], loader_args: dict, kept: tuple):
         """(dataset, batch size, DataLoader options) from a Dataset, or from a DataLoader whose
@@ -92,7 +118,7 @@ class Loaders:
     def progress(self) -> Callable[[int], float]:
         """The epochs done at an optimizer step, with the share of the next; in an elastic run the
         samples processed of the epoch, whichever the ranks were that took them. (A function of
-        the sampler or the steps per epoch alone: see rank.step.lr_lambda.)"""
+        the sampler or the steps per epoch alone: see rank.step.training.lr_lambda.)"""
         if self.cfg.elastic:
             sampler = self.elastic_sampler()
             return lambda step: sampler.epoch + min(1.0, sampler.processed_num / len(sampler.dataset))

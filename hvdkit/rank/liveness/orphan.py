@@ -9,7 +9,7 @@ topmost horovodrun, mpirun, orted or Hydra proxy, with the shells and Horovod's 
 between), and a thread checks twice a second that each of them still runs (psutil compares the
 process's start time, so a reused PID does not count). The first that is gone asks for a stop.
 Ranks started by srun, by ssh without a launcher above them, or by nothing have no chain to
-watch: Slurm ends its tasks itself, and hvdkit.launch.network.Lifeline watches horovodrun --gloo's
+watch: Slurm ends its tasks itself, and hvdkit.rank.liveness.lifeline.Lifeline watches horovodrun --gloo's
 rendezvous from other hosts.
 
 A launcher that relayed the ranks' output (horovodrun --gloo reads each rank's pipe) takes the
@@ -29,10 +29,9 @@ from typing import Callable, Optional
 
 import psutil
 
-from hvdkit.system import proctree
+from hvdkit.system import launchers
 
-# Not srun: Slurm ends its tasks itself.
-LAUNCHERS = (proctree.HOROVODRUN, *proctree.MPI_LAUNCHERS, *proctree.MPI_DAEMONS)
+LAUNCHERS = launchers.programs(launcher for launcher in launchers.LAUNCHERS if not launcher.ends_its_ranks)
 SHELLS = ("sh", "bash", "dash")
 CHECK_SECONDS = 0.5
 
@@ -80,7 +79,7 @@ def started_by_horovodrun_here() -> bool:
     """Whether horovodrun is among this rank's launchers: an elastic worker on the host that
     runs the job's driver, where a stop signal means the job's end (the driver gets it too).
     Workers horovodrun started on other hosts (through ssh) are not."""
-    return any(_launcher_name(parent) == proctree.HOROVODRUN for parent in launcher_chain())
+    return any(_launcher_name(parent) in launchers.HOROVODRUN.programs for parent in launcher_chain())
 
 
 def describe(process: psutil.Process) -> str:
@@ -142,7 +141,7 @@ class LauncherWatch:
 
 
 def watch(stop, output_file: Path) -> None:
-    """Start watching this rank's launcher chain, if it has one: ``stop`` (a hvdkit.rank.stops.StopSignal)
+    """Start watching this rank's launcher chain, if it has one: ``stop`` (a hvdkit.rank.ending.stops.StopSignal)
     is asked to stop once any of it is gone, and keeps the watch; output that loses its reader
     goes to ``output_file``."""
     launcher = LauncherWatch.of_this_process(stop.launcher_gone)

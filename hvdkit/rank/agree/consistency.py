@@ -120,6 +120,7 @@ class Consistency:
         step = state.global_step
         if self.checked_at == step or state.model is None:
             return
+        assert not state.unsettled, "hvdkit: the steps' non-finite flags are read (settle) before a consistency check"
         self.checked_at = step
         tensors = compared(state.model, state.optimizer, not (cfg.zero or cfg.use_adasum))
         if not tensors:

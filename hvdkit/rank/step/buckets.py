@@ -5,14 +5,18 @@ The buckets are DDP's: the trained parameters in reverse order (about the order 
 their gradients), the first closed at 1 MiB, the others at their cap. Each bucket's gradients are
 views of one flat tensor, as DDP's ``gradient_as_bucket_view``: the bucket goes to Horovod as one
 tensor, reduced in place, so Horovod copies nothing into its fusion buffer and nothing back out;
-the averaging's division is made before the sum on the training thread, where DDP makes it.
+the averaging's 1/size is folded into the loss where the Session makes the backward pass and the
+ranks are a power of two (``average_in_loss``: no pass over the gradients at all), else made
+before the sum on the training thread, where DDP makes it.
 A gradient that is not its view (after ``zero_grad()`` set it to None, backward made a new one)
 is copied into it once, when its bucket goes. Every rank reduces the same flat tensors every step,
 none fused with another (with group fusion off, Horovod makes each allreduce a group of its own:
-hvdkit.rank.startup.reproducible_settings), so a run stays bitwise reproducible at any world size.
+hvdkit.rank.start.startup.reproducible_settings), so a run stays bitwise reproducible at any world size.
 """
 
 from __future__ import annotations
+
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -38,7 +42,7 @@ def gradient_buckets(model: nn.Module, cap: int = BUCKET_BYTES,
     """The buckets: the trained parameters in reverse order, a bucket closed once it holds
     ``first_cap`` bytes (the first) or ``cap`` (the others). Each goes as soon as its last gradient
     is there. Left to fuse whatever each cycle found ready, the same elements would be summed in
-    different orders from run to run (hvdkit.rank.startup.reproducible_settings). Sparse gradients
+    different orders from run to run (hvdkit.rank.start.startup.reproducible_settings). Sparse gradients
     (an embedding's ``sparse=True``) cannot be grouped: they go alone."""
     sparse = {id(p) for m in model.modules() if getattr(m, "sparse", False) is True for p in m.parameters()}
     buckets: list[list[nn.Parameter]] = [[]]
@@ -104,6 +108,11 @@ class _BucketViews:
         _DistributedOptimizer.__init__(self, params, named_parameters, compression, backward_passes_per_step,
                                        groups=buckets)
         self._ranks = self.process_set.size()
+        self._averaged_in_loss = False  # this step's losses were divided by the ranks (average_in_loss)
+        self._outside: Optional[list] = None  # the trained parameters in no bucket (gradient_tensors)
+        self._with_last: Optional[Callable[[], None]] = None  # sent just before this step's last bucket
+        self._sent = 0  # buckets sent this step
+        self._by_group: Optional[dict] = None  # a bucket (None: the rest) -> its parameters in each param group
         self._flat: dict[tuple, torch.Tensor] = {}  # a bucket (Horovod's group) -> the tensor its gradients view
         self._views: dict[nn.Parameter, torch.Tensor] = {}
         ours = {frozenset(map(id, bucket)) for bucket in buckets}
@@ -123,6 +132,32 @@ class _BucketViews:
             self._flat[group] = flat
             self._requires_update.difference_update(group)  # Horovod's synchronize leaves them to ours
 
+    def with_last_bucket(self, send: Optional[Callable[[], None]]) -> Optional[Callable[[], None]]:
+        """``send()`` is called once, just before this step's last bucket goes to Horovod, from the
+        thread that sends it (the step's meeting: one Horovod cycle then carries both); None takes
+        back what was held and returns it, if it was not called."""
+        held, self._with_last = self._with_last, send
+        return held
+
+    def average_in_loss(self) -> Optional[int]:
+        """What the caller divides this backward pass's loss by, so that the buckets are not divided
+        again (TrainingStep.backward calls it before each backward pass of a step that goes through
+        it; a step whose losses go to ``backward()`` directly is divided here): the ranks where they
+        are a power of two, whose division is exact either way, so that both give the same bits
+        (a loop that calls ``loss.backward()`` itself trains to the same weights); else None, and
+        the buckets are divided here."""
+        if self._ranks & (self._ranks - 1):
+            return None
+        self._averaged_in_loss = True
+        return self._ranks
+
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        """Every trained gradient once: the buckets' flat tensors (which their parameters' gradients
+        view), then the gradients outside them; for a pass over all of them in a few kernels."""
+        if self._outside is None:
+            self._outside = [p for group in self.param_groups for p in group["params"] if p not in self._views]
+        return [*self._flat.values(), *(p.grad for p in self._outside if p.grad is not None)]
+
     def _grouped_allreduce_grad_async(self, ps):
         from horovod.torch.mpi_ops import Sum, allreduce_async_
         from horovod.torch.optimizer import _DistributedOptimizer
@@ -130,24 +165,51 @@ class _BucketViews:
         flat = self._flat.get(ps)
         if flat is None:
             return _DistributedOptimizer._grouped_allreduce_grad_async(self, ps)
+        views, grads = [], []  # the gradients backward made anew (after zero_grad() set them to None)
         for p in ps:
             view = self._views[p]
             if p.grad is None:  # not used this step, on this rank: Horovod's zero gradient
                 view.zero_()
                 p.grad = view
             elif p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)
+                views.append(view)
+                grads.append(p.grad)
                 p.grad = view
-        flat.div_(self._ranks)
+        if views:  # into the bucket in one call, not one a parameter (on a GPU, one kernel launch each)
+            torch._foreach_copy_(views, grads)
+        if not self._averaged_in_loss:
+            flat.div_(self._ranks)
+        self._sent += 1
+        if self._sent == len(self._flat) and self._with_last is not None:
+            send, self._with_last = self._with_last, None
+            send()
         compressed, ctx = self._compression.compress(flat)
         handle = allreduce_async_(compressed, name=f"bucket.{self._parameter_names.get(ps[0])}", op=Sum,
                                   process_set=self.process_set)
         return handle, (compressed, ctx)
 
     def synchronize(self):
+        for _ in self.landed():
+            pass
+
+    def bucket_count(self) -> int:
+        return len(self._flat)
+
+    def landed(self):
+        """Wait for each bucket's averaged gradients in the order the buckets went, yielding each as
+        it lands: (its parameters, by param group, for ``step_parameters``; its flat tensor in a
+        list); then Horovod's own synchronize of the gradients outside the buckets, yielded last
+        where there are any. ``synchronize()`` is this, run to its end; a caller that stops early
+        leaves the step's allreduces in flight."""
         from horovod.torch.mpi_ops import synchronize
         from horovod.torch.optimizer import _DistributedOptimizer
 
+        if self._by_group is None:  # each bucket's parameters in each param group, made once
+            members = {bucket: set(bucket) for bucket in self._flat}
+            self._by_group = {bucket: [[p for p in group["params"] if p in members[bucket]]
+                                       for group in self.param_groups] for bucket in self._flat}
+            self._by_group[None] = [[p for p in group["params"] if p not in self._views and p.requires_grad]
+                                    for group in self.param_groups]
         if self.process_set.included():
             for group in self._flat:
                 if group not in self._handles:  # a parameter's gradient did not come on this rank this step
@@ -162,4 +224,28 @@ class _BucketViews:
                 for p in group:
                     self._allreduce_delay[p] = self.backward_passes_per_step
                 self._group_counts[group] = 0
+                yield self._by_group[group], [flat]
+        self._averaged_in_loss = False
+        self._sent = 0
         _DistributedOptimizer.synchronize(self)
+        rest = self._by_group[None]
+        gradients = [p.grad for params in rest for p in params if p.grad is not None]
+        if gradients:
+            yield rest, gradients
+
+    def step_parameters(self, parameters_by_group: list[list[nn.Parameter]]) -> None:
+        """The optimizer's own step, over these parameters of each param group only (those of one
+        bucket, from ``landed``): an optimizer that updates each element on its own (hvdkit.zero's
+        list) makes each parameter's update as its whole step would, bit for bit."""
+        from horovod.torch.optimizer import _DistributedOptimizer
+
+        kept = [group["params"] for group in self.param_groups]
+        try:
+            for group, parameters in zip(self.param_groups, parameters_by_group, strict=True):
+                group["params"] = parameters
+            self._should_synchronize = False  # as skip_synchronize(): the gradients are the averaged ones
+            _DistributedOptimizer.step(self)
+        finally:
+            self._should_synchronize = True
+            for group, parameters in zip(self.param_groups, kept, strict=True):
+                group["params"] = parameters

@@ -28,13 +28,13 @@ from torch import nn
 from hvdkit import checkpoint, job
 from hvdkit.config import ConfigError, to_dict
 from hvdkit.config import resume_conflict as config_resume_conflict
-from hvdkit.rank import stops
-from hvdkit.rank.consistency import Consistency
-from hvdkit.rank.host_snapshots import HostSnapshots
-from hvdkit.rank.loaders import Loaders
-from hvdkit.rank.startup import rng_state, set_rng_state
+from hvdkit.rank.agree.consistency import Consistency
+from hvdkit.rank.ending import stops
+from hvdkit.rank.liveness.watchdog import Watchdog
+from hvdkit.rank.resume.host_snapshots import HostSnapshots
+from hvdkit.rank.start.loaders import Loaders
+from hvdkit.rank.start.startup import rng_state, set_rng_state
 from hvdkit.rank.state import RunState, say
-from hvdkit.rank.watchdog import Watchdog
 from hvdkit.zero import shards
 
 
@@ -73,7 +73,7 @@ class RunCheckpoints:
         if passes is not None:
             cfg.batches_per_allreduce = passes
 
-    def take_over(self, model: nn.Module) -> None:
+    def resume_or_broadcast(self, model: nn.Module) -> None:
         """setup()'s state: the newest valid checkpoint, else rank 0's initial weights. A fresh
         optimizer's state is empty, so only parameters are broadcast: Horovod's
         broadcast_optimizer_state would take a zero-gradient step to create state, which with
@@ -124,13 +124,14 @@ class RunCheckpoints:
         return state
 
     def _from_shard_snapshots(self) -> Optional[dict]:
-        """ZeRO: the state of the newest snapshot step newer than the newest checkpoint whose
-        shards are all kept somewhere; None where there is none (the checkpoints are read)."""
+        """ZeRO: the state of the newest snapshot step, as new as the newest checkpoint or newer, whose
+        shards are all kept somewhere (host memory is read faster than the checkpoint of its step,
+        which a rank told to end finishes writing: hvdkit.rank.liveness.link); None where there is none."""
         newest = None
         if self.hvd.rank() == 0:
             newest = max(map(checkpoint.step_of, checkpoint.existing(self.cfg.checkpoint_dir)), default=-1)
         newest = self.hvd.broadcast_object(newest, root_rank=0, name="hvdkit.resume.newest")
-        return self.snapshots.shards.resume(newest, self._accepted)
+        return self.snapshots.shards.resume(newest - 1, self._accepted)
 
     def load_state(self, state: dict) -> None:
         """Model, optimizer, scheduler, GradScaler, epoch, step and ``extra`` from a checkpoint."""
@@ -254,6 +255,7 @@ class RunCheckpoints:
 
     def _save(self) -> None:
         run = self.state
+        assert not run.unsettled, "hvdkit: the steps' non-finite flags are read (settle) before a checkpoint"
         if self.cfg.elastic:  # its collective could wait on a leaving worker; the file lacks the position
             raise RuntimeError("hvdkit: an elastic run writes its checkpoints with save_elastic(sampler), "
                                "where it commits its state; save() is for runs without --elastic")
@@ -264,12 +266,12 @@ class RunCheckpoints:
             shutil.rmtree(checkpoint.shard_folder(checkpoint.path_for(self.cfg.checkpoint_dir, run.global_step)),
                           ignore_errors=True)
         rng = self.hvd.allgather_object(rng_state())
-        if self.hvd.rank() == 0 or self.parted:
+        if self.hvd.rank() == 0 or self.writes_parts:
             self.write(shards.manifest(run.optimizer) if self.cfg.zero else None, rng=rng,
                        loader_batches=self.loaders.batch_sizes())
 
     @property
-    def parted(self) -> bool:
+    def writes_parts(self) -> bool:
         """Every rank writes a part of this run's checkpoints (checkpoint.parts)."""
         return bool(self.cfg.zero) or (self.cfg.sharded_checkpoint and self.hvd.size() > 1)
 
@@ -296,7 +298,7 @@ class RunCheckpoints:
     def write(self, optimizer_state: Optional[dict] = None, place: Optional[tuple] = None, **position) -> None:
         """This rank's state (the optimizer's, or ZeRO's manifest), and ``position``: how the data
         position is kept (see save, save_elastic); ``place``: (directory, writer, keep) of a
-        snapshot. In a parted save (``parted``) every rank calls it and writes its part: with
+        snapshot. In a save in parts (``writes_parts``) every rank calls it and writes its part: with
         ``sharded_checkpoint`` its share of what every rank holds (checkpoint.split), under ZeRO
         its optimizer shard; rank 0 writes the main file."""
         run, cfg = self.state, self.cfg
@@ -311,7 +313,7 @@ class RunCheckpoints:
             "config": to_dict(self.cfg), **position,
         }
         rank, size = self.hvd.rank(), self.hvd.size()
-        if not self.parted or place is not None:
+        if not self.writes_parts or place is not None:
             directory, writer, keep = place or (cfg.checkpoint_dir, self.writer, cfg.keep_checkpoints)
             writer.save(directory, run.global_step, state, keep, deferred=shared)
             return
@@ -384,13 +386,13 @@ class RunCheckpoints:
 
         return {**of(self.writer), **({"snapshots": of(self.snapshots.writer)} if self.snapshots else {})}
 
-    def place(self) -> dict:
+    def resume_location(self) -> dict:
         """Where a rerun looks for the checkpoint it resumes from: for a guard to find it once the
         rank is gone (hvdkit.launch.guard), without listing the directory every second."""
         directory = self.cfg.checkpoint_dir
         return {"checkpoints": [str(directory), checkpoint.PATTERN]} if directory else {}
 
-    def kept(self) -> str:
+    def checkpoint_left(self) -> str:
         """Which checkpoint a run that stops now leaves behind (after the save in flight ends)."""
         directory = self.cfg.checkpoint_dir
         if not directory:

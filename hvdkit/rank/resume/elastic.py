@@ -1,7 +1,7 @@
 """Elastic runs (``elastic: true``, under horovodrun's ``--host-discovery-script``): the same loop,
 run inside Horovod's ``hvd.elastic.run``.
 
-The training loader is over Horovod's ElasticSampler (hvdkit.rank.loaders), which shares what is
+The training loader is over Horovod's ElasticSampler (hvdkit.rank.start.loaders), which shares what is
 left of an epoch among the ranks of the moment. ``run(loop)`` applies the checkpoint read in
 setup(), makes Horovod's TorchState of the model, optimizer, sampler, epoch and step, and calls
 ``loop()``; after a change of hosts Horovod restores the last commit on every rank and ``run``
@@ -15,12 +15,12 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Iterator, Optional
 
-from hvdkit.rank.checkpoints import RunCheckpoints
-from hvdkit.rank.loaders import Loaders
-from hvdkit.rank.lockstep import Lockstep
-from hvdkit.rank.reports import Reports
+from hvdkit.rank.agree.lockstep import Lockstep
+from hvdkit.rank.agree.stragglers import StepTimes
+from hvdkit.rank.reports.report import Reports
+from hvdkit.rank.resume.checkpoints import RunCheckpoints
+from hvdkit.rank.start.loaders import Loaders
 from hvdkit.rank.state import RunState
-from hvdkit.rank.stragglers import StepTimes
 
 
 class Elastic:
@@ -110,6 +110,6 @@ class Elastic:
     def reset(self, step: int) -> None:
         """Horovod's reset callback: recorded in rank 0's sink (which may now be another process);
         a meeting started before it belongs to the old ranks."""
-        self.lockstep.pending = None
+        self.lockstep.abandon()
         self.reports.elastic_reset(step)
         self.times.resize(self.hvd.rank(), self.hvd.size())  # the table has a row per rank

@@ -1,10 +1,11 @@
 """What a Session reports: metrics summed on each rank, combined in one allreduce at a report,
 shown and written by rank 0; evaluation over every sample once; the run's summary.
 
-``log()`` adds a micro-batch's means, weighted by its samples, to sums that stay on the device:
-no communication until ``report()``, whose one allreduce carries every metric and the count.
-Rank 0's sink (hvdkit.rank.metrics) shows progress and writes metrics.jsonl and the trackers
-(hvdkit.rank.loggers), which it starts when the Session is set up.
+``log()`` keeps a micro-batch's means and samples, summed on the device at the report (no op of
+its own in a step, no read): no communication until ``report()``, whose one allreduce carries
+every metric and the count.
+Rank 0's sink (hvdkit.rank.reports.metrics) shows progress and writes metrics.jsonl and the trackers
+(hvdkit.rank.reports.loggers), which it starts when the Session is set up.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ import torch
 from torch.utils.data import DataLoader
 
 from hvdkit.config import logger_names, to_dict
-from hvdkit.rank import loggers
-from hvdkit.rank.memory import memory_of
-from hvdkit.rank.metrics import Metrics, finite_or_none, world_size_changes
+from hvdkit.rank.agree.stragglers import StepTimes
+from hvdkit.rank.reports import loggers
+from hvdkit.rank.reports.memory import memory_of
+from hvdkit.rank.reports.metrics import Metrics, finite_or_none, world_size_changes
 from hvdkit.rank.state import RunState
-from hvdkit.rank.step import to_device
-from hvdkit.rank.stragglers import StepTimes
+from hvdkit.rank.step.training import to_device
+
+FOLD_EVERY = 64  # log() calls kept before they are summed: a loop that never reports holds no more
 
 
 class Reports:
@@ -36,6 +39,7 @@ class Reports:
         self.cfg, self.hvd, self.device, self.state, self.times = cfg, hvd, device, state, times
         self.own_loggers = list(own_loggers)
         self.sums: dict[str, torch.Tensor] = {}
+        self._logged: list[tuple] = []  # (samples, means) logged since the last fold
         self.count = torch.zeros((), device=device)
         self.last_count = 0.0
         self.sink: Optional[Metrics] = None
@@ -44,11 +48,32 @@ class Reports:
         self._hosts: Optional[list] = None
 
     def log(self, samples: int, means: dict) -> None:
+        """Keep a micro-batch's means (detached) and samples; they are summed on the device at the
+        report, or every ``FOLD_EVERY`` calls (``_fold``): a step's log() makes no sum of its own."""
+        self._logged.append((samples, {name: value.detach() if isinstance(value, torch.Tensor) else value
+                                       for name, value in means.items()}))
+        if len(self._logged) >= FOLD_EVERY:
+            self._fold()
+
+    def _fold(self) -> None:
+        """The kept means into the sums: per metric, its values stacked and weighted by their samples."""
+        logged, self._logged = self._logged, []
+        if not logged:
+            return
         device = self.device
-        for name, value in means.items():
-            value = value.detach().float() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
-            self.sums[name] = self.sums.get(name, 0) + value.to(device) * samples
-        self.count += samples
+
+        def scalars(values: list) -> torch.Tensor:
+            if not any(isinstance(value, torch.Tensor) for value in values):
+                return torch.tensor([float(value) for value in values], device=device)
+            return torch.stack([value.to(device, torch.float32).reshape(()) if isinstance(value, torch.Tensor)
+                                else torch.tensor(float(value), device=device) for value in values])
+
+        weights = scalars([samples for samples, _ in logged])
+        for name in dict.fromkeys(name for _, means in logged for name in means):
+            places = [i for i, (_, means) in enumerate(logged) if name in means]
+            total = (scalars([logged[i][1][name] for i in places]) * weights[places]).sum()
+            self.sums[name] = self.sums[name] + total if name in self.sums else total
+        self.count = self.count + weights.sum()
 
     def due(self, epoch_ended: bool) -> bool:
         """Every ``log_interval`` steps, at the end of each epoch and at the last step."""
@@ -57,8 +82,9 @@ class Reports:
 
     def report(self, stage: str, extra: dict) -> dict:
         """One allreduce of the metrics' sums and count and, at a training report, of every
-        rank's step times (hvdkit.rank.stragglers: each rank fills its own row)."""
+        rank's step times (hvdkit.rank.agree.stragglers: each rank fills its own row)."""
         hvd, step = self.hvd, self.state.global_step
+        self._fold()
         names = sorted(self.sums)
         times = self.times.row().to(self.device) if stage == "train" else torch.zeros(0, device=self.device)
         window = torch.cat([torch.stack([*(self.sums[n] for n in names), self.count.float()]).double(), times])
@@ -93,6 +119,7 @@ class Reports:
     def evaluate(self, eval_loader: DataLoader, metrics_of: Callable[[Any], tuple[int, dict]], autocast) -> dict:
         """``autocast``: the run's mixed precision context, as in training."""
         model = self.state.model
+        self._fold()
         training = self.sums, self.count
         self.sums, self.count = {}, torch.zeros((), device=self.device)
         model.eval()
@@ -105,9 +132,10 @@ class Reports:
         self.sums, self.count = training
         return {**result, "samples": int(self.last_count)}
 
-    def metrics(self) -> Metrics:
-        """Rank 0's sink, its trackers started (continuing the runs a resumed checkpoint names),
-        made at first use; other ranks' drops everything. LoggerError if a tracker cannot start."""
+    def start(self) -> Metrics:
+        """Every rank, once (Session.setup, after the resume): the sink made, rank 0's trackers
+        started, continuing the runs a resumed checkpoint names, and the config recorded. Returns
+        the sink; other ranks' drops everything. LoggerError if a tracker cannot start."""
         if self.sink is None:
             main = self.hvd.rank() == 0
             trackers = loggers.Trackers(
@@ -120,6 +148,10 @@ class Reports:
                                 trackers=trackers)
             self.sink.write({"event": "config", "world_size": self.hvd.size(), **to_dict(self.cfg)})
         return self.sink
+
+    def metrics(self) -> Metrics:
+        """The sink start() made; started here where the run reports before setup() did."""
+        return self.sink if self.sink is not None else self.start()
 
     def params(self) -> dict:
         """What a tracker records of the run: its config, world size and versions."""

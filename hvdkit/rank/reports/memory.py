@@ -6,7 +6,12 @@ the optimizer step; a checkpoint's save; a resume). A phase's peak on the CPU is
 resident set size while it ran: Linux keeps a high-water mark (VmHWM) that writing "5" to
 /proc/self/clear_refs lowers to the current size, so each phase starts from where it begins.
 On a GPU it is the CUDA allocator's peak, reset the same way. Where the high-water mark cannot
-be reset, a phase's peak is the process's peak so far (still an upper bound)."""
+be reset, a phase's peak is the process's peak so far (still an upper bound).
+
+A steady step's phases peak alike from step to step, so a step's phases are measured on the
+first steps and every ``STEP_PHASES_EVERY`` steps after (``step_phase``), not at every step,
+which would cost each phase three system calls; between them the high-water mark keeps
+rising, so the process's peak (``peak_rss``, the out-of-memory line's) misses nothing."""
 
 from __future__ import annotations
 
@@ -20,6 +25,10 @@ import torch
 from hvdkit.zero.optimizer import ShardedOptimizer, held_bytes
 
 CLEAR_REFS = "/proc/self/clear_refs"
+
+STEP_PHASES_FIRST = 3  # steps measured from the start: the first creates the optimizer state
+STEP_PHASES_EVERY = 50  # then one step in this many
+_UNMEASURED = contextlib.nullcontext()
 
 _highest = 0  # the largest high-water mark read before a reset: the reset lowers ru_maxrss too
 _clear_refs = (0, -1)  # (pid, fd): kept open, as a phase is entered every step (0.8 µs a write, 20 µs an open)
@@ -73,6 +82,14 @@ class PhasePeaks:
             self.peaks[name] = max(self.peaks.get(name, 0), peak)
             if not self.cuda:
                 _note(peak)
+
+    def step_phase(self, name: str, step: int, first: Optional[str] = None):
+        """``phase(name)`` on the steps whose phases are measured (the module docstring), a
+        context that does nothing on the others; ``step``: the steps taken before this one;
+        ``first``: the name of the phase's first measure, where it is one of its own."""
+        if step < STEP_PHASES_FIRST or step % STEP_PHASES_EVERY == 0:
+            return self.phase(first if first and first not in self.peaks else name)
+        return _UNMEASURED
 
     def _reset(self) -> bool:
         if self.cuda:

@@ -36,40 +36,48 @@ from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
 from hvdkit import job
 from hvdkit.config import ConfigError
-from hvdkit.rank import link, orphan
+from hvdkit.rank.liveness import link, orphan
 from hvdkit.system import sighandlers
 
 if TYPE_CHECKING:
-    from hvdkit.rank.watchdog import Watchdog
+    from hvdkit.rank.liveness.watchdog import Watchdog
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 REQUEUE_SIGNAL = signal.SIGUSR1
 
 
 class StopSignal:
-    """Remembers that a stop was asked for; installed for the loop's lifetime."""
+    """Remembers that a stop was asked for, once install()ed (by the Session's start; for the
+    loop's lifetime, until restore())."""
 
-    def __init__(self, install: bool = True, rank: int = 0, watchdog: Optional["Watchdog"] = None) -> None:
+    def __init__(self, rank: int = 0, watchdog: Optional["Watchdog"] = None) -> None:
         try:
             self.grace = job.stop_grace()  # checked now, not when the stop comes
         except ValueError as exc:  # HVDKIT_STOP_GRACE
             raise ConfigError(str(exc)) from None
         self.received: Optional[int] = None
-        self.reason: Optional[str] = None  # why, when it was not a signal (hvdkit.rank.orphan)
-        self.output_file: Optional[Path] = None  # for output nothing reads any more (hvdkit.rank.orphan.keep_output)
-        self.launcher: Optional[orphan.LauncherWatch] = None  # set by hvdkit.rank.orphan.watch
+        self.reason: Optional[str] = None  # why, when it was not a signal (hvdkit.rank.liveness.orphan)
+        self.output_file: Optional[Path] = None  # for output nothing reads any more (orphan.keep_output)
+        self.launcher: Optional[orphan.LauncherWatch] = None  # set by hvdkit.rank.liveness.orphan.watch
         self.step = 0  # the loop's step, for the message of a second Ctrl-C
         self._handlers = sighandlers.Handlers(SIGNALS, self._handle)
-        if install:
-            self._handlers.install()  # nohup's SIGHUP stays ignored
-        self.installed = install
+        self.installed = False
         # The watchdog says where the rank is, writes its stacks when the stop is overdue, and knows
         # from the heartbeats which rank is gone when the stop is a launcher ending the job after it.
         self.rank, self.watchdog = rank, watchdog
         self.since: Optional[float] = None  # time.monotonic() of the first stop
         self._countdown: Optional[threading.Timer] = None
         self._said = ""  # who is gone, as said at a stop
-        self._wakeup = self._wake_on_signals() if install else None
+        self._wakeup: Optional[tuple[int, int]] = None
+
+    def install(self) -> "StopSignal":
+        """Its handlers installed (nohup's SIGHUP stays ignored), and the thread that hears of a
+        signal in whatever thread it arrives started. Returns itself."""
+        if not self.installed:
+            self._handlers.install()
+            self._wakeup = self._wake_on_signals()
+            self.installed = True
+        return self
 
     def _wake_on_signals(self) -> tuple[int, int]:
         """(the pipe's writing end, the wakeup fd it replaced): the C-level handler writes each
@@ -128,11 +136,13 @@ class StopSignal:
                   f"checkpoint is lost", file=sys.stderr, flush=True)
             os._exit(job.stopped_by(signal.SIGINT))
         self.received = self.received or signum
+        if self.watchdog:
+            self.watchdog.told_to_stop()
         if self.output_file:  # a launcher that relayed our output may be gone (horovodrun --gloo's, killed)
             orphan.keep_output(self.output_file)
 
     def launcher_gone(self, reason: str) -> None:
-        """The rank's launcher ended (hvdkit.rank.orphan): stop as on SIGTERM, saying why."""
+        """The rank's launcher ended (hvdkit.rank.liveness.orphan): stop as on SIGTERM, saying why."""
         if self.output_file:
             orphan.keep_output(self.output_file)
         if self.received is None:
@@ -225,7 +235,7 @@ def conclude(signum: int, rank: int, step: int, checkpoint_dir: Optional[str], m
 SPEAKER_GRACE = 5.0  # seconds another rank leaves rank 0 to say why the job ends
 
 
-def leave_rank0_the_word(rank: Optional[int]) -> None:
+def defer_to_rank0(rank: Optional[int]) -> None:
     """Before a rank other than 0 exits with one of hvdkit's errors, which rank 0 says: the ranks
     mostly meet such an error together (a bad config, a lockstep mistake, Horovod shut down by a
     rank that raised), and horovodrun and mpirun end every rank as soon as the first exits
@@ -246,7 +256,7 @@ def exit_on_own_errors(rank: int, own: tuple, bad_input: tuple, end: Optional[Ca
     ``exit_code``, else 2 for ``bad_input`` types, else 1; ``explain(exc)`` (a bound method too) adds to
     its line (who is gone, after Horovod's shutdown), or is None where a rank below says it. Returns the undo.
 
-    The other ranks leave rank 0 the word (``leave_rank0_the_word``) after Horovod's shutdown; where
+    The other ranks leave rank 0 the word (``defer_to_rank0``) after Horovod's shutdown; where
     rank 0 is gone, the lowest rank left says it (``explain``)."""
     previous = sys.excepthook
     end = weakref.WeakMethod(end) if end else (lambda: None)  # the hook must not keep a Session alive
@@ -269,7 +279,7 @@ def exit_on_own_errors(rank: int, own: tuple, bad_input: tuple, end: Optional[Ca
         if shutdown is not None:
             shutdown()
         sys.stdout.flush()
-        leave_rank0_the_word(rank if said is None else None)
+        defer_to_rank0(rank if said is None else None)
         os._exit(code)
 
     sys.excepthook = hook

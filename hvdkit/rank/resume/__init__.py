@@ -1,0 +1,3 @@
+"""Resume and the state kept for it: the run's checkpoints and the rules for taking one back
+(checkpoints), elastic runs' state in memory (elastic), and the snapshots in host memory that
+hvdkit launch's restarts read (host_snapshots; ZeRO's shards and their buddy copies: shard_snapshots)."""

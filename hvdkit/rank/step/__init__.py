@@ -1,0 +1,8 @@
+"""The step: micro-batches, mixed precision, backward and the optimizer step with its guard
+(training), over the gradient buckets that make the optimizer distributed (buckets).
+
+``hvdkit.rank.step.NonFiniteError`` is the documented name of the guard's error (docs/own-loop.md)."""
+
+from hvdkit.rank.step.training import NonFiniteError
+
+__all__ = ["NonFiniteError"]

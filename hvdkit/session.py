@@ -57,6 +57,8 @@ from hvdkit.rank.reports.metrics import Metrics
 from hvdkit.rank.reports.report import Reports
 from hvdkit.rank.resume.checkpoints import RunCheckpoints
 from hvdkit.rank.resume.elastic import Elastic
+from hvdkit.rank.resume.host_snapshots import HostSnapshots
+from hvdkit.rank.resume.reading import CheckpointReader
 from hvdkit.rank.start import startup
 from hvdkit.rank.start.loaders import Loaders
 from hvdkit.rank.state import RunState, state_field
@@ -86,16 +88,17 @@ class Session:
     def __init__(self, config: Optional[TrainConfig] = None, loggers: Union[str, Sequence, None] = None,
                  **keys) -> None:
         own_loggers = take_loggers(loggers, keys)
-        self.cfg = cfg = startup.read_config(config, keys)
+        cfg = startup.read_config(config, keys)
         self.hvd, self.device = hvd, device = startup.start(cfg)
+        snapshots = HostSnapshots.of_run(cfg, hvd)
+        ahead = CheckpointReader(cfg, hvd, snapshots).read_ahead()  # a sharded run resumed at another size: its K
+        self.cfg = cfg = ahead.cfg
         self.watchdog = Watchdog(0 if cfg.elastic else cfg.stall_timeout, self.rank)
-        self.amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
-        # fp16 needs loss scaling, bf16 does not.
+        self.amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16  # fp16 needs loss scaling, bf16 not
         self._state = state = RunState(
             scaler=torch.amp.GradScaler("cuda") if cfg.amp and device.type == "cuda" else None,
-            peaks=PhasePeaks(device))
+            peaks=PhasePeaks(device), log_dir=cfg.log_dir or startup.run_dir(cfg, hvd))
         self._signal = stops.StopSignal(rank=self.rank, watchdog=self.watchdog)
-        state.log_dir = cfg.log_dir or startup.run_dir(cfg, hvd)
         self._unread_step = False  # a step's agreement that should_stop() has not read yet
         self._input_format = torch.preserve_format  # channels_last for a convolutional model on a GPU, from setup()
         # The parts, each handed what it uses; none holds the Session, none starts anything when made.
@@ -104,14 +107,14 @@ class Session:
         self._reports = reports = Reports(cfg, hvd, device, state, times, own_loggers)
         self._consistency = consistency = Consistency(cfg, hvd, device, state)
         self._loaders = loaders = Loaders(cfg, hvd, device, state)
-        self._checkpoints = checkpoints = RunCheckpoints(cfg, hvd, state, loaders, consistency, self.watchdog)
+        self._checkpoints = checkpoints = RunCheckpoints(cfg, hvd, state, loaders, consistency, self.watchdog,
+                                                         snapshots, ahead.state)
         # Own errors: Horovod's shutdown met outside hvdkit's calls (your own loss.backward()) too.
         self._ending = Ending(cfg, hvd, state, meetings, self._signal, checkpoints, reports, self.watchdog,
                               Lifeline.from_environ(os.environ, self.rank),  # horovodrun --gloo's
                               OWN_ERRORS + (() if cfg.elastic else (HorovodInternalError,)),
                               (ConfigError, LockstepError))
         self._start()
-        checkpoints.read_ahead()  # a sharded run resumed at another size adapts K before its step and loaders
         self._step = step = training.TrainingStep(cfg, hvd, device, state, times, checkpoints.checkpoint_left)
         self._elastic = Elastic(cfg, hvd, state, loaders, checkpoints, reports, times, meetings, step.settle)
 

@@ -35,6 +35,14 @@ def run(cmd, timeout=300, env=None, raw=False, **kwargs):
     return proc
 
 
+def part_checked(part: str, tmp_path) -> None:
+    """tests/programs/parts_worker.py's check of the Session part ``part``, in a Horovod process of its
+    own (the test process never holds MPI); fails with its output."""
+    proc = run([sys.executable, str(REPO / "tests" / "programs" / "parts_worker.py"), part, str(tmp_path)],
+               env=selftest.mpi_root_env(), timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith(f"{part}: ok"), proc.stdout + proc.stderr[-3000:]
+
+
 def leaves(value):
     """The values in nested dicts, lists and tuples (a state_dict's tensors among them)."""
     from hvdkit import nested  # torch: only in the tests that use it

@@ -275,6 +275,26 @@ def test_the_rank_side_is_laid_out_by_concern_and_each_package_names_its_modules
     assert unnamed == []
 
 
+# Rank modules whose tests live with another module's: the line to the launcher is tested with its other end
+# (hvdkit.launch.links), the run's end with every way a run ends.
+TESTED_WITH = {"link": "tests/launch/test_links.py", "finish": "tests/rank/test_stops.py"}
+
+
+def test_every_rank_module_has_a_test_file_of_its_own_that_names_it():
+    """hvdkit/rank/<concern>/<module>.py is tested in tests/rank/test_<module>.py (or where TESTED_WITH
+    says), whose docstring names the module, so that a module's tests are found from its name."""
+    unfound = []
+    for module in sorted((PACKAGE / "rank").rglob("*.py")):
+        if module.name == "__init__.py":
+            continue
+        dotted = ".".join(module.relative_to(PACKAGE.parent).with_suffix("").parts)
+        home = REPO / TESTED_WITH.get(module.stem, f"tests/rank/test_{module.stem}.py")
+        doc = ast.get_docstring(ast.parse(home.read_text())) if home.exists() else None
+        if doc is None or not re.search(rf"\b{re.escape(dotted)}\b", " ".join(doc.split())):
+            unfound.append(f"{dotted}: {home.relative_to(REPO)}")
+    assert unfound == [], "\n".join(unfound)
+
+
 def launcher_names_compared(source: str) -> list[str]:
     """'line: name' for each launcher's name written as a string in a comparison (==, !=, in)."""
     names = set(BY_NAME)

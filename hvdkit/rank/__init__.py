@@ -4,7 +4,8 @@
 - ``start/``: Horovod started for one training process (startup), the data each rank reads (loaders).
 - ``step/``: the training step and its guard (training), the distributed optimizer (buckets).
 - ``agree/``: the ranks' meetings (lockstep), their copies compared (consistency), stragglers.
-- ``resume/``: checkpoints and resume (checkpoints), elastic runs, snapshots in host memory.
+- ``resume/``: checkpoints and resume (checkpoints), which one a run takes back (reading), elastic
+  runs, snapshots in host memory.
 - ``liveness/``: the watchdog and its stacks, the watches on the launcher (orphan, lifeline), the
   line to hvdkit launch (link).
 - ``ending/``: stop signals and requeues (stops), the run's end (finish), one run per directory (lock).
@@ -15,13 +16,14 @@ The Session (hvdkit.session) holds the run's state and makes the parts, each han
 what else it uses (none holds the Session); none starts anything when made. The calls that start
 them, in order:
 
-1. ``Session.__init__`` makes every part, then ``Session._start``: the watchdog's thread
+1. ``Session.__init__``: Horovod (``startup.start``); the resume read ahead
+   (``CheckpointReader.read_ahead``: a sharded run resumed at another world size takes another K,
+   returned in a copy of the config, which every part is then made with).
+2. ``Session.__init__`` makes every part, then ``Session._start``: the watchdog's thread
    (``Watchdog.start``); the stop signals' handlers (``StopSignal.install``: on an elastic run
    only on the driver's host); hvdkit's own errors said in one line, the launcher line's hook for
    a save in flight, the lifeline's probes and the run's locks (``Ending.start``); the watch on
    the launcher (``orphan.watch``, where the handlers are installed).
-2. ``RunCheckpoints.read_ahead``: a sharded run resumed at another world size takes its K before
-   the step is made.
 3. ``Session.setup``: the resume read (``RunCheckpoints.resume_or_broadcast``), then the reports' trackers
    (``Reports.start``: they continue the runs the checkpoint names), then the heartbeats and
    stacks once the run is accepted (``Watchdog.share``).

@@ -1,4 +1,5 @@
-"""A user's own loop on hvdkit.Session with two faults to plant, for tests/rank/test_consistency_and_stragglers.py:
+"""A user's own loop on hvdkit.Session with two faults to plant, for tests/rank/test_consistency.py and
+tests/rank/test_stragglers.py:
 
 - ``--plant K``: after step K, rank 1 changes one weight (fc.weight[0, 0]) on its own, the bug
   the consistency check is for (rank-dependent code touching the model);

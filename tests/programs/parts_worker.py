@@ -26,6 +26,8 @@ from hvdkit.rank.liveness.watchdog import Watchdog
 from hvdkit.rank.reports.report import Reports
 from hvdkit.rank.resume.checkpoints import RunCheckpoints
 from hvdkit.rank.resume.elastic import Elastic
+from hvdkit.rank.resume.host_snapshots import HostSnapshots
+from hvdkit.rank.resume.reading import Ahead, CheckpointReader
 from hvdkit.rank.start.loaders import Loaders
 from hvdkit.rank.state import RunState
 from hvdkit.rank.step.training import NonFiniteError, TrainingStep
@@ -105,6 +107,31 @@ def checkpoints(directory: Path) -> None:
     assert all(torch.equal(weights[k], v) for k, v in fresh.model.state_dict().items())
 
 
+def reading(directory: Path) -> None:
+    """read_ahead: a sharded run resumed at another world size goes on with the K that keeps the global
+    batch, in a copy of its config; an unsharded run is not read ahead, and refuses that checkpoint."""
+    cfg = config(checkpoint_dir=str(directory / "ckpt"), batch_size=2, batches_per_allreduce=3,
+                 sharded_checkpoint=True)
+    state = RunState(log_dir=str(directory))
+    trained(state, cfg)
+    loader_part = Loaders(cfg, hvd, CPU, state)
+    loader_part.train(TensorDataset(torch.arange(12.0)), None, True, {})
+    state.global_step = 4
+    RunCheckpoints(cfg, hvd, state, loader_part, Consistency(cfg, hvd, CPU, state), Watchdog(0, 0)).save()
+    written = checkpoint.load(checkpoint.existing(cfg.checkpoint_dir)[-1])
+    checkpoint.save(cfg.checkpoint_dir, 8, {**written, "world_size": 2, "rng": written["rng"] * 2}, keep=2)
+    ahead = CheckpointReader(cfg, hvd, None).read_ahead()
+    assert ahead.cfg.batches_per_allreduce == 6 and cfg.batches_per_allreduce == 3, "K in a copy of the config"
+    assert ahead.state["path"].endswith("ckpt-step000000008.pt") and ahead.state["step"] == 4
+    plain = config(checkpoint_dir=cfg.checkpoint_dir, batch_size=2, batches_per_allreduce=3)
+    assert CheckpointReader(plain, hvd, None).read_ahead() == Ahead(plain), "no read ahead, no collective"
+    try:
+        CheckpointReader(plain, hvd, None).read()
+        raise AssertionError("an unsharded run took a checkpoint of 2 ranks")
+    except ConfigError as exc:
+        assert "was written by 2 ranks, this job has 1" in str(exc), exc
+
+
 def reports(directory: Path) -> None:
     """log() sums on the device; report() gives the sample-weighted means and writes rank 0's record."""
     cfg, state = config(log_interval=4), RunState(log_dir=str(directory), total_steps=10)
@@ -139,7 +166,9 @@ def start_nothing(directory: Path) -> None:
     signals.watchdog = watchdog
     lockstep, reports = Lockstep(hvd), Reports(cfg, hvd, CPU, state, times)
     loaders, consistency = Loaders(cfg, hvd, CPU, state), Consistency(cfg, hvd, CPU, state)
-    checkpoints = RunCheckpoints(cfg, hvd, state, loaders, consistency, watchdog)
+    snapshots = HostSnapshots(hvd, str(directory / "snapshots"))
+    CheckpointReader(cfg, hvd, snapshots)
+    checkpoints = RunCheckpoints(cfg, hvd, state, loaders, consistency, watchdog, snapshots)
     ending = Ending(cfg, hvd, state, lockstep, signals, checkpoints, reports, watchdog,
                     Lifeline("127.0.0.1", 9, 0), (ConfigError,), (ConfigError,))
     step = TrainingStep(cfg, hvd, CPU, state, times, checkpoints.checkpoint_left)

@@ -1,4 +1,5 @@
-"""The directory lock on its own; two real runs on one directory are in tests/rank/test_stops.py."""
+"""The directory lock on its own (hvdkit.rank.ending.lock); two real runs on one directory are in
+tests/rank/test_stops.py."""
 
 import errno
 import fcntl

@@ -1,8 +1,8 @@
-"""Trackers (issue 42): `--logger mlflow,wandb,csv,tensorboard` on real 2-rank runs under plain
-mpirun and horovodrun, each tool's run read back as the tool stores it (tests/programs/tracked.py) and
-compared with the run's metrics.jsonl; a SIGKILLed job resumed continues the same MLflow run
-and W&B run; a tracker failing mid-run is one warning; bad input is one line; `hvdkit plot`'s
-figures checked from their objects."""
+"""Trackers (hvdkit.rank.reports.loggers, imported as hvdkit.rank.loggers): `--logger
+mlflow,wandb,csv,tensorboard` on real 2-rank runs under plain mpirun and horovodrun, each tool's run read
+back as the tool stores it (tests/programs/tracked.py) and compared with the run's metrics.jsonl; a
+SIGKILLed job resumed continues the same MLflow run and W&B run; a tracker failing mid-run is one warning;
+bad input is one line; `hvdkit plot`'s figures checked from their objects."""
 
 import subprocess
 import sys

@@ -5,18 +5,14 @@ epoch and step, the config, and how the data position is kept: each rank's RNG a
 batch sizes, or (elastic) the ElasticSampler's position. Rank 0 reads the newest valid file
 (hvdkit.checkpoint verifies it) and sends it to every rank; a checkpoint this run cannot
 continue (another config, another world size) is refused on every rank with the same line,
-before anything is written.
-
-A sharded run (``zero``, or ``sharded_checkpoint``) may resume at another world size: the
-accumulation steps K adapt so that the global batch, and with it the data position and the
-learning rate schedule, stay as they were; where K cannot, it is refused. (Its checkpoint says
-nothing the world size decides: ZeRO's shards are re-sliced, a sharded checkpoint is read whole.)
+before anything is written (which one, and whether: hvdkit.rank.resume.reading). A sharded
+run's checkpoint says nothing the world size decides: ZeRO's shards are re-sliced, a sharded
+checkpoint is read whole.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -25,13 +21,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from hvdkit import checkpoint, job
+from hvdkit import checkpoint
 from hvdkit.config import ConfigError, to_dict
-from hvdkit.config import resume_conflict as config_resume_conflict
 from hvdkit.rank.agree.consistency import Consistency
 from hvdkit.rank.ending import stops
 from hvdkit.rank.liveness.watchdog import Watchdog
 from hvdkit.rank.resume.host_snapshots import HostSnapshots
+from hvdkit.rank.resume.reading import CheckpointReader
 from hvdkit.rank.start.loaders import Loaders
 from hvdkit.rank.start.startup import rng_state, set_rng_state
 from hvdkit.rank.state import RunState, say
@@ -42,36 +38,18 @@ class RunCheckpoints:
     """The checkpoints of one run: they save and restore ``state``, with the loaders' data
     position, each written only of weights the consistency check passed (where it is on)."""
 
-    def __init__(self, cfg, hvd, state: RunState, loaders: Loaders, consistency: Consistency,
-                 watchdog: Watchdog) -> None:
+    def __init__(self, cfg, hvd, state: RunState, loaders: Loaders, consistency: Consistency, watchdog: Watchdog,
+                 snapshots: Optional[HostSnapshots] = None, read_ahead: Optional[dict] = None) -> None:
         self.cfg, self.hvd, self.state = cfg, hvd, state
         self.loaders, self.consistency, self.watchdog = loaders, consistency, watchdog
         self.elastic_state: Optional[dict] = None  # read in setup(), applied by load_elastic
         self.elastic_sampler = None  # given to load_elastic: a stop's checkpoint records its position
-        self.ahead = None  # rank 0: what read_ahead() read, for restore()
+        self.ahead = read_ahead  # rank 0: Ahead.state (CheckpointReader.read_ahead), for restore()
         self.writer = checkpoint.Writer(background=cfg.async_checkpoint)
-        # Snapshots (snapshot_steps): the state in host memory for hvdkit launch's restarts.
-        root = os.environ.get(job.SNAPSHOTS) if cfg.snapshot_steps else None
-        self.snapshots = HostSnapshots(hvd, root) if root else None
+        self.snapshots = snapshots  # snapshot_steps: the state in host memory for hvdkit launch's restarts
+        self.reader = CheckpointReader(cfg, hvd, snapshots)
         self.last_write = 0.0  # seconds the newest written checkpoint took to write (rank 0)
         self._warned = False
-
-    def read_ahead(self) -> None:
-        """A sharded run resumed at another world size changes K before its loaders and step are
-        made: rank 0 reads the checkpoint now, for restore(), and every rank takes its K."""
-        cfg = self.cfg
-        if not (self.sharded and cfg.checkpoint_dir and cfg.resume):
-            return
-        passes = None
-        if self.hvd.rank() == 0:
-            try:
-                self.ahead = self.read() or {}
-            except (checkpoint.CheckpointError, ConfigError) as exc:
-                self.ahead = {"error": exc}  # restore() stops every rank with it
-            passes = self.ahead.get("batches_per_allreduce")
-        passes = self.hvd.broadcast_object(passes, root_rank=0, name="hvdkit.resume.k")
-        if passes is not None:
-            cfg.batches_per_allreduce = passes
 
     def resume_or_broadcast(self, model: nn.Module) -> None:
         """setup()'s state: the newest valid checkpoint, else rank 0's initial weights. A fresh
@@ -106,7 +84,7 @@ class RunCheckpoints:
             reader = self.snapshots.reader() if self.snapshots else 0
             if self.hvd.rank() == reader:
                 try:
-                    state = self.read() if self.ahead is None else (self.ahead or None)
+                    state = self.reader.read() if self.ahead is None else (self.ahead or None)
                 except (checkpoint.CheckpointError, ConfigError) as exc:
                     state = {"error": exc}
             state = hvd.broadcast_object(state, root_rank=reader, name="hvdkit.resume")
@@ -131,7 +109,7 @@ class RunCheckpoints:
         if self.hvd.rank() == 0:
             newest = max(map(checkpoint.step_of, checkpoint.existing(self.cfg.checkpoint_dir)), default=-1)
         newest = self.hvd.broadcast_object(newest, root_rank=0, name="hvdkit.resume.newest")
-        return self.snapshots.shards.resume(newest - 1, self._accepted)
+        return self.snapshots.shards.resume(newest - 1, self.reader.accepted)
 
     def load_state(self, state: dict) -> None:
         """Model, optimizer, scheduler, GradScaler, epoch, step and ``extra`` from a checkpoint."""
@@ -161,72 +139,10 @@ class RunCheckpoints:
         run.extra.update(state.get("extra") or {})
         run.trackers.update(state.get("trackers") or {})
 
-    def read(self) -> Optional[dict]:
-        """The newest valid checkpoint, if this run may continue it; ConfigError if not."""
-
-        def warn(message: str) -> None:
-            if self.hvd.rank() == 0:  # elastic ranks each read the file
-                print(f"hvdkit: warning: {message}", file=sys.stderr, flush=True)
-
-        found = self._newest(warn)
-        return None if found is None else self._accepted(*found)
-
-    def _accepted(self, path: Path, state: dict) -> dict:
-        """The checkpoint ``path``'s ``state`` with its path, if this run may continue it; ConfigError if not."""
-        other_size = state["world_size"] != self.hvd.size()
-        zero = bool(self.cfg.zero and state["config"].get("zero"))  # stage 1 and 2 shards are alike
-        sharded = self.sharded and bool(state["config"].get("zero") or state["config"].get("sharded_checkpoint"))
-        adapted = ("zero",) * zero + ("batches_per_allreduce",) * (sharded and other_size)
-        conflict = config_resume_conflict(state["config"], self.cfg, adapted)
-        if conflict:
-            raise ConfigError(f"checkpoint {path} {conflict}")
-        saved = state["world_size"]
-        if other_size and sharded:
-            return {**state, "path": str(path), "batches_per_allreduce": self._adapted_k(path, state)}
-        if saved != self.hvd.size() and not self.cfg.elastic:  # elastic positions fit any size
-            raise ConfigError(f"checkpoint {path} was written by {saved} ranks, this job has "
-                              f"{self.hvd.size()}; resume with {saved} ranks (the data order and learning "
-                              f"rate depend on it), or start afresh in another --checkpoint-dir")
-        return {**state, "path": str(path)}
-
-    def _newest(self, warn) -> Optional[tuple]:
-        """(path, state) of the newest valid state: this host's snapshot where it is newer than the
-        newest checkpoint (a snapshot that does not verify is passed over, with a warning)."""
-        # ZeRO's snapshots are read by _from_shard_snapshots
-        own = self.snapshots.dir if self.snapshots and not self.snapshots.shards else None
-        places = [d for d in (own, self.cfg.checkpoint_dir) if d]
-        for directory in sorted(places, key=lambda d: max(map(checkpoint.step_of, checkpoint.existing(d)), default=-1),
-                                reverse=True):
-            try:
-                found = checkpoint.load_latest(directory, warn)
-            except checkpoint.CheckpointError as exc:
-                if directory == self.cfg.checkpoint_dir:
-                    raise
-                warn(f"{exc}; using the newest checkpoint instead")
-                continue
-            if found is not None:
-                return found
-        return None
-
     @property
     def sharded(self) -> bool:
         """This run shards its checkpoints: it may resume one at another world size."""
-        return bool(self.cfg.zero or self.cfg.sharded_checkpoint)
-
-    def _adapted_k(self, path, state: dict) -> int:
-        """K for this world size that keeps the checkpoint's global batch (size x batch x K);
-        ConfigError if none does. Said in one line."""
-        saved, size, k = state["world_size"], self.hvd.size(), state["config"]["batches_per_allreduce"]
-        if (saved * k) % size:
-            raise ConfigError(f"checkpoint {path} was written by {saved} ranks with batches_per_allreduce {k}; "
-                              f"{size} ranks cannot keep its global batch of {saved} x {k} batches (the data "
-                              f"position and learning rate depend on it): resume with a world size that divides "
-                              f"{saved * k}, or start afresh in another --checkpoint-dir")
-        adapted = saved * k // size
-        print(f"hvdkit: checkpoint {path} was written by {saved} ranks, this job has {size}: batches_per_allreduce "
-              f"{k} -> {adapted} keeps the global batch of {saved * k * self.cfg.batch_size} samples and the "
-              f"learning rate schedule", file=sys.stderr, flush=True)
-        return adapted
+        return self.reader.sharded
 
     def module(self) -> nn.Module:
         """The model without torch.compile's wrapper, so that a checkpoint's keys are the
@@ -408,7 +324,7 @@ class RunCheckpoints:
         checkpoint now, so that a conflict stops it before anything is written, and
         load_elastic applies it."""
         cfg = self.cfg
-        self.elastic_state = self.read() if cfg.checkpoint_dir and cfg.resume else None
+        self.elastic_state = self.reader.read() if cfg.checkpoint_dir and cfg.resume else None
 
     def save_elastic(self, sampler) -> None:
         """Elastic: rank 0 writes the state just committed. No collective, as save() has, since

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
-from hvdkit import checkpoint
+from hvdkit import checkpoint, job
 from hvdkit.config import ConfigError
 from hvdkit.rank.resume.shard_snapshots import KEEP as SHARD_KEEP
 from hvdkit.rank.resume.shard_snapshots import ShardSnapshots
@@ -42,6 +42,13 @@ def _unpacked(gathered: torch.Tensor) -> list:
 
 class HostSnapshots:
     """One rank's part in its job's snapshots, kept under ``root`` (HVDKIT_SNAPSHOT_DIR)."""
+
+    @classmethod
+    def of_run(cls, cfg, hvd) -> Optional["HostSnapshots"]:
+        """The run's snapshots where it keeps them (``snapshot_steps`` under hvdkit launch's
+        restarts, which name the root); else None. Starts nothing."""
+        root = os.environ.get(job.SNAPSHOTS) if cfg.snapshot_steps else None
+        return cls(hvd, root) if root else None
 
     def __init__(self, hvd, root: str) -> None:
         self.hvd, self.root = hvd, root

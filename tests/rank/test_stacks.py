@@ -1,8 +1,8 @@
-"""A stalled job says where: a rank stuck in its data loading, in Python's time.sleep or in a C call
-that holds the GIL (tests/programs/stuck_loader.py), under hvdkit launch (mpirun, horovodrun
---gloo) and as users type them (mpirun, horovodrun --gloo). Every rank's stacks land in the run's
-log directory and the job's line names the stuck frame, file:line of the program, and the Horovod
-call the other rank waits in. The four jobs run at once: each idles through its stall limit."""
+"""A stalled job says where (hvdkit.rank.liveness.stacks, written by the watchdog): a rank stuck in its data
+loading, in Python's time.sleep or in a C call that holds the GIL (tests/programs/stuck_loader.py), under
+hvdkit launch (mpirun, horovodrun --gloo) and as users type them (mpirun, horovodrun --gloo). Every rank's
+stacks land in the run's log directory and the job's line names the stuck frame, file:line of the program,
+and the Horovod call the other rank waits in. The four jobs run at once: each idles through its stall limit."""
 
 import os
 import re

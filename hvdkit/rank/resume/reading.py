@@ -1,0 +1,122 @@
+"""Which checkpoint a run takes back, and whether it may: the newest valid state (a checkpoint,
+or this host's snapshot where newer), refused with one line where this run cannot continue it.
+
+A sharded run (``zero``, or ``sharded_checkpoint``) may resume at another world size: its
+accumulation steps K adapt so that the global batch, and with it the data position and the
+learning rate schedule, stay as they were; where K cannot, it is refused. That K is decided by
+``read_ahead`` before the Session makes its parts, which are then made with it.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Optional
+
+from hvdkit import checkpoint
+from hvdkit.config import ConfigError, TrainConfig
+from hvdkit.config import resume_conflict as config_resume_conflict
+from hvdkit.rank.resume.host_snapshots import HostSnapshots
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """What read_ahead found: ``cfg``, the config the run goes on with (every rank: the resumed
+    K in it), and ``state``, rank 0's read for RunCheckpoints.restore (None: not read ahead; {}:
+    no checkpoint; {"error": ...}: refused, raised on every rank by restore)."""
+
+    cfg: TrainConfig
+    state: Optional[dict] = None
+
+
+class CheckpointReader:
+    """Reads the state a run resumes from (on the rank that calls read: rank 0, the rank whose
+    host keeps the newest snapshot, or every rank of an elastic run). Starts nothing."""
+
+    def __init__(self, cfg, hvd, snapshots: Optional[HostSnapshots]) -> None:
+        self.cfg, self.hvd, self.snapshots = cfg, hvd, snapshots
+
+    @property
+    def sharded(self) -> bool:
+        """This run shards its checkpoints: it may resume one at another world size."""
+        return bool(self.cfg.zero or self.cfg.sharded_checkpoint)
+
+    def read_ahead(self) -> Ahead:
+        """A sharded run resuming (all ranks call it, before the Session's parts are made): rank 0
+        reads the checkpoint now, and every rank learns the K it resumes with (the config is not
+        changed: Ahead.cfg is a copy). Not sharded, or not resuming: the config, without a collective."""
+        cfg = self.cfg
+        if not (self.sharded and cfg.checkpoint_dir and cfg.resume):
+            return Ahead(cfg)
+        state, k = None, None
+        if self.hvd.rank() == 0:
+            try:
+                state = self.read() or {}
+            except (checkpoint.CheckpointError, ConfigError) as exc:
+                state = {"error": exc}
+            k = state.get("batches_per_allreduce")
+        k = self.hvd.broadcast_object(k, root_rank=0, name="hvdkit.resume.k")
+        return Ahead(cfg if k in (None, cfg.batches_per_allreduce) else replace(cfg, batches_per_allreduce=k), state)
+
+    def read(self) -> Optional[dict]:
+        """The newest valid checkpoint, if this run may continue it; ConfigError if not."""
+
+        def warn(message: str) -> None:
+            if self.hvd.rank() == 0:  # elastic ranks each read the file
+                print(f"hvdkit: warning: {message}", file=sys.stderr, flush=True)
+
+        found = self._newest(warn)
+        return None if found is None else self.accepted(*found)
+
+    def accepted(self, path: Path, state: dict) -> dict:
+        """The checkpoint ``path``'s ``state`` with its path, if this run may continue it; ConfigError if not."""
+        other_size = state["world_size"] != self.hvd.size()
+        zero = bool(self.cfg.zero and state["config"].get("zero"))  # stage 1 and 2 shards are alike
+        sharded = self.sharded and bool(state["config"].get("zero") or state["config"].get("sharded_checkpoint"))
+        adapted = ("zero",) * zero + ("batches_per_allreduce",) * (sharded and other_size)
+        conflict = config_resume_conflict(state["config"], self.cfg, adapted)
+        if conflict:
+            raise ConfigError(f"checkpoint {path} {conflict}")
+        saved = state["world_size"]
+        if other_size and sharded:
+            return {**state, "path": str(path), "batches_per_allreduce": self._adapted_k(path, state)}
+        if saved != self.hvd.size() and not self.cfg.elastic:  # elastic positions fit any size
+            raise ConfigError(f"checkpoint {path} was written by {saved} ranks, this job has "
+                              f"{self.hvd.size()}; resume with {saved} ranks (the data order and learning "
+                              f"rate depend on it), or start afresh in another --checkpoint-dir")
+        return {**state, "path": str(path)}
+
+    def _newest(self, warn) -> Optional[tuple]:
+        """(path, state) of the newest valid state: this host's snapshot where it is newer than the
+        newest checkpoint (a snapshot that does not verify is passed over, with a warning)."""
+        # ZeRO's snapshots are read by RunCheckpoints._from_shard_snapshots
+        own = self.snapshots.dir if self.snapshots and not self.snapshots.shards else None
+        places = [d for d in (own, self.cfg.checkpoint_dir) if d]
+        for directory in sorted(places, key=lambda d: max(map(checkpoint.step_of, checkpoint.existing(d)), default=-1),
+                                reverse=True):
+            try:
+                found = checkpoint.load_latest(directory, warn)
+            except checkpoint.CheckpointError as exc:
+                if directory == self.cfg.checkpoint_dir:
+                    raise
+                warn(f"{exc}; using the newest checkpoint instead")
+                continue
+            if found is not None:
+                return found
+        return None
+
+    def _adapted_k(self, path, state: dict) -> int:
+        """K for this world size that keeps the checkpoint's global batch (size x batch x K);
+        ConfigError if none does. Said in one line."""
+        saved, size, k = state["world_size"], self.hvd.size(), state["config"]["batches_per_allreduce"]
+        if (saved * k) % size:
+            raise ConfigError(f"checkpoint {path} was written by {saved} ranks with batches_per_allreduce {k}; "
+                              f"{size} ranks cannot keep its global batch of {saved} x {k} batches (the data "
+                              f"position and learning rate depend on it): resume with a world size that divides "
+                              f"{saved * k}, or start afresh in another --checkpoint-dir")
+        adapted = saved * k // size
+        print(f"hvdkit: checkpoint {path} was written by {saved} ranks, this job has {size}: batches_per_allreduce "
+              f"{k} -> {adapted} keeps the global batch of {saved * k * self.cfg.batch_size} samples and the "
+              f"learning rate schedule", file=sys.stderr, flush=True)
+        return adapted

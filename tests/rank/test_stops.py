@@ -213,6 +213,26 @@ def test_a_signal_to_the_whole_process_group_spares_the_loader_workers(tmp_path,
     assert "Traceback" not in err, err[-3000:]
 
 
+def test_a_sigterm_that_reaches_the_loader_workers_fork_server_first_ends_nothing(tmp_path):
+    """Slurm's SIGTERM reaches every process of a task in no set order: the fork server that
+    started the loader workers, were it to die of it, would take its workers with it before the
+    rank saved (torch's workers end once their parent is gone). Here it is sent the signal
+    alone, first: the run trains on, and then stops on its own SIGTERM with its checkpoint."""
+    proc = subprocess.Popen([*TRAIN, *LONG, "--num-workers", "2", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                             "--log-dir", str(tmp_path / "logs")], env=dict(os.environ, PYTHONPATH=str(REPO)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    tree = wait_for_training(proc, tmp_path / "logs")
+    (server,) = [p for p in tree if p.ppid() == proc.pid and "multiprocessing.forkserver" in " ".join(p.cmdline())]
+    server.send_signal(signal.SIGTERM)
+    step = max(r["step"] for r in _train_records(tmp_path / "logs"))
+    wait_for_training(proc, tmp_path / "logs", step=step + 100)  # the workers' fork server gone would end it first
+    assert server.is_running() and server.status() != psutil.STATUS_ZOMBIE
+    proc.send_signal(signal.SIGTERM)
+    _, err = finish(proc, tree)
+    assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
+    assert "hvdkit: stopped by SIGTERM at step" in err, err[-3000:]
+
+
 def test_a_second_ctrl_c_stops_at_once(tmp_path):
     proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "programs" / "slow_loop.py"), "--step-seconds", "1",
                              "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs")],

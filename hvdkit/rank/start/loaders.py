@@ -11,6 +11,8 @@ from __future__ import annotations
 import atexit
 import itertools
 import math
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import signal
 import weakref
 from typing import Callable, Iterator, Optional
@@ -27,13 +29,33 @@ _WITH_WORKERS: "weakref.WeakSet[DataLoader]" = weakref.WeakSet()  # made here wi
 
 
 def _workers_end_at_exit(loader: DataLoader) -> DataLoader:
-    """``loader``, whose persistent workers are shut down at the interpreter's exit (end_workers)."""
+    """``loader``, whose persistent workers are shut down at the interpreter's exit (end_workers),
+    and are started by a fork server that outlives the stop signals (fork_server_spares_stops)."""
     if loader.num_workers > 0:
+        fork_server_spares_stops()
         if not _WITH_WORKERS:  # once a process (again after every loader went: atexit runs each once per entry)
             atexit.unregister(end_workers)
             atexit.register(end_workers)  # after multiprocessing's own, so that it runs before it
         _WITH_WORKERS.add(loader)
     return loader
+
+
+def fork_server_spares_stops() -> None:
+    """Start multiprocessing's fork server, which starts the loader workers, with the stop signals
+    blocked: it keeps them blocked, and so do the workers it forks until WorkerInit ignores them.
+    Slurm's SIGTERM reaches every process of a task (a terminal's a whole process group) and would
+    end the fork server, which ignores only SIGINT; torch's workers end themselves once their
+    parent, that server, is gone, and the rank then fails before it saves. The resource tracker
+    goes first: starting it unblocks SIGTERM in the calling thread. Where a fork server runs
+    already, or workers are not forked by one, nothing changes."""
+    if data.WORKER_START_METHOD != "forkserver":
+        return
+    multiprocessing.resource_tracker.ensure_running()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, stops.SIGNALS)  # one sent meanwhile: another thread's, or pending
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def end_workers() -> None:

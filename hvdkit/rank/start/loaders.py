@@ -32,7 +32,7 @@ def _workers_end_at_exit(loader: DataLoader) -> DataLoader:
     """``loader``, whose persistent workers are shut down at the interpreter's exit (end_workers),
     and are started by a fork server that outlives the stop signals (fork_server_spares_stops)."""
     if loader.num_workers > 0:
-        fork_server_spares_stops()
+        fork_server_spares_stops(loader.multiprocessing_context)
         if not _WITH_WORKERS:  # once a process (again after every loader went: atexit runs each once per entry)
             atexit.unregister(end_workers)
             atexit.register(end_workers)  # after multiprocessing's own, so that it runs before it
@@ -40,15 +40,15 @@ def _workers_end_at_exit(loader: DataLoader) -> DataLoader:
     return loader
 
 
-def fork_server_spares_stops() -> None:
+def fork_server_spares_stops(context) -> None:
     """Start multiprocessing's fork server, which starts the loader workers, with the stop signals
     blocked: it keeps them blocked, and so do the workers it forks until WorkerInit ignores them.
     Slurm's SIGTERM reaches every process of a task (a terminal's a whole process group) and would
     end the fork server, which ignores only SIGINT; torch's workers end themselves once their
     parent, that server, is gone, and the rank then fails before it saves. The resource tracker
     goes first: starting it unblocks SIGTERM in the calling thread. Where a fork server runs
-    already, or workers are not forked by one, nothing changes."""
-    if data.WORKER_START_METHOD != "forkserver":
+    already, or ``context`` (a loader's multiprocessing context) is not one, nothing changes."""
+    if getattr(context, "get_start_method", lambda: None)() != "forkserver":
         return
     multiprocessing.resource_tracker.ensure_running()
     before = signal.pthread_sigmask(signal.SIG_BLOCK, stops.SIGNALS)  # one sent meanwhile: another thread's, or pending

@@ -47,12 +47,12 @@ from hvdkit.rank.agree.consistency import Consistency, DivergenceError
 from hvdkit.rank.agree.lockstep import Lockstep, LockstepError, RankEnded, where
 from hvdkit.rank.agree.stragglers import StepTimes
 from hvdkit.rank.ending import stops
-from hvdkit.rank.ending.finish import Ending
+from hvdkit.rank.finish import Ending
 from hvdkit.rank.liveness import orphan
 from hvdkit.rank.liveness.lifeline import Lifeline
 from hvdkit.rank.liveness.watchdog import Watchdog
+from hvdkit.rank.memory import PhasePeaks
 from hvdkit.rank.reports.loggers import LoggerError, take_loggers
-from hvdkit.rank.reports.memory import PhasePeaks
 from hvdkit.rank.reports.metrics import Metrics
 from hvdkit.rank.reports.report import Reports
 from hvdkit.rank.resume.checkpoints import RunCheckpoints

@@ -28,13 +28,26 @@ def imported(path: Path) -> set:
     return modules
 
 
+# The rank side's packages, lowest first, as hvdkit/rank/__init__.py lists them: the run's state, then each
+# concern on those before it, and the run's end over them all.
+RANK_LAYERS = (
+    ("hvdkit.rank", "hvdkit.rank.state", "hvdkit.rank.memory"),
+    ("hvdkit.rank.agree",),
+    ("hvdkit.rank.step",),
+    ("hvdkit.rank.reports",),
+    ("hvdkit.rank.liveness",),
+    ("hvdkit.rank.ending",),
+    ("hvdkit.rank.start",),
+    ("hvdkit.rank.resume",),
+    ("hvdkit.rank.finish", "hvdkit.rank.loggers"),  # loggers: the trackers' documented name, hvdkit.rank.reports'
+)
 # Lowest first: a module may import its own layer and those below. Commands -> Session/Trainer ->
 # rank parts -> config, job, checkpoint; the tools above. A module's layer is its longest prefix.
 LAYERS = (
     ("hvdkit", "hvdkit.job", "hvdkit.args", "hvdkit.config", "hvdkit.checkpoint", "hvdkit.env", "hvdkit.slurm",
      "hvdkit.models", "hvdkit.data"),
     ("hvdkit.zero",),
-    ("hvdkit.rank",),
+    *RANK_LAYERS,
     ("hvdkit.session",),
     ("hvdkit.trainer",),
     ("hvdkit.launch",),  # the launcher's parts: plans, commands, hosts, supervision
@@ -129,9 +142,12 @@ def test_no_import_circle_and_every_import_points_down():
 
 def test_the_layout_check_finds_a_planted_circle_and_an_upward_import():
     planted = {"hvdkit.rank.step": {"hvdkit.zero.optimizer"}, "hvdkit.zero.optimizer": {"hvdkit.rank.memory"},
-               "hvdkit.rank.memory": {"hvdkit.rank.step"}, "hvdkit.config": {"hvdkit.rank.loggers"}}
+               "hvdkit.rank.memory": {"hvdkit.rank.step"}, "hvdkit.config": {"hvdkit.rank.loggers"},
+               "hvdkit.rank.start.startup": {"hvdkit.rank.ending.lock", "hvdkit.rank.resume.checkpoints"}}
     assert circles(planted) == [["hvdkit.rank.memory", "hvdkit.rank.step", "hvdkit.zero.optimizer"]]
-    assert upward(planted) == ["hvdkit.config -> hvdkit.rank.loggers", "hvdkit.zero.optimizer -> hvdkit.rank.memory"]
+    assert upward(planted) == ["hvdkit.config -> hvdkit.rank.loggers", "hvdkit.rank.memory -> hvdkit.rank.step",
+                               "hvdkit.rank.start.startup -> hvdkit.rank.resume.checkpoints",
+                               "hvdkit.zero.optimizer -> hvdkit.rank.memory"]
 
 
 def test_the_rank_side_imports_nothing_of_the_launcher_side():
@@ -260,10 +276,12 @@ RANK_CONCERNS = ("start", "step", "agree", "resume", "liveness", "ending", "repo
 
 def test_the_rank_side_is_laid_out_by_concern_and_each_package_names_its_modules():
     """A rank module sits in its concern's package (hvdkit/rank/__init__.py lists them), beside the
-    run's state and the loggers' documented name at the top; each package's docstring names every
+    run's state and memory peaks, the run's end over every concern and the loggers' documented name
+    at the top; each package's docstring names every
     module in it, so that a reader finds where a thing is from the package alone."""
     rank = PACKAGE / "rank"
-    assert sorted(p.name for p in rank.glob("*.py")) == ["__init__.py", "loggers.py", "state.py"]
+    assert sorted(p.name for p in rank.glob("*.py")) == ["__init__.py", "finish.py", "loggers.py", "memory.py",
+                                                          "state.py"]
     assert sorted(p.name for p in rank.iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(RANK_CONCERNS)
     listed = (rank / "__init__.py").read_text()
     unnamed = []

@@ -67,7 +67,7 @@ def test_sharded_two_ranks_equal_one_rank_with_twice_the_batch(tmp_path, single_
         torch.testing.assert_close(two_ranks[name], big_batch[name], atol=1e-5, rtol=0)
     assert len(summary["memory"]) == 2 and all(m["optimizer_state"] > 0 and m["peak_rss"] > 0
                                                for m in summary["memory"])
-    for m in summary["memory"]:  # where each rank's memory peaked (hvdkit.rank.reports.memory), none above its peak
+    for m in summary["memory"]:  # where each rank's memory peaked (hvdkit.rank.memory), none above its peak
         phases = {k: v for k, v in m["phases"].items() if k != "unit"}
         assert {"setup and resume", "backward", "first optimizer step", "optimizer step"} <= set(phases), m
         assert m["phases"]["unit"] == "rss" and all(0 < v <= m["peak_rss"] for v in phases.values()), m

@@ -181,5 +181,5 @@ def _zero_model_name(args: argparse.Namespace) -> str:
 
 
 def _peak_name(record: dict) -> str:
-    """What a run's peaks are: "rss" on CPUs, "cuda_allocated" on GPUs (hvdkit.rank.reports.memory)."""
+    """What a run's peaks are: "rss" on CPUs, "cuda_allocated" on GPUs (hvdkit.rank.memory)."""
     return record["ranks"][0]["phases"]["unit"]

@@ -18,7 +18,7 @@ def zero_worker(args: argparse.Namespace) -> None:
     import horovod.torch as hvd
     import torch
 
-    from hvdkit.rank.reports.memory import PhasePeaks
+    from hvdkit.rank.memory import PhasePeaks
     from hvdkit.rank.start.startup import place_process
     from hvdkit.zero import optimizer as zero
 
@@ -142,7 +142,7 @@ def _end_above(cap: int, device) -> None:
 
 def _held(model, optimizer, zero) -> dict:
     """This rank's bytes after a step, counted from the tensors, and its peak resident memory."""
-    from hvdkit.rank.reports.memory import memory_of, peak_rss
+    from hvdkit.rank.memory import memory_of, peak_rss
 
     if isinstance(optimizer, zero.ShardedOptimizer):
         return memory_of(optimizer)

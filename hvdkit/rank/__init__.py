@@ -1,16 +1,20 @@
-"""What runs inside every rank, by concern; each subpackage's docstring names its modules:
+"""What runs inside every rank, by concern; each subpackage's docstring names its modules. Lowest
+first: a package imports only itself and those listed before it (tests/test_layout.py keeps it so).
 
-- ``state``: where the run is (its counters and the objects it trains), shared by the parts.
-- ``start/``: Horovod started for one training process (startup), the data each rank reads (loaders).
-- ``step/``: the training step and its guard (training), the distributed optimizer (buckets).
+- ``state``: where the run is (its counters and the objects it trains), shared by the parts;
+  ``memory``: where in a step memory peaks (the state's phase peaks), and what a rank holds.
 - ``agree/``: the ranks' meetings (lockstep), their copies compared (consistency), stragglers.
-- ``resume/``: checkpoints and resume (checkpoints), which one a run takes back (reading), elastic
-  runs, snapshots in host memory.
+- ``step/``: the training step and its guard (training), the distributed optimizer (buckets).
+- ``reports/``: metrics combined at each report and the summary (report), rank 0's output
+  (metrics), the trackers (loggers; users import them as ``hvdkit.rank.loggers``).
 - ``liveness/``: the watchdog and its stacks, the watches on the launcher (orphan, lifeline), the
   line to hvdkit launch (link).
-- ``ending/``: stop signals and requeues (stops), the run's end (finish), one run per directory (lock).
-- ``reports/``: metrics combined at each report and the summary (report), rank 0's output
-  (metrics), the trackers (loggers; users import them as ``hvdkit.rank.loggers``), memory's peaks.
+- ``ending/``: stop signals, requeues and hvdkit's own errors in one line (stops), one run per
+  directory (lock).
+- ``start/``: Horovod started for one training process (startup), the data each rank reads (loaders).
+- ``resume/``: checkpoints and resume (checkpoints), which one a run takes back (reading), elastic
+  runs, snapshots in host memory.
+- ``finish``: the run's end, with its checkpoint and summary, over every part above.
 
 The Session (hvdkit.session) holds the run's state and makes the parts, each handed that state and
 what else it uses (none holds the Session); none starts anything when made. The calls that start

@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from hvdkit.rank.reports.memory import PhasePeaks
+from hvdkit.rank.memory import PhasePeaks
 
 
 @dataclass

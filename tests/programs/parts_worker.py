@@ -19,7 +19,7 @@ from hvdkit.rank.agree.consistency import Consistency
 from hvdkit.rank.agree.lockstep import Lockstep
 from hvdkit.rank.agree.stragglers import StepTimes
 from hvdkit.rank.ending import stops
-from hvdkit.rank.ending.finish import Ending
+from hvdkit.rank.finish import Ending
 from hvdkit.rank.liveness import link
 from hvdkit.rank.liveness.lifeline import Lifeline
 from hvdkit.rank.liveness.watchdog import Watchdog
@@ -92,7 +92,7 @@ def checkpoints(directory: Path) -> None:
     trained(state, cfg)
     loader_part, consistency = Loaders(cfg, hvd, CPU, state), Consistency(cfg, hvd, CPU, state)
     loader_part.train(TensorDataset(torch.arange(8.0)), None, True, {})
-    part = RunCheckpoints(cfg, hvd, state, loader_part, consistency, watchdog)
+    part = RunCheckpoints(cfg, hvd, state, loader_part, consistency, watchdog, None, None)
     state.global_step, state.epoch, state.extra["mine"] = 3, 1, 7
     part.save()
     assert consistency.last_good == 3 and checkpoint.existing(cfg.checkpoint_dir)[-1].name.endswith("000000003.pt")
@@ -102,7 +102,7 @@ def checkpoints(directory: Path) -> None:
     with torch.no_grad():
         fresh.model.weight.add_(1.0)
     restored = RunCheckpoints(cfg, hvd, fresh, Loaders(cfg, hvd, CPU, fresh), Consistency(cfg, hvd, CPU, fresh),
-                           watchdog).restore()
+                           watchdog, None, None).restore()
     assert restored["loader_batches"] == [2] and (fresh.global_step, fresh.epoch, fresh.extra) == (3, 1, {"mine": 7})
     assert all(torch.equal(weights[k], v) for k, v in fresh.model.state_dict().items())
 
@@ -117,7 +117,8 @@ def reading(directory: Path) -> None:
     loader_part = Loaders(cfg, hvd, CPU, state)
     loader_part.train(TensorDataset(torch.arange(12.0)), None, True, {})
     state.global_step = 4
-    RunCheckpoints(cfg, hvd, state, loader_part, Consistency(cfg, hvd, CPU, state), Watchdog(0, 0)).save()
+    RunCheckpoints(cfg, hvd, state, loader_part, Consistency(cfg, hvd, CPU, state), Watchdog(0, 0), None,
+                   None).save()
     written = checkpoint.load(checkpoint.existing(cfg.checkpoint_dir)[-1])
     checkpoint.save(cfg.checkpoint_dir, 8, {**written, "world_size": 2, "rng": written["rng"] * 2}, keep=2)
     ahead = CheckpointReader(cfg, hvd, None).read_ahead()
@@ -168,7 +169,7 @@ def start_nothing(directory: Path) -> None:
     loaders, consistency = Loaders(cfg, hvd, CPU, state), Consistency(cfg, hvd, CPU, state)
     snapshots = HostSnapshots(hvd, str(directory / "snapshots"))
     CheckpointReader(cfg, hvd, snapshots)
-    checkpoints = RunCheckpoints(cfg, hvd, state, loaders, consistency, watchdog, snapshots)
+    checkpoints = RunCheckpoints(cfg, hvd, state, loaders, consistency, watchdog, snapshots, None)
     ending = Ending(cfg, hvd, state, lockstep, signals, checkpoints, reports, watchdog,
                     Lifeline("127.0.0.1", 9, 0), (ConfigError,), (ConfigError,))
     step = TrainingStep(cfg, hvd, CPU, state, times, checkpoints.checkpoint_left)

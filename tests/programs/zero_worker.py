@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hvdkit.rank.reports.memory import memory_of
+from hvdkit.rank.memory import memory_of
 from hvdkit.zero import optimizer as zero
 
 STEPS, ROWS = 50, 12  # rows of a micro-batch over all ranks: divisible by 1, 2 and 3

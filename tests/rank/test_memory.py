@@ -1,8 +1,8 @@
-"""hvdkit.rank.reports.memory: each phase's peak is its own, not the process's so far (real allocations)."""
+"""hvdkit.rank.memory: each phase's peak is its own, not the process's so far (real allocations)."""
 
 import torch
 
-from hvdkit.rank.reports.memory import PhasePeaks, peak_rss
+from hvdkit.rank.memory import PhasePeaks, peak_rss
 
 MB = 2**20
 
@@ -25,7 +25,7 @@ def test_each_phase_reports_its_own_peak_and_the_largest_of_its_repeats():
 
 def test_a_steps_phases_are_measured_on_the_first_steps_and_every_50th():
     """A steady step's phases cost no system call: measured at steps 0-2, then one in STEP_PHASES_EVERY."""
-    from hvdkit.rank.reports import memory
+    from hvdkit.rank import memory
 
     peaks = PhasePeaks()
     measured = []

@@ -1,5 +1,5 @@
 """Every way a job ends, with real launchers (hvdkit.rank.ending.stops, the run's end:
-hvdkit.rank.ending.finish): stop signals, a frozen rank, bad numbers, bad files, a directory in use. After
+hvdkit.rank.finish): stop signals, a frozen rank, bad numbers, bad files, a directory in use. After
 each test no process of the job is left (checked by PID)."""
 
 import json

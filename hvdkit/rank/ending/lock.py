@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from hvdkit.config import ConfigError
+from hvdkit.config import ConfigError, TrainConfig
 
 NAME = ".hvdkit-run.lock"
 
@@ -83,3 +83,27 @@ def _describe(handle: IO) -> str:
         return "its holder is starting"
     job = f", Slurm job {holder['slurm_job']}" if holder.get("slurm_job") else ""
     return f"pid {holder.get('pid')} on {holder.get('host')}{job}, since {holder.get('since')}"
+
+
+def lock_directories(cfg: TrainConfig, hvd, log_dir: str) -> list[DirectoryLock]:
+    """Rank 0 locks the checkpoint and log directories for this run (DirectoryLock);
+    every rank stops with the same line when another run holds one."""
+    if cfg.elastic:  # rank 0 may leave and another process take its place
+        return []
+    locks, problem = [], None
+    if hvd.rank() == 0:
+        places = {os.path.realpath(d): what for d, what in ((cfg.checkpoint_dir, "checkpoint_dir"),
+                                                             (log_dir, "log_dir")) if d}
+        try:
+            for directory, what in places.items():
+                locks.append(DirectoryLock(directory, what))
+                locks[-1].acquire()
+        except DirectoryInUse as exc:
+            locks.pop()
+            for held in locks:
+                held.release()
+            problem = exc
+    problem = hvd.broadcast_object(problem, root_rank=0, name="hvdkit.lock")
+    if problem is not None:
+        raise problem
+    return locks

@@ -23,7 +23,7 @@ from typing import Optional
 
 from hvdkit import job
 from hvdkit.rank.liveness import stacks as stack_files
-from hvdkit.rank.reports.memory import peak_rss
+from hvdkit.rank.memory import peak_rss
 from hvdkit.system import cgroups, probes, wholefiles
 
 HEARTBEAT_SECONDS = 1.0

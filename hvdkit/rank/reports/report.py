@@ -22,8 +22,8 @@ from torch.utils.data import DataLoader
 
 from hvdkit.config import logger_names, to_dict
 from hvdkit.rank.agree.stragglers import StepTimes
+from hvdkit.rank.memory import memory_of
 from hvdkit.rank.reports import loggers
-from hvdkit.rank.reports.memory import memory_of
 from hvdkit.rank.reports.metrics import Metrics, finite_or_none, world_size_changes
 from hvdkit.rank.state import RunState
 from hvdkit.rank.step.training import to_device

@@ -36,10 +36,13 @@ from hvdkit.zero import shards
 
 class RunCheckpoints:
     """The checkpoints of one run: they save and restore ``state``, with the loaders' data
-    position, each written only of weights the consistency check passed (where it is on)."""
+    position, each written only of weights the consistency check passed (where it is on). Made once per
+    Session on every rank; ``snapshots``: the host snapshots of hvdkit launch's restarts
+    (HostSnapshots.of_run; None outside them), ``read_ahead``: rank 0's read before the parts were made
+    (CheckpointReader.read_ahead's Ahead.state; None elsewhere), both stated by the caller."""
 
     def __init__(self, cfg, hvd, state: RunState, loaders: Loaders, consistency: Consistency, watchdog: Watchdog,
-                 snapshots: Optional[HostSnapshots] = None, read_ahead: Optional[dict] = None) -> None:
+                 snapshots: Optional[HostSnapshots], read_ahead: Optional[dict]) -> None:
         self.cfg, self.hvd, self.state = cfg, hvd, state
         self.loaders, self.consistency, self.watchdog = loaders, consistency, watchdog
         self.elastic_state: Optional[dict] = None  # read in setup(), applied by load_elastic

@@ -4,8 +4,8 @@ the run's directories.
 What happens before the first step, in order (``start``): hvdkit's measured Horovod and Open MPI
 settings go into the environment (a variable the user exported wins), Horovod starts, the
 launcher's view of the job is checked against Horovod's, and the process takes its device and
-its seeds. Then the run gets a directory of its own (``run_dir``), and rank 0 locks that and the
-checkpoint directory against a second run (``lock_directories``).
+its seeds. Then the run gets a directory of its own (``run_dir``), which rank 0 later locks, with the
+checkpoint directory, against a second run (hvdkit.rank.ending.lock.lock_directories).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from hvdkit import env
 from hvdkit.config import ConfigError, TrainConfig, from_environ, from_mapping, validate
 from hvdkit.models import seed_everything
 from hvdkit.rank.ending import stops
-from hvdkit.rank.ending.lock import DirectoryInUse, DirectoryLock
 from hvdkit.rank.liveness import link
 from hvdkit.system import wholefiles
 
@@ -310,27 +309,3 @@ def run_dir(cfg: TrainConfig, hvd) -> str:
         job = os.environ.get("SLURM_JOB_ID") or os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT", "job")
         return str(Path("runs") / f"elastic-{job}")
     return hvd.broadcast_object(new_run_dir() if hvd.rank() == 0 else None, root_rank=0, name="hvdkit.log_dir")
-
-
-def lock_directories(cfg: TrainConfig, hvd, log_dir: str) -> list[DirectoryLock]:
-    """Rank 0 locks the checkpoint and log directories for this run (see hvdkit.rank.ending.lock);
-    every rank stops with the same line when another run holds one."""
-    if cfg.elastic:  # rank 0 may leave and another process take its place
-        return []
-    locks, problem = [], None
-    if hvd.rank() == 0:
-        places = {os.path.realpath(d): what for d, what in ((cfg.checkpoint_dir, "checkpoint_dir"),
-                                                             (log_dir, "log_dir")) if d}
-        try:
-            for directory, what in places.items():
-                locks.append(DirectoryLock(directory, what))
-                locks[-1].acquire()
-        except DirectoryInUse as exc:
-            locks.pop()
-            for held in locks:
-                held.release()
-            problem = exc
-    problem = hvd.broadcast_object(problem, root_rank=0, name="hvdkit.lock")
-    if problem is not None:
-        raise problem
-    return locks

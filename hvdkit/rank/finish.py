@@ -10,13 +10,12 @@ from typing import Optional
 
 from hvdkit import job
 from hvdkit.rank.agree.lockstep import Lockstep
-from hvdkit.rank.ending import stops
+from hvdkit.rank.ending import lock, stops
 from hvdkit.rank.liveness import link
 from hvdkit.rank.liveness.lifeline import Lifeline
 from hvdkit.rank.liveness.watchdog import Watchdog
 from hvdkit.rank.reports.report import Reports
 from hvdkit.rank.resume.checkpoints import RunCheckpoints
-from hvdkit.rank.start import startup
 from hvdkit.rank.state import RunState
 from hvdkit.rank.step.training import TrainingStep
 
@@ -26,7 +25,7 @@ class Ending:
     Made, it holds nothing; start() (the Session's start, every rank) has the ``own_errors`` that
     nothing caught said in one line (stops.exit_on_own_errors; the ``bad_input`` ones exit 2), a
     save in flight finished before the launcher ends this rank (link.before_end), then takes the
-    locks of the run's directories (startup.lock_directories)."""
+    locks of the run's directories (lock.lock_directories)."""
 
     def __init__(self, cfg, hvd, state: RunState, lockstep: Lockstep, signal: stops.StopSignal,
                  checkpoints: RunCheckpoints, reports: Reports, watchdog: Watchdog, lifeline: Optional[Lifeline],
@@ -45,7 +44,7 @@ class Ending:
         self.undo_before_end = link.before_end(lambda: later() and later()())
         if self.lifeline:
             self.lifeline.start()
-        self.locks = startup.lock_directories(self.cfg, self.hvd, self.state.log_dir)
+        self.locks = lock.lock_directories(self.cfg, self.hvd, self.state.log_dir)
 
     def take_stop(self, step: TrainingStep) -> bool:
         """Whether the run stops here: the ranks agreed on a stop, and its checkpoint is now written."""

@@ -92,11 +92,31 @@ def left_running(hosts: Hosts) -> list[tuple[str, bool]]:
                 process = psutil.Process(pid)
                 if pid in kept or process.name() == "sshd" or process.status() == psutil.STATUS_ZOMBIE:
                     continue
-                found.append((f"{' '.join(process.cmdline()[:3]) or process.name()} (pid {pid}) on {name}",
+                found.append((f"{' '.join(process.cmdline()[:3]) or process.name()} ({how_it_is(process)}) on {name}",
                               lifeline.watches(process.environ())))
             except psutil.Error:
                 continue
     return found
+
+
+def how_it_is(process) -> str:
+    """'pid N, sleeping in pipe_write, parent sshd (pid M), 4 children, 31.2 s old': what a process
+    left running waits for, and who holds it, for the line that names it."""
+    import time
+
+    import psutil
+
+    try:
+        wait = Path(f"/proc/{process.pid}/wchan").read_text().strip()
+    except OSError:
+        wait = ""
+    parent = process.parent()
+    children = len(process.children())
+    return ", ".join(part for part in (
+        f"pid {process.pid}", process.status() + (f" in {wait}" if wait and wait != "0" else ""),
+        f"parent {parent.name()} (pid {parent.pid})" if parent else "no parent",
+        f"{children} child{'ren' if children != 1 else ''}" if children else "",
+        f"{time.time() - process.create_time():.1f} s old") if part)
 
 
 def partials(directory: Path) -> list[Path]:

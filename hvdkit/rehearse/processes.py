@@ -104,8 +104,6 @@ def how_it_is(process) -> str:
     left running waits for, and who holds it, for the line that names it."""
     import time
 
-    import psutil
-
     try:
         wait = Path(f"/proc/{process.pid}/wchan").read_text().strip()
     except OSError:

@@ -388,5 +388,6 @@ def test_planted_defects_fail_the_chaos_run_each_in_a_line_naming_the_fault_and_
         assert line.startswith("hvdkit rehearse: chaos: "), line
     (line,) = [line for line in err.splitlines() if lingered in line]
     assert "left running once the job ended: sleep 300" in line and "on node1" in line, line
-    assert re.search(r"sleep 300 \(pid \d+, sleeping( in \w+)?, parent \S+ \(pid \d+\), [\d.]+ s old\) on node1", line), line
+    how = r"\(pid \d+, sleeping( in \w+)?, parent \S+ \(pid \d+\), [\d.]+ s old\)"  # processes.how_it_is
+    assert re.search(rf"sleep 300 {how} on node1", line), line
     assert "FAILED (2 problem(s))" in err.splitlines()[-1] and "--chaos-seed 5" in err.splitlines()[-1]

@@ -108,11 +108,16 @@ def how_it_is(process) -> str:
         wait = Path(f"/proc/{process.pid}/wchan").read_text().strip()
     except OSError:
         wait = ""
-    parent = process.parent()
+    import psutil
+
+    try:  # a parent gone meanwhile must not drop the process from the list
+        parent = process.parent()
+        held_by = f"parent {parent.name()} (pid {parent.pid})" if parent else "no parent"
+    except psutil.Error:
+        held_by = "its parent gone"
     children = len(process.children())
     return ", ".join(part for part in (
-        f"pid {process.pid}", process.status() + (f" in {wait}" if wait and wait != "0" else ""),
-        f"parent {parent.name()} (pid {parent.pid})" if parent else "no parent",
+        f"pid {process.pid}", process.status() + (f" in {wait}" if wait and wait != "0" else ""), held_by,
         f"{children} child{'ren' if children != 1 else ''}" if children else "",
         f"{time.time() - process.create_time():.1f} s old") if part)
 

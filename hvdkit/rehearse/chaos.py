@@ -430,14 +430,8 @@ class Chaos:
         """After an ending: nothing of the job on the hosts; no written checkpoint lost."""
         what = mine[-1].describe() if mine else ("the undisturbed run" if attempt.number == 0
                                                  else f"attempt {attempt.number}")
-        began = time.monotonic()
-        left = processes.left_running(self.hosts)
-        while left and time.monotonic() < began + (SETTLE if any(ends for _, ends in left) else
-                                                    SETTLE_WITHOUT_LIFELINE):
-            time.sleep(0.2)
-            left = processes.left_running(self.hosts)
-        self.report.attempts[-1]["settled_seconds"] = None if left else round(time.monotonic() - began, 1)
-        left = [what for what, _ in left]
+        left, seconds = processes.settled(lambda: processes.left_running(self.hosts), SETTLE, SETTLE_WITHOUT_LIFELINE)
+        self.report.attempts[-1]["settled_seconds"] = seconds
         if left:
             self.report.problems.append(f"after {what}: {len(left)} process(es) left running once the job ended: "
                                         + "; ".join(left[:4]))

@@ -4,8 +4,9 @@ memory (hvdkit.rehearse.chaos)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from hvdkit import checkpoint, job
 from hvdkit.env import RANK_VARIABLES
@@ -80,30 +81,53 @@ def _rank_of(process) -> Optional[int]:
 
 
 def left_running(hosts: Hosts) -> list[tuple[str, bool]]:
-    """What runs on the hosts besides their sshd (and its sessions): ('name (pid N) on host',
+    """What runs on the hosts besides their sshd (and its sessions): ('name (pid N, ...) on host',
     whether a rank's lifeline will end it)."""
+    kept = {proc.pid for proc in hosts.sshd.values()}
+    return [found for name in hosts.names for found in left_among(hosts.pids(name), name, kept)]
+
+
+def left_among(pids, host: str, kept=frozenset()) -> list[tuple[str, bool]]:
+    """Of ``pids`` on ``host``, those still running, but ``kept`` and any sshd: as left_running says them."""
     import psutil
 
-    kept = {proc.pid for proc in hosts.sshd.values()}
     found = []
-    for name in hosts.names:
-        for pid in hosts.pids(name):
-            try:
-                process = psutil.Process(pid)
-                if pid in kept or process.name() == "sshd" or process.status() == psutil.STATUS_ZOMBIE:
-                    continue
-                found.append((f"{' '.join(process.cmdline()[:3]) or process.name()} ({how_it_is(process)}) on {name}",
-                              lifeline.watches(process.environ())))
-            except psutil.Error:
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            if pid in kept or process.name() == "sshd" or process.status() == psutil.STATUS_ZOMBIE:
                 continue
+            found.append((f"{' '.join(process.cmdline()[:3]) or process.name()} ({how_it_is(process)}) on {host}",
+                          lifeline.watches(process.environ())))
+        except psutil.Error:
+            continue
     return found
+
+
+def settled(look: Callable[[], list[tuple[str, bool]]], lifeline_seconds: float, plain_seconds: float,
+            every: float = 0.2) -> tuple[list[str], Optional[float]]:
+    """After a job's ending (the chaos run's ``_after``): ``look()`` (left_running's list) until
+    it finds nothing, for ``plain_seconds``, or ``lifeline_seconds`` once any look has found a
+    process that a rank's lifeline ends. Returns what is still there and the seconds it took to
+    go (None where something stayed). The longer wait, once earned, is kept: a rank's lifeline ends
+    it, and the processes waiting on it (horovodrun's remote ``sh -c``, which lacks the rank's
+    variables) end a moment after; judged by the look after the rank's end alone, they were left."""
+    began = time.monotonic()
+    until = began + plain_seconds
+    while True:
+        left = look()
+        if any(ends for _, ends in left):
+            until = max(until, began + lifeline_seconds)
+        if not left:
+            return [], round(time.monotonic() - began, 1)
+        if time.monotonic() >= until:
+            return [what for what, _ in left], None
+        time.sleep(every)
 
 
 def how_it_is(process) -> str:
     """'pid N, sleeping in pipe_write, parent sshd (pid M), 4 children, 31.2 s old': what a process
     left running waits for, and who holds it, for the line that names it."""
-    import time
-
     try:
         wait = Path(f"/proc/{process.pid}/wchan").read_text().strip()
     except OSError:

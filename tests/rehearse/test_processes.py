@@ -7,8 +7,8 @@ import sys
 
 import psutil
 
-from hvdkit.rehearse import processes
 from hvdkit.rank.liveness import lifeline
+from hvdkit.rehearse import processes
 
 # A rank under horovodrun --gloo as its remote host runs it: a shell that waits for it (patch 0014's
 # `sh -c '... { env HOROVOD_GLOO_RENDEZVOUS_... python ...; } ...; exit $?'`), the lifeline's variables

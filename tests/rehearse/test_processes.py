@@ -5,10 +5,9 @@ import os
 import subprocess
 import sys
 
-import psutil
-
 from hvdkit.rank.liveness import lifeline
 from hvdkit.rehearse import processes
+from hvdkit.system import proctree
 
 # A rank under horovodrun --gloo as its remote host runs it: a shell that waits for it (patch 0014's
 # `sh -c '... { env HOROVOD_GLOO_RENDEZVOUS_... python ...; } ...; exit $?'`), the lifeline's variables
@@ -20,13 +19,7 @@ WRAPPED_RANK = (f"env {lifeline.ADDRESS}=127.0.0.1 {lifeline.PORT}=9 {sys.execut
 
 def _tree_of(root: subprocess.Popen):
     """A look over ``root`` and whatever it started, as left_running looks over a host."""
-    def look():
-        try:
-            pids = [root.pid, *(child.pid for child in psutil.Process(root.pid).children(recursive=True))]
-        except psutil.Error:
-            pids = []
-        return processes.left_among(pids, "this host")
-    return look
+    return lambda: processes.left_among([process.pid for process in proctree.tree(root.pid)], "this host")
 
 
 def test_the_shell_that_waits_on_a_rank_ended_by_its_lifeline_is_given_the_lifelines_wait():

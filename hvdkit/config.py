@@ -62,6 +62,10 @@ class TrainConfig:
         "help": "shard across ranks: 1 the optimizer state, 2 also the gradients (ZeRO); 0 off"})
     amp: bool = field(default=False, metadata={"help": "mixed precision: bf16 on CPU, fp16 + GradScaler on GPU"})
     clip_grad_norm: Optional[float] = field(default=None, metadata={"help": "clip gradients to this total norm"})
+    elementwise_optimizer: bool = field(default=False, metadata={
+        "help": "your optimizer's class (not one of torch's) updates each element from its own gradient and state "
+                "alone, as SGD and Adam do: its gradient buckets may be stepped as they land, and zero may shard it "
+                "(torch's own elementwise classes need no saying)"})
     sync_batch_norm: bool = field(default=False, metadata={
         "help": "replace BatchNorm layers with hvd.SyncBatchNorm (statistics over all ranks' batches)"})
     compile: bool = field(default=False, metadata={"help": "torch.compile the model"})
@@ -134,8 +138,8 @@ RESUME_MAY_CHANGE = ("epochs", "max_steps", "data_dir", "num_workers", "log_inte
                      "tracking_uri", "checkpoint_dir", "checkpoint_steps", "keep_checkpoints", "async_checkpoint",
                      "sharded_checkpoint", "snapshot_steps", "stall_timeout", "max_requeues", "resume", "compile",
                      "fused_optimizer", "channels_last", "cudnn_benchmark", "tf32",
-                     "commit_steps", "on_nonfinite", "skip_bad_samples", "check_consistency_steps",
-                     "straggler_threshold")
+                     "commit_steps", "on_nonfinite", "elementwise_optimizer", "skip_bad_samples",
+                     "check_consistency_steps", "straggler_threshold")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -319,7 +323,7 @@ GROUPS = {
     "model": ("model", "sync_batch_norm", "compile"),
     "optimization": ("epochs", "max_steps", "optimizer", "base_lr", "lr_scaling", "momentum", "weight_decay",
                      "warmup_epochs", "lr_schedule", "lr_decay_epochs", "lr_decay_factor", "clip_grad_norm", "amp",
-                     "on_nonfinite"),
+                     "on_nonfinite", "elementwise_optimizer"),
     "distributed": ("batches_per_allreduce", "zero", "fp16_allreduce", "use_adasum", "gradient_predivide_factor",
                     "stall_timeout", "elastic", "commit_steps"),
     "checkpoints": ("checkpoint_dir", "checkpoint_steps", "keep_checkpoints", "async_checkpoint",

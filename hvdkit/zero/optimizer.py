@@ -44,26 +44,24 @@ import torch
 from torch import nn
 
 from hvdkit.config import ConfigError
+from hvdkit.zero.elementwise import ELEMENTWISE, elementwise
 from hvdkit.zero.layout import BUCKET_BYTES, Bucket, layout
 
 STAGE2_IN_FLIGHT = 2  # stage 2: buckets' reduce-scatters in flight at once, each holding a flat gradient
 IN_FLIGHT_VARIABLE = "HVDKIT_ZERO_IN_FLIGHT"
 
-# Optimizers whose update of an element depends on that element's gradient and state alone, so
-# that stepping a slice is stepping the parameter. Adafactor (factored rows and columns), Muon
-# (whole matrices), LBFGS (a closure) and SparseAdam (sparse gradients) are not.
-ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
-               torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.Rprop,
-               torch.optim.ASGD)
-
-
-def check(optimizer: torch.optim.Optimizer, model: nn.Module, stage: int) -> None:
-    """ConfigError, in one line, for what a sharded optimizer cannot do; before any step."""
+def check(optimizer: torch.optim.Optimizer, model: nn.Module, stage: int, declared: bool = False) -> None:
+    """ConfigError, in one line, for what a sharded optimizer cannot do; before any step.
+    ``declared``: the config's ``elementwise_optimizer``."""
     name = type(optimizer).__name__
-    if isinstance(optimizer, (torch.optim.LBFGS, torch.optim.SparseAdam)) or not isinstance(optimizer, ELEMENTWISE):
+    if isinstance(optimizer, (torch.optim.LBFGS, torch.optim.SparseAdam)) or not elementwise(optimizer, declared):
         why = {"LBFGS": "it needs a closure that re-evaluates the loss on whole parameters",
                "SparseAdam": "it takes sparse gradients, which are not reduce-scattered"}.get(
             name, "it does not update each element on its own, so a slice of a parameter cannot be stepped alone")
+        if isinstance(optimizer, ELEMENTWISE):
+            why = (f"it subclasses {type(optimizer).__mro__[1].__name__}, and its step() may look at every parameter "
+                   f"at once (a global-norm clip), which a slice stepped alone changes; if it updates each element on "
+                   f"its own, say so with elementwise_optimizer")
         raise ConfigError(f"zero: stage {stage} cannot shard {name}: {why}; use SGD, Adam, AdamW (or another "
                           f"elementwise torch optimizer), or zero 0")
     sparse = next((n for n, m in model.named_modules() if getattr(m, "sparse", False) is True), None)
@@ -475,7 +473,11 @@ def _nbytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views of one flat vector count once)."""
     storages = {}
     for t in tensors:
-        if torch.is_tensor(t):
+        if torch.is_tensor(t) and t.is_sparse:  # an embedding's sparse=True gradient: its indices and values
+            parts = (t._indices(), t._values())
+            storages.update((part.untyped_storage().data_ptr(), part.untyped_storage().nbytes())
+                            for part in parts)
+        elif torch.is_tensor(t):
             storage = t.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())

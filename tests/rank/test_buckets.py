@@ -53,3 +53,20 @@ def test_bucket_views_average_as_horovods_own_optimizer_in_the_loops_users_write
     are views of their buckets after synchronize (tests/programs/buckets_worker.py)."""
     proc = run([*launcher, sys.executable, str(REPO / "tests" / "programs" / "buckets_worker.py")], timeout=240)
     assert proc.returncode == 0 and "buckets: ok on cpu" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("keys, ranks, path", [
+    ({}, 2, "bucket views"), ({}, 8, "bucket views"), ({"fp16_allreduce": True}, 2, "bucket views"),
+    ({"batches_per_allreduce": 4}, 3, "bucket views"),
+    ({}, 1, "tensor by tensor"),  # nothing to reduce
+    ({"use_adasum": True}, 2, "tensor by tensor"), ({"gradient_predivide_factor": 2.0}, 2, "tensor by tensor"),
+    ({"elastic": True}, 2, "tensor by tensor"),
+    ({"zero": 1}, 2, "sharded"), ({"zero": 2}, 4, "sharded"),
+])
+def test_which_runs_average_their_gradients_in_bucket_views(keys, ranks, path):
+    """The default path of a run's gradients (docs/own-loop.md#the-steps-optimizations); each is
+    checked against Horovod's DistributedOptimizer by tests/programs/differential.py."""
+    from hvdkit.config import TrainConfig
+    from hvdkit.rank.step.buckets import gradient_path
+
+    assert gradient_path(TrainConfig(**keys), ranks) == path

@@ -82,3 +82,46 @@ def test_fused_kernels_only_where_the_optimizer_left_the_choice_to_torch():
     assert not use_fused_kernels(torch.optim.RMSprop(params))
     dampened = torch.optim.SGD(params, lr=0.1, momentum=0.9, dampening=0.5)
     assert use_fused_kernels(dampened) and not skips_on_device(dampened), "its first step is not a plain one"
+
+
+def _bucket_views(inner, buckets: int):
+    """What TrainingStep._overlaps reads of hvdkit's bucket views (hvdkit.rank.step.buckets): a
+    subclass of the user's optimizer class over its param groups, with buckets (``landed``) and
+    their count. The bucket views themselves need a Horovod job: tests/programs/differential.py
+    runs them against Horovod's optimizer."""
+    methods = {"__init__": lambda self: setattr(self, "param_groups", inner.param_groups),
+               "landed": lambda self: iter(()), "bucket_count": lambda self: buckets}
+    return type(type(inner).__name__, (type(inner),), methods)()
+
+
+class _ClippingSGD(torch.optim.SGD):
+    """A user's SGD whose step may look at every parameter: not known to be elementwise."""
+
+
+@pytest.mark.parametrize("keys, make, device, buckets, scaler, overlapped", [
+    ({}, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), "cpu", 2, False, True),
+    ({}, lambda p: torch.optim.AdamW(p, lr=0.1), "cpu", 2, False, True),
+    ({}, lambda p: _ClippingSGD(p, lr=0.1), "cpu", 2, False, False),  # a subclass: its step() may be global
+    ({"elementwise_optimizer": True}, lambda p: _ClippingSGD(p, lr=0.1), "cpu", 2, False, True),  # declared
+    ({}, lambda p: torch.optim.LBFGS(p), "cpu", 2, False, False),
+    ({}, lambda p: torch.optim.SGD(p, lr=0.1), "cpu", 1, False, False),  # one bucket: nothing to overlap
+    ({"clip_grad_norm": 1.0}, lambda p: torch.optim.SGD(p, lr=0.1), "cpu", 2, False, False),
+    ({"on_nonfinite": "skip"}, lambda p: torch.optim.SGD(p, lr=0.1), "cpu", 2, False, False),
+    ({"use_adasum": True}, lambda p: torch.optim.SGD(p, lr=0.1), "cpu", 2, False, False),
+    ({}, lambda p: torch.optim.SGD(p, lr=0.1), "cpu", 2, True, False),  # fp16 GradScaler
+    ({}, lambda p: torch.optim.SGD(p, lr=0.1), "cuda", 2, False, False),  # a host sync per bucket
+    ({}, lambda p: torch.optim.SGD(p, lr=0.1, fused=True), "cuda", 2, False, True),  # skips on the device
+    ({"snapshot_steps": 5}, lambda p: torch.optim.SGD(p, lr=0.1, fused=True), "cuda", 2, False, False),
+])
+def test_which_steps_update_each_bucket_as_it_lands(keys, make, device, buckets, scaler, overlapped):
+    """The overlapped update's defaults (docs/own-loop.md#each-bucket-stepped-as-it-lands): on for
+    torch's own elementwise classes (not their subclasses, unless declared) over several buckets
+    with on_nonfinite stop; off for clipping, skip, Adasum, GradScaler, and a GPU optimizer that
+    cannot skip on the device."""
+    from hvdkit.rank.state import RunState
+    from hvdkit.rank.step.training import TrainingStep
+
+    inner = make([torch.nn.Parameter(torch.randn(3))])
+    state = RunState(optimizer=_bucket_views(inner, buckets), inner=inner, scaler=object() if scaler else None)
+    step = TrainingStep(TrainConfig(**keys), None, torch.device(device), state, None, lambda: "")
+    assert step._overlaps(state.optimizer) is overlapped

@@ -189,6 +189,13 @@ def test_sigkill_during_a_sharded_save_leaves_the_previous_checkpoint_in_use(tmp
         "ckpt-step000000005.pt", "ckpt-step000000010.pt", "ckpt-step000000015.pt"]
 
 
+class _OwnSGD(torch.optim.SGD):
+    """A user's SGD: its step() is its own."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=0.1)
+
+
 class _Elementwise(torch.optim.Optimizer):
     """Not a torch optimizer that hvdkit knows to be elementwise."""
 
@@ -201,12 +208,22 @@ class _Elementwise(torch.optim.Optimizer):
     (lambda p: torch.optim.SparseAdam(p), "SparseAdam: it takes sparse gradients"),
     (lambda p: torch.optim.Adafactor(p), "Adafactor: it does not update each element on its own"),
     (lambda p: _Elementwise(p), "_Elementwise: it does not update each element on its own"),
+    (lambda p: _OwnSGD(p), "_OwnSGD: it subclasses SGD, and its step\\(\\) may look at every parameter at once .*"
+                           "say so with elementwise_optimizer"),
 ])
 def test_optimizers_that_cannot_be_sharded_are_refused_in_one_line(make, words):
     model = nn.Linear(4, 2)
     with pytest.raises(ConfigError, match=words) as caught:
         zero.check(make(model.parameters()), model, 1)
     assert "\n" not in str(caught.value)
+
+
+def test_a_subclass_of_an_elementwise_optimizer_is_sharded_once_declared_so():
+    """A subclass's step() may compute a statistic over every parameter (a global-norm clip), which
+    each rank's slices would change: refused above unless the user says it is elementwise."""
+    model = nn.Linear(4, 2)
+    zero.check(_OwnSGD(model.parameters()), model, 2, declared=True)
+    zero.check(torch.optim.SGD(model.parameters(), lr=0.1), model, 2)
 
 
 class Controller:

@@ -4,10 +4,11 @@ gradients live in them, or hvdkit.zero's sharded optimizer.
 The buckets are DDP's: the trained parameters in reverse order (about the order backward makes
 their gradients), the first closed at 1 MiB, the others at their cap. Each bucket's gradients are
 views of one flat tensor, as DDP's ``gradient_as_bucket_view``: the bucket goes to Horovod as one
-tensor, reduced in place, so Horovod copies nothing into its fusion buffer and nothing back out;
-the averaging's 1/size is folded into the loss where the Session makes the backward pass and the
-ranks are a power of two (``average_in_loss``: no pass over the gradients at all), else made
-before the sum on the training thread, where DDP makes it.
+tensor, reduced in place, so Horovod copies nothing into its fusion buffer and nothing back out.
+It is averaged as Horovod's DistributedOptimizer averages every gradient (its Average op: the sum,
+then 1/size on Horovod's thread), so that a tensor hook and the gradients after ``synchronize()``
+see what they see under Horovod at every world size, whatever the loop divides its loss by
+(tests/programs/differential.py).
 A gradient that is not its view (after ``zero_grad()`` set it to None, backward made a new one)
 is copied into it once, when its bucket goes. Every rank reduces the same flat tensors every step,
 none fused with another (with group fusion off, Horovod makes each allreduce a group of its own:
@@ -56,20 +57,30 @@ def gradient_buckets(model: nn.Module, cap: int = BUCKET_BYTES,
     return [bucket for bucket in buckets if bucket]
 
 
+def gradient_path(cfg: TrainConfig, ranks: int) -> str:
+    """How a run's gradients are averaged (``distributed_optimizer``): "sharded" (``zero``);
+    "bucket views" (Horovod's grouped allreduce of hvdkit's buckets, at two ranks and more); else
+    "tensor by tensor" (Horovod's own: Adasum and pre/post-scaling, which its grouped allreduce
+    lacks; elastic runs, whose groups Horovod agrees on in a collective a joining worker makes
+    alone, which hung the rejoin; one rank, with nothing to reduce)."""
+    if cfg.zero:
+        return "sharded"
+    grouped = not (cfg.elastic or cfg.use_adasum) and cfg.gradient_predivide_factor == 1.0
+    return "bucket views" if grouped and ranks > 1 else "tensor by tensor"
+
+
 def distributed_optimizer(cfg: TrainConfig, hvd, optimizer: torch.optim.Optimizer, model: nn.Module,
                           device: torch.device):
     """``optimizer`` made distributed as ``cfg`` says: with ``zero``, hvdkit.zero's ShardedOptimizer;
     else Horovod's DistributedOptimizer, with bucket views where Horovod's grouped allreduce
-    applies. Its grouped allreduce has no Adasum and no pre/post-scaling: those go tensor by
-    tensor. Nor elastic runs: Horovod agrees on the groups in a collective when the optimizer is
-    made, which a worker joining a running job makes alone (it hung the rejoin)."""
+    applies (``gradient_path``)."""
     compression = hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none
-    if cfg.zero:
-        zero.check(optimizer, model, cfg.zero)
+    path = gradient_path(cfg, hvd.size())
+    if path == "sharded":
+        zero.check(optimizer, model, cfg.zero, cfg.elementwise_optimizer)
         return zero.ShardedOptimizer(optimizer, hvd, cfg.zero, compression, cfg.batches_per_allreduce,
                                      cfg.gradient_predivide_factor)
-    grouped = not (cfg.elastic or cfg.use_adasum) and cfg.gradient_predivide_factor == 1.0
-    if grouped and hvd.size() > 1:
+    if path == "bucket views":
         wrapped = with_bucket_views(optimizer, model.named_parameters(), compression, cfg.batches_per_allreduce,
                                     gradient_buckets(model, bucket_bytes(device)))
     else:
@@ -107,8 +118,6 @@ class _BucketViews:
 
         _DistributedOptimizer.__init__(self, params, named_parameters, compression, backward_passes_per_step,
                                        groups=buckets)
-        self._ranks = self.process_set.size()
-        self._averaged_in_loss = False  # this step's losses were divided by the ranks (average_in_loss)
         self._outside: Optional[list] = None  # the trained parameters in no bucket (gradient_tensors)
         self._with_last: Optional[Callable[[], None]] = None  # sent just before this step's last bucket
         self._sent = 0  # buckets sent this step
@@ -139,17 +148,23 @@ class _BucketViews:
         held, self._with_last = self._with_last, send
         return held
 
-    def average_in_loss(self) -> Optional[int]:
-        """What the caller divides this backward pass's loss by, so that the buckets are not divided
-        again (TrainingStep.backward calls it before each backward pass of a step that goes through
-        it; a step whose losses go to ``backward()`` directly is divided here): the ranks where they
-        are a power of two, whose division is exact either way, so that both give the same bits
-        (a loop that calls ``loss.backward()`` itself trains to the same weights); else None, and
-        the buckets are divided here."""
-        if self._ranks & (self._ranks - 1):
-            return None
-        self._averaged_in_loss = True
-        return self._ranks
+    def _make_hook(self, p):
+        """Horovod's hook, but a sparse gradient (an embedding's ``sparse=True``, in a group of its
+        own: ``gradient_buckets``) goes alone, as Horovod sends it without groups (its allgather),
+        since its grouped allreduce takes no sparse tensor."""
+        from horovod.torch.optimizer import _DistributedOptimizer
+
+        grouped = _DistributedOptimizer._make_hook(self, p)
+
+        def hook(*ignore):
+            if p.grad is None or not p.grad.is_sparse:
+                return grouped(*ignore)
+            if self._allreduce_delay[p] <= 0:  # Horovod's own check, as its hook makes it
+                raise AssertionError("Gradients were computed more than backward_passes_per_step times before call "
+                                     "to step(). Increase backward_passes_per_step to accumulate gradients locally.")
+            self._allreduce_delay[p] -= 1
+            self._handles[p] = self._allreduce_grad_async(p) if self._allreduce_delay[p] == 0 else (None, None)
+        return hook
 
     def gradient_tensors(self) -> list[torch.Tensor]:
         """Every trained gradient once: the buckets' flat tensors (which their parameters' gradients
@@ -159,7 +174,7 @@ class _BucketViews:
         return [*self._flat.values(), *(p.grad for p in self._outside if p.grad is not None)]
 
     def _grouped_allreduce_grad_async(self, ps):
-        from horovod.torch.mpi_ops import Sum, allreduce_async_
+        from horovod.torch.mpi_ops import Average, allreduce_async_
         from horovod.torch.optimizer import _DistributedOptimizer
 
         flat = self._flat.get(ps)
@@ -177,14 +192,12 @@ class _BucketViews:
                 p.grad = view
         if views:  # into the bucket in one call, not one a parameter (on a GPU, one kernel launch each)
             torch._foreach_copy_(views, grads)
-        if not self._averaged_in_loss:
-            flat.div_(self._ranks)
         self._sent += 1
         if self._sent == len(self._flat) and self._with_last is not None:
             send, self._with_last = self._with_last, None
             send()
         compressed, ctx = self._compression.compress(flat)
-        handle = allreduce_async_(compressed, name=f"bucket.{self._parameter_names.get(ps[0])}", op=Sum,
+        handle = allreduce_async_(compressed, name=f"bucket.{self._parameter_names.get(ps[0])}", op=Average,
                                   process_set=self.process_set)
         return handle, (compressed, ctx)
 
@@ -225,7 +238,6 @@ class _BucketViews:
                     self._allreduce_delay[p] = self.backward_passes_per_step
                 self._group_counts[group] = 0
                 yield self._by_group[group], [flat]
-        self._averaged_in_loss = False
         self._sent = 0
         _DistributedOptimizer.synchronize(self)
         rest = self._by_group[None]

@@ -30,7 +30,7 @@ from hvdkit import nested
 from hvdkit.config import TrainConfig
 from hvdkit.rank.agree.stragglers import StepTimes
 from hvdkit.rank.state import RunState, say
-from hvdkit.zero import optimizer as zero
+from hvdkit.zero.elementwise import elementwise
 
 MAX_SKIPS_IN_A_ROW = 10
 SETTLE_AT_MOST_EVERY = 1000  # steps: a loop that never reports still reads its flags now and then
@@ -117,6 +117,9 @@ class TrainingStep:
         self.momentum_ready = False  # fused SGD's buffers made (prepare_momentum)
         self._listed: Optional[tuple] = None  # (model, its parameters)
         self._overlap: Optional[tuple] = None  # (optimizer, whether its buckets are stepped as they land)
+        # A fused optimizer's flag of the overlapped steps since the last settle, on the device: once
+        # one bucket was not finite, every bucket after it skips, in that step and in every later one.
+        self.stepped_in_part: Optional[torch.Tensor] = None
 
     def micro_batches(self, batch: Any, micro_size: int,
                       memory_format: torch.memory_format = torch.preserve_format) -> list:
@@ -129,14 +132,11 @@ class TrainingStep:
         return [to_device(chunk, self.device, memory_format) for chunk in chunks]
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch's loss, divided by the step's micro-batches and, where the
-        optimizer's buckets leave the averaging to the loss (hvdkit.rank.step.buckets), by the ranks:
-        a scalar's division in place of a pass over every gradient. Not under fp16 loss scaling,
-        whose half-precision gradients would underflow that much sooner."""
+        """Backward of one micro-batch's loss, divided by the step's micro-batches (as Horovod's
+        examples divide it) and scaled for fp16. Never by the ranks: the allreduce averages, as
+        Horovod's does, so a tensor hook sees this rank's own gradient at every world size."""
         scaler = self.state.scaler
-        average_in_loss = None if scaler else getattr(self.state.optimizer, "average_in_loss", None)
-        ranks = average_in_loss() if average_in_loss else None
-        loss = loss / (self.micro_count * ranks if ranks else self.micro_count)
+        loss = loss / self.micro_count
         (scaler.scale(loss) if scaler else loss).backward()
 
     def apply(self) -> None:
@@ -145,20 +145,26 @@ class TrainingStep:
         ranks' updates inside step() instead, so there the local gradients are unscaled and
         clipped. Then the GradScaler and the scheduler."""
         cfg, optimizer, scaler = self.cfg, self.state.optimizer, self.state.scaler
-        if self._overlaps(optimizer):
+        # The loop's own synchronize() this step (Horovod's clipping pattern: synchronize, clip,
+        # then step under skip_synchronize): its gradients are the averaged ones, to be stepped as
+        # they are, not reduced again (Horovod's step() clears the flag).
+        synchronized = getattr(optimizer, "_synchronized", False)
+        if not synchronized and self._overlaps(optimizer):
             self._apply_as_buckets_land(optimizer)
+            optimizer._synchronized = False  # landed()'s last synchronize set it after the buckets' steps
         else:
-            self._apply_at_once(optimizer, scaler)
+            self._apply_at_once(optimizer, scaler, synchronized)
         if scaler:
             scaler.update()
         if self.state.scheduler is not None:
             self.state.scheduler.step()
         self.micro_count = cfg.batches_per_allreduce
 
-    def _apply_at_once(self, optimizer, scaler) -> None:
-        """Every averaged gradient awaited, then unscaled, clipped and checked, then one step."""
+    def _apply_at_once(self, optimizer, scaler, synchronized: bool = False) -> None:
+        """Every averaged gradient awaited (unless the loop did: ``synchronized``), then unscaled,
+        clipped and checked, then one step."""
         cfg = self.cfg
-        if not cfg.use_adasum:
+        if not cfg.use_adasum and not synchronized:
             self.times.waiting()
             optimizer.synchronize()
             self.times.waited()
@@ -179,7 +185,8 @@ class TrainingStep:
         """Whether each bucket is stepped as it lands (``_apply_as_buckets_land``), decided once per
         optimizer: where the update is the one the step at once makes, bit for bit, and needs
         nothing of the other buckets. So: bucket views with several buckets; an optimizer that
-        updates each element on its own (hvdkit.zero's list); no clipping (its global norm needs
+        updates each element on its own (``elementwise``: one of torch's classes in hvdkit.zero.elementwise's
+        list, not a subclass, or one the user declares so); no clipping (its global norm needs
         every bucket first); no fp16 GradScaler (its unscale and skip need every gradient);
         ``on_nonfinite: stop`` (a skip would have to take back buckets already stepped: the
         stop ends the run instead, and no checkpoint holds what it stepped); and either an
@@ -191,7 +198,7 @@ class TrainingStep:
             return self._overlap[1]
         cfg = self.cfg
         overlaps = (hasattr(optimizer, "landed") and optimizer.bucket_count() > 1
-                    and isinstance(optimizer, zero.ELEMENTWISE) and not cfg.clip_grad_norm
+                    and elementwise(self.state.inner, cfg.elementwise_optimizer) and not cfg.clip_grad_norm
                     and self.state.scaler is None and cfg.on_nonfinite == "stop" and not cfg.use_adasum
                     and not any(group.get("differentiable") for group in optimizer.param_groups)
                     and (not cfg.snapshot_steps if skips_on_device(optimizer) else self.device.type == "cpu"))
@@ -202,13 +209,16 @@ class TrainingStep:
         """Each bucket's parameters stepped as soon as its averaged gradients land, while the
         buckets after it are still being reduced (DDP's optimizer in backward does the same);
         each bucket checked for finiteness first, as the step at once checks them all: a
-        non-finite bucket is not stepped, nor any after it, and the run stops (``_overlaps``)."""
+        non-finite bucket is not stepped, nor any after it, and the run stops (``_overlaps``).
+        A fused optimizer skips on the device and the flag is read at the next settle: until then
+        every later bucket, of this step and of the steps after it, skips too (``stepped_in_part``),
+        so the model stepped in part is never trained further before the run stops."""
         fused = skips_on_device(optimizer)
         if fused and not self.momentum_ready:
             prepare_momentum(optimizer)
             self.momentum_ready = True
         landed, step, epoch = optimizer.landed(), self.state.global_step + 1, self.state.epoch + 1
-        bad = None
+        bad = self.stepped_in_part
         while True:
             self.times.waiting()
             bucket = next(landed, None)
@@ -232,6 +242,7 @@ class TrainingStep:
             finally:
                 del optimizer.found_inf
         if fused and bad is not None:
+            self.stepped_in_part = bad
             self.pending.append((bad, step, epoch))
             if len(self.pending) >= SETTLE_AT_MOST_EVERY:
                 self.settle()
@@ -324,6 +335,7 @@ class TrainingStep:
             return False
         flags, steps = torch.stack([bad for bad, _, _ in self.pending]).tolist(), list(self.pending)
         self.pending.clear()
+        self.stepped_in_part = None  # read: a bad one stops the run below (the overlap is on_nonfinite: stop's)
         for flag, (_, step, epoch) in zip(flags, steps, strict=True):
             if flag:
                 self._nonfinite(step, epoch)

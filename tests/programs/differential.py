@@ -1,0 +1,363 @@
+"""The differential harness: hvdkit's step against Horovod's DistributedOptimizer, in every rank of
+one real job, over the models, optimizers and loops users train (docs/own-loop.md#the-differential-harness).
+
+    mpirun -np N python tests/programs/differential.py [--only NAME,...] [--smoke] [--pow2]
+
+Each cell is a model, an optimizer, the batches of each rank and a loop. Its reference is Horovod's
+``DistributedOptimizer`` in the loop users write by hand, on a copy of the same initial weights
+(the launch sets ``HOROVOD_FUSION_THRESHOLD=0``, so that the reference reproduces itself); the arms
+are hvdkit's step run the ways users run it: the Trainer's step (``hvdkit.trainer.train_step``, what
+``Trainer.fit`` calls for each batch), a Session loop calling ``session.backward(loss)``, and one
+calling ``loss.backward()`` itself. After the cell's steps each arm's averaged gradients (the
+``.grad`` left by the last step), weights and optimizer state are compared with the reference's:
+bitwise at 2 ranks (a sum of two and its halving are exact in any order), within the cell's
+relative-norm tolerance elsewhere (the ranks' sum goes in another order).
+
+Every rank checks every cell; the ranks' verdicts are gathered, and rank 0 prints one line per cell
+and arm, ``differential: <cell> <arm>: ok`` or ``... FAIL <what differs>``, then ``differential:
+<cells> cells, <failed> failed``; a failing cell does not stop the launch. Exit status 0 either way
+(the test reads the lines); an error that ends the job is the job's.
+
+A row of another kind plugs in as a cell whose ``reference`` and arms are its own: the sharded
+(ZeRO) rows compare with the unsharded reference here; a model-parallel row would compare with the
+one-process step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import tempfile
+from typing import Callable, Optional
+
+import horovod.torch as hvd
+import torch
+from torch import nn
+
+import hvdkit
+from hvdkit.rank.start import startup
+from hvdkit.trainer import train_step
+
+BATCH = 4  # samples per micro-batch per rank
+ARMS = ("trainer", "session", "own")
+
+
+class TwoBuckets(nn.Module):
+    """About 1.1 MiB of gradients: two of hvdkit's buckets (the first closes at 1 MiB), so that the
+    step that updates each bucket as it lands is the one taken where it applies."""
+
+    def __init__(self, head_dtype: torch.dtype = torch.float32, branch: Optional[Callable[[int], bool]] = None,
+                 twice: bool = False) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 512)
+        self.middle = nn.Linear(512, 512)
+        self.branch = nn.Linear(512, 512) if branch else None
+        self.head = nn.Linear(512, 3).to(head_dtype)
+        self.uses_branch, self.twice, self.step = branch, twice, 0
+
+    def forward(self, x):
+        h = torch.tanh(self.middle(torch.tanh(self.body(x))))
+        if self.twice:  # one parameter used twice in a forward
+            h = torch.tanh(self.middle(h))
+        if self.branch is not None and self.uses_branch(self.step):
+            h = h + torch.tanh(self.branch(h))
+        return self.head(h.to(self.head.weight.dtype)).float()
+
+
+class Tied(nn.Module):
+    """A language model's tied input and output embedding, and an optional sparse one."""
+
+    def __init__(self, sparse: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16, sparse=sparse)
+        self.mix = nn.Linear(16, 16)
+        self.tied = not sparse
+        self.out = nn.Linear(16, 50, bias=False)
+        if self.tied:
+            self.out.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.out(torch.tanh(self.mix(self.embed(tokens).mean(1))))
+
+
+class GlobalNormSGD(torch.optim.SGD):
+    """Research code's pattern: SGD whose step first clips by the norm of all its gradients."""
+
+    def __init__(self, params, lr: float = 1.0, max_norm: float = 0.01) -> None:  # Horovod remakes it from params
+        super().__init__(params, lr=lr)
+        self.max_norm = max_norm
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(params, self.max_norm)
+        return super().step(closure)
+
+
+@dataclasses.dataclass
+class Cell:
+    """One row of the harness. ``model()`` is made under the same seed on every rank; ``optimizer``
+    makes the optimizer from the model; ``keys`` are the Session's config keys; ``reference_kwargs``
+    go to Horovod's DistributedOptimizer; ``micro`` is K. ``loop`` names the loop shape's variant
+    (see ``backward_pass``), ``hook`` a tensor hook on every weight; ``tolerance`` the relative norm
+    allowed at other world sizes than 2; ``at`` the world sizes it runs at."""
+
+    name: str
+    model: Callable[[], nn.Module] = TwoBuckets
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer] = lambda m: torch.optim.SGD(
+        m.parameters(), lr=0.5, momentum=0.9)
+    keys: dict = dataclasses.field(default_factory=dict)
+    reference_kwargs: dict = dataclasses.field(default_factory=dict)
+    micro: int = 1
+    steps: int = 3
+    arms: tuple = ARMS
+    tokens: bool = False
+    loop: str = "plain"
+    hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    tolerance: float = 1e-5
+    at: tuple = (2, 3, 4)
+    fp16_scaled: bool = False  # the GPU's amp on this CPU: fp16 autocast and a GradScaler (see hvdkit_arm)
+    compared: tuple = ("grads", "weights", "state")
+
+
+def partial_head(model):
+    return torch.optim.SGD(model.head.parameters(), lr=0.5)
+
+
+def two_groups(model):
+    return torch.optim.SGD([{"params": [*model.body.parameters(), *model.middle.parameters()]},
+                            {"params": model.head.parameters(), "lr": 0.05, "weight_decay": 0.1}],
+                           lr=0.5, momentum=0.9, weight_decay=0.01)
+
+
+def frozen_body():
+    model = TwoBuckets()
+    model.body.requires_grad_(False)
+    return model
+
+
+SHARDED = ("weights",)  # ZeRO's gradients and optimizer state are each rank's slices: its weights are compared
+
+CELLS = [
+    Cell("fp32"),
+    Cell("adam", optimizer=lambda m: torch.optim.Adam(m.parameters(), lr=0.01)),
+    Cell("bf16-autocast", keys={"amp": True}),
+    Cell("mixed-dtypes", model=lambda: TwoBuckets(torch.float64)),
+    Cell("optimizer-over-part", optimizer=partial_head),
+    Cell("frozen-layers", model=frozen_body),
+    Cell("unused-on-some-ranks", model=lambda: TwoBuckets(branch=lambda step: hvd.rank() % 2 == 1)),
+    Cell("unused-on-some-steps", model=lambda: TwoBuckets(branch=lambda step: step % 2 == 0)),
+    Cell("used-twice", model=lambda: TwoBuckets(twice=True)),
+    Cell("tied-weights", model=Tied, tokens=True),
+    Cell("sparse-embedding", model=lambda: Tied(sparse=True), tokens=True,
+         optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.5)),
+    Cell("param-groups", optimizer=two_groups),
+    Cell("accumulation", micro=2, keys={"batches_per_allreduce": 2}, reference_kwargs={"backward_passes_per_step": 2}),
+    Cell("session-and-own-backward", micro=2, keys={"batches_per_allreduce": 2}, arms=("mixed",),
+         reference_kwargs={"backward_passes_per_step": 2}),
+    Cell("horovod-clipping", arms=("own",), loop="horovod-clip"),
+    Cell("clip-grad-norm", keys={"clip_grad_norm": 0.05}, loop="reference-clip"),
+    Cell("fp16-gradscaler", keys={"amp": True}, fp16_scaled=True),
+    Cell("fp16-compression", keys={"fp16_allreduce": True}, tolerance=1e-2,
+         reference_kwargs={"compression": hvd.Compression.fp16}),
+    Cell("zero-1", keys={"zero": 1}, compared=SHARDED),
+    Cell("zero-2", keys={"zero": 2}, compared=SHARDED),
+    Cell("adasum", keys={"use_adasum": True}, reference_kwargs={"op": hvd.Adasum}, at=(2, 4)),
+    Cell("global-norm-subclass", optimizer=lambda m: GlobalNormSGD(m.parameters())),
+    Cell("tensor-hook", hook=lambda grad: grad.clamp(-1e-3, 1e-3)),
+]
+SMOKE = ("fp32", "optimizer-over-part", "mixed-dtypes", "zero-1")  # under horovodrun --gloo
+
+
+def batch_of(cell: Cell, rank: int, step: int) -> tuple:
+    """This rank's batch of ``step``: K micro-batches of BATCH samples, the same in every arm."""
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    samples = BATCH * cell.micro
+    if cell.tokens:
+        return torch.randint(0, 50, (samples, 5), generator=generator), torch.randint(0, 50, (samples,),
+                                                                                      generator=generator)
+    return torch.randn(samples, 8, generator=generator), torch.randint(0, 3, (samples,), generator=generator)
+
+
+def loss_of(model, micro) -> torch.Tensor:
+    x, y = micro
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def made(cell: Cell):
+    """The cell's model and optimizer, the same initial weights on every rank and in every arm."""
+    torch.manual_seed(0)
+    model = cell.model()
+    if cell.hook is not None:
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_hook(cell.hook)
+    return model, cell.optimizer(model)
+
+
+def observed(model, optimizer) -> dict:
+    """What is compared: each trained parameter's gradient (dense) and weight, and the optimizer's
+    state, by parameter order."""
+    params = [p for p in model.parameters()]
+    grads = [None if p.grad is None else (p.grad.to_dense() if p.grad.is_sparse else p.grad).detach().clone()
+             for p in params]
+    state = []
+    for p in params:
+        for key, value in sorted(optimizer.state.get(p, {}).items()):
+            if isinstance(value, torch.Tensor):
+                state.append((key, value.detach().clone()))
+    return {"grads": grads, "weights": [p.detach().clone() for p in params], "state": state}
+
+
+def reference(cell: Cell) -> dict:
+    """Horovod's DistributedOptimizer in the loop users write by hand."""
+    model, inner = made(cell)
+    optimizer = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), **cell.reference_kwargs)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    scaler = torch.amp.GradScaler("cpu") if cell.fp16_scaled else None
+    for step in range(cell.steps):
+        model.step = step
+        optimizer.zero_grad()
+        x, y = batch_of(cell, hvd.rank(), step)
+        for micro in zip(x.split(BATCH), y.split(BATCH), strict=True):
+            with torch.autocast("cpu", dtype=torch.float16 if scaler else torch.bfloat16,
+                                enabled=cell.keys.get("amp", False)):  # as session.autocast() on a CPU
+                loss = loss_of(model, micro)
+            (scaler.scale(loss / cell.micro) if scaler else loss / cell.micro).backward()
+        if scaler:  # Horovod's pattern with a GradScaler
+            optimizer.synchronize()
+            scaler.unscale_(optimizer)
+            with optimizer.skip_synchronize():
+                scaler.step(optimizer)
+            scaler.update()
+        elif cell.loop in ("horovod-clip", "reference-clip"):  # Horovod's clipping pattern
+            optimizer.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cell.keys.get("clip_grad_norm", 0.05))
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        else:
+            optimizer.step()
+    return observed(model, optimizer)
+
+
+def hvdkit_arm(cell: Cell, arm: str, log_dir: str) -> dict:
+    """hvdkit's step, ``arm`` being the loop shape (see the module docstring; ``mixed``: the first
+    micro-batch through ``session.backward``, the second through ``loss.backward()``)."""
+    keys = {"seed": 0, "batch_size": BATCH, "logger": "none", "log_dir": log_dir, **cell.keys}
+    session = hvdkit.Session(**keys)
+    if cell.fp16_scaled:  # what the Session sets with amp on a GPU, here on the CPU's fp16 kernels
+        session.amp_dtype, session.scaler = torch.float16, torch.amp.GradScaler("cpu")
+    model, inner = made(cell)
+    model, optimizer = session.setup(model, inner)
+    for step in range(cell.steps):
+        model.step = step
+        batch = batch_of(cell, session.rank, step)
+        if arm == "trainer":
+            train_step(session, model, loss_of, batch)
+            continue
+        optimizer.zero_grad()
+        for index, micro in enumerate(session.micro_batches(batch) if arm != "own" else
+                                      list(zip(*(part.split(BATCH) for part in batch), strict=True))):
+            with session.autocast():
+                loss = loss_of(model, micro)
+            if arm == "session" or (arm == "mixed" and index == 0):
+                session.backward(loss)
+            elif cell.fp16_scaled:
+                session.scaler.scale(loss / cell.micro).backward()
+            else:
+                (loss / cell.micro).backward()
+        if cell.loop == "horovod-clip":
+            optimizer.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            with optimizer.skip_synchronize():
+                session.step()
+        else:
+            session.step()
+    result = observed(model, optimizer)
+    session.finish()
+    return result
+
+
+def differences(ours: dict, theirs: dict, exact: bool, tolerance: float, compared: tuple) -> list[str]:
+    """What differs, by kind and index: bitwise where ``exact``, else beyond ``tolerance`` in the
+    relative norm of the difference."""
+    said = []
+    for kind in compared:
+        if len(ours[kind]) != len(theirs[kind]):
+            said.append(f"{kind}: {len(ours[kind])} tensors, Horovod's {len(theirs[kind])}")
+            continue
+        for index, (a, b) in enumerate(zip(ours[kind], theirs[kind], strict=True)):
+            if kind == "state":
+                (_, a), (_, b) = a, b
+            if (a is None) != (b is None):
+                said.append(f"{kind}[{index}]: {'none' if a is None else 'one'}, Horovod's "
+                            f"{'none' if b is None else 'one'}")
+                continue
+            if a is None:
+                continue
+            if a.dtype != b.dtype or a.shape != b.shape:
+                said.append(f"{kind}[{index}]: {a.dtype} {tuple(a.shape)}, Horovod's {b.dtype} {tuple(b.shape)}")
+                continue
+            if exact and torch.equal(a, b):
+                continue
+            a64, b64 = a.double(), b.double()
+            scale = b64.norm().item() or 1.0
+            relative = (a64 - b64).norm().item() / scale
+            if exact or not relative <= tolerance:
+                ratio = (a64 * b64).sum().item() / (b64 * b64).sum().item() if b64.norm() > 0 else float("nan")
+                said.append(f"{kind}[{index}]: relative difference {relative:.2e}, ours/Horovod's {ratio:.3f}")
+    return said
+
+
+def run(cells: list[Cell]) -> int:
+    """Every cell on every rank; one verdict line per cell and arm on rank 0. The count failed."""
+    failed = 0
+    with tempfile.TemporaryDirectory(prefix="hvdkit-differential-") as scratch:
+        for cell in cells:
+            theirs = reference(cell)
+            for arm in cell.arms:
+                try:
+                    said = differences(hvdkit_arm(cell, arm, os.path.join(scratch, f"{cell.name}-{arm}")), theirs,
+                                       hvd.size() == 2, cell.tolerance, cell.compared)
+                except Exception as error:  # noqa: BLE001  -- the cell's failure, said; the launch goes on
+                    said = [f"{type(error).__name__}: {error}".splitlines()[0]]
+                everyone = hvd.allgather_object(said, name=f"differential.{cell.name}.{arm}")
+                problems = [f"rank {rank}: {'; '.join(lines[:3])}" for rank, lines in enumerate(everyone) if lines]
+                failed += bool(problems)
+                if hvd.rank() == 0:
+                    verdict = "ok" if not problems else "FAIL " + " | ".join(problems[:2])
+                    print(f"differential: {cell.name} {arm}: {verdict}", flush=True)
+    if hvd.rank() == 0:
+        print(f"differential: {len(cells)} cells, {failed} failed", flush=True)
+    return failed
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="these cells, comma-separated")
+    parser.add_argument("--smoke", action="store_true", help=f"the smoke subset: {', '.join(SMOKE)}")
+    args = parser.parse_args(argv)
+    # hvdkit's own settings, as a Session sets them before Horovod starts, so that the arms run as in
+    # a user's job (every Session after finds Horovod started).
+    for name, value in {**startup.performance_settings(False), **startup.reproducible_settings()}.items():
+        os.environ.setdefault(name, value)
+    hvd.init()
+    startup.place_process(hvd.local_rank(), hvd.local_size())  # the Session's torch threads for the reference too
+    chosen = [cell for cell in CELLS if hvd.size() in cell.at or hvd.size() not in (2, 3, 4)]
+    if args.smoke:
+        chosen = [cell for cell in chosen if cell.name in SMOKE]
+    if args.only:
+        names = args.only.split(",")
+        unknown = set(names) - {cell.name for cell in CELLS}
+        if unknown:
+            print(f"differential: no cell named {', '.join(sorted(unknown))}", file=sys.stderr)
+            return 2
+        chosen = [cell for cell in chosen if cell.name in names]
+    run(chosen)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,7 +4,7 @@ synchronized batch norm for any model."""
 from __future__ import annotations
 
 import random
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -49,27 +49,166 @@ def cnn(in_channels: int, image_size: int, num_classes: int) -> nn.Module:
 BUILTIN: dict[str, Callable[[int, int, int], nn.Module]] = {"mlp": mlp, "cnn": cnn}
 
 
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention: query, key, value and output projections of their own
+    (``q``, ``k``, ``v``, ``o``: what tensor parallelism splits, by columns and by rows), over
+    torch's scaled_dot_product_attention."""
+
+    def __init__(self, width: int, heads: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        if width % heads:
+            raise ConfigError(f"model: width {width} is not a multiple of the {heads} heads")
+        self.heads, self.dropout = heads, dropout
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = (projection(x).view(batch, length, self.heads, width // self.heads).transpose(1, 2)
+                   for projection in (self.q, self.k, self.v))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                                       is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(batch, length, width))
+
+
+class Block(nn.Module):
+    """A pre-norm Transformer block: x + attention(norm1(x)), then x + down(gelu(up(norm2(x))))."""
+
+    def __init__(self, width: int, heads: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.norm1, self.attention = nn.LayerNorm(width), CausalSelfAttention(width, heads, dropout)
+        self.norm2, self.up, self.down = nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attention(self.norm1(x)))
+        return x + self.drop(self.down(self.drop(nn.functional.gelu(self.up(self.norm2(x))))))
+
+
 class TinyGPT(nn.Module):
     """A decoder-only Transformer over bytes: token and position embeddings, pre-norm causal
-    self-attention blocks (torch's TransformerEncoderLayer with a causal mask), a linear head.
-    Input (B, T) token ids; output (B, T, vocab) logits of each next token."""
+    self-attention blocks (``Block``: each with its own initial weights), a final norm and a
+    linear head, tied to the token embedding with ``tie_output``. Input (B, T) token ids; output
+    (B, T, vocab) logits of each next token.
 
-    def __init__(self, vocab: int, seq_len: int, width: int = 128, layers: int = 4, heads: int = 4) -> None:
+    Checkpoints of the earlier layout (torch's TransformerEncoder: ``blocks.layers.N.self_attn
+    .in_proj_weight`` holding q, k and v in one tensor) load as they are (``load_state_dict``), and
+    resume with their optimizer state (``upgrade_checkpoint``); ``packed_state_dict`` writes this
+    model's weights in that layout."""
+
+    def __init__(self, vocab: int, seq_len: int, width: int = 128, layers: int = 4, heads: int = 4,
+                 dropout: float = 0.0, tie_output: bool = False) -> None:
         super().__init__()
         self.tokens = nn.Embedding(vocab, width)
         self.positions = nn.Embedding(seq_len, width)
-        block = nn.TransformerEncoderLayer(width, heads, dim_feedforward=4 * width, dropout=0.0, activation="gelu",
-                                           batch_first=True, norm_first=True)
-        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(width, heads, dropout) for _ in range(layers))
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False)
+        if tie_output:
+            self.head.weight = self.tokens.weight
+        self._register_load_state_dict_pre_hook(_unpack_on_load)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         length = tokens.shape[1]
-        x = self.tokens(tokens) + self.positions(torch.arange(length, device=tokens.device))
-        x = self.blocks(x, mask=self.mask[:length, :length], is_causal=True)
+        x = self.drop(self.tokens(tokens) + self.positions(torch.arange(length, device=tokens.device)))
+        for block in self.blocks:
+            x = block(x)
         return self.head(self.norm(x))
+
+    def packed_state_dict(self) -> dict:
+        """This model's weights named and packed as the earlier layout's (for a tool that reads
+        those): q, k and v of each block in one ``in_proj`` tensor."""
+        return _packed(self.state_dict())
+
+    def upgrade_checkpoint(self, model_state: dict, optimizer_state: Optional[dict]) -> tuple[dict, Optional[dict]]:
+        """A checkpoint's model and optimizer state in this layout, where they are in the earlier
+        one (else as they are): each packed tensor split in q, k and v, and the optimizer's
+        per-parameter state (momentum, Adam's moments, by parameter index) split and renumbered
+        alike. Called by the resume (hvdkit.rank.resume.checkpoints) before it loads them."""
+        if not any(name.endswith(_PACKED[0]) for name in model_state):
+            return model_state, optimizer_state
+        unpacked = _unpacked(model_state)
+        if optimizer_state is None or "param_groups" not in optimizer_state:  # ZeRO's shards: by bucket
+            return unpacked, optimizer_state
+        old_names = list(model_state)  # the earlier layout's parameters, in their order, and nothing else
+        new_index = {name: index for index, name in enumerate(name for name, _ in self.named_parameters())}
+        state, groups = {}, []
+        for group in optimizer_state["param_groups"]:
+            params = []
+            for index in group["params"]:
+                old = old_names[index]
+                for new, part in _split_names(old):
+                    params.append(new_index[new])
+                    if index in optimizer_state["state"]:
+                        # each its own tensor: Adam counts a parameter's steps in place, in its "step"
+                        state[new_index[new]] = {key: _part(value, part, 3) if _splits(value) else _own(value)
+                                                 for key, value in optimizer_state["state"][index].items()}
+            groups.append({**group, "params": sorted(params)})
+        return unpacked, {**optimizer_state, "state": state, "param_groups": groups}
+
+
+# The earlier layout's names, in a block's order, and this layout's for each.
+_PACKED = ("self_attn.in_proj_weight", "self_attn.in_proj_bias")
+_RENAMED = {"self_attn.out_proj.weight": "attention.o.weight", "self_attn.out_proj.bias": "attention.o.bias",
+            "linear1.weight": "up.weight", "linear1.bias": "up.bias", "linear2.weight": "down.weight",
+            "linear2.bias": "down.bias", "norm1.weight": "norm1.weight", "norm1.bias": "norm1.bias",
+            "norm2.weight": "norm2.weight", "norm2.bias": "norm2.bias"}
+
+
+def _split_names(old: str) -> list[tuple[str, Optional[int]]]:
+    """This layout's names for an earlier one's parameter, with the third of it each takes (None: whole)."""
+    if not old.startswith("blocks.layers."):
+        return [(old, None)]
+    block, rest = old.removeprefix("blocks.layers.").split(".", 1)
+    if rest in _PACKED:
+        kind = "weight" if rest.endswith("weight") else "bias"
+        return [(f"blocks.{block}.attention.{letter}.{kind}", part) for part, letter in enumerate("qkv")]
+    return [(f"blocks.{block}.{_RENAMED[rest]}", None)]
+
+
+def _splits(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+def _own(value):
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _part(tensor: torch.Tensor, part: Optional[int], parts: int) -> torch.Tensor:
+    return tensor if part is None else tensor.chunk(parts)[part].clone()
+
+
+def _unpacked(state: dict) -> dict:
+    return {new: _part(value, part, 3) for old, value in state.items() for new, part in _split_names(old)}
+
+
+def _packed(state: dict) -> dict:
+    """The inverse of ``_unpacked``: q, k and v of each block concatenated in the earlier names."""
+    back = {}
+    for name, value in state.items():
+        if not name.startswith("blocks."):
+            back[name] = value
+            continue
+        block, rest = name.removeprefix("blocks.").split(".", 1)
+        if rest.startswith("attention.") and rest[len("attention.")] in "qkv":
+            kind = rest.rsplit(".", 1)[1]
+            key = f"blocks.layers.{block}.self_attn.in_proj_{kind}"
+            if key not in back:
+                back[key] = torch.cat([state[f"blocks.{block}.attention.{letter}.{kind}"] for letter in "qkv"])
+            continue
+        back[f"blocks.layers.{block}.{next(old for old, new in _RENAMED.items() if new == rest)}"] = value
+    return back
+
+
+def _unpack_on_load(state_dict, prefix, *args) -> None:
+    """load_state_dict's pre-hook: an earlier layout's names and packed tensors, made this one's in place."""
+    mine = {name: value for name, value in state_dict.items() if name.startswith(prefix)}
+    if not any(name.endswith(_PACKED[0]) for name in mine):
+        return
+    for name in mine:
+        del state_dict[name]
+    state_dict.update((prefix + name, value) for name, value in
+                      _unpacked({name[len(prefix):]: value for name, value in mine.items()}).items())
 
 
 LANGUAGE_MODELS: dict[str, Callable[[int, int], nn.Module]] = {"gpt-tiny": TinyGPT}

@@ -40,6 +40,9 @@ import hvdkit
 from hvdkit.rank.start import startup
 from hvdkit.trainer import train_step
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from reference_models import CausalLM  # noqa: E402  -- tests/reference_models.py
+
 BATCH = 4  # samples per micro-batch per rank
 ARMS = ("trainer", "session", "own")
 
@@ -114,6 +117,7 @@ class Cell:
     steps: int = 3
     arms: tuple = ARMS
     tokens: bool = False
+    causal_lm: bool = False  # (B, 16) tokens in, each next token the target
     loop: str = "plain"
     hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     tolerance: float = 1e-5
@@ -151,6 +155,8 @@ CELLS = [
     Cell("unused-on-some-steps", model=lambda: TwoBuckets(branch=lambda step: step % 2 == 0)),
     Cell("used-twice", model=lambda: TwoBuckets(twice=True)),
     Cell("tied-weights", model=Tied, tokens=True),
+    Cell("hf-shaped-causal-lm", model=CausalLM, causal_lm=True, optimizer=lambda m: torch.optim.AdamW(
+        m.parameters(), lr=0.01, weight_decay=0.1)),
     Cell("sparse-embedding", model=lambda: Tied(sparse=True), tokens=True,
          optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.5)),
     Cell("param-groups", optimizer=two_groups),
@@ -175,6 +181,9 @@ def batch_of(cell: Cell, rank: int, step: int) -> tuple:
     """This rank's batch of ``step``: K micro-batches of BATCH samples, the same in every arm."""
     generator = torch.Generator().manual_seed(1000 * step + rank)
     samples = BATCH * cell.micro
+    if cell.causal_lm:
+        tokens = torch.randint(0, 64, (samples, 17), generator=generator)
+        return tokens[:, :-1], tokens[:, 1:]
     if cell.tokens:
         return torch.randint(0, 50, (samples, 5), generator=generator), torch.randint(0, 50, (samples,),
                                                                                       generator=generator)
@@ -183,7 +192,8 @@ def batch_of(cell: Cell, rank: int, step: int) -> tuple:
 
 def loss_of(model, micro) -> torch.Tensor:
     x, y = micro
-    return nn.functional.cross_entropy(model(x), y)
+    logits = model(x)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
 def made(cell: Cell):

@@ -117,6 +117,10 @@ class RunCheckpoints:
     def load_state(self, state: dict) -> None:
         """Model, optimizer, scheduler, GradScaler, epoch, step and ``extra`` from a checkpoint."""
         run = self.state
+        upgrade = getattr(self.module(), "upgrade_checkpoint", None)
+        if upgrade is not None:  # a built-in model's checkpoint of an earlier layout (hvdkit.models.TinyGPT)
+            state = {**state}
+            state["model"], state["optimizer"] = upgrade(state["model"], state.get("optimizer"))
         try:
             self.module().load_state_dict(state["model"])
         except RuntimeError as exc:

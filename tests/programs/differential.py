@@ -15,8 +15,9 @@ relative-norm tolerance elsewhere (the ranks' sum goes in another order).
 
 Every rank checks every cell; the ranks' verdicts are gathered, and rank 0 prints one line per cell
 and arm, ``differential: <cell> <arm>: ok`` or ``... FAIL <what differs>``, then ``differential:
-<cells> cells, <failed> failed``; a failing cell does not stop the launch. Exit status 0 either way
-(the test reads the lines); an error that ends the job is the job's.
+<cells> cells (<runs> runs), <failed> failed``, a run being one cell's loop; a failing cell does
+not stop the launch. Exit status 0 either way (the test reads the lines); an error that ends the
+job is the job's.
 
 A row of another kind plugs in as a cell whose ``reference`` and arms are its own: the sharded
 (ZeRO) rows compare with the unsharded reference here; a model-parallel row would compare with the
@@ -340,7 +341,8 @@ def run(cells: list[Cell]) -> int:
                     verdict = "ok" if not problems else "FAIL " + " | ".join(problems[:2])
                     print(f"differential: {cell.name} {arm}: {verdict}", flush=True)
     if hvd.rank() == 0:
-        print(f"differential: {len(cells)} cells, {failed} failed", flush=True)
+        runs = sum(len(cell.arms) for cell in cells)
+        print(f"differential: {len(cells)} cells ({runs} runs), {failed} failed", flush=True)
     return failed
 
 

@@ -200,6 +200,31 @@ def check_fused_overlap_trains_no_further_after_a_nonfinite_bucket(device: torch
         raise AssertionError("the settle did not stop the run")
 
 
+def check_a_skipped_step_leaves_the_next_one_reduced(device: torch.device) -> None:
+    """on_nonfinite skip, stepped at once: a skipped step calls no optimizer.step(), which is what
+    clears Horovod's "synchronized" flag; the next steps' gradients must still be reduced. Three
+    steps, the second poisoned, end where the first and third alone end, to the bit."""
+    _, (model, optimizer, step) = stepped_pair(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, None, False, device)
+    reference = copy.deepcopy(model)
+    reference_optimizer = hvd.DistributedOptimizer(torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9),
+                                                   named_parameters=reference.named_parameters())
+    for index in range(3):
+        optimizer.zero_grad()
+        torch.manual_seed(1000 * index + hvd.rank())
+        loss = model(torch.randn(16, 8, device=device)).square().mean()
+        step.backward(loss * (float("nan") if index == 1 else 1.0))
+        step.apply()
+        if index == 1:
+            continue
+        reference_optimizer.zero_grad()
+        torch.manual_seed(1000 * index + hvd.rank())
+        reference(torch.randn(16, 8, device=device)).square().mean().backward()
+        reference_optimizer.step()
+    assert step.skipped == 1
+    for (name, a), b in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), f"after a skipped step, {name}: {(a - b).abs().max()}"
+
+
 def main() -> None:
     from hvdkit.rank.start.startup import reproducible_settings
 
@@ -222,6 +247,7 @@ def main() -> None:
                 check_overlap(optimizer_class, options, clip, amp, device)
         check_overlap_stops_on_a_nonfinite_step(device)
         check_fused_overlap_trains_no_further_after_a_nonfinite_bucket(device)
+        check_a_skipped_step_leaves_the_next_one_reduced(device)
     if hvd.rank() == 0:
         print(f"buckets: ok on {device.type}", flush=True)
     hvd.join()

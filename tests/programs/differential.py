@@ -123,6 +123,7 @@ class Cell:
     hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     tolerance: float = 1e-5
     at: tuple = (2, 3, 4)
+    poisoned: Optional[int] = None  # the step whose loss is NaN on every rank: skipped (on_nonfinite skip)
     fp16_scaled: bool = False  # the GPU's amp on this CPU: fp16 autocast and a GradScaler (see hvdkit_arm)
     compared: tuple = ("grads", "weights", "state")
 
@@ -165,6 +166,7 @@ CELLS = [
     Cell("session-and-own-backward", micro=2, keys={"batches_per_allreduce": 2}, arms=("mixed",),
          reference_kwargs={"backward_passes_per_step": 2}),
     Cell("horovod-clipping", arms=("own",), loop="horovod-clip"),
+    Cell("nonfinite-step-skipped", keys={"on_nonfinite": "skip"}, poisoned=1),
     Cell("clip-grad-norm", keys={"clip_grad_norm": 0.05}, loop="reference-clip"),
     Cell("fp16-gradscaler", keys={"amp": True}, fp16_scaled=True),
     Cell("fp16-compression", keys={"fp16_allreduce": True}, tolerance=1e-2,
@@ -194,7 +196,8 @@ def batch_of(cell: Cell, rank: int, step: int) -> tuple:
 def loss_of(model, micro) -> torch.Tensor:
     x, y = micro
     logits = model(x)
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    return loss * float("nan") if getattr(model, "poisoned", False) else loss
 
 
 def made(cell: Cell):
@@ -229,7 +232,7 @@ def reference(cell: Cell) -> dict:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     scaler = torch.amp.GradScaler("cpu") if cell.fp16_scaled else None
     for step in range(cell.steps):
-        model.step = step
+        model.step, model.poisoned = step, step == cell.poisoned
         optimizer.zero_grad()
         x, y = batch_of(cell, hvd.rank(), step)
         for micro in zip(x.split(BATCH), y.split(BATCH), strict=True):
@@ -237,7 +240,11 @@ def reference(cell: Cell) -> dict:
                                 enabled=cell.keys.get("amp", False)):  # as session.autocast() on a CPU
                 loss = loss_of(model, micro)
             (scaler.scale(loss / cell.micro) if scaler else loss / cell.micro).backward()
-        if scaler:  # Horovod's pattern with a GradScaler
+        if model.poisoned:  # the hand-written guard: reduced, found not finite, not stepped
+            optimizer.synchronize()
+            with optimizer.skip_synchronize():
+                pass
+        elif scaler:  # Horovod's pattern with a GradScaler
             optimizer.synchronize()
             scaler.unscale_(optimizer)
             with optimizer.skip_synchronize():
@@ -263,7 +270,7 @@ def hvdkit_arm(cell: Cell, arm: str, log_dir: str) -> dict:
     model, inner = made(cell)
     model, optimizer = session.setup(model, inner)
     for step in range(cell.steps):
-        model.step = step
+        model.step, model.poisoned = step, step == cell.poisoned
         batch = batch_of(cell, session.rank, step)
         if arm == "trainer":
             train_step(session, model, loss_of, batch)

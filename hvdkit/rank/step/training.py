@@ -151,9 +151,13 @@ class TrainingStep:
         synchronized = getattr(optimizer, "_synchronized", False)
         if not synchronized and self._overlaps(optimizer):
             self._apply_as_buckets_land(optimizer)
-            optimizer._synchronized = False  # landed()'s last synchronize set it after the buckets' steps
         else:
             self._apply_at_once(optimizer, scaler, synchronized)
+        if synchronized or hasattr(optimizer, "landed"):
+            # This step's gradients are spent, stepped or skipped: the next step's are new, to be
+            # reduced (a skipped step, GradScaler's or on_nonfinite's, calls no step() to clear it;
+            # landed()'s last synchronize sets it after the buckets' steps).
+            optimizer._synchronized = False
         if scaler:
             scaler.update()
         if self.state.scheduler is not None:

@@ -167,6 +167,8 @@ CELLS = [
          reference_kwargs={"backward_passes_per_step": 2}),
     Cell("horovod-clipping", arms=("own",), loop="horovod-clip"),
     Cell("nonfinite-step-skipped", keys={"on_nonfinite": "skip"}, poisoned=1),
+    Cell("predivide-tensor-by-tensor", keys={"gradient_predivide_factor": 2.0, "on_nonfinite": "skip"}, poisoned=1,
+         reference_kwargs={"gradient_predivide_factor": 2.0}),  # Horovod's own path, a skipped step in it
     Cell("clip-grad-norm", keys={"clip_grad_norm": 0.05}, loop="reference-clip"),
     Cell("fp16-gradscaler", keys={"amp": True}, fp16_scaled=True),
     Cell("fp16-compression", keys={"fp16_allreduce": True}, tolerance=1e-2,

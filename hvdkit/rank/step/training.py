@@ -153,7 +153,7 @@ class TrainingStep:
             self._apply_as_buckets_land(optimizer)
         else:
             self._apply_at_once(optimizer, scaler, synchronized)
-        if synchronized or hasattr(optimizer, "landed"):
+        if hasattr(optimizer, "_synchronized"):  # Horovod's optimizers (ZeRO's has none)
             # This step's gradients are spent, stepped or skipped: the next step's are new, to be
             # reduced (a skipped step, GradScaler's or on_nonfinite's, calls no step() to clear it;
             # landed()'s last synchronize sets it after the buckets' steps).

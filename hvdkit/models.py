@@ -138,6 +138,8 @@ class TinyGPT(nn.Module):
             for index in group["params"]:
                 old = old_names[index]
                 for new, part in _split_names(old):
+                    if new not in new_index:  # a tied output given an untied checkpoint's head
+                        raise ConfigError(f"checkpoint: its {old} has no place in this model's parameters")
                     params.append(new_index[new])
                     if index in optimizer_state["state"]:
                         # each its own tensor: Adam counts a parameter's steps in place, in its "step"

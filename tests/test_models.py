@@ -86,6 +86,11 @@ def test_a_packed_checkpoints_adam_state_resumes_as_the_same_training():
         torch.testing.assert_close(value, packed.state_dict()[name], rtol=0, atol=1e-12, msg=name)
     assert gpt.upgrade_checkpoint(model_state, optimizer_state) == (model_state, optimizer_state), \
         "a checkpoint of this layout is left as it is"
+    from hvdkit.models import TinyGPT
+
+    tied = TinyGPT(32, 8, width=16, layers=2, heads=4, tie_output=True)
+    with pytest.raises(ConfigError, match="^checkpoint: its head.weight has no place in this model's parameters$"):
+        tied.upgrade_checkpoint(*saved)
 
 
 def test_each_block_of_the_gpt_starts_with_its_own_weights_and_the_output_may_be_tied():

@@ -59,7 +59,10 @@ class TrainConfig:
     use_adasum: bool = field(default=False, metadata={"help": "Adasum instead of averaging"})
     gradient_predivide_factor: float = field(default=1.0, metadata={"help": "divide gradients before the sum"})
     zero: int = field(default=0, metadata={
-        "help": "shard across ranks: 1 the optimizer state, 2 also the gradients (ZeRO); 0 off"})
+        "help": "shard across ranks: 1 the optimizer state, 2 also the gradients, 3 also the weights (ZeRO); 0 off"})
+    zero_groups: list = field(default_factory=list, metadata={
+        "help": "zero 3: the modules whose weights are gathered together (fnmatch patterns of their names, as "
+                "blocks.*); by default each block of the model's ModuleLists and Sequentials", "item": str})
     amp: bool = field(default=False, metadata={"help": "mixed precision: bf16 on CPU, fp16 + GradScaler on GPU"})
     clip_grad_norm: Optional[float] = field(default=None, metadata={"help": "clip gradients to this total norm"})
     elementwise_optimizer: bool = field(default=False, metadata={
@@ -139,7 +142,7 @@ RESUME_MAY_CHANGE = ("epochs", "max_steps", "data_dir", "num_workers", "log_inte
                      "sharded_checkpoint", "snapshot_steps", "stall_timeout", "max_requeues", "resume", "compile",
                      "fused_optimizer", "channels_last", "cudnn_benchmark", "tf32",
                      "commit_steps", "on_nonfinite", "elementwise_optimizer", "skip_bad_samples",
-                     "check_consistency_steps", "straggler_threshold")
+                     "check_consistency_steps", "straggler_threshold", "zero_groups")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -199,8 +202,16 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for name, choices in (("lr_scaling", LR_SCALINGS), ("optimizer", OPTIMIZERS), ("on_nonfinite", NONFINITE_ACTIONS)):
         if getattr(cfg, name) not in choices:
             raise ConfigError(f"config: {name} must be one of {', '.join(choices)} (got {getattr(cfg, name)!r})")
-    if cfg.zero not in (0, 1, 2):
-        raise ConfigError(f"config: zero must be 0, 1 or 2 (got {cfg.zero})")
+    if cfg.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"config: zero must be 0, 1, 2 or 3 (got {cfg.zero})")
+    if cfg.zero_groups and cfg.zero != 3:
+        raise ConfigError("config: zero_groups names the groups of zero 3's sharded weights; set zero 3, or drop it")
+    if cfg.zero == 3 and cfg.compile:
+        raise ConfigError("config: zero 3 is not yet for compile: its gathers hook each group's forward, "
+                          "which torch.compile would trace; drop one")
+    if cfg.zero == 3 and cfg.snapshot_steps:
+        raise ConfigError("config: snapshot_steps is not yet for zero 3 (its snapshots of sharded weights are to "
+                          "come); take checkpoints (checkpoint_steps), or use zero 2")
     if cfg.zero and cfg.use_adasum:
         raise ConfigError("config: zero cannot be used with use_adasum: Adasum combines each rank's update of whole "
                           "parameters, and a sharded optimizer updates slices; use one or the other")
@@ -324,7 +335,8 @@ GROUPS = {
     "optimization": ("epochs", "max_steps", "optimizer", "base_lr", "lr_scaling", "momentum", "weight_decay",
                      "warmup_epochs", "lr_schedule", "lr_decay_epochs", "lr_decay_factor", "clip_grad_norm", "amp",
                      "on_nonfinite", "elementwise_optimizer"),
-    "distributed": ("batches_per_allreduce", "zero", "fp16_allreduce", "use_adasum", "gradient_predivide_factor",
+    "distributed": ("batches_per_allreduce", "zero", "zero_groups", "fp16_allreduce", "use_adasum",
+                    "gradient_predivide_factor",
                     "stall_timeout", "elastic", "commit_steps"),
     "checkpoints": ("checkpoint_dir", "checkpoint_steps", "keep_checkpoints", "async_checkpoint",
                     "sharded_checkpoint", "snapshot_steps", "resume", "max_requeues"),

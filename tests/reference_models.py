@@ -11,6 +11,7 @@ weights and of tensor and pipeline parallelism:
 """
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -68,8 +69,10 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, vocab: int, seq_len: int, width: int, layers: int, heads: int) -> None:
+    def __init__(self, vocab: int, seq_len: int, width: int, layers: int, heads: int,
+                 checkpointed: bool = False) -> None:
         super().__init__()
+        self.checkpointed = checkpointed  # each layer's activations recomputed in the backward (HF's)
         self.embed_tokens, self.embed_positions = nn.Embedding(vocab, width), nn.Embedding(seq_len, width)
         self.layers = nn.ModuleList(DecoderLayer(width, heads) for _ in range(layers))
         self.norm = nn.RMSNorm(width)
@@ -77,16 +80,17 @@ class Decoder(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(tokens) + self.embed_positions(torch.arange(tokens.shape[1], device=tokens.device))
         for layer in self.layers:
-            x = layer(x)
+            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) if self.checkpointed else layer(x)
         return self.norm(x)
 
 
 class CausalLM(nn.Module):
     """(B, T) token ids in, (B, T, vocab) logits out; the output projection is the embedding."""
 
-    def __init__(self, vocab: int = 64, seq_len: int = 16, width: int = 32, layers: int = 2, heads: int = 4) -> None:
+    def __init__(self, vocab: int = 64, seq_len: int = 16, width: int = 32, layers: int = 2, heads: int = 4,
+                 checkpointed: bool = False) -> None:
         super().__init__()
-        self.model = Decoder(vocab, seq_len, width, layers, heads)
+        self.model = Decoder(vocab, seq_len, width, layers, heads, checkpointed)
         self.lm_head = nn.Linear(width, vocab, bias=False)
         self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -143,12 +143,13 @@ def _end_above(cap: int, device) -> None:
 def _held(model, optimizer, zero) -> dict:
     """This rank's bytes after a step, counted from the tensors, and its peak resident memory."""
     from hvdkit.rank.memory import memory_of, peak_rss
+    from hvdkit.zero.held import held_bytes
 
     if isinstance(optimizer, zero.ShardedOptimizer):
         return memory_of(optimizer)
     local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer steps its shard with this
     params = list(model.parameters())
-    return {**zero.held_bytes(params, params, local.state.values()), "peak_rss": peak_rss()}
+    return {**held_bytes(params, params, local.state.values()), "peak_rss": peak_rss()}
 
 
 def _torch_gather(value):

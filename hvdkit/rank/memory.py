@@ -22,7 +22,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from hvdkit.zero.optimizer import ShardedOptimizer, held_bytes
+from hvdkit.zero.held import held_bytes
+from hvdkit.zero.optimizer import ShardedOptimizer
 
 CLEAR_REFS = "/proc/self/clear_refs"
 

@@ -45,6 +45,7 @@ from torch import nn
 
 from hvdkit.config import ConfigError
 from hvdkit.zero.elementwise import ELEMENTWISE, elementwise
+from hvdkit.zero.held import held_bytes
 from hvdkit.zero.layout import BUCKET_BYTES, Bucket, layout
 
 STAGE2_IN_FLIGHT = 2  # stage 2: buckets' reduce-scatters in flight at once, each holding a flat gradient
@@ -110,15 +111,10 @@ class ShardedOptimizer:
         self.predivide = gradient_predivide_factor
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.group_sizes = [len(group["params"]) for group in optimizer.param_groups]  # frozen ones too
-        self.buckets = layout(optimizer.param_groups, bucket_bytes)
+        self.buckets = self._layout(bucket_bytes)
         device = self.params[0].device if self.params else torch.device("cpu")
         self.in_flight = collectives_in_flight(device) if in_flight is None else in_flight
-        # Each bucket's weights live in one flat vector from the start, and this rank's slice of
-        # it is what the optimizer steps: the weights are never held twice, not even at step 1.
-        self._whole = [self._flatten_weights(n) for n in range(len(self.buckets))]
-        self.slices = [whole.new_empty(0) for whole in self._whole]
-        for n, piece in enumerate(self.slices):
-            self._alias(piece, self._whole[n])
+        self._whole, self.slices = self._hold_weights()
         for g, group in enumerate(optimizer.param_groups):
             group["params"] = [s for s, b in zip(self.slices, self.buckets, strict=True) if b.group == g]
         self._shard_state(dict(optimizer.state))  # state you loaded before setup(): this rank keeps its slices'
@@ -137,7 +133,25 @@ class ShardedOptimizer:
         self._spare: list[torch.Tensor] = []  # stage 2: flat gradients sent and received, for the next buckets
         self._received: list[Optional[torch.Tensor]] = [None] * len(self.buckets)  # stage 2: where slices land
         self._attach_gradients()
-        self._hooks = [self.params[i].register_post_accumulate_grad_hook(self._hook(i)) for i in self._bucket_of]
+        self._hooks = self._gradient_hooks()
+
+    def _layout(self, bucket_bytes: int) -> list[Bucket]:
+        """The buckets of the trained parameters (hvdkit.zero.layout)."""
+        return layout(self.inner.param_groups, bucket_bytes)
+
+    def _hold_weights(self) -> tuple[list, list[torch.Tensor]]:
+        """(each bucket's whole flat weights, this rank's slices of them): each bucket's weights
+        live in one flat vector from the start, and this rank's slice of it is what the optimizer
+        steps, so the weights are never held twice, not even at step 1."""
+        whole = [self._flatten_weights(n) for n in range(len(self.buckets))]
+        slices = [flat.new_empty(0) for flat in whole]
+        for piece, flat in zip(slices, whole, strict=True):
+            self._alias(piece, flat)
+        return whole, slices
+
+    def _gradient_hooks(self) -> list:
+        """A hook on each trained parameter that counts its gradient in, sending its bucket once full."""
+        return [self.params[i].register_post_accumulate_grad_hook(self._hook(i)) for i in self._bucket_of]
 
     def _new_flat(self, bucket: Bucket) -> torch.Tensor:
         """A zeroed flat vector of ``bucket``, padded to a multiple of the world size."""
@@ -261,8 +275,9 @@ class ShardedOptimizer:
                 flat[lo:hi].copy_(grad.reshape(-1))
         return flat
 
-    def _send(self, n: int) -> None:
-        """Reduce-scatter bucket ``n``; stage 2 then lets go of its parameters' gradients.
+    def _send(self, n: int, flat: Optional[torch.Tensor] = None) -> None:
+        """Reduce-scatter bucket ``n`` (its gradients, or the ``flat`` one stage 3's gather hands
+        over); stage 2 then lets go of its parameters' gradients.
 
         In flight (GPUs, ``in_flight``): stage 1 sends each bucket as its gradients are ready and
         waits for them all once, before the step: on a GPU every wait in the middle of backward is
@@ -277,10 +292,10 @@ class ShardedOptimizer:
         if not self.in_flight:
             for m in list(self._handles):
                 self._receive(m)
-        elif self.stage == 2:
+        elif self.stage >= 2:  # stage 3 too: each in flight holds a gradient
             while len(self._handles) >= STAGE2_IN_FLIGHT:
                 self._receive(min(self._handles, key=lambda m: self._handles[m][3]))
-        flat = self._flat_gradient(n)
+        flat = self._flat_gradient(n) if flat is None else flat
         compressed, context = self.compression.compress(flat)
         op, scales = self.hvd.Average, (1.0, 1.0)
         if self.predivide != 1.0:  # as Horovod's gradient_predivide_factor: divide before the sum, the rest after
@@ -288,7 +303,7 @@ class ShardedOptimizer:
         handle = self.hvd.mpi_ops._reducescatter_async(compressed, self._output(n, compressed), f"hvdkit.zero.{n}", op,
                                                        self.hvd.global_process_set, *scales)
         self._sends += 1
-        self._handles[n] = (handle, context, flat if self.stage == 2 else None, self._sends)
+        self._handles[n] = (handle, context, flat if self.stage >= 2 else None, self._sends)
         self._sent.add(n)
         self._ready[n].clear()
         if self.stage == 2:  # Horovod holds the flat gradient until it is received
@@ -320,7 +335,7 @@ class ShardedOptimizer:
     def _receive(self, n: int, out: Optional[torch.Tensor] = None) -> None:
         handle, context, sent, _ = self._handles.pop(n)
         part = self.compression.decompress(self.hvd.synchronize(handle) if out is None else out, context)
-        if sent is not None:  # stage 2: the flat gradient's buffer is free again
+        if sent is not None and self.stage == 2:  # the flat gradient's buffer is free again
             self._spare.append(sent if sent._base is None else sent._base)
         if self.stage == 1:  # in this rank's block of the flat gradient, where it landed unless compressed
             own = self._own_part(self._flat[n])
@@ -468,23 +483,3 @@ class ShardedOptimizer:
         """Bytes this rank holds, measured from the tensors: weights, gradients, optimizer state."""
         return held_bytes(self.params, [*self.params, *self.slices], self.inner.state.values())
 
-
-def _nbytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one flat vector count once)."""
-    storages = {}
-    for t in tensors:
-        if torch.is_tensor(t) and t.is_sparse:  # an embedding's sparse=True gradient: its indices and values
-            parts = (t._indices(), t._values())
-            storages.update((part.untyped_storage().data_ptr(), part.untyped_storage().nbytes())
-                            for part in parts)
-        elif torch.is_tensor(t):
-            storage = t.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
-
-
-def held_bytes(params, grad_holders, states) -> dict:
-    """Bytes of ``params``, of the gradients the ``grad_holders`` hold, and of the optimizer
-    ``states`` (per-parameter dicts), counted from the tensors' storages."""
-    return {"params": _nbytes(params), "grads": _nbytes(p.grad for p in grad_holders),
-            "optimizer_state": _nbytes(v for state in states for v in state.values())}

@@ -78,8 +78,9 @@ def main() -> None:
         for xs, ys in session.micro_batches((x[mine], y[mine])):
             session.backward(F.cross_entropy(net(xs), ys))
         session.step()
+    weights = optimizer.model_state_dict() if cfg.zero == 3 else net.state_dict()  # zero 3: every rank gathers
     if session.rank == 0:
-        torch.save(net.state_dict(), args.out)
+        torch.save(weights, args.out)
     session.finish()
 
 

@@ -126,8 +126,27 @@ def test_sharded_checkpoint_resumes_at_other_world_sizes_as_its_export(tmp_path)
     adamw.load_state_dict(plain)
     assert sorted(adamw.state_dict()["state"]) == [2, 3, 4, 5], "the frozen layer has no state"
 
-    _resumes_at_1_and_3_as_its_export(tmp_path, saved, exported, main, keys, ((1, None, dict(zero=2), 6),
-                                                                              (3, "horovodrun --mpi", dict(zero=1), 2)))
+    resumes = ((1, None, dict(zero=2), 6), (3, "horovodrun --mpi", dict(zero=1), 2),
+               (3, "horovodrun --gloo", dict(zero=3), 2))
+    _resumes_at_1_and_3_as_its_export(tmp_path, saved, exported, main, keys, resumes)
+
+
+def test_a_stage_3_checkpoint_resumes_at_other_world_sizes_and_stages_as_its_export(tmp_path):
+    """Stage 3 saved at np=2 (K=3): the main file holds the whole weights, each rank's part its slices'
+    AdamW state; resumed at np=1 at stage 3 (K 6) and np=3 at stage 2 (K 2), each as plain torch
+    continuing from its export."""
+    saved = tmp_path / "saved"
+    keys = dict(batch_size=2, batches_per_allreduce=3, checkpoint_steps=5)
+    _ok(_run([sys.executable, SCRIPT, "10", str(tmp_path / "np2.pt")], np=2, how="horovodrun --mpi",
+             env=_env(zero=3, checkpoint_dir=saved, log_dir=tmp_path / "log2", **keys)))
+    newest = checkpoint.existing(str(saved))[-1]
+    main = checkpoint.load(newest)
+    assert main["optimizer"]["zero"] == 3 and main["model"]["4.weight"].shape == (4, 32), "the weights whole"
+    torch.testing.assert_close(main["model"]["4.weight"], torch.load(tmp_path / "np2.pt")["4.weight"])
+    exported = tmp_path / "export"
+    _ok(run([sys.executable, "-m", "hvdkit", "checkpoint", "export", str(saved), str(exported)]))
+    _resumes_at_1_and_3_as_its_export(tmp_path, saved, exported, main, keys, ((1, None, dict(zero=3), 6),
+                                                                              (3, "horovodrun --mpi", dict(zero=2), 2)))
 
 
 def test_a_sharded_distributed_optimizer_checkpoint_resumes_at_other_world_sizes_as_its_export(tmp_path):
@@ -156,11 +175,11 @@ def _resumes_at_1_and_3_as_its_export(tmp_path, saved, exported, main, keys, siz
     _ok(_run([sys.executable, SCRIPT, "16", str(tmp_path / "plain.pt"), "--export", str(exported)], np=1,
              how=None, env=_env(log_dir=tmp_path / "logp", batch_size=2, batches_per_allreduce=6)))
     unsharded = torch.load(tmp_path / "plain.pt")
-    for np, how, more, k in sizes:
-        resumed = tmp_path / f"resumed{np}"
+    for index, (np, how, more, k) in enumerate(sizes):
+        resumed = tmp_path / f"resumed{index}"
         shutil.copytree(saved, resumed)
         proc = _ok(_run([sys.executable, SCRIPT, "16", str(tmp_path / f"r{np}.pt")], np=np, how=how,
-                        env=_env(checkpoint_dir=resumed, log_dir=tmp_path / f"logr{np}", **{**keys, **more})))
+                        env=_env(checkpoint_dir=resumed, log_dir=tmp_path / f"logr{index}", **{**keys, **more})))
         assert f"batches_per_allreduce 3 -> {k} keeps the global batch of 12 samples" in proc.stderr
         assert "resumed from" in proc.stderr and "step 10" in proc.stderr
         sharded = torch.load(tmp_path / f"r{np}.pt")
@@ -258,7 +277,9 @@ def test_sparse_gradients_are_refused_in_one_line():
 @pytest.mark.parametrize("flags, words", [
     (["--zero", "1", "--use-adasum"], "zero cannot be used with use_adasum"),
     (["--zero", "2", "--elastic"], "zero cannot be used with elastic"),
-    (["--zero", "3"], "zero must be 0, 1 or 2"),
+    (["--zero", "4"], "zero must be 0, 1, 2 or 3"),
+    (["--zero", "3", "--compile"], "zero 3 is not yet for compile"),
+    (["--zero-groups", "blocks.*"], "zero_groups names the groups of zero 3's sharded weights"),
 ])
 def test_impossible_combinations_stop_before_training_and_write_nothing(tmp_path, flags, words):
     proc = run([sys.executable, "-m", "hvdkit", "train", "--checkpoint-dir", str(tmp_path / "ckpt"),
@@ -266,6 +287,15 @@ def test_impossible_combinations_stop_before_training_and_write_nothing(tmp_path
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and words in proc.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_zero_groups_that_name_no_module_are_refused_in_one_line_before_a_step(tmp_path):
+    proc = run([sys.executable, "-m", "hvdkit", "train", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                "--log-dir", str(tmp_path / "logs"), "--zero", "3", "--zero-groups", "blocks.*"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
+    assert "zero: no module of Sequential is named as zero_groups says (blocks.*)" in proc.stderr
+    assert not checkpoint.existing(str(tmp_path / "ckpt"))
 
 
 def test_a_refused_optimizer_in_a_session_loop_ends_every_rank_with_its_line(tmp_path):

@@ -58,7 +58,8 @@ class RunCheckpoints:
         """setup()'s state: the newest valid checkpoint, else rank 0's initial weights. A fresh
         optimizer's state is empty, so only parameters are broadcast: Horovod's
         broadcast_optimizer_state would take a zero-gradient step to create state, which with
-        AdamW's weight decay moves the weights. Elastic: read here, applied by load_elastic."""
+        AdamW's weight decay moves the weights. Elastic: read here, applied by load_elastic.
+        Zero 3: with the weights final on every rank, each keeps its slices of them (shard_model)."""
         if self.cfg.snapshot_steps and not self.snapshots:
             raise ConfigError("snapshot_steps: snapshots are kept for the restarts of hvdkit launch --max-restarts N "
                               "(which names where each host keeps them); run under it, or drop snapshot_steps")
@@ -72,6 +73,8 @@ class RunCheckpoints:
             self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         else:
             self.loaders.resumed_batches = state.get("loader_batches")
+        if self.cfg.zero == 3:
+            self.state.optimizer.shard_model()
 
     def restore(self) -> Optional[dict]:
         """Load the newest valid checkpoint on every rank (read by rank 0, or by the rank whose host
@@ -228,7 +231,7 @@ class RunCheckpoints:
         module = self.module()
         shared = self._changed_by_step(module)
         state = {
-            "model": module.state_dict(),
+            "model": run.optimizer.model_state_dict(module) if cfg.zero == 3 else module.state_dict(),
             "optimizer": run.optimizer.state_dict() if optimizer_state is None else optimizer_state,
             "scheduler": run.scheduler.state_dict() if run.scheduler is not None else None,
             "scaler": run.scaler.state_dict() if run.scaler else None, "extra": run.extra, "trackers": run.trackers,

@@ -24,6 +24,7 @@ from torch import nn
 
 from hvdkit.config import TrainConfig
 from hvdkit.zero import optimizer as zero
+from hvdkit.zero import stage3
 
 # The first bucket is DDP's 1 MiB (_DEFAULT_FIRST_BUCKET_BYTES), so that the link starts with the
 # first gradients backward makes. The others: DDP's 25 MiB (bucket_cap_mb) on GPUs; 4 MiB on CPUs,
@@ -78,6 +79,9 @@ def distributed_optimizer(cfg: TrainConfig, hvd, optimizer: torch.optim.Optimize
     path = gradient_path(cfg, hvd.size())
     if path == "sharded":
         zero.check(optimizer, model, cfg.zero, cfg.elementwise_optimizer)
+        if cfg.zero == 3:
+            return stage3.WeightShardedOptimizer(optimizer, hvd, model, cfg.zero_groups, compression,
+                                                 cfg.batches_per_allreduce, cfg.gradient_predivide_factor)
         return zero.ShardedOptimizer(optimizer, hvd, cfg.zero, compression, cfg.batches_per_allreduce,
                                      cfg.gradient_predivide_factor)
     if path == "bucket views":

@@ -1,0 +1,193 @@
+"""ZeRO stage 3 in a real job, for tests/zero/test_stage3.py: every rank runs every check; rank 0 prints
+one line each, ``stage3: <check>: ok`` or ``stage3: <check>: FAIL <what>``, then ``stage3: done``.
+
+- ``<model> as stage 2``: the built-in GPT (tied output, dropout), resnet18 (BatchNorm's buffers) and the
+  Hugging-Face-shaped causal LM (activation checkpointing) trained 3 steps with K=2, clipping and bf16
+  autocast at stage 3 end with the weights and buffers of stage 2's run, and an evaluation forward after
+  gives stage 2's outputs.
+- ``<model> gathers let go``: no gathered vector is alive after a forward, nor after a step; at most three
+  (the model's own units, the one in use, the one gathered ahead) at any gather; every parameter holds
+  no elements between steps, and each rank's slices are its 1/N of the weights.
+- ``refusals``: ``model.state_dict()`` and a gradient hook on a parameter, each in one line.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import weakref
+from pathlib import Path
+
+import torch
+import torchvision
+from torch import nn
+
+import hvdkit
+from hvdkit.config import ConfigError
+from hvdkit.models import TinyGPT
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from reference_models import CausalLM  # noqa: E402  -- tests/reference_models.py
+
+STEPS, MICRO = 3, 2
+
+
+def gpt():
+    return TinyGPT(128, 16, width=32, layers=3, dropout=0.1, tie_output=True)
+
+
+def resnet():
+    return torchvision.models.resnet18(num_classes=10)
+
+
+def causal_lm():
+    return CausalLM(vocab=128, layers=3, checkpointed=True)
+
+
+MODELS = {"gpt": gpt, "resnet18": resnet, "hf-causal-lm": causal_lm}
+
+
+def batch(name: str, rank: int, step: int) -> tuple:
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    if name == "resnet18":
+        return torch.randn(2 * MICRO, 3, 32, 32, generator=generator), torch.randint(0, 10, (2 * MICRO,),
+                                                                                       generator=generator)
+    tokens = torch.randint(0, 128, (2 * MICRO, 17), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def loss_of(model, micro) -> torch.Tensor:
+    x, y = micro
+    logits = model(x)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+
+
+class Alive:
+    """Weak references to the vectors a Gathering makes: how many are alive at each gather.
+
+    Horovod's background thread lets go of a collective's tensors just after it says the collective
+    is done, and on busy cores that can be a while later: each count first waits for an allreduce
+    of its own, which that thread takes up only once it has let go of every collective before."""
+
+    def __init__(self, gathering) -> None:
+        self.vectors: dict[int, weakref.ref] = {}  # by identity: a vector gathered ahead is started once
+        self.most = 0
+        start, ask = gathering._start, gathering.ask
+
+        def counted_start(n):
+            start(n)
+            if n in gathering._pending:
+                vector = gathering._pending[n][1]
+                self.vectors[id(vector)] = weakref.ref(vector)
+            self.most = max(self.most, self.count())
+
+        def counted_ask(n):
+            vector = ask(n)
+            self.most = max(self.most, self.count())
+            return vector
+
+        gathering._start, gathering.ask = counted_start, counted_ask
+
+    def count(self) -> int:
+        import horovod.torch as hvd
+
+        hvd.allreduce(torch.zeros(1), name="stage3.alive")
+        return sum(ref() is not None for ref in self.vectors.values())
+
+
+def train(name: str, zero: int, log_dir: str) -> tuple[dict, torch.Tensor, list[str]]:
+    """(weights and buffers, an evaluation's outputs, what failed of the gathers' checks)."""
+    session = hvdkit.Session(seed=0, batch_size=2, batches_per_allreduce=MICRO, clip_grad_norm=1.0, amp=True,
+                             zero=zero, logger="none", log_dir=log_dir)
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    model, optimizer = session.setup(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    failed, alive = [], None
+    if zero == 3:
+        alive = Alive(optimizer.gathering)
+        whole = sum(b.length for b in optimizer.buckets)
+        held = sum(s.numel() for s in optimizer.slices)
+        if not whole / session.size <= held < whole / session.size + len(optimizer.buckets):
+            failed.append(f"slices hold {held} of {whole} elements at {session.size} ranks")
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        for micro in session.micro_batches(batch(name, session.rank, step)):
+            with session.autocast():
+                loss = loss_of(model, micro)
+            left = alive.count() if alive is not None else 0  # every rank counts: each count is a collective
+            if left:
+                failed.append(f"step {step}: {left} gathered vectors alive after the forward")
+            session.backward(loss)
+        session.step()
+        if alive is not None:
+            left = alive.count()
+            if left:
+                failed.append(f"step {step}: {left} gathered vectors alive after the step")
+            full = [n for n, p in model.named_parameters() if p.requires_grad and p.numel()]
+            if full:
+                failed.append(f"step {step}: {full[0]} holds its elements between steps")
+    if alive is not None and alive.most > 3:
+        failed.append(f"{alive.most} gathered vectors alive at once (at most 3)")
+    model.eval()
+    with torch.no_grad():
+        outputs = model(batch(name, session.rank, STEPS)[0])
+    state = optimizer.model_state_dict() if zero == 3 else {k: v.clone() for k, v in model.state_dict().items()}
+    left = alive.count() if alive is not None else 0
+    if left:
+        failed.append(f"{left} gathered vectors alive after the evaluation")
+    session.finish()
+    return state, outputs, failed
+
+
+def refusals(log_dir: str) -> list[str]:
+    failed = []
+    session = hvdkit.Session(zero=3, logger="none", log_dir=log_dir)
+    model = gpt()
+    model, optimizer = session.setup(model, torch.optim.AdamW(model.parameters()))
+    try:
+        model.state_dict()
+        failed.append("model.state_dict() was not refused")
+    except ConfigError as error:
+        if "\n" in str(error) or "session.save() writes them whole" not in str(error):
+            failed.append(f"model.state_dict(): {error}")
+    session.finish()
+    session = hvdkit.Session(zero=3, logger="none", log_dir=log_dir + "-hook")
+    model = gpt()
+    model.head.weight.register_hook(lambda grad: grad * 2)
+    try:
+        session.setup(model, torch.optim.AdamW(model.parameters()))
+        failed.append("a gradient hook was not refused")
+    except ConfigError as error:
+        if "tokens.weight has a gradient hook" not in str(error):
+            failed.append(f"a gradient hook: {error}")
+    session.finish()
+    return failed
+
+
+def main() -> int:
+    import horovod.torch as hvd
+
+    with tempfile.TemporaryDirectory(prefix="hvdkit-stage3-") as scratch:
+        checks = {}
+        for name in MODELS:
+            ours, our_outputs, failed = train(name, 3, f"{scratch}/{name}-3")
+            theirs, their_outputs, _ = train(name, 2, f"{scratch}/{name}-2")
+            differ = [key for key in theirs if not torch.allclose(ours[key].double(), theirs[key].double(),
+                                                                  rtol=1e-5, atol=1e-6)]
+            if not torch.allclose(our_outputs.double(), their_outputs.double(), rtol=1e-4, atol=1e-5):
+                differ.append("the evaluation's outputs")
+            checks[f"{name} as stage 2"] = [f"differ: {', '.join(differ[:3])}"] if differ else []
+            checks[f"{name} gathers let go"] = failed
+        checks["refusals"] = refusals(f"{scratch}/refusals")
+        for check, failed in checks.items():
+            everyone = hvd.allgather_object(failed, name=f"stage3.{check}")
+            problems = [f"rank {rank}: {'; '.join(lines[:2])}" for rank, lines in enumerate(everyone) if lines]
+            if hvd.rank() == 0:
+                print(f"stage3: {check}: {'ok' if not problems else 'FAIL ' + ' | '.join(problems[:2])}", flush=True)
+        if hvd.rank() == 0:
+            print("stage3: done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -86,6 +86,16 @@ def _zero_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="rounds over the implementations (default 3)")
     p.add_argument("-np", "--np", dest="np", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--impl", choices=ZERO_IMPLS, help=argparse.SUPPRESS)
+    p.add_argument("--impls", type=_zero_impls, default=ZERO_IMPLS,
+                   help=f"the loops to run, comma-separated (default all: {','.join(ZERO_IMPLS)})")
+
+
+def _zero_impls(text: str) -> tuple:
+    chosen = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in chosen if name not in ZERO_IMPLS]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(ZERO_IMPLS)}, got {text!r}")
+    return chosen
 
 
 def _count(text: str) -> int:

@@ -114,7 +114,7 @@ def ratio_summary(record: dict, large: int = 16 << 20) -> dict:
 
 # --- hvdkit bench zero ----------------------------------------------------------------------
 
-ZERO_IMPLS = ("zero1", "zero2", "horovod", "torch-zero")
+ZERO_IMPLS = ("zero1", "zero2", "zero3", "horovod", "torch-zero", "fsdp2")
 LADDER_WIDTHS = (512, 640, 768, 896, 1024, 1152, 1280, 1536)
 LADDER_STEP = 1.03  # neighbouring models of the ladder differ by at least 3% of parameters
 BASELINE_RSS = 1100 * 2**20  # a rank's resident memory before its model: torch, Horovod, MPI (none on a GPU)
@@ -130,10 +130,12 @@ def gpt(width: int, layers: int, seq_len: int):
 def peak_saving(table: dict, size: int) -> dict:
     """Each stage's peak below DistributedOptimizer's, beside what DeepSpeed's formula says
     sharding saves for fp32 Adam (16 bytes a parameter unsharded): 8(1 - 1/N) bytes a parameter
-    at stage 1, 12(1 - 1/N) at stage 2."""
+    at stage 1, 12(1 - 1/N) at stage 2, 16(1 - 1/N) at stage 3."""
     parameters = table["horovod"]["params"] / 4
     rows = {}
-    for impl, per_parameter in (("zero1", 8), ("zero2", 12)):
+    for impl, per_parameter in (("zero1", 8), ("zero2", 12), ("zero3", 16)):
+        if impl not in table:
+            continue
         measured = table["horovod"]["peak"] - table[impl]["peak"]
         formula = per_parameter * (1 - 1 / size) * parameters
         rows[impl] = {"measured": measured, "formula": formula, "ratio": measured / formula if formula else None}
@@ -143,10 +145,10 @@ def peak_saving(table: dict, size: int) -> dict:
 def ladder(cap: int, size: int, seq_len: int) -> list[tuple[int, int, int]]:
     """(parameters, width, layers) of GPTs in increasing size, neighbours at least LADDER_STEP
     apart, up to the largest that the formula lets any loop fit in ``cap`` (stage 2's 4 + 12/N
-    bytes a parameter)."""
+    bytes a parameter, or stage 3's 16/N where fewer)."""
     import torch
 
-    most = cap / (4 + 12 / size)
+    most = cap / min(4 + 12 / size, 16 / size)
     found = []
     for width in LADDER_WIDTHS:
         for layers in range(1, 97):
@@ -186,4 +188,5 @@ def largest(fits, count: int, first: int) -> int:
 # Bytes a parameter each loop needed with fp32 Adam at the peak, measured at np=2 (weights,
 # gradients, state, the optimizer's temporaries): where the search for each starts, nothing more.
 def zero_guess(impl: str, size: int) -> float:
-    return {"horovod": 17.5, "torch-zero": 12 + 8 / size, "zero1": 8 + 10 / size, "zero2": 4 + 13 / size}[impl]
+    return {"horovod": 17.5, "torch-zero": 12 + 8 / size, "zero1": 8 + 10 / size, "zero2": 4 + 13 / size,
+            "zero3": 17 / size, "fsdp2": 17 / size}[impl]

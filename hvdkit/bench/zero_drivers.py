@@ -14,7 +14,6 @@ from hvdkit import env
 from hvdkit.bench.drivers import launch_command, out_dir, run_launch
 from hvdkit.bench.figures import (
     BASELINE_RSS,
-    ZERO_IMPLS,
     BenchError,
     ladder,
     largest,
@@ -47,52 +46,59 @@ def zero(args: argparse.Namespace) -> int:
 
 def zero_compare(args: argparse.Namespace) -> int:
     """Every implementation in each round, order alternating; medians of per-round ratios."""
-    runs: dict[str, list[dict]] = {impl: [] for impl in ZERO_IMPLS}
+    impls = args.impls
+    runs: dict[str, list[dict]] = {impl: [] for impl in impls}
     for round_index in range(args.repeats):
-        for impl in ZERO_IMPLS if round_index % 2 == 0 else ZERO_IMPLS[::-1]:
+        for impl in impls if round_index % 2 == 0 else impls[::-1]:
             print(f"== {impl}: np={args.np}, {_zero_model_name(args)}, batch {args.batch_size} "
                   f"(round {round_index + 1} of {args.repeats})", flush=True)
             command = launch_command(args, args.np, _zero_worker_args(args, impl))
             runs[impl].append(run_launch(command, "bench.zero", impl, args.timeout))
-    ratios = {f"{a}/{b}": statistics.median(x["samples_per_sec"] / y["samples_per_sec"]
-                                            for x, y in zip(runs[a], runs[b], strict=True))
-              for a in ("zero1", "zero2") for b in ("horovod", "torch-zero")}
+    per_round = {f"{a}/{b}": [x["samples_per_sec"] / y["samples_per_sec"]
+                              for x, y in zip(runs[a], runs[b], strict=True)]
+                 for a, b in RATIOS if a in runs and b in runs}
+    ratios = {name: statistics.median(values) for name, values in per_round.items()}
     # Bytes held: the largest rank's, the same every round. Peaks: the largest rank's, median over
     # the rounds, as a rank's peak moves by tens of MB from run to run with the allocator's luck.
     table = {impl: {"samples_per_sec": statistics.median(r["samples_per_sec"] for r in results),
                     **{key: max(rank[key] for rank in results[-1]["ranks"])
                        for key in ("params", "grads", "optimizer_state")},
-                    "peak": statistics.median(max(rank["peak"] for rank in r["ranks"]) for r in results)}
+                    "peak": statistics.median(max(rank["peak"] for rank in r["ranks"]) for r in results),
+                    "cpu_ms_per_step": statistics.median(1000 * r["ranks"][0]["cpu_per_step"] for r in results),
+                    "baseline": max(rank["baseline"] for rank in results[-1]["ranks"])}
              for impl, results in runs.items()}
     for impl, results in runs.items():
         table[impl]["phases"] = {phase: statistics.median(max(rank["phases"][phase] for rank in r["ranks"])
                                                           for r in results)
                                  for phase in results[-1]["ranks"][0]["phases"] if phase != "unit"}
-    whole = table["horovod"]["optimizer_state"]
-    peak_name = _peak_name(runs["horovod"][-1])
-    print(f"\n{'implementation':<12} {'samples/sec':>12} {'optimizer MB':>13} {'x unsharded':>12} {'grads MB':>9} "
-          f"{'weights MB':>11} {'peak MB':>12}   (peak: {peak_name}; bytes: the largest rank; peaks: its median "
-          "over rounds)")
+    whole = max(row["optimizer_state"] for row in table.values()) if args.np > 1 else 0  # an unsharded loop's
+    peak_name = _peak_name(runs[impls[0]][-1])
+    print(f"\n{'implementation':<12} {'samples/sec':>12} {'cpu ms/step':>12} {'optimizer MB':>13} {'x unsharded':>12} "
+          f"{'grads MB':>9} {'weights MB':>11} {'peak MB':>12}   (peak: {peak_name}; bytes: the largest rank; peaks: "
+          "its median over rounds; cpu: rank 0's training thread)")
     for impl, row in table.items():
-        print(f"{impl:<12} {row['samples_per_sec']:>12.2f} {row['optimizer_state'] / 2**20:>13.1f} "
-              f"{row['optimizer_state'] / whole:>12.2f} {row['grads'] / 2**20:>9.1f} {row['params'] / 2**20:>11.1f} "
-              f"{row['peak'] / 2**20:>12.0f}")
-    phases = list(table["horovod"]["phases"])
+        print(f"{impl:<12} {row['samples_per_sec']:>12.2f} {row['cpu_ms_per_step']:>12.1f} "
+              f"{row['optimizer_state'] / 2**20:>13.1f} {row['optimizer_state'] / (whole or 1):>12.2f} "
+              f"{row['grads'] / 2**20:>9.1f} {row['params'] / 2**20:>11.1f} {row['peak'] / 2**20:>12.0f}")
+    phases = list(table[impls[0]]["phases"])
     print(f"\npeak MB ({peak_name}) per phase (the largest rank, median over rounds): {' | '.join(phases)}")
     for impl, row in table.items():
         print(f"{impl:<12} " + " ".join(f"{row['phases'][phase] / 2**20:>8.0f}" for phase in phases))
     print("\nthroughput, median of per-round ratios: "
           + ", ".join(f"{name} {value:.3f}" for name, value in ratios.items()))
-    saving = peak_saving(table, args.np)
-    print(f"peak ({peak_name}) below DistributedOptimizer's (medians), of what the formula saves: "
-          + ", ".join(f"{impl} {row['measured'] / 2**20:.0f} MB of {row['formula'] / 2**20:.0f} MB "
-                      + (f"({row['ratio']:.2f})" if row["ratio"] is not None else "(one rank shards nothing)")
-                      for impl, row in saving.items()))
+    for name, values in per_round.items():
+        print(f"  {name} by round: " + " ".join(f"{value:.3f}" for value in values))
+    saving = peak_saving(table, args.np) if "horovod" in table else {}
+    if saving:
+        print(f"peak ({peak_name}) below DistributedOptimizer's (medians), of what the formula saves: "
+              + ", ".join(f"{impl} {row['measured'] / 2**20:.0f} MB of {row['formula'] / 2**20:.0f} MB "
+                          + (f"({row['ratio']:.2f})" if row["ratio"] is not None else "(one rank shards nothing)")
+                          for impl, row in saving.items()))
     out = out_dir(args, "zero")
     record = {"event": "bench.zero.compare", "np": args.np, "model": args.model, "optimizer": args.optimizer,
-              "parameters": runs["horovod"][-1]["parameters"], "width": args.width, "layers": args.layers,
+              "parameters": runs[impls[0]][-1]["parameters"], "width": args.width, "layers": args.layers,
               "batch_size": args.batch_size, "seq_len": args.seq_len, "repeats": args.repeats, "table": table,
-              "peak_unit": peak_name, "ratios": ratios, "peak_saving": saving,
+              "peak_unit": peak_name, "ratios": ratios, "ratios_by_round": per_round, "peak_saving": saving,
               "runs": {impl: [r["samples_per_sec"] for r in rs] for impl, rs in runs.items()}}
     (out / "zero.json").write_text(json.dumps(record, indent=1) + "\n")
     plot_zero(table, out / "zero.png")
@@ -104,21 +110,23 @@ def zero_compare(args: argparse.Namespace) -> int:
 def zero_max_model(args: argparse.Namespace) -> int:
     """The largest GPT each loop trains under the memory cap, at -np ranks."""
     rungs = ladder(args.memory_cap, args.np, args.seq_len)
-    found = {impl: _zero_search(args, impl, rungs) for impl in ZERO_IMPLS}
-    whole = found["horovod"]["parameters"]
+    found = {impl: _zero_search(args, impl, rungs) for impl in args.impls}
+    base = "horovod" if "horovod" in found else args.impls[0]
+    whole = found[base]["parameters"]
     print(f"\nthe largest GPT under {args.memory_cap / 2**20:.0f} MB per rank, np={args.np}:")
-    print(f"{'implementation':<12} {'parameters':>11} {'x horovod':>10} {'width x layers':>15} {'peak MB':>12}")
+    print(f"{'implementation':<12} {'parameters':>11} {'x ' + base:>12} {'width x layers':>15} {'peak MB':>12}")
     for impl, row in found.items():
-        print(f"{impl:<12} {row['parameters'] / 1e6:>10.1f}M {row['parameters'] / whole:>10.2f} "
+        print(f"{impl:<12} {row['parameters'] / 1e6:>10.1f}M {row['parameters'] / whole:>12.2f} "
               f"{row['width']:>8} x {row['layers']:<4} {row['peak'] / 2**20:>12.0f}")
-    phases = list(found["horovod"]["phases"])
+    phases = list(found[base]["phases"])
     print(f"\npeak MB per phase of those models: {' | '.join(phases)}")
     for impl, row in found.items():
         print(f"{impl:<12} " + " ".join(f"{row['phases'][phase] / 2**20:>8.0f}" for phase in phases))
     out = out_dir(args, "zero")
     record = {"event": "bench.zero.max_model", "np": args.np, "memory_cap": args.memory_cap,
               "optimizer": args.optimizer, "seq_len": args.seq_len, "batch_size": args.batch_size,
-              "largest": found, "ratios": {impl: row["parameters"] / whole for impl, row in found.items()}}
+              "largest": found, "ratios_to": base,
+              "ratios": {impl: row["parameters"] / whole for impl, row in found.items()}}
     path = out / f"zero-max-model-np{args.np}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {path}")
@@ -164,6 +172,12 @@ def _zero_probe(args: argparse.Namespace, impl: str, width: int, layers: int) ->
     if record is None or max(r["peak"] for r in record["ranks"]) > args.memory_cap:  # a peak the watch missed
         return None
     return record
+
+
+# The throughput ratios the comparison prints, where both loops ran: each stage against Horovod's
+# and torch's unsharded or optimizer-sharded loops, stage 3 against FSDP2 and stage 2.
+RATIOS = (("zero1", "horovod"), ("zero1", "torch-zero"), ("zero2", "horovod"), ("zero2", "torch-zero"),
+          ("zero3", "fsdp2"), ("zero3", "zero2"), ("zero3", "horovod"))
 
 
 def _zero_worker_args(args: argparse.Namespace, impl: str) -> list[str]:

@@ -17,11 +17,14 @@ def zero_worker(args: argparse.Namespace) -> None:
     """One rank of one loop: warm up, time the steps, report rates and bytes on rank 0."""
     import horovod.torch as hvd
     import torch
+    import torch._dynamo  # noqa: F401  -- in the baseline: the sharded loops' imports bring it
 
-    from hvdkit.rank.memory import PhasePeaks
+    from hvdkit.rank.memory import PhasePeaks, peak_rss
     from hvdkit.rank.start.startup import place_process
     from hvdkit.zero import optimizer as zero
+    from hvdkit.zero.stage3 import WeightShardedOptimizer
 
+    baseline = peak_rss()  # this rank before its model: torch, Horovod, MPI
     launch = env.detect()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -32,24 +35,29 @@ def zero_worker(args: argparse.Namespace) -> None:
         _end_above(args.memory_cap, device)
     model, inputs, loss_of = _zero_model(args)
     model.to(device)
+    parameters = sum(p.numel() for p in model.parameters())  # before any sharding
     optimizer_class = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[args.optimizer]
-    if args.impl == "torch-zero":
+    if args.impl in ("torch-zero", "fsdp2"):
         import torch.distributed as dist
-        from torch.distributed.optim import ZeroRedundancyOptimizer
 
         place_process(launch.local_rank or 0, launch.local_size or 1)
         init_torch_distributed("nccl" if device.type == "cuda" else "gloo")
         rank, size = dist.get_rank(), dist.get_world_size()
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class, lr=1e-4)
+        optimizer = (_torch_zero if args.impl == "torch-zero" else _fsdp2)(model, optimizer_class, device)
+        model = getattr(optimizer, "hvdkit_model", model)
         gather = _torch_gather
     else:
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         inner = optimizer_class(model.parameters(), lr=1e-4)
-        optimizer = (hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
-                     if args.impl == "horovod" else zero.ShardedOptimizer(inner, hvd, int(args.impl[-1])))
+        if args.impl == "horovod":
+            optimizer = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
+        elif args.impl == "zero3":
+            optimizer = WeightShardedOptimizer(inner, hvd, model)
+            optimizer.shard_model()
+        else:
+            optimizer = zero.ShardedOptimizer(inner, hvd, int(args.impl[-1]))
         gather = hvd.allgather_object
     batch = [part.to(device) for part in inputs(torch.Generator().manual_seed(rank))]
 
@@ -67,9 +75,10 @@ def zero_worker(args: argparse.Namespace) -> None:
     try:
         for n in range(args.warmup):
             step("first step" if n == 0 else "steady")
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         for _ in range(args.steps):
             step("steady")
+        cpu = (time.thread_time() - cpu) / args.steps
     except torch.cuda.OutOfMemoryError:  # past --memory-cap on a GPU
         print(json.dumps({"event": "bench.zero.over", "cuda_allocated": torch.cuda.max_memory_allocated(device),
                           "cap": args.memory_cap}), flush=True)
@@ -79,10 +88,10 @@ def zero_worker(args: argparse.Namespace) -> None:
     held = {**_held(model, optimizer, zero), "phases": phases}
     # The peak the cap and the table speak of: resident memory on a CPU, the allocator's on a GPU.
     held["peak"] = held["peak_rss"] if device.type == "cpu" else max(v for k, v in phases.items() if k != "unit")
-    rows = gather({"samples_per_sec": rate, **held})
+    rows = gather({"samples_per_sec": rate, "cpu_per_step": cpu, "baseline": baseline, **held})
     if rank == 0:
         print(json.dumps({"event": "bench.zero", "impl": args.impl, "world_size": size, "model": args.model,
-                          "parameters": sum(p.numel() for p in model.parameters()),
+                          "parameters": parameters,
                           "samples_per_sec": sum(r["samples_per_sec"] for r in rows), "ranks": rows}), flush=True)
 
 
@@ -148,8 +157,41 @@ def _held(model, optimizer, zero) -> dict:
     if isinstance(optimizer, zero.ShardedOptimizer):
         return memory_of(optimizer)
     local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer steps its shard with this
-    params = list(model.parameters())
-    return {**held_bytes(params, params, local.state.values()), "peak_rss": peak_rss()}
+
+    def own(tensor):  # FSDP2's DTensors: this rank's shard
+        return getattr(tensor, "_local_tensor", tensor)
+
+    params = [own(p) for p in model.parameters()]
+    for param, mine in zip(model.parameters(), params, strict=True):
+        mine.grad = own(param.grad) if param.grad is not None else None
+    states = [{k: own(v) for k, v in state.items()} for state in local.state.values()]
+    return {**held_bytes(params, params, states), "peak_rss": peak_rss()}
+
+
+def _torch_zero(model, optimizer_class, device):
+    """torch's ZeroRedundancyOptimizer under DDP."""
+    import torch
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class, lr=1e-4)
+    optimizer.hvdkit_model = model
+    return optimizer
+
+
+def _fsdp2(model, optimizer_class, device):
+    """torch's FSDP2: ``fully_shard`` on each block and on the model, as torchtitan applies it,
+    over one mesh of every rank (Gloo on CPUs, NCCL on GPUs); the optimizer over its sharded
+    parameters."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for block in model.blocks if hasattr(model, "blocks") else ():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return optimizer_class(model.parameters(), lr=1e-4)
 
 
 def _torch_gather(value):

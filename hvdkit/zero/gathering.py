@@ -78,18 +78,19 @@ class _Saved:
 
 
 class _Gathered(torch.autograd.Function):
-    """The link from a unit's slice to its gathered vector: the forward returns the vector already
-    gathered, the backward hands the vector's whole gradient to ``Gathering.gradient`` (which
-    sends it to be reduce-scattered into the slice) and returns none to autograd."""
+    """The link from a unit's slice to its parameters' gathered weights: the forward returns each
+    parameter's view of the vector already gathered, the backward hands their gradients to
+    ``Gathering.gradient`` (which puts them in one flat vector, to be reduce-scattered into the
+    slice) and returns none to autograd."""
 
     @staticmethod
-    def forward(ctx, piece: torch.Tensor, gathering: "Gathering", n: int) -> torch.Tensor:
+    def forward(ctx, piece: torch.Tensor, gathering: "Gathering", n: int) -> tuple:
         ctx.gathering, ctx.unit = gathering, n
-        return gathering.vector(n).detach()
+        return gathering.views(n)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        ctx.gathering.gradient(ctx.unit, grad)
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.gathering.gradient(ctx.unit, grads)
         return None, None, None
 
 
@@ -113,6 +114,7 @@ class Gathering:
         self._forward_order: list[int] = [n for _, numbers in groups for n in numbers]
         self._saving: Optional[torch.autograd.graph.saved_tensors_hooks] = None
         self._hooks: list = []
+        self._pool = Pool()
 
     # -- the parameters ----------------------------------------------------------------------
     def attach(self) -> None:
@@ -154,17 +156,17 @@ class Gathering:
         """Unit ``n``'s parameters as views of its gathered vector, linked to its slice in autograd
         where a backward may follow."""
         unit = self.units[n]
-        vector = self.ask(n)
-        if torch.is_grad_enabled():
-            vector = _Gathered.apply(unit.piece, self, n)
-        sizes = [math.prod(place.shape) for place in unit.places]
-        ends = unit.places[-1].offset + sizes[-1]
-        pieces = vector[:ends].split_with_sizes(sizes) if _contiguous(unit) else [
-            vector[place.offset:place.offset + size] for place, size in zip(unit.places, sizes, strict=True)]
-        for place, piece in zip(unit.places, pieces, strict=True):
-            view = piece.view(place.shape)
+        self.ask(n)
+        views = _Gathered.apply(unit.piece, self, n) if torch.is_grad_enabled() else self.views(n)
+        for place, view in zip(unit.places, views, strict=True):
             for module, name in place.modules:
                 module._parameters[name] = view  # not setattr: a module takes only a Parameter there
+
+    def views(self, n: int) -> tuple:
+        """Each parameter of unit ``n`` as a view of its gathered vector."""
+        vector = self._ready[n]
+        return tuple(vector[place.offset:place.offset + math.prod(place.shape)].view(place.shape)
+                     for place in self.units[n].places)
 
     def _uninstall(self, n: int) -> None:
         for place in self.units[n].places:
@@ -182,7 +184,7 @@ class Gathering:
         from horovod.torch import mpi_ops
 
         unit = self.units[n]
-        vector = unit.piece.new_empty(unit.length)
+        vector = self._pool.take(unit.length, unit.piece)
         handle = mpi_ops._allgather_async(unit.piece.detach(), vector, f"hvdkit.zero.weights.{n}", self.process_set)
         self._pending[n] = (handle, vector)
 
@@ -201,9 +203,6 @@ class Gathering:
             self._start(ahead)
         return self._ready[n]
 
-    def vector(self, n: int) -> torch.Tensor:
-        return self._ready[n]
-
     def _release(self, n: int) -> None:
         vector = self._ready.pop(n, None)
         if vector is not None:
@@ -218,10 +217,22 @@ class Gathering:
         for n in list(self._ready):
             self._release(n)
 
-    def gradient(self, n: int, grad: torch.Tensor) -> None:
-        """Unit ``n``'s whole gradient of this backward: every use of its weights is behind."""
+    def pooled_bytes(self) -> int:
+        """Bytes of the gathered weights and gradient vectors kept for reuse (``Pool``)."""
+        return self._pool.nbytes()
+
+    def gradient(self, n: int, grads: tuple) -> None:
+        """Unit ``n``'s parameters' gradients of this backward (every use of its weights is
+        behind): let go of its weights, send the gradients as one flat vector."""
         self._release(n)
-        self.send(n, grad)
+        unit = self.units[n]
+        flat = self._pool.take(unit.length, unit.piece)
+        end = 0
+        for place, grad in zip(unit.places, grads, strict=True):
+            end = place.offset + math.prod(place.shape)
+            flat[place.offset:end].copy_(grad.reshape(-1))
+        flat[end:].zero_()  # the padding
+        self.send(n, flat)
 
     # -- what autograd saves -----------------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor):
@@ -247,11 +258,30 @@ class Gathering:
         return vector
 
 
-def _contiguous(unit: Unit) -> bool:
-    """The unit's parameters lie one after another from its start (as hvdkit.zero.stage3 lays them)."""
-    at = 0
-    for place in unit.places:
-        if place.offset != at:
-            return False
-        at += math.prod(place.shape)
-    return True
+class Pool:
+    """Vectors the gathers and gradients reuse from step to step: a storage is handed out again
+    only once no tensor uses it (its users' views, Horovod's thread, autograd). Allocating a
+    block's vector anew at every gather, and letting it go, left glibc's heaps in pieces: a rank's
+    resident memory at stage 3 grew past stage 2's, though it holds half the weights."""
+
+    def __init__(self) -> None:
+        self._storages: dict[tuple, list] = {}  # (length, dtype, device) -> storages handed out
+
+    def take(self, length: int, like: torch.Tensor) -> torch.Tensor:
+        """A vector of ``length`` elements of ``like``'s dtype and device, its values undefined."""
+        kept = self._storages.setdefault((length, like.dtype, like.device), [])
+        for storage in kept if _USE_COUNT is not None else ():
+            if _USE_COUNT(storage._cdata) == 1:  # only this list holds it
+                return like.new_empty(0).set_(storage, 0, (length,))
+        vector = like.new_empty(length)
+        if _USE_COUNT is not None:
+            kept.append(vector.untyped_storage())
+        return vector
+
+    def nbytes(self) -> int:
+        """Bytes of the vectors kept: as many as were in use at once, at the step's peak."""
+        return sum(storage.nbytes() for kept in self._storages.values() for storage in kept)
+
+
+# How many holders a storage has; where torch lacks it, vectors are made anew each time.
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)

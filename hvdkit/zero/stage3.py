@@ -170,6 +170,8 @@ class WeightShardedOptimizer(ShardedOptimizer):
 
     def memory(self) -> dict:
         """Bytes this rank holds: its slices of the weights (and the weights not sharded), their
-        gradients, the optimizer state."""
+        gradients, the optimizer state; and ``gathered``: the whole units' weights and gradients
+        it keeps for reuse, as many as it used at once (at the step's peak)."""
         whole = [p for p in self.model.parameters() if p.numel()]
-        return held_bytes([*self.slices, *whole], [*self.slices, *whole], self.inner.state.values())
+        held = held_bytes([*self.slices, *whole], [*self.slices, *whole], self.inner.state.values())
+        return {**held, "gathered": self.gathering.pooled_bytes() if self.gathering else 0}

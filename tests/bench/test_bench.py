@@ -142,6 +142,8 @@ def test_estimate_prints_each_link_and_world_size():
     (["zero", "--memory-cap", "2G"], "--memory-cap goes with --max-model"),
     (["zero", "--max-model", "--memory-cap", "2G", "--model", "resnet50"], "grows a GPT"),
     (["zero", "--max-model", "--memory-cap", "2X"], "size '2X'"),
+    (["zero", "--impls", "zero3,fsdp"],
+     "expected some of zero1,zero2,zero3,horovod,torch-zero,fsdp2, got 'zero3,fsdp'"),
     (["checkpoint", "--params", "0"], "expected a count like 175M"),
     (["checkpoint", "--params", "1.5T"], "expected a count like 175M"),
     (["checkpoint", "--arms", "async,disk"], "unknown arm 'disk'; choose from sync, async, sharded, snapshot"),
@@ -167,11 +169,11 @@ def test_the_max_model_search_finds_the_last_size_that_fits_wherever_it_starts(t
     assert len(probed) == len(set(probed)) <= 12 and all(0 <= i < 40 for i in probed)
 
 
-def test_the_max_model_ladder_grows_by_steps_up_to_what_stage_2_could_fit():
+def test_the_max_model_ladder_grows_by_steps_up_to_what_stage_3_could_fit():
     rungs = figures.ladder(3 * 2**30, 3, 32)
     counts = [count for count, _, _ in rungs]
     assert all(b >= a * figures.LADDER_STEP for a, b in zip(counts, counts[1:], strict=False))
-    assert counts[-1] <= 3 * 2**30 / (4 + 12 / 3) and counts[-1] > 0.9 * 3 * 2**30 / (4 + 12 / 3)
+    assert counts[-1] <= 3 * 2**30 / (16 / 3) and counts[-1] > 0.9 * 3 * 2**30 / (16 / 3)  # stage 3's 16/N
     assert {width for _, width, _ in rungs} == set(figures.LADDER_WIDTHS)
 
 
@@ -369,25 +371,31 @@ def test_zero_runs_each_loop_and_reports_the_bytes_each_rank_holds(tmp_path, hvd
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     record = json.loads((out / "zero.json").read_text())
     table = record["table"]
-    assert list(table) == ["zero1", "zero2", "horovod", "torch-zero"]
+    assert list(table) == ["zero1", "zero2", "zero3", "horovod", "torch-zero", "fsdp2"]
     whole = table["horovod"]
     assert whole["params"] == 4 * record["parameters"] and record["peak_unit"] == "rss"
     # Each rank holds half the optimizer state; torch's partitions whole parameters, so the
     # cnn's one large layer (all but 1% of it) puts nearly all the state on one rank.
-    halved = ("zero1", "zero2", "torch-zero") if "--width" in model else ("zero1", "zero2")
+    halved = ("zero1", "zero2", "zero3", "torch-zero", "fsdp2") if "--width" in model else ("zero1", "zero2", "zero3")
     for impl in halved:
         assert table[impl]["optimizer_state"] == pytest.approx(whole["optimizer_state"] / 2, rel=0.05)
-    assert table["zero2"]["grads"] == pytest.approx(whole["grads"] / 2, rel=0.05)
+    for impl in ("zero2", "zero3"):
+        assert table[impl]["grads"] == pytest.approx(whole["grads"] / 2, rel=0.05)
+    assert table["zero3"]["params"] == pytest.approx(whole["params"] / 2, rel=0.05), "stage 3 halves the weights"
+    assert all(row["cpu_ms_per_step"] > 0 and 0 < row["baseline"] < row["peak"] for row in table.values())
     assert table["zero1"]["grads"] <= whole["grads"] * 1.01  # its reduced slices live in its own gradients
     assert all(row["peak"] > row["params"] > 0 and row["samples_per_sec"] > 0 for row in table.values())
     phases = ["first step: forward and backward", "first step: optimizer step", "steady: forward and backward",
               "steady: optimizer step"]
     for row in table.values():  # each phase's peak, none above the process's
         assert list(row["phases"]) == phases and all(0 < row["phases"][p] <= row["peak"] for p in phases)
+    assert set(record["ratios"]) == {"zero1/horovod", "zero1/torch-zero", "zero2/horovod", "zero2/torch-zero",
+                                     "zero3/fsdp2", "zero3/zero2", "zero3/horovod"}
     for name, ratio in record["ratios"].items():
         a, b = name.split("/")
         assert ratio == pytest.approx(record["runs"][a][0] / record["runs"][b][0])
-    for impl, per_parameter in (("zero1", 4), ("zero2", 6)):  # 8(1 - 1/N) and 12(1 - 1/N) bytes at N=2
+        assert f"  {name} by round: {ratio:.3f}" in proc.stdout
+    for impl, per_parameter in (("zero1", 4), ("zero2", 6), ("zero3", 8)):  # 8, 12 and 16 (1 - 1/N) bytes at N=2
         saving = record["peak_saving"][impl]
         assert saving["formula"] == pytest.approx(per_parameter * record["parameters"])
         assert saving["measured"] == whole["peak"] - table[impl]["peak"]

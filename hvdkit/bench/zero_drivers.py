@@ -71,14 +71,15 @@ def zero_compare(args: argparse.Namespace) -> int:
         table[impl]["phases"] = {phase: statistics.median(max(rank["phases"][phase] for rank in r["ranks"])
                                                           for r in results)
                                  for phase in results[-1]["ranks"][0]["phases"] if phase != "unit"}
-    whole = max(row["optimizer_state"] for row in table.values()) if args.np > 1 else 0  # an unsharded loop's
+    unsharded = [table[impl]["optimizer_state"] for impl in ("horovod",) if impl in table]
+    whole = unsharded[0] if unsharded else args.np * max(row["optimizer_state"] for row in table.values())
     peak_name = _peak_name(runs[impls[0]][-1])
     print(f"\n{'implementation':<12} {'samples/sec':>12} {'cpu ms/step':>12} {'optimizer MB':>13} {'x unsharded':>12} "
           f"{'grads MB':>9} {'weights MB':>11} {'peak MB':>12}   (peak: {peak_name}; bytes: the largest rank; peaks: "
           "its median over rounds; cpu: rank 0's training thread)")
     for impl, row in table.items():
         print(f"{impl:<12} {row['samples_per_sec']:>12.2f} {row['cpu_ms_per_step']:>12.1f} "
-              f"{row['optimizer_state'] / 2**20:>13.1f} {row['optimizer_state'] / (whole or 1):>12.2f} "
+              f"{row['optimizer_state'] / 2**20:>13.1f} {row['optimizer_state'] / whole:>12.2f} "
               f"{row['grads'] / 2**20:>9.1f} {row['params'] / 2**20:>11.1f} {row['peak'] / 2**20:>12.0f}")
     phases = list(table[impls[0]]["phases"])
     print(f"\npeak MB ({peak_name}) per phase (the largest rank, median over rounds): {' | '.join(phases)}")

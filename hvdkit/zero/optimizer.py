@@ -97,15 +97,19 @@ class ShardedOptimizer:
 
     Used as Horovod's DistributedOptimizer is: ``zero_grad()``, backward, ``step()``; or
     ``synchronize()`` then ``with skip_synchronize(): step()`` to look at the gradients between.
-    ``param_groups`` and ``state`` are the wrapped optimizer's, over the slices.
+    ``param_groups`` and ``state`` are the wrapped optimizer's, over the slices. Every rank of
+    ``process_set`` (the whole job by default) holds a slice and makes every call alike.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, hvd, stage: int, compression=None,
                  backward_passes_per_step: int = 1, gradient_predivide_factor: float = 1.0,
-                 bucket_bytes: int = BUCKET_BYTES, in_flight: Optional[bool] = None) -> None:
+                 bucket_bytes: int = BUCKET_BYTES, in_flight: Optional[bool] = None, process_set=None) -> None:
         check_collectives(hvd, importlib.metadata.version("horovod"))
         self.inner, self.hvd, self.stage = optimizer, hvd, stage
-        self.size, self.rank = hvd.size(), hvd.rank()
+        # The ranks that shard among themselves: the data-parallel set, the whole job by default
+        # (a set made at hvd.init: sets added later turn off Horovod's idle sleep, patch 0003).
+        self.process_set = hvd.global_process_set if process_set is None else process_set
+        self.size, self.rank = self.process_set.size(), self.process_set.rank()
         self.compression = compression or hvd.Compression.none
         self.passes = backward_passes_per_step
         self.predivide = gradient_predivide_factor
@@ -301,7 +305,7 @@ class ShardedOptimizer:
         if self.predivide != 1.0:  # as Horovod's gradient_predivide_factor: divide before the sum, the rest after
             op, scales = self.hvd.Sum, (1.0 / self.predivide, self.predivide / self.size)
         handle = self.hvd.mpi_ops._reducescatter_async(compressed, self._output(n, compressed), f"hvdkit.zero.{n}", op,
-                                                       self.hvd.global_process_set, *scales)
+                                                       self.process_set, *scales)
         self._sends += 1
         self._handles[n] = (handle, context, flat if self.stage >= 2 else None, self._sends)
         self._sent.add(n)
@@ -367,7 +371,8 @@ class ShardedOptimizer:
         """The 2-norm of the whole averaged gradient: every rank's slices, in one allreduce."""
         squares = sum((s.grad.float().pow(2).sum() for s in self.slices if s.grad is not None),
                       torch.zeros((), device=self.slices[0].device if self.slices else "cpu"))
-        total = self.hvd.allreduce(squares.reshape(1), op=self.hvd.Sum, name="hvdkit.zero.norm")
+        total = self.hvd.allreduce(squares.reshape(1), op=self.hvd.Sum, name="hvdkit.zero.norm",
+                                   process_set=self.process_set)
         return total.sqrt()[0]
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -384,8 +389,8 @@ class ShardedOptimizer:
         rank, since each rank saw only its own (GradScaler's fp16 loss scaling)."""
         found = scaler._per_optimizer_states[id(self)]["found_inf_per_device"]
         for device, flag in found.items():  # a sum of 0/1 flags, on the device: nothing is read here
-            found[device] = self.hvd.allreduce(flag.reshape(1), op=self.hvd.Sum, name="hvdkit.zero.inf"
-                                               ).clamp(max=1.0).reshape(flag.shape)
+            found[device] = self.hvd.allreduce(flag.reshape(1), op=self.hvd.Sum, name="hvdkit.zero.inf",
+                                               process_set=self.process_set).clamp(max=1.0).reshape(flag.shape)
 
     # -- the step ---------------------------------------------------------------------------
     def step(self, closure=None):
@@ -428,7 +433,7 @@ class ShardedOptimizer:
         handles = []
         for n, piece in enumerate(self.slices):
             handles.append(self.hvd.mpi_ops._allgather_async(piece.detach(), self._whole[n], f"hvdkit.zero.weights.{n}",
-                                                             self.hvd.global_process_set))
+                                                             self.process_set))
             if not self.in_flight:
                 self.hvd.synchronize(handles.pop())
         for handle in handles:

@@ -36,11 +36,13 @@ class WeightShardedOptimizer(ShardedOptimizer):
     """``optimizer`` stepping this rank's slices of the weights of ``model``, whose weights it
     shards once ``shard_model()`` is called (after the weights are final: loaded or broadcast).
     ``groups``: the config's ``zero_groups`` (group_names' patterns), else the default rule.
-    Used as stage 2's ShardedOptimizer is; its ``model_state_dict`` gathers the whole weights."""
+    Used as stage 2's ShardedOptimizer is; its ``model_state_dict`` gathers the whole weights.
+    ``process_set``: the ranks that shard the weights among themselves (every rank of it calls
+    alike), the whole job by default."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, hvd, model: nn.Module, groups: Optional[list[str]] = None,
                  compression=None, backward_passes_per_step: int = 1, gradient_predivide_factor: float = 1.0,
-                 in_flight: Optional[bool] = None) -> None:
+                 in_flight: Optional[bool] = None, process_set=None) -> None:
         self.model = model
         self.group_names = group_names(model, groups)
         if groups and not self.group_names:
@@ -48,7 +50,7 @@ class WeightShardedOptimizer(ShardedOptimizer):
                               f"({', '.join(groups)}); name its blocks, as blocks.*")
         self.owners: list[int] = []  # per unit: its group (0 the model's own, then group_names' order)
         super().__init__(optimizer, hvd, 3, compression, backward_passes_per_step, gradient_predivide_factor,
-                         in_flight=in_flight)
+                         in_flight=in_flight, process_set=process_set)
         self.gathering: Optional[Gathering] = None
         self._refusal = model.register_state_dict_pre_hook(self._refuse_state_dict)
         self._exporting = False
@@ -118,7 +120,7 @@ class WeightShardedOptimizer(ShardedOptimizer):
         roots = [self.model, *(self.model.get_submodule(name) for name in self.group_names)]
         groups = [(module, [n for n, owner in enumerate(self.owners) if owner == g]) for g, module in enumerate(roots)]
         groups = [groups[0], *(group for group in groups[1:] if group[1])]
-        self.gathering = Gathering(self.hvd, self.hvd.global_process_set, self.model, units, groups, self._send)
+        self.gathering = Gathering(self.hvd, self.process_set, self.model, units, groups, self._send)
         self.gathering.attach()
 
     def _aliased(self, n: int) -> bool:

@@ -111,3 +111,21 @@ def test_a_steady_zero_step_reads_nothing_and_its_waits_do_not_grow_with_the_buc
         assert {step["waits"] for step in one_at_a_time} == {2 * 7 + 1}, one_at_a_time
     else:
         assert waits == {n: {3 + max(0, n - STAGE2_IN_FLIGHT)} for n in (2, 7)}, waits
+
+
+def test_a_steady_stage_3_step_reads_nothing_and_waits_for_each_gather_by_design():
+    """Stage 3 waits for each unit's gather before the unit's forward and again before its
+    backward: a unit's weights are needed whole there, so each gather is one wait point (the next
+    one is in flight meanwhile). At U units: U for the forward, U - 1 for the backward (the first
+    layer's backward does not read its weight: its input needs no gradient), U - 2 for the
+    reduce-scatters beyond the two in flight (as stage 2's), one at the step for the rest, one
+    for the norm's allreduce: 3U - 1, by design, and no read."""
+    for layers in (2, 5):
+        result = audited("zero3", layers)
+        units = layers + 2  # each Linear of the Sequential a group, one unit each
+        assert result["buckets"] == units
+        steps = result["steps"]
+        assert [step["reads"] for step in steps] == [{}] * len(steps), steps
+        assert [host_reads(step) for step in steps] == [{}] * len(steps), steps
+        assert [step["waits"] for step in steps] == [3 * units - 1] * len(steps), steps
+        assert settle_reads(result["report_step"]) == 1, result["report_step"]

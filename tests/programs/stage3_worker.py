@@ -9,6 +9,8 @@ one line each, ``stage3: <check>: ok`` or ``stage3: <check>: FAIL <what>``, then
   (the model's own units, the one in use, the one gathered ahead) at any gather; every parameter holds
   no elements between steps, and each rank's slices are its 1/N of the weights.
 - ``refusals``: ``model.state_dict()`` and a gradient hook on a parameter, each in one line.
+
+With ``--sets``, at 4 ranks: ``two process sets`` only (``in_two_sets``).
 """
 
 from __future__ import annotations
@@ -164,9 +166,57 @@ def refusals(log_dir: str) -> list[str]:
     return failed
 
 
+def in_two_sets() -> list[str]:
+    """At 4 ranks, stage 3 in each of two process sets of 2 made at hvd.init, each set training on
+    its own batches: each ends with the weights one process reaches on its set's whole batch."""
+    import horovod.torch as hvd
+
+    from hvdkit.zero.stage3 import WeightShardedOptimizer
+
+    halves = [[0, 1], [2, 3]]
+    sets = [hvd.ProcessSet(half) for half in halves]
+    hvd.init(process_sets=sets)
+    which = hvd.rank() // 2
+    mine = sets[which]
+
+    def batches(member: int, step: int) -> tuple:
+        generator = torch.Generator().manual_seed(1000 * which + 10 * step + member)
+        tokens = torch.randint(0, 128, (2, 17), generator=generator)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def made() -> nn.Module:  # no dropout: the two would draw their masks in another order
+        return TinyGPT(128, 16, width=32, layers=3, tie_output=True)
+
+    torch.manual_seed(which)  # the sets start from other weights too
+    model, reference = made(), made()
+    reference.load_state_dict(model.state_dict())
+    optimizer = WeightShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), hvd, model,
+                                       process_set=mine)
+    optimizer.shard_model()
+    alone = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss_of(model, batches(mine.rank(), step)).backward()
+        optimizer.step()
+        alone.zero_grad()
+        both = [batches(member, step) for member in range(2)]
+        loss_of(reference, tuple(torch.cat(parts) for parts in zip(*both, strict=True))).backward()
+        alone.step()
+    ours, theirs = optimizer.model_state_dict(), reference.state_dict()
+    differ = [key for key in theirs if not torch.allclose(ours[key], theirs[key], rtol=1e-4, atol=1e-5)]
+    return [f"set {which} differs from one process: {', '.join(differ[:3])}"] if differ else []
+
+
 def main() -> int:
     import horovod.torch as hvd
 
+    if "--sets" in sys.argv:
+        failed = in_two_sets()
+        everyone = hvd.allgather_object(failed, name="stage3.sets")
+        problems = [f"rank {rank}: {'; '.join(lines[:2])}" for rank, lines in enumerate(everyone) if lines]
+        if hvd.rank() == 0:
+            print(f"stage3: two process sets: {'ok' if not problems else 'FAIL ' + ' | '.join(problems)}", flush=True)
+        return 0
     with tempfile.TemporaryDirectory(prefix="hvdkit-stage3-") as scratch:
         checks = {}
         for name in MODELS:

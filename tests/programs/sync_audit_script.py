@@ -4,16 +4,16 @@ step as JSON. Run under a launcher: ``python sync_audit_script.py SHAPE LAYERS``
 Shapes: trainer (the Trainer's step and its loop's calls: train_step, report_due, should_stop),
 session (the README's own loop), amp (the own loop with fp16 loss scaling: the Session's
 GradScaler is made for CUDA, so on a CPU a CPU GradScaler stands in for it; its found_inf and
-unscale kernels are the same calls), zero1 and zero2 (the own loop with the sharded optimizer
-and Adam), snapshot (the own loop with a snapshot in host memory every step, into the folder
-HVDKIT_SNAPSHOT_DIR names, as hvdkit launch --max-restarts does), zero2-snapshot (zero2's with a
-snapshot every step: on ranks whose host names differ, each sends its shard to the other's
-snapshot), each optimizer fused as the
-Session makes it on a GPU. LAYERS: hidden 1024x1024
-layers of the MLP, about half a ZeRO bucket each. On a GPU
-(`make gpu-check`) the audited steps also run under torch.cuda.set_sync_debug_mode("warn"), whose
-warnings, one per synchronizing CUDA call, are counted per step. Then one more step and a report:
-the step where the non-finite flags of all the steps before are read, once.
+unscale kernels are the same calls), zero1, zero2 and zero3 (the own loop with the sharded
+optimizer and Adam; at stage 3 each Linear is a group of its own), snapshot (the own loop with a
+snapshot in host memory every step, into the folder HVDKIT_SNAPSHOT_DIR names, as hvdkit launch
+--max-restarts does), zero2-snapshot (zero2's with a snapshot every step: on ranks whose host
+names differ, each sends its shard to the other's snapshot), each optimizer fused as the Session
+makes it on a GPU. LAYERS: hidden 1024x1024 layers of the MLP, about half a ZeRO bucket each. On
+a GPU (`make gpu-check`) the audited steps also run under
+torch.cuda.set_sync_debug_mode("warn"), whose warnings, one per synchronizing CUDA call, are
+counted per step. Then one more step and a report: the step where the non-finite flags of all
+the steps before are read, once.
 """
 
 import json
@@ -33,7 +33,7 @@ WARMUP, AUDITED = 3, 10
 
 def main() -> None:
     shape, layers = sys.argv[1], int(sys.argv[2])
-    zero = {"zero1": 1, "zero2": 2, "zero2-snapshot": 2}.get(shape, 0)
+    zero = {"zero1": 1, "zero2": 2, "zero2-snapshot": 2, "zero3": 3}.get(shape, 0)
     snapshots = {"checkpoint_dir": os.path.join(os.path.dirname(os.environ["HVDKIT_SNAPSHOT_DIR"]), "ckpt"),
                  "snapshot_steps": 1} if shape.endswith("snapshot") else {}
     session = hvdkit.Session(batch_size=8, log_interval=10_000, check_consistency_steps=0, logger="none",

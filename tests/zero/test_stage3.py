@@ -29,6 +29,13 @@ def test_stage_3_trains_three_models_as_stage_2_and_lets_gathered_weights_go(lau
     assert said == [f"stage3: {check}: ok" for check in [*CHECKS, "refusals"]] + ["stage3: done"], "\n".join(said)
 
 
+@pytest.mark.slow
+def test_stage_3_shards_within_each_of_two_process_sets_made_at_hvd_init():
+    proc = run(["mpirun", "--oversubscribe", "-np", "4", *WORKER, "--sets"], env=selftest.mpi_root_env(), timeout=240)
+    said = proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 and "stage3: two process sets: ok" in proc.stdout, said
+
+
 def test_each_block_of_a_module_list_or_sequential_is_a_group_by_default():
     gpt = TinyGPT(64, 16, width=32, layers=3)
     assert group_names(gpt) == ["blocks.0", "blocks.1", "blocks.2"]

@@ -165,7 +165,7 @@ class Session:
         optimizer step by ``step()``."""
         cfg, hvd = self.cfg, self.hvd
         self.watchdog.beat("setup()")  # the stall limit counts from here: loading data before it is not a stall
-        model = model.to(self.device)
+        model = training.on_device(model, self.device)
         self.model, self.scheduler, self._state.inner = model, scheduler, optimizer
         self._input_format = training.input_format(cfg, model, self.device)
         self.optimizer = distributed_optimizer(cfg, hvd, optimizer, model, self.device)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from hvdkit.config import ConfigError
+from hvdkit.zero.deferred import is_deferred, replay
 from hvdkit.zero.gathering import Gathering, Place, Unit, group_names
 from hvdkit.zero.held import held_bytes
 from hvdkit.zero.layout import Bucket
@@ -42,13 +43,18 @@ class WeightShardedOptimizer(ShardedOptimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, hvd, model: nn.Module, groups: Optional[list[str]] = None,
                  compression=None, backward_passes_per_step: int = 1, gradient_predivide_factor: float = 1.0,
-                 in_flight: Optional[bool] = None, process_set=None) -> None:
+                 in_flight: Optional[bool] = None, process_set=None, device: Optional[torch.device] = None) -> None:
         self.model = model
+        # Built on the meta device: the slices are made on ``device`` by shard_model's replay (or a resume).
+        self.deferred = is_deferred(model)
+        self.device = device or torch.device("cpu")
+        self._loaded = False
         self.group_names = group_names(model, groups)
         if groups and not self.group_names:
             raise ConfigError(f"zero: no module of {type(model).__name__} is named as zero_groups says "
                               f"({', '.join(groups)}); name its blocks, as blocks.*")
         self.owners: list[int] = []  # per unit: its group (0 the model's own, then group_names' order)
+        self._index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
         super().__init__(optimizer, hvd, 3, compression, backward_passes_per_step, gradient_predivide_factor,
                          in_flight=in_flight, process_set=process_set)
         self.gathering: Optional[Gathering] = None
@@ -83,8 +89,10 @@ class WeightShardedOptimizer(ShardedOptimizer):
         slices = []
         for bucket in self.buckets:
             first = self.params[bucket.params[0]]
-            piece = torch.zeros(bucket.slice_length(self.size), dtype=first.dtype, device=first.device)
-            self._read_slice(piece, bucket)
+            piece = torch.zeros(bucket.slice_length(self.size), dtype=first.dtype,
+                                device=self.device if self.deferred else first.device)
+            if not self.deferred:
+                self._read_slice(piece, bucket)
             slices.append(piece)
         return [None] * len(self.buckets), slices
 
@@ -104,15 +112,14 @@ class WeightShardedOptimizer(ShardedOptimizer):
         if hooked is not None:
             raise ConfigError(f"zero 3: {hooked} has a gradient hook, which would never be called: the weights are "
                               f"gathered copies, and their gradients are reduced by unit; drop the hook, or use zero 2")
+        modules = self._places()
         with torch.no_grad():
+            if self.deferred and not self._loaded:
+                self._replay(modules)
             for piece, bucket in zip(self.slices, self.buckets, strict=True):
-                self._read_slice(piece, bucket)
+                if not self.deferred:
+                    self._read_slice(piece, bucket)
                 piece.requires_grad_(True)  # the gathers' link in autograd (its backward hands on the gradient)
-        modules: dict[int, list] = {}
-        for module in self.model.modules():
-            for name, param in module._parameters.items():
-                if param is not None:
-                    modules.setdefault(id(param), []).append((module, name))
         units = [Unit(piece, bucket.slice_length(self.size) * self.size,
                       [Place(self.params[i], modules[id(self.params[i])], offset, shape)
                        for i, offset, shape in zip(bucket.params, bucket.offsets, bucket.shapes, strict=True)])
@@ -122,6 +129,64 @@ class WeightShardedOptimizer(ShardedOptimizer):
         groups = [groups[0], *(group for group in groups[1:] if group[1])]
         self.gathering = Gathering(self.hvd, self.process_set, self.model, units, groups, self._send)
         self.gathering.attach()
+
+    def _places(self) -> dict[int, list]:
+        """Each parameter's (module, name) places, by id: two where it is tied."""
+        modules: dict[int, list] = {}
+        for module in self.model.modules():
+            for name, param in module._parameters.items():
+                if param is not None:
+                    modules.setdefault(id(param), []).append((module, name))
+        return modules
+
+    def _replay(self, modules: dict[int, list]) -> None:
+        """A deferred model's initial weights, made one module at a time (hvdkit.zero.deferred)
+        from rank 0's generator state on every rank, as the eager build on rank 0 that stages 0-2
+        broadcast; each rank keeps its slices. Every rank's generator is left as it was."""
+        own = torch.get_rng_state()
+        torch.set_rng_state(self.hvd.broadcast_object(own, root_rank=0, name="hvdkit.zero.rng",
+                                                      process_set=self.process_set))
+        try:
+            replay(self.model, self.device, lambda param, value: self._keep(param, value, modules))
+        finally:
+            torch.set_rng_state(own)
+
+    def _keep(self, param: nn.Parameter, value: torch.Tensor, modules: dict[int, list]) -> None:
+        """``param``'s whole ``value``: this rank's part of it into its slice, or, for a weight the
+        optimizer does not train, the whole value in its modules."""
+        index = self._index.get(id(param))
+        if index is None or index not in self._bucket_of:
+            whole = nn.Parameter(value.clone(), requires_grad=param.requires_grad)
+            for module, name in modules[id(param)]:
+                module._parameters[name] = whole
+            return
+        n, k = self._bucket_of[index]
+        piece, offset = self.slices[n], self.buckets[n].offsets[k]
+        start = self.rank * len(piece)
+        lo, hi = max(offset, start), min(offset + value.numel(), start + len(piece))
+        if lo < hi:
+            piece[lo - start:hi - start].copy_(value.reshape(-1)[lo - offset:hi - offset])
+
+    def load_model_state(self, state: dict) -> None:
+        """A deferred model's weights from a checkpoint's whole state_dict (a resume, before
+        shard_model): each rank keeps its slices, buffers and untrained weights are made whole."""
+        modules = self._places()
+        with torch.no_grad():
+            for qualified, module in self.model.named_modules():
+                prefix = f"{qualified}." if qualified else ""
+                for name, param in module._parameters.items():
+                    if param is not None and param.is_meta and (module, name) == modules[id(param)][0]:
+                        self._keep(param, self._entry(state, prefix + name).to(self.device), modules)
+                for name, buffer in module._buffers.items():
+                    if buffer is not None and buffer.is_meta:
+                        module._buffers[name] = self._entry(state, prefix + name).to(self.device).clone()
+        self._loaded = True
+
+    @staticmethod
+    def _entry(state: dict, name: str) -> torch.Tensor:
+        if name not in state:
+            raise ConfigError(f"zero 3: the checkpoint holds no {name}, which this model has")
+        return state[name]
 
     def _aliased(self, n: int) -> bool:
         return True  # the slices are the weights: nothing to read back before a step

@@ -8,9 +8,11 @@ one line each, ``stage3: <check>: ok`` or ``stage3: <check>: FAIL <what>``, then
 - ``<model> gathers let go``: no gathered vector is alive after a forward, nor after a step; at most three
   (the model's own units, the one in use, the one gathered ahead) at any gather; every parameter holds
   no elements between steps, and each rank's slices are its 1/N of the weights.
-- ``refusals``: ``model.state_dict()`` and a gradient hook on a parameter, each in one line.
+- ``refusals``: ``model.state_dict()``, a gradient hook on a parameter, a model on the meta device at
+  stage 2 and one whose module has no ``reset_parameters`` at stage 3, each in one line.
 
-With ``--sets``, at 4 ranks: ``two process sets`` only (``in_two_sets``).
+With ``--sets``, at 4 ranks: ``two process sets`` only (``in_two_sets``); with ``--deferred DIR``: ``built
+shard by shard`` only (``built_shard_by_shard``), its checkpoints in DIR.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 import torch
 import torchvision
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import hvdkit
 from hvdkit.config import ConfigError
@@ -163,6 +166,34 @@ def refusals(log_dir: str) -> list[str]:
         if "tokens.weight has a gradient hook" not in str(error):
             failed.append(f"a gradient hook: {error}")
     session.finish()
+    failed += _refused_on_meta(2, gpt, "the model is on the meta device: zero 3 builds it", log_dir + "-meta2")
+    failed += _refused_on_meta(3, Scaled, "zero 3: the model (Scaled) holds weights on the meta device and has no "
+                                          "reset_parameters()", log_dir + "-meta3")
+    return failed
+
+
+class Scaled(nn.Module):
+    """A module of a user's, with a weight of its own made in __init__."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(4))
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.layer(x) * self.scale
+
+
+def _refused_on_meta(zero: int, build, words: str, log_dir: str) -> list[str]:
+    session = hvdkit.Session(zero=zero, logger="none", log_dir=log_dir)
+    with torch.device("meta"):
+        model = build()
+    try:
+        session.setup(model, torch.optim.AdamW(model.parameters()))
+        failed = [f"a model on the meta device at zero {zero} was not refused"]
+    except ConfigError as error:
+        failed = [] if words in str(error) and "\n" not in str(error) else [f"meta at zero {zero}: {error}"]
+    session.finish()
     return failed
 
 
@@ -207,9 +238,102 @@ def in_two_sets() -> list[str]:
     return [f"set {which} differs from one process: {', '.join(differ[:3])}"] if differ else []
 
 
+class PeakTensorBytes(TorchDispatchMode):
+    """The most bytes of tensor storage alive at once among the tensors torch's operators make
+    while it is entered (counted from their storages: a view counts its storage once, and a
+    storage is let go when the last tensor made on it is)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.users: dict[int, int] = {}  # storage address -> tensors alive on it
+        self.sizes: dict[int, int] = {}
+        self.now = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in torch.utils._pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided and not tensor.is_meta:
+                key = tensor.untyped_storage().data_ptr()
+                if not key:
+                    continue
+                if key not in self.users:
+                    self.users[key], self.sizes[key] = 0, tensor.untyped_storage().nbytes()
+                    self.now += self.sizes[key]
+                    self.peak = max(self.peak, self.now)
+                self.users[key] += 1
+                weakref.finalize(tensor, self._gone, key)
+        return out
+
+    def _gone(self, key: int) -> None:
+        self.users[key] -= 1
+        if not self.users[key]:
+            del self.users[key]
+            self.now -= self.sizes.pop(key)
+
+
+def built_shard_by_shard(log_dir: str) -> list[str]:
+    """The GPT and the Hugging-Face-shaped model built on the meta device, then set up at stage 3:
+    each one's weights equal to the eager build's under the same seed, bitwise, and the most tensor
+    bytes alive on a rank during setup below its whole weights (the eager build's above them)."""
+    failed = []
+    for name, build in (("gpt", lambda: TinyGPT(256, 32, width=128, layers=8, tie_output=True)),
+                        ("hf-causal-lm", lambda: CausalLM(vocab=256, width=128, layers=8))):
+        torch.manual_seed(0)
+        with PeakTensorBytes() as eager_peak:
+            eager = build()
+        whole = sum(p.numel() * p.element_size() for p in eager.parameters())
+        session = hvdkit.Session(zero=3, logger="none", log_dir=f"{log_dir}/{name}")
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = build()
+        with PeakTensorBytes() as peak:
+            model, optimizer = session.setup(model, torch.optim.AdamW(model.parameters()))
+        built = optimizer.model_state_dict()
+        differ = [key for key, value in eager.state_dict().items() if not torch.equal(built[key], value)]
+        if differ:
+            failed.append(f"{name}: weights unlike the eager build's: {', '.join(differ[:3])}")
+        if not peak.peak < whole <= eager_peak.peak:
+            failed.append(f"{name}: {peak.peak} tensor bytes at most during setup, the whole weights {whole}, the "
+                          f"eager build {eager_peak.peak}")
+        session.finish()
+    failed += resumed_on_meta(log_dir)
+    return failed
+
+
+def resumed_on_meta(log_dir: str) -> list[str]:
+    """A checkpoint of a stage-3 run resumed into a model built on meta: the weights it saved."""
+    keys = dict(zero=3, logger="none", checkpoint_dir=f"{log_dir}/ckpt")
+    session = hvdkit.Session(log_dir=f"{log_dir}/saved", **keys)
+    torch.manual_seed(0)
+    model = gpt()
+    model, optimizer = session.setup(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    optimizer.zero_grad()
+    session.backward(loss_of(model, batch("gpt", session.rank, 0)))
+    session.step()
+    session.save()
+    saved = optimizer.model_state_dict()
+    session.finish()
+    session = hvdkit.Session(log_dir=f"{log_dir}/resumed", **keys)
+    with torch.device("meta"):
+        model = gpt()
+    model, optimizer = session.setup(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    resumed = optimizer.model_state_dict()
+    session.finish()
+    differ = [key for key in saved if not torch.equal(saved[key], resumed[key])]
+    return [f"resumed into meta: unlike the saved weights: {', '.join(differ[:3])}"] if differ else []
+
+
 def main() -> int:
     import horovod.torch as hvd
 
+    if "--deferred" in sys.argv:  # its checkpoint folder, which every rank sees, follows it
+        failed = built_shard_by_shard(sys.argv[sys.argv.index("--deferred") + 1])
+        everyone = hvd.allgather_object(failed, name="stage3.deferred")
+        problems = [f"rank {rank}: {'; '.join(lines[:2])}" for rank, lines in enumerate(everyone) if lines]
+        if hvd.rank() == 0:
+            print(f"stage3: built shard by shard: {'ok' if not problems else 'FAIL ' + ' | '.join(problems)}",
+                  flush=True)
+        return 0
     if "--sets" in sys.argv:
         failed = in_two_sets()
         everyone = hvd.allgather_object(failed, name="stage3.sets")

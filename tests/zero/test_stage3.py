@@ -36,6 +36,15 @@ def test_stage_3_shards_within_each_of_two_process_sets_made_at_hvd_init():
     assert proc.returncode == 0 and "stage3: two process sets: ok" in proc.stdout, said
 
 
+@pytest.mark.slow
+def test_a_model_built_on_meta_is_made_shard_by_shard_as_the_eager_build_at_np_4(tmp_path):
+    """Also resumed from a stage-3 checkpoint into a model built on meta."""
+    proc = run(["mpirun", "--oversubscribe", "-np", "4", *WORKER, "--deferred", str(tmp_path)],
+               env=selftest.mpi_root_env(), timeout=240)
+    said = proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 and "stage3: built shard by shard: ok" in proc.stdout, said
+
+
 def test_each_block_of_a_module_list_or_sequential_is_a_group_by_default():
     gpt = TinyGPT(64, 16, width=32, layers=3)
     assert group_names(gpt) == ["blocks.0", "blocks.1", "blocks.2"]

@@ -69,10 +69,10 @@ class RunCheckpoints:
         if self.cfg.zero and self.snapshots:
             self.snapshots.arrange(self.state.optimizer)
         state = self.restore()
-        if state is None:
-            self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        else:
+        if state is not None:
             self.loaders.resumed_batches = state.get("loader_batches")
+        elif not getattr(self.state.optimizer, "deferred", False):  # a deferred model is made alike on every rank
+            self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         if self.cfg.zero == 3:
             self.state.optimizer.shard_model()
 
@@ -125,7 +125,10 @@ class RunCheckpoints:
             state = {**state}
             state["model"], state["optimizer"] = upgrade(state["model"], state.get("optimizer"))
         try:
-            self.module().load_state_dict(state["model"])
+            if getattr(run.optimizer, "deferred", False):  # zero 3 built on meta: each rank takes its slices
+                run.optimizer.load_model_state(state["model"])
+            else:
+                self.module().load_state_dict(state["model"])
         except RuntimeError as exc:
             raise ConfigError(f"checkpoint {state['path']} does not fit this model: "
                               f"{str(exc).splitlines()[0]}") from None

@@ -22,9 +22,10 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from hvdkit.config import TrainConfig
+from hvdkit.config import ConfigError, TrainConfig
 from hvdkit.zero import optimizer as zero
 from hvdkit.zero import stage3
+from hvdkit.zero.deferred import is_deferred
 
 # The first bucket is DDP's 1 MiB (_DEFAULT_FIRST_BUCKET_BYTES), so that the link starts with the
 # first gradients backward makes. The others: DDP's 25 MiB (bucket_cap_mb) on GPUs; 4 MiB on CPUs,
@@ -76,12 +77,16 @@ def distributed_optimizer(cfg: TrainConfig, hvd, optimizer: torch.optim.Optimize
     else Horovod's DistributedOptimizer, with bucket views where Horovod's grouped allreduce
     applies (``gradient_path``)."""
     compression = hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none
+    if cfg.zero != 3 and is_deferred(model):
+        raise ConfigError("the model is on the meta device: zero 3 builds it one module at a time into each "
+                          "rank's slices; set zero 3, or build the model on the CPU")
     path = gradient_path(cfg, hvd.size())
     if path == "sharded":
         zero.check(optimizer, model, cfg.zero, cfg.elementwise_optimizer)
         if cfg.zero == 3:
             return stage3.WeightShardedOptimizer(optimizer, hvd, model, cfg.zero_groups, compression,
-                                                 cfg.batches_per_allreduce, cfg.gradient_predivide_factor)
+                                                 cfg.batches_per_allreduce, cfg.gradient_predivide_factor,
+                                                 device=device)
         return zero.ShardedOptimizer(optimizer, hvd, cfg.zero, compression, cfg.batches_per_allreduce,
                                      cfg.gradient_predivide_factor)
     if path == "bucket views":

@@ -30,6 +30,7 @@ from hvdkit import nested
 from hvdkit.config import TrainConfig
 from hvdkit.rank.agree.stragglers import StepTimes
 from hvdkit.rank.state import RunState, say
+from hvdkit.zero.deferred import is_deferred
 from hvdkit.zero.elementwise import elementwise
 
 MAX_SKIPS_IN_A_ROW = 10
@@ -90,6 +91,12 @@ def to_device(batch: Any, device: torch.device, memory_format: torch.memory_form
         return tensor.to(device, non_blocking=True)
 
     return nested.rebuild(batch, move)
+
+
+def on_device(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model`` on ``device``; one built on the meta device stays there: zero 3 makes its weights,
+    one module at a time, into each rank's slices (hvdkit.zero.deferred)."""
+    return model if is_deferred(model) else model.to(device)
 
 
 def input_format(cfg: TrainConfig, model: nn.Module, device: torch.device) -> torch.memory_format:

@@ -8,6 +8,7 @@ one line each, ``stage3: <check>: ok`` or ``stage3: <check>: FAIL <what>``, then
 - ``<model> gathers let go``: no gathered vector is alive after a forward, nor after a step; at most three
   (the model's own units, the one in use, the one gathered ahead) at any gather; every parameter holds
   no elements between steps, and each rank's slices are its 1/N of the weights.
+- ``uneven evaluation``: ``session.evaluate`` over shares one batch apart, every sample counted.
 - ``refusals``: ``model.state_dict()``, a gradient hook on a parameter, a model on the meta device at
   stage 2 and one whose module has no ``reset_parameters`` at stage 3, each in one line.
 
@@ -17,6 +18,7 @@ shard by shard`` only (``built_shard_by_shard``), its checkpoints in DIR.
 
 from __future__ import annotations
 
+import math
 import sys
 import tempfile
 import weakref
@@ -142,6 +144,32 @@ def train(name: str, zero: int, log_dir: str) -> tuple[dict, torch.Tensor, list[
         failed.append(f"{left} gathered vectors alive after the evaluation")
     session.finish()
     return state, outputs, failed
+
+
+def evaluated_unevenly(log_dir: str) -> list[str]:
+    """session.evaluate over 11 samples, one a batch: the ranks' shares differ by one batch, and the
+    ranks with fewer still meet the others' gathers. Its mean loss is the one of the gathered
+    weights over the 11, computed here in one process."""
+    session = hvdkit.Session(zero=3, logger="none", log_dir=log_dir)
+    torch.manual_seed(0)
+    model = gpt()
+    model, optimizer = session.setup(model, torch.optim.AdamW(model.parameters()))
+    tokens = torch.randint(0, 128, (11, 17), generator=torch.Generator().manual_seed(5))
+    dataset = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+    def metrics_of(micro):
+        return len(micro[0]), {"loss": loss_of(model, micro)}
+
+    result = session.evaluate(session.eval_loader(dataset, batch_size=1), metrics_of)
+    alone = gpt()
+    alone.load_state_dict(optimizer.model_state_dict())
+    alone.eval()
+    with torch.no_grad():
+        expected = torch.stack([loss_of(alone, (x[None], y[None])) for x, y in dataset]).mean()
+    session.finish()
+    if result["samples"] != 11 or not math.isclose(result["loss"], expected.item(), rel_tol=1e-5):
+        return [f"evaluated {result['samples']} samples to loss {result['loss']}, one process {expected.item()}"]
+    return []
 
 
 def refusals(log_dir: str) -> list[str]:
@@ -352,6 +380,7 @@ def main() -> int:
                 differ.append("the evaluation's outputs")
             checks[f"{name} as stage 2"] = [f"differ: {', '.join(differ[:3])}"] if differ else []
             checks[f"{name} gathers let go"] = failed
+        checks["uneven evaluation"] = evaluated_unevenly(f"{scratch}/evaluation")
         checks["refusals"] = refusals(f"{scratch}/refusals")
         for check, failed in checks.items():
             everyone = hvd.allgather_object(failed, name=f"stage3.{check}")

@@ -123,14 +123,29 @@ class Reports:
         training = self.sums, self.count
         self.sums, self.count = {}, torch.zeros((), device=self.device)
         model.eval()
+        extra = self._forwards_short_of_the_most(eval_loader)
         with torch.no_grad(), autocast:
+            batch = None
             for batch in eval_loader:
-                samples, means = metrics_of(to_device(batch, self.device))
+                batch = to_device(batch, self.device)
+                samples, means = metrics_of(batch)
                 self.log(samples, means)
+            for _ in range(extra):  # its last batch again, its metrics dropped: the others' gathers need it
+                metrics_of(batch)
         result = self.report("test", {})
         model.train()
         self.sums, self.count = training
         return {**result, "samples": int(self.last_count)}
+
+    def _forwards_short_of_the_most(self, eval_loader: DataLoader) -> int:
+        """Under zero 3 each forward gathers the weights with every rank, so every rank makes as
+        many as the rank with the most batches (a share of the evaluation set differs by one
+        sample from rank to rank): how many this rank lacks. 0 otherwise."""
+        if self.cfg.zero != 3:
+            return 0
+        batches = len(eval_loader)
+        most = self.hvd.allreduce(torch.tensor([batches]), op=self.hvd.Max, name="hvdkit.evaluate.batches")
+        return int(most[0]) - batches
 
     def start(self) -> Metrics:
         """Every rank, once (Session.setup, after the resume): the sink made, rank 0's trackers

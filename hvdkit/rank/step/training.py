@@ -154,7 +154,7 @@ class TrainingStep:
         cfg, optimizer, scaler = self.cfg, self.state.optimizer, self.state.scaler
         # The loop's own synchronize() this step (Horovod's clipping pattern: synchronize, clip,
         # then step under skip_synchronize): its gradients are the averaged ones, to be stepped as
-        # they are, not reduced again (Horovod's step() clears the flag).
+        # they are, not reduced again (cleared below once they are spent).
         synchronized = getattr(optimizer, "_synchronized", False)
         if not synchronized and self._overlaps(optimizer):
             self._apply_as_buckets_land(optimizer)

@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from conftest import final_weights, run
+from conftest import REPO, final_weights, run
+from hvdkit import checkpoint
 from hvdkit.checks import selftest
 from hvdkit.launch import planner
 from test_data import make_imagefolder
@@ -32,6 +33,19 @@ def train(tmp_path, name, *args, launcher=None, timeout=300):
     summaries = selftest.parse_records(proc.stdout, "summary")
     assert len(summaries) == 1, "exactly one rank prints the summary"
     return summaries[0], ckpt, logs
+
+
+def test_adasum_checkpoints_in_the_background_however_late_the_copy(tmp_path):
+    """Horovod's Adasum optimizer steps each parameter in its gradient hook, so the next backward
+    changes the weights and momenta before the optimizer step: a background save copies them at
+    once, not while the next step runs (the copy held 0.5 s here, as on a loaded machine)."""
+    late = [sys.executable, str(REPO / "tests" / "programs" / "late_copy.py")]
+    proc = run(LAUNCHERS["mpirun"]([*late, *EXACT[:-1], "12", "--use-adasum", "--checkpoint-steps", "5",
+                                    "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "logs")]),
+               timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [p.name for p in checkpoint.existing(str(tmp_path / "ckpt"))][-2:] == ["ckpt-step000000010.pt",
+                                                                                 "ckpt-step000000012.pt"]
 
 
 @pytest.fixture(scope="module")

@@ -233,6 +233,9 @@ class RunCheckpoints:
         run, cfg = self.state, self.cfg
         module = self.module()
         shared = self._changed_by_step(module)
+        # Copied by the writing thread until the next update; under Adasum the update begins in the
+        # backward (Horovod's Adasum optimizer steps each parameter in its gradient hook): copied now.
+        deferred = () if cfg.use_adasum else shared
         state = {
             "model": run.optimizer.model_state_dict(module) if cfg.zero == 3 else module.state_dict(),
             "optimizer": run.optimizer.state_dict() if optimizer_state is None else optimizer_state,
@@ -244,7 +247,7 @@ class RunCheckpoints:
         rank, size = self.hvd.rank(), self.hvd.size()
         if not self.writes_parts or place is not None:
             directory, writer, keep = place or (cfg.checkpoint_dir, self.writer, cfg.keep_checkpoints)
-            writer.save(directory, run.global_step, state, keep, deferred=shared)
+            writer.save(directory, run.global_step, state, keep, deferred=deferred)
             return
         main, parts = checkpoint.split(state, shared, size) if cfg.sharded_checkpoint else (state, [{}] * size)
         if cfg.zero:
@@ -253,7 +256,7 @@ class RunCheckpoints:
         own = (checkpoint.part_name(rank, size), parts[rank]) if parts[rank] else None  # more ranks than tensors: none
         others = [checkpoint.part_name(r, size) for r in range(1, size) if parts[r] or cfg.zero] if not rank else []
         self.writer.save(cfg.checkpoint_dir, run.global_step, None if rank else main, cfg.keep_checkpoints,
-                         deferred=shared, part=own, parts=others)
+                         deferred=deferred, part=own, parts=others)
 
     def _changed_by_step(self, module: nn.Module) -> list:
         """The tensors only the optimizer step changes: the weights and the optimizer's state

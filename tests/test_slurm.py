@@ -106,7 +106,7 @@ def test_a_template_restarts_a_killed_rank_within_the_allocation(cluster, tmp_pa
                       "--checkpoint-steps 5")
     info = cluster.wait(job)
     log = job_log(tmp_path, job)
-    assert info["JobState"] == "COMPLETED", log[-3000:]
+    assert info["JobState"] == "COMPLETED", what_ran(tmp_path, log)
     [line] = [line for line in log.splitlines() if "restart 1 of 2" in line]
     assert line.startswith("hvdkit launch: ") and "from the newest checkpoint" in line, line
     rank1 = (tmp_path / "run" / "rank-1.log").read_text()
@@ -140,7 +140,7 @@ def test_array_runs_one_training_per_index(cluster, tmp_path):
     for index in (0, 1):
         info = cluster.wait(f"{job}_{index}")
         log = (tmp_path / f"job-{job}_{index}.out").read_text()
-        assert info["JobState"] == "COMPLETED", log[-3000:]
+        assert info["JobState"] == "COMPLETED", what_ran(tmp_path, log)
         assert f"--seed {index + 1}" in log
         assert selftest.parse_records(log, "summary")[0]["steps"] == 8
         assert (tmp_path / "run" / str(index) / "checkpoints").is_dir()
@@ -241,7 +241,7 @@ def test_preempted_job_requeues_resumes_and_matches_an_uninterrupted_run(cluster
     cluster.release_requeued(job)
     info = cluster.wait(job, timeout=300)
     log = job_log(tmp_path, job)
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-3000:]
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", what_ran(tmp_path, log)
     assert "restart 0" in log and "restart 1" in log
     rank0 = (tmp_path / "run" / "rank-0.log").read_text()
     assert "requeued job" in rank0 or "requeued job" in log
@@ -268,7 +268,7 @@ def test_the_container_template_with_podman_completes_and_requeues_on_usr1(clust
     cluster.release_requeued(job, exclude=first_node)  # the restart on the other node, as preempted jobs often go
     info = cluster.wait(job, timeout=300)
     log = job_log(tmp_path, job)
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, log[-3000:])
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, what_ran(tmp_path, log))
     assert info["NodeList"] != first_node, info
     assert f"requeueing job {job} (restart 1)" in log, log[-3000:]
     rank0 = (tmp_path / "run" / "rank-0.log").read_text()
@@ -369,7 +369,7 @@ def test_hvdkit_slurm_submit_runs_the_job(cluster, tmp_path):
     assert job.isdigit()
     info = cluster.wait(job)
     log = (tmp_path / f"hvdkit-{job}.out").read_text()
-    assert info["JobState"] == "COMPLETED", log[-3000:]
+    assert info["JobState"] == "COMPLETED", what_ran(tmp_path, log)
     assert selftest.parse_records(log, "summary")[0]["steps"] == 4
 
 

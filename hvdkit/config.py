@@ -126,7 +126,8 @@ class TrainConfig:
                 "the step (as GradScaler does), stopping after 10 in a row"})
     check_consistency_steps: int = field(default=100, metadata={
         "help": "every N steps and before each checkpoint, check that every rank holds the same weights, buffers "
-                "and optimizer state; a difference stops the job naming the ranks (exit 77); 0 off"})
+                "and optimizer state (under zero, what every rank holds alike: not the slices); a difference stops "
+                "the job naming the ranks (exit 77); 0 off"})
     straggler_threshold: float = field(default=0.15, metadata={
         "help": "name a rank whose compute time per step is this fraction above the median rank's for 3 reports "
                 "in a row; 0 off"})
@@ -134,15 +135,16 @@ class TrainConfig:
         "help": "skip samples that cannot be read (counted in the summary) instead of stopping at the first"})
 
 
-# What a resume may change: how long to train, and how the run is logged, checkpointed and
-# watched. Anything else would make the resumed run a different run than the one checkpointed
-# (batch size moves the data position, base_lr is restored from the checkpoint, ...).
+# What a resume may change: how long to train, and how the run is logged, checkpointed, watched
+# and sharded (any zero stage takes any stage's checkpoint: hvdkit.zero.shards). Anything else
+# would make the resumed run a different run than the one checkpointed (batch size moves the
+# data position, base_lr is restored from the checkpoint, ...).
 RESUME_MAY_CHANGE = ("epochs", "max_steps", "data_dir", "num_workers", "log_interval", "log_dir", "logger",
                      "tracking_uri", "checkpoint_dir", "checkpoint_steps", "keep_checkpoints", "async_checkpoint",
                      "sharded_checkpoint", "snapshot_steps", "stall_timeout", "max_requeues", "resume", "compile",
                      "fused_optimizer", "channels_last", "cudnn_benchmark", "tf32",
                      "commit_steps", "on_nonfinite", "elementwise_optimizer", "skip_bad_samples",
-                     "check_consistency_steps", "straggler_threshold", "zero_groups")
+                     "check_consistency_steps", "straggler_threshold", "zero", "zero_groups")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -209,9 +211,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.zero == 3 and cfg.compile:
         raise ConfigError("config: zero 3 is not yet for compile: its gathers hook each group's forward, "
                           "which torch.compile would trace; drop one")
-    if cfg.zero == 3 and cfg.snapshot_steps:
-        raise ConfigError("config: snapshot_steps is not yet for zero 3 (its snapshots of sharded weights are to "
-                          "come); take checkpoints (checkpoint_steps), or use zero 2")
     if cfg.zero and cfg.use_adasum:
         raise ConfigError("config: zero cannot be used with use_adasum: Adasum combines each rank's update of whole "
                           "parameters, and a sharded optimizer updates slices; use one or the other")
@@ -400,8 +399,8 @@ def resume_conflict(saved: Mapping[str, Any], cfg: TrainConfig, adapted: Sequenc
             continue
         flag = "--" + name.replace("_", "-")
         return (f"was written with {flag} {_show(saved[name])} and this run asks for {_show(value)}; a resume "
-                f"continues that run, so only --epochs, --max-steps, --data-dir and logging, checkpoint and "
-                f"watchdog settings may change: drop {flag}, or start afresh in another --checkpoint-dir")
+                f"continues that run, so only --epochs, --max-steps, --data-dir, --zero and logging, checkpoint "
+                f"and watchdog settings may change: drop {flag}, or start afresh in another --checkpoint-dir")
     return None
 
 

@@ -51,10 +51,12 @@ def leaves(value):
 
 
 def final_weights(ckpt_dir):
-    """The model weights in the newest checkpoint of ``ckpt_dir``."""
+    """The model weights in the newest checkpoint of ``ckpt_dir``, whole (a stage-3 one's joined)."""
     from hvdkit import checkpoint
+    from hvdkit.zero import shards
 
-    return checkpoint.load_whole(checkpoint.existing(str(ckpt_dir))[-1])["model"]
+    newest = checkpoint.existing(str(ckpt_dir))[-1]
+    return shards.plain_state(newest, checkpoint.load_whole(newest))["model"]
 
 
 # The notebook's settings (examples/hvdkit_run.ipynb) as `hvdkit train` flags: plain SGD on a model

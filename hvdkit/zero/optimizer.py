@@ -20,16 +20,15 @@ A step, on every rank:
    parameters. That is the same update as on the whole parameters for optimizers that work
    element by element, the only ones accepted (``check``).
 3. The updated slices are allgathered in place (together on GPUs, one bucket at a time on CPUs:
-   ``ShardedOptimizer._send`` says why): each bucket's weights are
-   one flat vector from the start (the parameters are views of it) and this rank's slice is its
-   part of that storage, so the weights are never held twice.
+   ``ShardedOptimizer._send`` says why): each bucket's weights are one flat vector from the start
+   (the parameters are views of it) and this rank's slice is its part of that storage, so the
+   weights are never held twice.
 
 No collective allocates its output, and the buffers a step needs are made in the first step and
 kept: buffers that Horovod's thread allocated and the training thread freed, every step, left
 glibc's heaps in pieces, and the peak far above the bytes held (docs/zero.md). Under MPI the
-in-place collectives need hvdkit's Horovod patch 0007 (``check_collectives``).
-
-The padding of each bucket is zeros in the gradient, so it leaves norms and updates alone.
+in-place collectives need hvdkit's Horovod patch 0007 (``check_collectives``). The padding of
+each bucket is zeros in the gradient, so it leaves norms and updates alone.
 """
 
 from __future__ import annotations
@@ -470,6 +469,17 @@ class ShardedOptimizer:
 
     def load_state_dict(self, state_dict) -> None:
         self.state_dict()
+
+    def load_whole_state(self, state_dict: dict) -> None:
+        """A whole optimizer's torch state_dict (a checkpoint of zero 0; its parameters numbered in
+        the param groups' order): this rank keeps its slices' state, and the groups' options."""
+        groups, sizes = state_dict["param_groups"], [len(group["params"]) for group in state_dict["param_groups"]]
+        if sizes != self.group_sizes:
+            raise ConfigError(f"zero: the checkpoint's param groups hold {sizes} parameters, this optimizer's "
+                              f"{self.group_sizes}; start afresh in another checkpoint_dir")
+        self._shard_state({self.params[i]: values for i, values in state_dict["state"].items()})
+        for group, saved in zip(self.inner.param_groups, groups, strict=True):
+            group.update({key: value for key, value in saved.items() if key != "params"})
 
     def group_options(self) -> list[dict]:
         """Each param group's options (lr, weight decay, a scheduler's initial_lr, ...)."""

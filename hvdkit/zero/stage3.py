@@ -117,7 +117,7 @@ class WeightShardedOptimizer(ShardedOptimizer):
             if self.deferred and not self._loaded:
                 self._replay(modules)
             for piece, bucket in zip(self.slices, self.buckets, strict=True):
-                if not self.deferred:
+                if not (self.deferred or self._loaded):
                     self._read_slice(piece, bucket)
                 piece.requires_grad_(True)  # the gathers' link in autograd (its backward hands on the gradient)
         units = [Unit(piece, bucket.slice_length(self.size) * self.size,
@@ -167,20 +167,74 @@ class WeightShardedOptimizer(ShardedOptimizer):
         if lo < hi:
             piece[lo - start:hi - start].copy_(value.reshape(-1)[lo - offset:hi - offset])
 
-    def load_model_state(self, state: dict) -> None:
-        """A deferred model's weights from a checkpoint's whole state_dict (a resume, before
-        shard_model): each rank keeps its slices, buffers and untrained weights are made whole."""
-        modules = self._places()
+    def load_model_state(self, state: dict, sliced: bool = False) -> None:
+        """The model's weights from a checkpoint's state_dict (a resume, before shard_model): each
+        rank keeps its slices of the whole weights there. ``sliced``: a stage-3 checkpoint's, which
+        holds the buffers and the weights not sharded only; the slices come from its parts
+        (load_weight_slices). A deferred model's buffers and untrained weights are made whole."""
+        modules, sharded = self._places(), self.sharded_names()
+        state = {name: value for name, value in state.items() if value is not None}  # sliced: the weights' places
+        if not self.deferred:
+            missing, unexpected = self.model.load_state_dict(
+                state, strict=False) if sliced else self.model.load_state_dict(state)
+            wrong = unexpected + [name for name in missing if name not in sharded]
+            if wrong:
+                raise RuntimeError(f"the checkpoint's model entries and this model's differ: {', '.join(wrong[:3])}")
+            self._loaded = sliced
+            return
         with torch.no_grad():
             for qualified, module in self.model.named_modules():
                 prefix = f"{qualified}." if qualified else ""
                 for name, param in module._parameters.items():
-                    if param is not None and param.is_meta and (module, name) == modules[id(param)][0]:
+                    if param is None or not param.is_meta or (module, name) != modules[id(param)][0]:
+                        continue
+                    if not (sliced and prefix + name in sharded):
                         self._keep(param, self._entry(state, prefix + name).to(self.device), modules)
                 for name, buffer in module._buffers.items():
                     if buffer is not None and buffer.is_meta:
                         module._buffers[name] = self._entry(state, prefix + name).to(self.device).clone()
         self._loaded = True
+
+    def load_weight_slices(self, weights: dict[int, torch.Tensor]) -> None:
+        """This rank's slices of the weights, by unit (hvdkit.zero.shards re-slices a stage-3
+        checkpoint's to this world size and these units); before shard_model, on every rank."""
+        assert self.gathering is None, "hvdkit: zero 3's slices are loaded before shard_model()"
+        missing = [n for n in range(len(self.slices)) if n not in weights]
+        if missing:
+            raise ConfigError(f"zero 3: the checkpoint holds no weights for {len(missing)} of this model's units")
+        with torch.no_grad():
+            for n, piece in enumerate(self.slices):
+                piece.copy_(weights[n])
+        self._loaded = True
+
+    def weight_names(self) -> list[Optional[list[str]]]:
+        """Per parameter index: the names of its sharded weight in the model's state_dict (two where
+        tied), or None where it is not sharded (kept whole in the model's state_dict)."""
+        names: dict[int, list[str]] = {}
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
+        return [names.get(id(param)) if i in self._bucket_of else None for i, param in enumerate(self.params)]
+
+    def sharded_names(self) -> set[str]:
+        """The state_dict names of the sharded weights (hvdkit.rank.agree.consistency leaves them out)."""
+        return {name for names in self.weight_names() if names for name in names}
+
+    def shard_state(self) -> dict:
+        """This rank's share of the optimizer state (ShardedOptimizer's), and its slices of the
+        weights under ``weights`` (per unit): a checkpoint's part, or a snapshot's shard."""
+        return {**super().shard_state(), "weights": {n: piece.detach() for n, piece in enumerate(self.slices)}}
+
+    def unsharded_state_dict(self) -> dict:
+        """The model's state_dict with None in place of each sharded weight (its order kept): the
+        buffers and the weights kept whole, for a stage-3 checkpoint's main file (each rank's part
+        holds its slices; hvdkit.zero.shards joins them). No collective."""
+        sharded = self.sharded_names()
+        self._exporting = True
+        try:
+            state = self.model.state_dict()
+        finally:
+            self._exporting = False
+        return {name: None if name in sharded else value for name, value in state.items()}
 
     @staticmethod
     def _entry(state: dict, name: str) -> torch.Tensor:

@@ -167,14 +167,21 @@ def test_a_stop_signal_is_not_a_failure(tmp_path):
 
 
 @pytest.mark.slow
-def test_with_snapshots_a_killed_rank_redoes_at_most_one_step_and_leaves_none(tmp_path, two_ranks_trained):
+@pytest.mark.parametrize("zero", ["0", "3"])
+def test_with_snapshots_a_killed_rank_redoes_at_most_one_step_and_leaves_none(tmp_path, two_ranks_trained, zero):
     """--snapshot-steps 1: each step's state in host memory besides the checkpoints every 5; rank 1
     killed at step 12 resumes from the snapshot of step 11 or 12, bitwise, and the snapshots are gone
-    at the end."""
-    proc, ckpt = _launch(tmp_path, "mpirun", "--max-restarts", "1", train=[*TWO_RANK_TRAIN, "--snapshot-steps", "1"])
+    at the end. At zero 3 each rank's snapshot holds its slices of the weights (its buddy on the same
+    host keeps none), and the run ends bitwise at the unsharded run's weights (SGD at np 2: the
+    same sums)."""
+    proc, ckpt = _launch(tmp_path, "mpirun", "--max-restarts", "1",
+                         train=[*TWO_RANK_TRAIN, "--snapshot-steps", "1", "--zero", zero])
     assert proc.returncode == 0, proc.stderr[-3000:]
     [resumed] = [line for line in proc.stderr.splitlines() if "resumed from" in line]
     place = os.path.dirname(resumed.split("resumed from ")[1].split(" (")[0])
+    if zero == "3":  # each rank's own folder in the job's
+        assert re.search(r"/zero-of-2-holds-[01]$", place), resumed
+        place = os.path.dirname(os.path.dirname(place))
     assert place.startswith(restarts.SHM) and "hvdkit-snapshots-" in place, resumed
     assert re.search(r"ckpt-step00000001[12]\.pt \(epoch \d+, step 1[12]\)", resumed), resumed
     assert not os.path.exists(place), "the job's snapshots outlived it"

@@ -57,6 +57,25 @@ def test_compared_leaves_out_only_the_statistics_each_rank_keeps_itself():
                 if n.startswith("optimizer.")], "zero's slices and Adasum's own steps are not the same on every rank"
 
 
+def test_under_zero_3_the_sharded_weights_are_not_compared_and_the_scope_says_so():
+    """Stage 3's optimizer names its sharded weights (hvdkit.zero.stage3.sharded_names): each rank
+    holds its slices alone, so the check compares the buffers and the weights kept whole."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+
+    class Stage3Names:  # what consistency reads of stage 3's optimizer
+        state: dict = {}
+
+        def sharded_names(self):
+            return {"1.weight", "1.bias", "2.weight", "2.bias"}
+
+    names = [name for name, _ in consistency.compared(model, Stage3Names(), replicated_optimizer=False)]
+    assert names == ["0.weight", "0.bias", "1.num_batches_tracked"]
+    assert consistency.scope(3, False).startswith("the buffers and the weights kept whole; not the sharded weights")
+    assert "not the optimizer's state, whose slices" in consistency.scope(2, False)
+    assert consistency.scope(0, False) == "the weights, the buffers and the optimizer's state"
+
+
 def test_checkpoints_after_the_last_check_that_passed_are_set_aside_not_deleted(tmp_path):
     for step in (4, 8, 12):
         checkpoint.save(str(tmp_path), step, {"step": step}, keep=5)

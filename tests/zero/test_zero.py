@@ -132,8 +132,9 @@ def test_sharded_checkpoint_resumes_at_other_world_sizes_as_its_export(tmp_path)
 
 
 def test_a_stage_3_checkpoint_resumes_at_other_world_sizes_and_stages_as_its_export(tmp_path):
-    """Stage 3 saved at np=2 (K=3): the main file holds the whole weights, each rank's part its slices'
-    AdamW state; resumed at np=1 at stage 3 (K 6) and np=3 at stage 2 (K 2), each as plain torch
+    """Stage 3 saved at np=2 (K=3), by parameter: the main file holds the frozen layer whole and names
+    each sharded weight, each rank's part its slices of the weights and their AdamW state; resumed
+    at np=1 at stage 3 (K 6), np=3 at stage 2 (K 2) and np=3 at zero 0 (K 2), each as plain torch
     continuing from its export."""
     saved = tmp_path / "saved"
     keys = dict(batch_size=2, batches_per_allreduce=3, checkpoint_steps=5)
@@ -141,18 +142,29 @@ def test_a_stage_3_checkpoint_resumes_at_other_world_sizes_and_stages_as_its_exp
              env=_env(zero=3, checkpoint_dir=saved, log_dir=tmp_path / "log2", **keys)))
     newest = checkpoint.existing(str(saved))[-1]
     main = checkpoint.load(newest)
-    assert main["optimizer"]["zero"] == 3 and main["model"]["4.weight"].shape == (4, 32), "the weights whole"
-    torch.testing.assert_close(main["model"]["4.weight"], torch.load(tmp_path / "np2.pt")["4.weight"])
+    manifest = main["optimizer"]
+    assert manifest["zero"] == 3 and {k for k, v in main["model"].items() if v is not None} == {"0.weight", "0.bias"}, \
+        "only the frozen layer whole"
+    assert manifest["weights"] == [None, None, ["2.weight"], ["2.bias"], ["4.weight"], ["4.bias"]]
+    parts = [checkpoint.load(checkpoint.shard_folder(newest) / p["file"])["zero"] for p in main["parts"]]
+    trained = 32 * 32 + 32 + 4 * 32 + 4
+    assert [sum(w.numel() for w in part["weights"].values()) for part in parts] == [trained // 2] * 2, \
+        "each rank's part holds its half of the two units"
     exported = tmp_path / "export"
     _ok(run([sys.executable, "-m", "hvdkit", "checkpoint", "export", str(saved), str(exported)]))
-    _resumes_at_1_and_3_as_its_export(tmp_path, saved, exported, main, keys, ((1, None, dict(zero=3), 6),
-                                                                              (3, "horovodrun --mpi", dict(zero=2), 2)))
+    whole = torch.load(exported / "model.pt")
+    assert list(whole) == list(torch.load(tmp_path / "np2.pt")), "the export's state_dict is the model's"
+    for name, value in torch.load(tmp_path / "np2.pt").items():
+        assert torch.equal(whole[name], value), name
+    resumes = ((1, None, dict(zero=3), 6), (3, "horovodrun --mpi", dict(zero=2), 2),
+               (3, "horovodrun --gloo", dict(zero=0, sharded_checkpoint="true"), 2))
+    _resumes_at_1_and_3_as_its_export(tmp_path, saved, exported, {**main, "model": whole}, keys, resumes)
 
 
 def test_a_sharded_distributed_optimizer_checkpoint_resumes_at_other_world_sizes_as_its_export(tmp_path):
     """--sharded-checkpoint without ZeRO: saved at np=2 (K=3), each rank writing a part of the
-    weights and the AdamW state; resumed at np=1 (K 6) and np=3 (K 2), as plain torch from its export
-    with the same global batch."""
+    weights and the AdamW state; resumed at np=1 (K 6), np=3 (K 2) and np=3 at zero 3 (the whole
+    state sliced), as plain torch from its export with the same global batch."""
     saved = tmp_path / "saved"
     keys = dict(batch_size=2, batches_per_allreduce=3, checkpoint_steps=5, sharded_checkpoint="true")
     _ok(_run([sys.executable, SCRIPT, "10", str(tmp_path / "np2.pt")], np=2, how="horovodrun --mpi",
@@ -165,8 +177,8 @@ def test_a_sharded_distributed_optimizer_checkpoint_resumes_at_other_world_sizes
     exported = tmp_path / "export"
     _ok(run([sys.executable, "-m", "hvdkit", "checkpoint", "export", str(saved), str(exported)]))
     main = checkpoint.load_whole(newest)
-    _resumes_at_1_and_3_as_its_export(tmp_path, saved, exported, main, keys, ((1, None, {}, 6),
-                                                                              (3, "horovodrun --mpi", {}, 2)))
+    resumes = ((1, None, {}, 6), (3, "horovodrun --mpi", {}, 2), (3, "horovodrun --gloo", dict(zero=3), 2))
+    _resumes_at_1_and_3_as_its_export(tmp_path, saved, exported, main, keys, resumes)
 
 
 def _resumes_at_1_and_3_as_its_export(tmp_path, saved, exported, main, keys, sizes):

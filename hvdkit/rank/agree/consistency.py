@@ -9,11 +9,14 @@ sum of its bits read as integers (exact, so order-free and the same on every ran
 bits; any one changed value changes it). One allreduce of the digests and their negations with
 Min gives every rank the smallest and largest digest of each tensor: equal everywhere, or not.
 
-What is compared: the parameters, the buffers, and the optimizer's state where every rank holds
-the same (not under ``zero``, whose ranks hold slices, nor under Adasum, whose ranks step their
-optimizers on their own gradients and combine the updates). Not compared: the running statistics
-of batch norms that are not synchronized (each rank's own batches, by design in Horovod), which a
-checkpoint takes from rank 0.
+What is compared (``scope`` says it in words, and the divergence file holds it): what every rank
+holds alike. The parameters, the buffers, and the optimizer's state where every rank holds the
+same (not under ``zero``, whose ranks hold slices, nor under Adasum, whose ranks step their
+optimizers on their own gradients and combine the updates). Under ``zero 3`` the sharded weights
+are slices too, each held by one rank only, so there is no second copy to compare: the check
+covers the buffers and the weights kept whole (the gathers give every rank the same whole
+weights by construction). Not compared: the running statistics of batch norms that are not
+synchronized (each rank's own batches, by design in Horovod), which a checkpoint takes from rank 0.
 
 On a mismatch every rank stops at that step (they all read the same allreduce): the digests
 are gathered once to name the ranks that differ from the largest group, their hosts and the
@@ -79,12 +82,25 @@ def _horovod_sync_batch_norm():
     return hvd.SyncBatchNorm
 
 
+def scope(zero: int, adasum: bool) -> str:
+    """What the check compares under ``zero`` (its stage) and Adasum, in words."""
+    if zero == 3:
+        return ("the buffers and the weights kept whole; not the sharded weights nor the optimizer's state, "
+                "whose slices each rank holds alone")
+    if zero or adasum:
+        alone = "whose slices each rank holds alone" if zero else "each rank's own under Adasum"
+        return f"the weights and the buffers; not the optimizer's state, {alone}"
+    return "the weights, the buffers and the optimizer's state"
+
+
 def compared(model: nn.Module, optimizer, replicated_optimizer: bool) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of everything that every rank should hold alike, in the model's order; the
     optimizer's state only where ``replicated_optimizer`` (not under zero, whose ranks hold slices,
-    nor Adasum, whose ranks step on their own gradients and combine the updates)."""
+    nor Adasum, whose ranks step on their own gradients and combine the updates); not zero 3's
+    sharded weights (its optimizer's ``sharded_names``), slices too."""
     local = local_statistics(model)
-    tensors = [(name, p) for name, p in model.named_parameters()]
+    sharded = optimizer.sharded_names() if hasattr(optimizer, "sharded_names") else set()
+    tensors = [(name, p) for name, p in model.named_parameters() if name not in sharded]
     tensors += [(name, b) for name, b in model.named_buffers() if name not in local]
     if optimizer is not None and replicated_optimizer:
         names = {id(p): name for name, p in model.named_parameters()}
@@ -154,6 +170,7 @@ class Consistency:
                 f"{first!r}; digests per tensor and rank in {report}; {self._kept()}")
         if self.hvd.rank() == 0:
             _write_json(report, {"step": step, "last_good_step": self.last_good, "first": first,
+                                 "compared": scope(self.cfg.zero, self.cfg.use_adasum),
                                  "differing_ranks": differing, "reference_ranks": reference,
                                  "hosts": [host for host, _ in ranks], "tensors": names,
                                  "digests": {name: [values[i] for _, values in ranks] for i, name in enumerate(names)}})

@@ -124,20 +124,27 @@ class RunCheckpoints:
         if upgrade is not None:  # a built-in model's checkpoint of an earlier layout (hvdkit.models.TinyGPT)
             state = {**state}
             state["model"], state["optimizer"] = upgrade(state["model"], state.get("optimizer"))
+        path, saved = Path(state["path"]), state["optimizer"]
+        # A stage-3 checkpoint holds its sharded weights in its parts (hvdkit.zero.shards): a stage-3
+        # run takes its slices from them, any other joins them whole.
+        sliced = shards.holds_weights(saved)
         try:
-            if getattr(run.optimizer, "deferred", False):  # zero 3 built on meta: each rank takes its slices
-                run.optimizer.load_model_state(state["model"])
+            if self.cfg.zero == 3:  # each rank keeps its slices (shard_model, after this)
+                run.optimizer.load_model_state(state["model"], sliced=sliced)
             else:
-                self.module().load_state_dict(state["model"])
+                self.module().load_state_dict(shards.whole_model(path, state) if sliced else state["model"])
         except RuntimeError as exc:
             raise ConfigError(f"checkpoint {state['path']} does not fit this model: "
                               f"{str(exc).splitlines()[0]}") from None
         if "zero_shard" in state:  # from a snapshot: this rank's shard, as it was
-            shards.load_own(run.optimizer, Path(state["path"]), state["optimizer"], state["zero_shard"])
-        elif shards.is_manifest(state["optimizer"]):
-            shards.load(run.optimizer, Path(state["path"]), state["optimizer"])
+            shards.load_own(run.optimizer, path, saved, state["zero_shard"])
+        elif shards.is_manifest(saved) and self.cfg.zero:
+            shards.load(run.optimizer, path, saved)
+        elif self.cfg.zero:  # a checkpoint of zero 0: its whole state, sliced
+            run.optimizer.load_whole_state(saved)
         else:
-            run.optimizer.load_state_dict(state["optimizer"])
+            run.optimizer.load_state_dict(shards.plain_optimizer_state(path, saved) if shards.is_manifest(saved)
+                                          else saved)
             # That made new param-group dicts; a scheduler sets the rates in the dicts of the
             # optimizer you passed, so those must stay the ones Horovod's wrapper steps with.
             for mine, loaded in zip(run.inner.param_groups, run.optimizer.param_groups, strict=True):
@@ -237,7 +244,7 @@ class RunCheckpoints:
         # backward (Horovod's Adasum optimizer steps each parameter in its gradient hook): copied now.
         deferred = () if cfg.use_adasum else shared
         state = {
-            "model": run.optimizer.model_state_dict(module) if cfg.zero == 3 else module.state_dict(),
+            "model": run.optimizer.unsharded_state_dict() if cfg.zero == 3 else module.state_dict(),
             "optimizer": run.optimizer.state_dict() if optimizer_state is None else optimizer_state,
             "scheduler": run.scheduler.state_dict() if run.scheduler is not None else None,
             "scaler": run.scaler.state_dict() if run.scaler else None, "extra": run.extra, "trackers": run.trackers,
@@ -259,11 +266,14 @@ class RunCheckpoints:
                          deferred=deferred, part=own, parts=others)
 
     def _changed_by_step(self, module: nn.Module) -> list:
-        """The tensors only the optimizer step changes: the weights and the optimizer's state
-        (a background save copies them while the next forward and backward run)."""
-        state = getattr(self.state.optimizer, "state", {})
-        return [*module.parameters(), *(value for per_parameter in state.values() for value in per_parameter.values()
-                                        if torch.is_tensor(value))]
+        """The tensors only the optimizer step changes: the weights (at zero 3 this rank's slices of
+        them) and the optimizer's state (a background save copies them while the next forward and
+        backward run)."""
+        optimizer = self.state.optimizer
+        state = getattr(optimizer, "state", {})
+        slices = optimizer.slices if self.cfg.zero == 3 else []
+        return [*module.parameters(), *slices, *(value for per_parameter in state.values()
+                                                 for value in per_parameter.values() if torch.is_tensor(value))]
 
     def before_update(self) -> None:
         """Before the optimizer step: wait until the saves in flight have copied what it changes."""

@@ -72,9 +72,8 @@ class CheckpointReader:
     def accepted(self, path: Path, state: dict) -> dict:
         """The checkpoint ``path``'s ``state`` with its path, if this run may continue it; ConfigError if not."""
         other_size = state["world_size"] != self.hvd.size()
-        zero = bool(self.cfg.zero and state["config"].get("zero"))  # stage 1 and 2 shards are alike
         sharded = self.sharded and bool(state["config"].get("zero") or state["config"].get("sharded_checkpoint"))
-        adapted = ("zero",) * zero + ("batches_per_allreduce",) * (sharded and other_size)
+        adapted = ("batches_per_allreduce",) * (sharded and other_size)
         conflict = config_resume_conflict(state["config"], self.cfg, adapted)
         if conflict:
             raise ConfigError(f"checkpoint {path} {conflict}")

@@ -1,5 +1,6 @@
 """ZeRO's snapshots in host memory, for hvdkit launch's restarts: no rank holds the whole optimizer
-state, so each rank keeps its own snapshot (the model, the optimizer's manifest and its shard) in
+state (at stage 3 nor the weights), so each rank keeps its own snapshot (the model, the
+optimizer's manifest and its shard, at stage 3 with its slices of the weights) in
 a folder of its host's, and a copy of another rank's shard: at each snapshot every rank sends its
 shard to its buddy, the next rank on another host, by an alltoall left in flight (the snapshot's
 writing thread waits for it). Every shard is then on two hosts, so losing one loses none.
@@ -64,10 +65,12 @@ def plan(reports: list[list], size: int, newer_than: int) -> Optional[tuple[int,
     return None
 
 
-def _pieces(state: dict) -> list[tuple]:
-    """(bucket, key, tensor) of a shard's tensors that are not scalars, in a fixed order."""
-    return [(n, key, value) for n, values in sorted(state.items()) for key, value in values.items()
-            if torch.is_tensor(value) and value.dim()]
+def _pieces(shard: dict) -> list[tuple]:
+    """(bucket, key, tensor) of a shard's tensors that are not scalars, in a fixed order: its
+    optimizer state's, then (stage 3) its slices of the weights, with the key None."""
+    state = [(n, key, value) for n, values in sorted(shard["state"].items()) for key, value in values.items()
+             if torch.is_tensor(value) and value.dim()]
+    return state + [(n, None, value) for n, value in sorted(shard.get("weights", {}).items())]
 
 
 class ShardSnapshots:
@@ -93,7 +96,7 @@ class ShardSnapshots:
 
     def copy_bytes(self) -> int:
         """Bytes of the copies this rank keeps (each shard's tensors as large as its own)."""
-        return len(self.copies_of) * sum(t.nbytes for _, _, t in _pieces(self.optimizer.shard_state()["state"]))
+        return len(self.copies_of) * sum(t.nbytes for _, _, t in _pieces(self.optimizer.shard_state()))
 
     def take(self, step: int) -> dict:
         """This rank's shard, and the copies of others' it keeps, for its snapshot of ``step``: its
@@ -103,7 +106,7 @@ class ShardSnapshots:
         entry = {own["rank"]: own}
         if self.buddy is None:  # every rank on one host: none has a buddy
             return entry
-        pieces = _pieces(own["state"])
+        pieces = _pieces(own)
         flat = (torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for _, _, t in pieces])
                 if pieces else torch.empty(0, dtype=torch.uint8))
         splits = [0] * self.hvd.size()
@@ -116,11 +119,12 @@ class ShardSnapshots:
         layout = [(n, key, t.dtype, tuple(t.shape), t.nbytes) for n, key, t in pieces]
         scalars = {n: {k: v.clone() if torch.is_tensor(v) else v for k, v in values.items()
                        if not (torch.is_tensor(v) and v.dim())} for n, values in own["state"].items()}
-        entry["copies"] = checkpoint.Later(lambda: self._copies(handle, layout, scalars, own["state"]))
+        entry["copies"] = checkpoint.Later(lambda: self._copies(handle, layout, scalars, own))
         return entry
 
-    def _copies(self, handle, layout: list, scalars: dict, order: dict) -> dict:
-        """The shards other ranks sent to be kept here, by their rank, rebuilt with ``layout``."""
+    def _copies(self, handle, layout: list, scalars: dict, own: dict) -> dict:
+        """The shards other ranks sent to be kept here, by their rank, rebuilt with ``layout`` in
+        the order of this rank's ``own`` shard."""
         received, counts = self.hvd.synchronize(handle)
         data, at, copies = received.cpu(), 0, {}
         for source, count in enumerate(counts.tolist()):
@@ -131,8 +135,10 @@ class ShardSnapshots:
                 placed[n, key] = part[offset:offset + nbytes].clone().view(dtype).reshape(shape)
                 offset += nbytes
             state = {n: {k: placed[n, k] if (n, k) in placed else _on_host(scalars[n][k]) for k in values}
-                     for n, values in order.items()}
+                     for n, values in own["state"].items()}
             copies[source] = {"rank": source, "world_size": self.hvd.size(), "state": state}
+            if "weights" in own:
+                copies[source]["weights"] = {n: placed[n, None] for n in own["weights"]}
             at += count
         return copies
 

@@ -1,5 +1,8 @@
 """Model parallelism on Horovod's process sets (docs/parallel.md), beside data parallelism: the
 weights sharded (ZeRO stage 3), tensor and pipeline parallelism. Rank side, below hvdkit.zero.
 
+``mesh``: the job's ranks as (dp, tp) groups, each a Horovod process set made at ``hvd.init``.
 ``ops``: hvdkit's autograd functions over Horovod's collectives, each named by its caller.
+``tensor``: tensor parallelism's layers (column-, row-parallel linear, vocabulary-parallel
+embedding and cross-entropy), each made from the whole layer it replaces.
 """

@@ -1,0 +1,49 @@
+"""Tensor parallelism (hvdkit.parallel.mesh, .ops, .tensor): the mesh's groups alone; then each
+layer in real jobs against the same layer whole in one process, in fp64
+(tests/programs/tensor_parallel_worker.py), under mpirun and horovodrun --gloo at 2 and 4 ranks."""
+
+import sys
+
+import horovod.torch as hvd
+import pytest
+
+from conftest import REPO, run
+from hvdkit.checks import selftest
+from hvdkit.config import ConfigError
+from hvdkit.parallel.mesh import Mesh
+
+WORKER = [sys.executable, str(REPO / "tests" / "programs" / "tensor_parallel_worker.py")]
+
+
+def test_tensor_parallel_groups_are_consecutive_ranks_and_data_parallel_groups_hold_the_same_shards():
+    mesh = Mesh(8, tp=2)
+    assert mesh.dp == 4
+    assert mesh.tp_ranks() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert mesh.dp_ranks() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    # Horovod's ProcessSets as hvd.init takes them (made before it, on every rank in this order)
+    assert [s.ranks for s in mesh.process_sets(hvd)] == [[0, 1], [2, 3], [4, 5], [6, 7], [0, 2, 4, 6], [1, 3, 5, 7]]
+    assert Mesh(4, tp=4).process_sets(hvd) == [], "a group of the whole job is the global set, of one rank none"
+    assert Mesh(4, tp=1).process_sets(hvd) == []
+
+
+@pytest.mark.parametrize("size, tp", [(4, 3), (2, 0), (6, 4)])
+def test_a_tp_that_does_not_divide_the_ranks_is_one_line(size, tp):
+    with pytest.raises(ConfigError, match=rf"^tp: {tp} does not divide the job's {size} ranks"):
+        Mesh(size, tp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch, said", [
+    (["mpirun", "--oversubscribe", "-np", "2"], ["tp 2 x dp 1"]),
+    (["mpirun", "--oversubscribe", "-np", "4"], ["tp 2 x dp 2", "tp 4 x dp 1"]),
+    (["horovodrun", "--gloo", "-np", "2"], ["tp 2 x dp 1"]),
+    (["horovodrun", "--gloo", "-np", "4"], ["tp 2 x dp 2", "tp 4 x dp 1"]),
+], ids=["mpirun-2", "mpirun-4", "gloo-2", "gloo-4"])
+def test_each_layer_computes_what_the_whole_layer_does_with_the_same_gradients(launch, said):
+    """Column- and row-parallel linear layers (with and without sequence parallelism, the output
+    gathered or not), Megatron's MLP of the two, the vocabulary-parallel embedding and
+    cross-entropy: outputs and gradients within 1e-10 of the whole layer's, two steps each."""
+    proc = run([*launch, *WORKER], env=selftest.mpi_root_env(), timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    for mesh in said:
+        assert f"tensor parallel: ok at {mesh}" in proc.stdout, proc.stdout[-2000:]

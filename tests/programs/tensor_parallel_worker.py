@@ -1,0 +1,167 @@
+"""hvdkit.parallel's tensor-parallel layers in every rank of a real job, each against the same layer
+whole in one process, in fp64: the output, the input's gradient and the weights' gradients, for
+two steps under the same names. Each rank builds the whole layer and its inputs from seeds (the
+ranks of a tensor-parallel group alike, each data-parallel replica its own), so the reference
+needs no collective. At 2 ranks the mesh is tp 2; at 4, tp 2 x dp 2 and tp 4, their process sets
+all made at hvd.init. Rank 0 prints "tensor parallel: ok at tp T x dp D" per mesh, or the job fails
+with the assertion.
+
+    mpirun -np N python tests/programs/tensor_parallel_worker.py
+"""
+
+import horovod.torch as hvd
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hvdkit import env
+from hvdkit.parallel.mesh import Mesh
+from hvdkit.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    sum_sequence_parallel_grads,
+    vocab_parallel_cross_entropy,
+)
+
+BATCH, SEQ, WIDTH, HIDDEN, VOCAB = 3, 4, 8, 12, 16
+
+
+def close(ours, theirs, what):
+    torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12, msg=lambda m: f"{what}: {m}")
+
+
+def block(t: torch.Tensor, group, dim: int) -> torch.Tensor:
+    width = t.shape[dim] // group.size
+    return t.narrow(dim, group.rank * width, width)
+
+
+def seeded(seed: int, *shape) -> torch.Tensor:
+    return torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+def whole_linear(seed: int, fan_in: int, fan_out: int) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(fan_in, fan_out).double()
+
+
+def check_column(mesh, replica: int, step: int, gather_output: bool, sequence_parallel: bool) -> None:
+    tp = mesh.tp_group
+    what = f"column gather_output={gather_output} sequence_parallel={sequence_parallel} step {step}"
+    whole = whole_linear(10 + step, WIDTH, HIDDEN)
+    x = seeded(100 * replica + step, BATCH, SEQ, WIDTH).requires_grad_()
+    upstream = seeded(200 * replica + step, BATCH, SEQ, HIDDEN)
+    layer = ColumnParallelLinear(whole, tp, "test.column", gather_output=gather_output,
+                                 sequence_parallel=sequence_parallel)
+    (whole(x) * upstream).sum().backward()
+    mine = (block(x, tp, 1) if sequence_parallel else x).detach().clone().requires_grad_()
+    out = layer(mine)
+    expected = whole(x).detach()
+    close(out, expected if gather_output else block(expected, tp, -1), f"{what}: output")
+    (out * (upstream if gather_output else block(upstream, tp, -1))).sum().backward()
+    close(mine.grad, block(x.grad, tp, 1) if sequence_parallel else x.grad, f"{what}: input's gradient")
+    close(layer.weight.grad, block(whole.weight.grad, tp, 0), f"{what}: weight's gradient")
+    close(layer.bias.grad, block(whole.bias.grad, tp, 0), f"{what}: bias's gradient")
+
+
+def check_row(mesh, replica: int, step: int, sequence_parallel: bool) -> None:
+    tp = mesh.tp_group
+    what = f"row sequence_parallel={sequence_parallel} step {step}"
+    whole = whole_linear(20 + step, HIDDEN, WIDTH)
+    x = seeded(300 * replica + step, BATCH, SEQ, HIDDEN).requires_grad_()
+    upstream = seeded(400 * replica + step, BATCH, SEQ, WIDTH)
+    layer = RowParallelLinear(whole, tp, "test.row", sequence_parallel=sequence_parallel)
+    (whole(x) * upstream).sum().backward()
+    mine = block(x, tp, -1).detach().clone().requires_grad_()
+    out = layer(mine)
+    expected = whole(x).detach()
+    close(out, block(expected, tp, 1) if sequence_parallel else expected, f"{what}: output")
+    (out * (block(upstream, tp, 1) if sequence_parallel else upstream)).sum().backward()
+    sum_sequence_parallel_grads(layer, tp, "test.row.grads")
+    close(mine.grad, block(x.grad, tp, -1), f"{what}: input's gradient")
+    close(layer.weight.grad, block(whole.weight.grad, tp, 1), f"{what}: weight's gradient")
+    close(layer.bias.grad, whole.bias.grad, f"{what}: bias's gradient")
+
+
+def check_mlp(mesh, replica: int, step: int, sequence_parallel: bool) -> None:
+    """Megatron's MLP: column-parallel, then GELU on each rank's block, then row-parallel; with
+    sequence parallelism the input and output are each rank's part of the sequence."""
+    tp = mesh.tp_group
+    what = f"mlp sequence_parallel={sequence_parallel} step {step}"
+    up, down = whole_linear(30 + step, WIDTH, HIDDEN), whole_linear(40 + step, HIDDEN, WIDTH)
+    x = seeded(500 * replica + step, BATCH, SEQ, WIDTH).requires_grad_()
+    upstream = seeded(600 * replica + step, BATCH, SEQ, WIDTH)
+    column = ColumnParallelLinear(up, tp, "test.mlp.up", sequence_parallel=sequence_parallel)
+    row = RowParallelLinear(down, tp, "test.mlp.down", sequence_parallel=sequence_parallel)
+    expected = down(F.gelu(up(x)))
+    (expected * upstream).sum().backward()
+    part = (lambda t: block(t, tp, 1)) if sequence_parallel else (lambda t: t)
+    mine = part(x).detach().clone().requires_grad_()
+    out = row(F.gelu(column(mine)))
+    close(out, part(expected.detach()), f"{what}: output")
+    (out * part(upstream)).sum().backward()
+    sum_sequence_parallel_grads(row, tp, "test.mlp.grads")
+    close(mine.grad, part(x.grad), f"{what}: input's gradient")
+    close(column.weight.grad, block(up.weight.grad, tp, 0), f"{what}: up's gradient")
+    close(row.weight.grad, block(down.weight.grad, tp, 1), f"{what}: down's gradient")
+    close(row.bias.grad, down.bias.grad, f"{what}: down's bias's gradient")
+
+
+def check_embedding(mesh, replica: int, step: int, sequence_parallel: bool) -> None:
+    tp = mesh.tp_group
+    what = f"embedding sequence_parallel={sequence_parallel} step {step}"
+    torch.manual_seed(50 + step)
+    whole = nn.Embedding(VOCAB, WIDTH).double()
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(700 * replica + step))
+    upstream = seeded(800 * replica + step, BATCH, SEQ, WIDTH)
+    layer = VocabParallelEmbedding(whole, tp, "test.embedding", sequence_parallel=sequence_parallel)
+    (whole(ids) * upstream).sum().backward()
+    out = layer(ids)
+    part = (lambda t: block(t, tp, 1)) if sequence_parallel else (lambda t: t)
+    close(out, part(whole(ids).detach()), f"{what}: output")
+    (out * part(upstream)).sum().backward()
+    close(layer.weight.grad, block(whole.weight.grad, tp, 0), f"{what}: weight's gradient")
+
+
+def check_cross_entropy(mesh, replica: int, step: int) -> None:
+    tp = mesh.tp_group
+    what = f"cross-entropy step {step}"
+    logits = (3 * seeded(900 * replica + step, BATCH, SEQ, VOCAB)).requires_grad_()
+    target = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1000 * replica + step))
+    weights = seeded(1100 * replica + step, BATCH, SEQ)
+    expected = F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1), reduction="none").view(BATCH, SEQ)
+    (expected * weights).sum().backward()
+    mine = block(logits, tp, -1).detach().clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(mine, target, tp, "test.loss")
+    close(loss, expected.detach(), f"{what}: loss")
+    (loss * weights).sum().backward()
+    close(mine.grad, block(logits.grad, tp, -1), f"{what}: logits' gradient")
+
+
+def check(mesh: Mesh) -> None:
+    replica = mesh.dp_group.rank  # the ranks of one tensor-parallel group share their inputs
+    for step in range(2):
+        for gather_output in (False, True):
+            check_column(mesh, replica, step, gather_output, sequence_parallel=False)
+        check_column(mesh, replica, step, False, sequence_parallel=True)
+        for sequence_parallel in (False, True):
+            check_row(mesh, replica, step, sequence_parallel)
+            check_mlp(mesh, replica, step, sequence_parallel)
+            check_embedding(mesh, replica, step, sequence_parallel)
+        check_cross_entropy(mesh, replica, step)
+
+
+def main() -> None:
+    size = env.detect().size  # the launcher's: process sets are made at hvd.init, before Horovod knows it
+    meshes = [Mesh(size, tp) for tp in (2, 4) if tp <= size]
+    hvd.init(process_sets=[s for mesh in meshes for s in mesh.process_sets(hvd)] or None)
+    for mesh in meshes:
+        mesh.bind(hvd)
+        check(mesh)
+        hvd.barrier()
+        if hvd.rank() == 0:
+            print(f"tensor parallel: ok at tp {mesh.tp} x dp {mesh.dp}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

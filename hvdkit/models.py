@@ -58,16 +58,17 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         if width % heads:
             raise ConfigError(f"model: width {width} is not a multiple of the {heads} heads")
-        self.heads, self.dropout = heads, dropout
+        self.heads, self.head_width, self.dropout = heads, width // heads, dropout
         self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, width = x.shape
-        q, k, v = (projection(x).view(batch, length, self.heads, width // self.heads).transpose(1, 2)
+        batch, length, _ = x.shape
+        # The heads are read from q's output: tensor parallelism gives each rank a block of them.
+        q, k, v = (projection(x).view(batch, length, -1, self.head_width).transpose(1, 2)
                    for projection in (self.q, self.k, self.v))
         y = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
                                                        is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(batch, length, width))
+        return self.o(y.transpose(1, 2).reshape(batch, length, -1))
 
 
 class Block(nn.Module):

@@ -36,15 +36,15 @@ class PackedGPT(nn.Module):
 class Attention(nn.Module):
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
-        self.heads = heads
+        self.head_dim = width // heads  # Hugging Face's: the heads are what q's output holds
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(width, width, bias=False) for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, width = x.shape
-        q, k, v = (projection(x).view(batch, length, self.heads, -1).transpose(1, 2)
+        batch, length, _ = x.shape
+        q, k, v = (projection(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
                    for projection in (self.q_proj, self.k_proj, self.v_proj))
         y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(batch, length, width))
+        return self.o_proj(y.transpose(1, 2).reshape(batch, length, -1))
 
 
 class MLP(nn.Module):

@@ -5,4 +5,5 @@ weights sharded (ZeRO stage 3), tensor and pipeline parallelism. Rank side, belo
 ``ops``: hvdkit's autograd functions over Horovod's collectives, each named by its caller.
 ``tensor``: tensor parallelism's layers (column-, row-parallel linear, vocabulary-parallel
 embedding and cross-entropy), each made from the whole layer it replaces.
+``plan``: ``parallelize(model, mesh, plan)``, the styles by module name, and the GPT's plan.
 """

@@ -116,7 +116,8 @@ def all_reduce(x: torch.Tensor, group, name: str, op=None) -> torch.Tensor:
     return mpi_ops.synchronize(handle)
 
 
-def _all_gather(x: torch.Tensor, group, name: str, dim: int) -> torch.Tensor:
+def all_gather(x: torch.Tensor, group, name: str, dim: int) -> torch.Tensor:
+    """Every rank's ``x`` of ``group`` joined along ``dim`` in rank order, a new tensor; no autograd."""
     from horovod.torch import mpi_ops
 
     front = x.detach().movedim(dim, 0).contiguous()  # Horovod joins along the first dimension
@@ -170,14 +171,14 @@ class _Scatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.group, f"{ctx.name}.grad", ctx.dim), None, None, None, None
+        return all_gather(grad, ctx.group, f"{ctx.name}.grad", ctx.dim), None, None, None, None
 
 
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, name, dim, summed):
         ctx.group, ctx.name, ctx.dim, ctx.summed = group, name, dim, summed
-        return _all_gather(x, group, name, dim)
+        return all_gather(x, group, name, dim)
 
     @staticmethod
     def backward(ctx, grad):
@@ -194,4 +195,4 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.group, f"{ctx.name}.grad", ctx.dim), None, None, None
+        return all_gather(grad, ctx.group, f"{ctx.name}.grad", ctx.dim), None, None, None

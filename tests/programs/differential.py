@@ -20,8 +20,9 @@ not stop the launch. Exit status 0 either way (the test reads the lines); an err
 job is the job's.
 
 A row of another kind plugs in as a cell whose ``reference`` and arms are its own: the sharded
-(ZeRO) rows compare with the unsharded reference here; a model-parallel row would compare with the
-one-process step.
+(ZeRO) rows compare with the unsharded reference here; the tensor-parallel rows (``tp``) with the
+one-process step of the same global batch (``one_process``), their meshes' process sets made at
+hvd.init.
 """
 
 from __future__ import annotations
@@ -38,9 +39,13 @@ import torch
 from torch import nn
 
 import hvdkit
+from hvdkit import env
 from hvdkit.models import TinyGPT
+from hvdkit.parallel.mesh import Mesh
+from hvdkit.parallel.plan import ColwiseParallel, RowwiseParallel, gpt_plan, parallelize, whole_state_dict
 from hvdkit.rank.start import startup
 from hvdkit.trainer import train_step
+from hvdkit.zero.optimizer import ShardedOptimizer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from reference_models import CausalLM  # noqa: E402  -- tests/reference_models.py
@@ -128,6 +133,17 @@ class Cell:
     fp16_scaled: bool = False  # the GPU's amp on this CPU: fp16 autocast and a GradScaler (see hvdkit_arm)
     compared: tuple = ("grads", "weights", "state")
     exact: bool = True  # bitwise at 2 ranks (not where the arm's arithmetic differs: a norm summed by slices)
+    tp: int = 0  # tensor parallel: the one-process step is the reference (``one_process``, ``tensor_parallel_arm``)
+    plan: Optional[Callable[[nn.Module], dict]] = None  # its hvdkit.parallel.plan
+
+
+def hf_plan(model) -> dict:
+    """The Hugging-Face-shaped model's plan: a few lines, as torch's tensor-parallel tutorials write
+    them (the output tied to the embedding, both split by vocabulary rows)."""
+    return {"model.embed_tokens": RowwiseParallel(), "model.layers.*.self_attn.[qkv]_proj": ColwiseParallel(),
+            "model.layers.*.self_attn.o_proj": RowwiseParallel(), "model.layers.*.mlp.gate_proj": ColwiseParallel(),
+            "model.layers.*.mlp.up_proj": ColwiseParallel(), "model.layers.*.mlp.down_proj": RowwiseParallel(),
+            "lm_head": ColwiseParallel(gather_output=True)}
 
 
 def partial_head(model):
@@ -202,7 +218,24 @@ CELLS += [
          keys={"zero": 3, "batches_per_allreduce": 2, "zero_groups": ["blocks.*", "norm"]},
          reference_kwargs={"backward_passes_per_step": 2}, compared=SHARDED, exact=False),
 ]
-SMOKE = ("fp32", "optimizer-over-part", "mixed-dtypes", "zero-1", "zero-3-hf-shaped-causal-lm")  # horovodrun --gloo
+# Tensor parallelism against the one-process step of the same global batch, in fp64, 50 steps: each
+# step's loss and the weights at the end (the shards joined). Arms: Horovod's DistributedOptimizer
+# over the data-parallel set (or none where it is one rank), and ZeRO 1 sharding within that set.
+TP_ARMS = ("tp", "tp-zero-1")
+CELLS += [
+    Cell("tp-2-gpt", model=lambda: TinyGPT(64, 16, width=32, layers=2, heads=4).double(), causal_lm=True, tp=2,
+         plan=gpt_plan, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), steps=50,
+         arms=TP_ARMS, compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4)),
+    Cell("tp-2-gpt-tied", model=lambda: TinyGPT(64, 16, width=32, layers=2, heads=4, tie_output=True).double(),
+         causal_lm=True, tp=2, plan=gpt_plan, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1), steps=50,
+         arms=TP_ARMS, compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4)),
+    Cell("tp-2-hf-shaped-causal-lm", model=lambda: CausalLM().double(), causal_lm=True, tp=2, plan=hf_plan,
+         optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1), steps=50,
+         arms=TP_ARMS, compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4)),
+]
+SMOKE = ("fp32", "optimizer-over-part", "mixed-dtypes", "zero-1", "zero-3-hf-shaped-causal-lm",  # horovodrun --gloo
+         "tp-2-gpt-tied")
+MESHES: dict[int, Mesh] = {}  # tp -> the mesh of its rows, made at hvd.init (main)
 
 
 def batch_of(cell: Cell, rank: int, step: int) -> tuple:
@@ -326,25 +359,69 @@ def hvdkit_arm(cell: Cell, arm: str, log_dir: str) -> dict:
     return result
 
 
-def differences(ours: dict, theirs: dict, exact: bool, tolerance: float, compared: tuple) -> list[str]:
+def one_process(cell: Cell) -> dict:
+    """Tensor parallelism's reference: the whole model on this rank alone, stepped on the global
+    batch (every data-parallel replica's share); each step's loss on this rank's replica's share."""
+    model, optimizer = made(cell)
+    mesh = MESHES[cell.tp]
+    losses = []
+    for step in range(cell.steps):
+        shares = [batch_of(cell, replica, step) for replica in range(mesh.dp)]
+        with torch.no_grad():
+            losses.append(loss_of(model, shares[mesh.dp_group.rank]))
+        optimizer.zero_grad()
+        loss_of(model, tuple(torch.cat(parts) for parts in zip(*shares, strict=True))).backward()
+        optimizer.step()
+    return {"losses": losses, "weights": [p.detach().clone() for p in model.parameters()]}
+
+
+def tensor_parallel_arm(cell: Cell, arm: str, log_dir: str) -> dict:
+    """The model split by ``cell.plan`` over the tensor-parallel group, each replica stepping on its
+    share of the global batch, the gradients averaged over the data-parallel set: by Horovod's
+    DistributedOptimizer (``tp``) or by ZeRO 1 sharding the state within the set (``tp-zero-1``)."""
+    mesh = MESHES[cell.tp]
+    torch.manual_seed(0)
+    whole = cell.model()
+    names = [name for name, _ in whole.named_parameters()]
+    model = parallelize(whole, mesh, cell.plan(whole))
+    optimizer = cell.optimizer(model)
+    dp = mesh.dp_group
+    if dp.size > 1 and arm == "tp":
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                             process_set=dp.process_set)
+    elif dp.size > 1:
+        optimizer = ShardedOptimizer(optimizer, hvd, 1, process_set=dp.process_set)
+    losses = []
+    for step in range(cell.steps):
+        optimizer.zero_grad()
+        loss = loss_of(model, batch_of(cell, dp.rank, step))
+        losses.append(loss.detach().clone())
+        loss.backward()
+        optimizer.step()
+    joined = whole_state_dict(model, mesh.tp_group, f"differential.{cell.name}.{arm}")
+    return {"losses": losses, "weights": [joined[name] for name in names]}
+
+
+def differences(ours: dict, theirs: dict, exact: bool, tolerance: float, compared: tuple,
+                whose: str = "Horovod's") -> list[str]:
     """What differs, by kind and index: bitwise where ``exact``, else beyond ``tolerance`` in the
-    relative norm of the difference."""
+    relative norm of the difference; ``whose``: the reference, as the lines name it."""
     said = []
     for kind in compared:
         if len(ours[kind]) != len(theirs[kind]):
-            said.append(f"{kind}: {len(ours[kind])} tensors, Horovod's {len(theirs[kind])}")
+            said.append(f"{kind}: {len(ours[kind])} tensors, {whose} {len(theirs[kind])}")
             continue
         for index, (a, b) in enumerate(zip(ours[kind], theirs[kind], strict=True)):
             if kind == "state":
                 (_, a), (_, b) = a, b
             if (a is None) != (b is None):
-                said.append(f"{kind}[{index}]: {'none' if a is None else 'one'}, Horovod's "
+                said.append(f"{kind}[{index}]: {'none' if a is None else 'one'}, {whose} "
                             f"{'none' if b is None else 'one'}")
                 continue
             if a is None:
                 continue
             if a.dtype != b.dtype or a.shape != b.shape:
-                said.append(f"{kind}[{index}]: {a.dtype} {tuple(a.shape)}, Horovod's {b.dtype} {tuple(b.shape)}")
+                said.append(f"{kind}[{index}]: {a.dtype} {tuple(a.shape)}, {whose} {b.dtype} {tuple(b.shape)}")
                 continue
             if exact and torch.equal(a, b):
                 continue
@@ -353,7 +430,7 @@ def differences(ours: dict, theirs: dict, exact: bool, tolerance: float, compare
             relative = (a64 - b64).norm().item() / scale
             if exact or not relative <= tolerance:
                 ratio = (a64 * b64).sum().item() / (b64 * b64).sum().item() if b64.norm() > 0 else float("nan")
-                said.append(f"{kind}[{index}]: relative difference {relative:.2e}, ours/Horovod's {ratio:.3f}")
+                said.append(f"{kind}[{index}]: relative difference {relative:.2e}, ours/{whose} {ratio:.3f}")
     return said
 
 
@@ -362,11 +439,15 @@ def run(cells: list[Cell]) -> int:
     failed = 0
     with tempfile.TemporaryDirectory(prefix="hvdkit-differential-") as scratch:
         for cell in cells:
-            theirs = reference(cell)
+            theirs = one_process(cell) if cell.tp else reference(cell)
             for arm in cell.arms:
+                if arm == "tp-zero-1" and MESHES[cell.tp].dp == 1:
+                    continue  # ZeRO within a data-parallel set of one rank: nothing to shard
                 try:
-                    said = differences(hvdkit_arm(cell, arm, os.path.join(scratch, f"{cell.name}-{arm}")), theirs,
-                                       hvd.size() == 2 and cell.exact, cell.tolerance, cell.compared)
+                    ours = (tensor_parallel_arm if cell.tp else hvdkit_arm)(
+                        cell, arm, os.path.join(scratch, f"{cell.name}-{arm}"))
+                    said = differences(ours, theirs, hvd.size() == 2 and cell.exact, cell.tolerance, cell.compared,
+                                       "one process's" if cell.tp else "Horovod's")
                 except Exception as error:  # noqa: BLE001  -- the cell's failure, said; the launch goes on
                     said = [f"{type(error).__name__}: {error}".splitlines()[0]]
                 everyone = hvd.allgather_object(said, name=f"differential.{cell.name}.{arm}")
@@ -376,7 +457,8 @@ def run(cells: list[Cell]) -> int:
                     verdict = "ok" if not problems else "FAIL " + " | ".join(problems[:2])
                     print(f"differential: {cell.name} {arm}: {verdict}", flush=True)
     if hvd.rank() == 0:
-        runs = sum(len(cell.arms) for cell in cells)
+        runs = sum(len([arm for arm in cell.arms if not (arm == "tp-zero-1" and MESHES[cell.tp].dp == 1)])
+                   for cell in cells)
         print(f"differential: {len(cells)} cells ({runs} runs), {failed} failed", flush=True)
     return failed
 
@@ -390,9 +472,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     # a user's job (every Session after finds Horovod started).
     for name, value in {**startup.performance_settings(False), **startup.reproducible_settings()}.items():
         os.environ.setdefault(name, value)
-    hvd.init()
+    size = env.detect().size  # the launcher's: the meshes' process sets are made at hvd.init
+    MESHES.update({cell.tp: Mesh(size, cell.tp) for cell in CELLS if cell.tp and size % cell.tp == 0})
+    hvd.init(process_sets=[s for mesh in MESHES.values() for s in mesh.process_sets(hvd)] or None)
+    for mesh in MESHES.values():
+        mesh.bind(hvd)
     startup.place_process(hvd.local_rank(), hvd.local_size())  # the Session's torch threads for the reference too
-    chosen = [cell for cell in CELLS if hvd.size() in cell.at or hvd.size() not in (2, 3, 4)]
+    chosen = [cell for cell in CELLS if (hvd.size() in cell.at or hvd.size() not in (2, 3, 4))
+              and (not cell.tp or cell.tp in MESHES)]
     if args.smoke:
         chosen = [cell for cell in chosen if cell.name in SMOKE]
     if args.only:

@@ -1,0 +1,133 @@
+"""``parallelize(model, mesh, plan)``: tensor parallelism applied by module name, in the shape of
+torch's ``parallelize_module`` (a plan maps module names, fnmatch patterns as ``blocks.*.up``, to
+styles: ``ColwiseParallel``, ``RowwiseParallel``). What a style does to a layer is
+hvdkit.parallel.tensor's; which layers it applies to is the plan's, so adding a model is
+writing a plan.
+
+Each planned module is replaced by its parallel form holding this rank's block of its weights,
+taken from the whole module (built from the same seed on every rank, so the split model computes
+what the whole one does). A weight tied across two planned modules (an embedding and its output
+layer, split alike by vocabulary rows) stays one parameter. Each split parameter says how
+(``tp_dim``: the dimension split over the tensor-parallel group), for ``whole_state_dict`` and
+for the step's norms; the rest are replicated on the group's ranks.
+
+Attention is split by heads: a plan that splits q, k and v by columns gives each rank whole
+heads (their features are consecutive), as many as the heads over tp; hvdkit's GPT and models
+shaped as Hugging Face's read the number of heads from the projection's output.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+from torch import nn
+
+from hvdkit.config import ConfigError
+from hvdkit.parallel.ops import all_gather
+from hvdkit.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+
+@dataclass(frozen=True)
+class ColwiseParallel:
+    """An nn.Linear split by its output features (ColumnParallelLinear): its output stays in
+    blocks, for a RowwiseParallel layer after it, or is joined (``gather_output``: an output
+    layer whose logits the loss takes whole)."""
+
+    gather_output: bool = False
+
+    def apply(self, module: nn.Module, group, name: str) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise ConfigError(f"tp: the plan splits {name} by columns, which is a {type(module).__name__}, "
+                              f"not an nn.Linear")
+        split = ColumnParallelLinear(module, group, name, gather_output=self.gather_output)
+        _split_as(split, {"weight": 0, "bias": 0})
+        return split
+
+
+@dataclass(frozen=True)
+class RowwiseParallel:
+    """An nn.Linear split by its input features (RowParallelLinear: its input is a ColwiseParallel
+    layer's blocks, its output whole), or an nn.Embedding split by rows of the vocabulary
+    (VocabParallelEmbedding: the ids whole, the output whole)."""
+
+    def apply(self, module: nn.Module, group, name: str) -> nn.Module:
+        if isinstance(module, nn.Linear):
+            split = RowParallelLinear(module, group, name)
+            _split_as(split, {"weight": 1})
+        elif isinstance(module, nn.Embedding):
+            split = VocabParallelEmbedding(module, group, name)
+            _split_as(split, {"weight": 0})
+        else:
+            raise ConfigError(f"tp: the plan splits {name} by rows, which is a {type(module).__name__}, "
+                              f"not an nn.Linear or nn.Embedding")
+        return split
+
+
+def _split_as(module: nn.Module, dims: dict[str, int]) -> None:
+    for name, dim in dims.items():
+        param = getattr(module, name, None)
+        if param is not None:
+            param.tp_dim = dim
+
+
+def parallelize(model: nn.Module, mesh, plan: dict[str, object]) -> nn.Module:
+    """``model`` with each module a pattern of ``plan`` names replaced by its style's parallel
+    form over ``mesh``'s tensor-parallel group (every rank of the job calls it alike, after
+    building the whole model from the same seed; no collective). The first pattern that matches
+    a module's name is its style; a module inside a replaced one is left to it. ConfigError, in
+    one line, for a pattern that names no module or a size the group does not divide."""
+    group = mesh.tp_group
+    if group is None:
+        raise ConfigError("tp: parallelize takes a mesh bound to Horovod (mesh.bind(hvd) after hvd.init)")
+    used: set[str] = set()
+    originals: dict[int, tuple] = {}  # id of a whole weight -> (how it was split, its block)
+    for name, module in list(model.named_modules()):
+        pattern = next((p for p in plan if name and fnmatch.fnmatchcase(name, p)), None)
+        if pattern is None or any(name.startswith(f"{done}.") for done in used):
+            continue
+        used.add(name)
+        wholes = {key: param for key, param in module.named_parameters(recurse=False)}
+        try:
+            split = plan[pattern].apply(module, group, name)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None  # the split's sizes, said by hvdkit.parallel.tensor
+        for key, whole in wholes.items():
+            block = getattr(split, key)
+            tied = originals.get(id(whole))
+            if tied is not None and tied[0] == (getattr(block, "tp_dim", None), tuple(block.shape)):
+                setattr(split, key, tied[1])  # one parameter, as the whole model's were
+            else:
+                originals[id(whole)] = ((getattr(block, "tp_dim", None), tuple(block.shape)), block)
+        model.set_submodule(name, split)
+    unused = [pattern for pattern in plan if not any(fnmatch.fnmatchcase(name, pattern) for name in used)]
+    if unused:
+        raise ConfigError(f"tp: the plan's {', '.join(unused)} names no module of {type(model).__name__}")
+    return model
+
+
+def whole_state_dict(model: nn.Module, group, name: str = "hvdkit.tp.export") -> dict:
+    """The model's state_dict with every split parameter joined whole (in rank order along its
+    ``tp_dim``), on the CPU: every rank of ``group`` calls it alike and gets the same."""
+    split = {id(p): p.tp_dim for p in model.parameters() if getattr(p, "tp_dim", None) is not None}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    state = {}
+    for key, value in model.state_dict().items():
+        dim = split.get(id(params[key])) if key in params else None
+        if dim is not None and group.size > 1:
+            value = all_gather(value, group, f"{name}.{key}", dim)
+        state[key] = value.detach().to("cpu", copy=True)
+    return state
+
+
+def gpt_plan(model: nn.Module, loss_parallel: bool = False) -> dict[str, object]:
+    """The plan of hvdkit's GPT (hvdkit.models.TinyGPT): the token embedding by vocabulary rows,
+    each block's q, k and v by heads and its output projection by rows, its MLP's up by columns
+    and down by rows, the output layer by vocabulary (its logits joined, unless ``loss_parallel``:
+    then kept in blocks for vocab_parallel_cross_entropy). The position embedding and the norms are
+    replicated."""
+    return {"tokens": RowwiseParallel(), "blocks.*.attention.q": ColwiseParallel(),
+            "blocks.*.attention.k": ColwiseParallel(), "blocks.*.attention.v": ColwiseParallel(),
+            "blocks.*.attention.o": RowwiseParallel(), "blocks.*.up": ColwiseParallel(),
+            "blocks.*.down": RowwiseParallel(), "head": ColwiseParallel(gather_output=not loss_parallel)}
+

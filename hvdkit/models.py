@@ -79,10 +79,13 @@ class Block(nn.Module):
         self.norm1, self.attention = nn.LayerNorm(width), CausalSelfAttention(width, heads, dropout)
         self.norm2, self.up, self.down = nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
         self.drop = nn.Dropout(dropout)
+        # The MLP's hidden features: a block of them on each rank under tensor parallelism, whose
+        # masks are drawn apart (hvdkit.parallel.rng); ``drop`` acts on what every rank holds whole.
+        self.drop_hidden = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop(self.attention(self.norm1(x)))
-        return x + self.drop(self.down(self.drop(nn.functional.gelu(self.up(self.norm2(x))))))
+        return x + self.drop(self.down(self.drop_hidden(nn.functional.gelu(self.up(self.norm2(x))))))
 
 
 class TinyGPT(nn.Module):

@@ -6,4 +6,6 @@ weights sharded (ZeRO stage 3), tensor and pipeline parallelism. Rank side, belo
 ``tensor``: tensor parallelism's layers (column-, row-parallel linear, vocabulary-parallel
 embedding and cross-entropy), each made from the whole layer it replaces.
 ``plan``: ``parallelize(model, mesh, plan)``, the styles by module name, and the GPT's plan.
+``norms``: the whole model's gradient norm across the mesh, and clipping by it.
+``rng``: the RNG tracker of dropout inside the tensor-parallel regions.
 """

@@ -64,6 +64,30 @@ class RowwiseParallel:
         return split
 
 
+@dataclass(frozen=True)
+class RandomInRegion:
+    """A module inside a tensor-parallel region whose random draws (dropout) act on this rank's
+    block: its forward draws from the RNG tracker's generator (hvdkit.parallel.rng), each rank its
+    own masks. Not replaced: its submodules are planned as well."""
+
+    def apply(self, module: nn.Module, group, name: str, rng=None) -> nn.Module:
+        if rng is None:
+            raise ConfigError(f"tp: the plan draws {name}'s randomness in a tensor-parallel region: give "
+                              f"parallelize an RNG tracker (rng=RNGTracker(seed, mesh.tp_group))")
+        forks: list = []
+
+        def enter(*_):
+            forks.append(rng.fork())
+            forks[-1].__enter__()
+
+        def leave(*_):
+            forks.pop().__exit__(None, None, None)
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave)
+        return module
+
+
 def _split_as(module: nn.Module, dims: dict[str, int]) -> None:
     for name, dim in dims.items():
         param = getattr(module, name, None)
@@ -71,20 +95,26 @@ def _split_as(module: nn.Module, dims: dict[str, int]) -> None:
             param.tp_dim = dim
 
 
-def parallelize(model: nn.Module, mesh, plan: dict[str, object]) -> nn.Module:
+def parallelize(model: nn.Module, mesh, plan: dict[str, object], rng=None) -> nn.Module:
     """``model`` with each module a pattern of ``plan`` names replaced by its style's parallel
     form over ``mesh``'s tensor-parallel group (every rank of the job calls it alike, after
     building the whole model from the same seed; no collective). The first pattern that matches
-    a module's name is its style; a module inside a replaced one is left to it. ConfigError, in
-    one line, for a pattern that names no module or a size the group does not divide."""
+    a module's name is its style; a module inside a replaced one is left to it. ``rng``: the
+    RNGTracker that RandomInRegion's modules draw from. ConfigError, in one line, for a pattern
+    that names no module or a size the group does not divide."""
     group = mesh.tp_group
     if group is None:
         raise ConfigError("tp: parallelize takes a mesh bound to Horovod (mesh.bind(hvd) after hvd.init)")
-    used: set[str] = set()
+    used: set[str] = set()  # the modules replaced
+    hooked: set[str] = set()  # the modules whose draws are the tracker's
     originals: dict[int, tuple] = {}  # id of a whole weight -> (how it was split, its block)
     for name, module in list(model.named_modules()):
         pattern = next((p for p in plan if name and fnmatch.fnmatchcase(name, p)), None)
         if pattern is None or any(name.startswith(f"{done}.") for done in used):
+            continue
+        if isinstance(plan[pattern], RandomInRegion):
+            plan[pattern].apply(module, group, name, rng)
+            hooked.add(name)
             continue
         used.add(name)
         wholes = {key: param for key, param in module.named_parameters(recurse=False)}
@@ -100,7 +130,7 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, object]) -> nn.Module:
             else:
                 originals[id(whole)] = ((getattr(block, "tp_dim", None), tuple(block.shape)), block)
         model.set_submodule(name, split)
-    unused = [pattern for pattern in plan if not any(fnmatch.fnmatchcase(name, pattern) for name in used)]
+    unused = [pattern for pattern in plan if not any(fnmatch.fnmatchcase(name, pattern) for name in used | hooked)]
     if unused:
         raise ConfigError(f"tp: the plan's {', '.join(unused)} names no module of {type(model).__name__}")
     return model
@@ -125,9 +155,13 @@ def gpt_plan(model: nn.Module, loss_parallel: bool = False) -> dict[str, object]
     each block's q, k and v by heads and its output projection by rows, its MLP's up by columns
     and down by rows, the output layer by vocabulary (its logits joined, unless ``loss_parallel``:
     then kept in blocks for vocab_parallel_cross_entropy). The position embedding and the norms are
-    replicated."""
-    return {"tokens": RowwiseParallel(), "blocks.*.attention.q": ColwiseParallel(),
+    replicated. With dropout, the attention's (on this rank's heads) and the MLP's hidden one draw
+    from the RNG tracker (parallelize's ``rng``)."""
+    plan = {"tokens": RowwiseParallel(), "blocks.*.attention.q": ColwiseParallel(),
             "blocks.*.attention.k": ColwiseParallel(), "blocks.*.attention.v": ColwiseParallel(),
             "blocks.*.attention.o": RowwiseParallel(), "blocks.*.up": ColwiseParallel(),
             "blocks.*.down": RowwiseParallel(), "head": ColwiseParallel(gather_output=not loss_parallel)}
+    if any(isinstance(m, nn.Dropout) and m.p for m in model.modules()):
+        plan.update({"blocks.*.attention": RandomInRegion(), "blocks.*.drop_hidden": RandomInRegion()})
+    return plan
 

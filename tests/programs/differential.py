@@ -28,6 +28,7 @@ hvd.init.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -42,6 +43,7 @@ import hvdkit
 from hvdkit import env
 from hvdkit.models import TinyGPT
 from hvdkit.parallel.mesh import Mesh
+from hvdkit.parallel.norms import clip_grad_norm_
 from hvdkit.parallel.plan import ColwiseParallel, RowwiseParallel, gpt_plan, parallelize, whole_state_dict
 from hvdkit.rank.start import startup
 from hvdkit.trainer import train_step
@@ -229,6 +231,10 @@ CELLS += [
     Cell("tp-2-gpt-tied", model=lambda: TinyGPT(64, 16, width=32, layers=2, heads=4, tie_output=True).double(),
          causal_lm=True, tp=2, plan=gpt_plan, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1), steps=50,
          arms=TP_ARMS, compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4)),
+    Cell("tp-2-gpt-clip-and-a-nonfinite-step", model=lambda: TinyGPT(64, 16, width=32, layers=2, heads=4).double(),
+         causal_lm=True, tp=2, plan=gpt_plan, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+         steps=50, arms=("tp",), compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4),
+         keys={"clip_grad_norm": 0.05}, poisoned=7),
     Cell("tp-2-hf-shaped-causal-lm", model=lambda: CausalLM().double(), causal_lm=True, tp=2, plan=hf_plan,
          optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1), steps=50,
          arms=TP_ARMS, compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4)),
@@ -364,14 +370,16 @@ def one_process(cell: Cell) -> dict:
     batch (every data-parallel replica's share); each step's loss on this rank's replica's share."""
     model, optimizer = made(cell)
     mesh = MESHES[cell.tp]
-    losses = []
+    losses, clip = [], cell.keys.get("clip_grad_norm")
     for step in range(cell.steps):
+        model.poisoned = step == cell.poisoned
         shares = [batch_of(cell, replica, step) for replica in range(mesh.dp)]
         with torch.no_grad():
             losses.append(loss_of(model, shares[mesh.dp_group.rank]))
         optimizer.zero_grad()
         loss_of(model, tuple(torch.cat(parts) for parts in zip(*shares, strict=True))).backward()
-        optimizer.step()
+        if clip is None or torch.isfinite(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)):
+            optimizer.step()  # a step whose gradient is not finite is skipped
     return {"losses": losses, "weights": [p.detach().clone() for p in model.parameters()]}
 
 
@@ -391,13 +399,22 @@ def tensor_parallel_arm(cell: Cell, arm: str, log_dir: str) -> dict:
                                              process_set=dp.process_set)
     elif dp.size > 1:
         optimizer = ShardedOptimizer(optimizer, hvd, 1, process_set=dp.process_set)
-    losses = []
+    losses, clip = [], cell.keys.get("clip_grad_norm")
     for step in range(cell.steps):
+        model.poisoned = step == cell.poisoned
         optimizer.zero_grad()
         loss = loss_of(model, batch_of(cell, dp.rank, step))
         losses.append(loss.detach().clone())
         loss.backward()
-        optimizer.step()
+        if clip is None:
+            optimizer.step()
+            continue
+        if dp.size > 1:
+            optimizer.synchronize()  # Horovod's clipping pattern: averaged over dp, then clipped
+        norm = clip_grad_norm_(model.parameters(), clip, mesh.tp_group, f"differential.{cell.name}.norm")
+        with optimizer.skip_synchronize() if dp.size > 1 else contextlib.nullcontext():
+            if torch.isfinite(norm):  # the same norm on every rank of the mesh: all skip alike
+                optimizer.step()
     joined = whole_state_dict(model, mesh.tp_group, f"differential.{cell.name}.{arm}")
     return {"losses": losses, "weights": [joined[name] for name in names]}
 
@@ -426,6 +443,8 @@ def differences(ours: dict, theirs: dict, exact: bool, tolerance: float, compare
             if exact and torch.equal(a, b):
                 continue
             a64, b64 = a.double(), b.double()
+            if torch.equal(a64.isnan(), b64.isnan()):  # a NaN where the reference has one agrees (a poisoned loss)
+                a64, b64 = a64.nan_to_num(0.0), b64.nan_to_num(0.0)
             scale = b64.norm().item() or 1.0
             relative = (a64 - b64).norm().item() / scale
             if exact or not relative <= tolerance:

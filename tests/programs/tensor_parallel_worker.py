@@ -3,8 +3,8 @@ whole in one process, in fp64: the output, the input's gradient and the weights'
 two steps under the same names. Each rank builds the whole layer and its inputs from seeds (the
 ranks of a tensor-parallel group alike, each data-parallel replica its own), so the reference
 needs no collective. At 2 ranks the mesh is tp 2; at 4, tp 2 x dp 2 and tp 4, their process sets
-all made at hvd.init. Rank 0 prints "tensor parallel: ok at tp T x dp D" per mesh, or the job fails
-with the assertion.
+all made at hvd.init. And the RNG tracker of dropout inside and outside the parallel regions.
+Rank 0 prints "tensor parallel: ok at tp T x dp D" per mesh, or the job fails with the assertion.
 
     mpirun -np N python tests/programs/tensor_parallel_worker.py
 """
@@ -15,7 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hvdkit import env
+from hvdkit.models import TinyGPT
 from hvdkit.parallel.mesh import Mesh
+from hvdkit.parallel.ops import all_gather
+from hvdkit.parallel.plan import gpt_plan, parallelize
+from hvdkit.parallel.rng import RNGTracker
 from hvdkit.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -138,7 +142,61 @@ def check_cross_entropy(mesh, replica: int, step: int) -> None:
     close(mine.grad, block(logits.grad, tp, -1), f"{what}: logits' gradient")
 
 
+def check_rng(mesh) -> None:
+    """Dropout inside a tensor-parallel region (the tracker's fork) draws a mask of its own on each
+    rank of the group; outside, the same on every rank; the tracker's state, saved and loaded, draws
+    the same masks again; torch's own generator goes on as if the region had not been."""
+    tp = mesh.tp_group
+    torch.manual_seed(5)  # the run's seed: the same on every rank
+    tracker = RNGTracker(5, tp)
+    ones = torch.ones(256, dtype=torch.float64)
+    with tracker.fork():
+        inside = F.dropout(ones, 0.5)
+    outside = F.dropout(ones, 0.5)
+    insides, outsides = (all_gather(t.unsqueeze(0), tp, f"test.rng.{what}", 0)
+                         for t, what in ((inside, "inside"), (outside, "outside")))
+    assert all(torch.equal(outsides[0], row) for row in outsides), "outside a region: one mask on every rank"
+    assert not any(torch.equal(insides[0], row) for row in insides[1:]), "inside: each rank's own mask"
+    torch.manual_seed(5)
+    assert torch.equal(F.dropout(ones, 0.5), outside), "the region left torch's own generator as it was"
+    saved = tracker.state_dict()
+    with tracker.fork():
+        first = F.dropout(ones, 0.5)
+    with tracker.fork():
+        assert not torch.equal(F.dropout(ones, 0.5), first), "each region goes on from the last"
+    tracker.load_state_dict(saved)
+    with tracker.fork():
+        assert torch.equal(F.dropout(ones, 0.5), first), "the saved state draws the same mask again"
+
+
+def check_gpt_dropout(mesh) -> None:
+    """The GPT with dropout split by its plan, the attention's and the MLP's hidden dropout drawn
+    from the tracker: three steps, after which every rank of a tensor-parallel group holds the same
+    replicated weights (the norms', the positions': the masks of what the ranks hold whole agreed,
+    else their gradients would differ), and the tracker's generator moved."""
+    tp = mesh.tp_group
+    torch.manual_seed(0)
+    whole = TinyGPT(64, 16, width=32, layers=2, heads=4, dropout=0.2).double()
+    tracker = RNGTracker(0, tp)
+    start = tracker.state.clone()
+    model = parallelize(whole, mesh, gpt_plan(whole), rng=tracker)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(10 * mesh.dp_group.rank + step))
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(tokens[:, :-1]).reshape(-1, 64), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        optimizer.step()
+    for name, param in model.named_parameters():
+        if getattr(param, "tp_dim", None) is None:  # replicated
+            held = all_gather(param.detach().unsqueeze(0), tp, f"test.dropout.{name}", 0)
+            assert all(torch.equal(held[0], row) for row in held[1:]), f"dropout: {name} differs across the group"
+    assert not torch.equal(tracker.state, start), "the regions drew from the tracker"
+
+
 def check(mesh: Mesh) -> None:
+    check_rng(mesh)
+    check_gpt_dropout(mesh)
     replica = mesh.dp_group.rank  # the ranks of one tensor-parallel group share their inputs
     for step in range(2):
         for gather_output in (False, True):

@@ -1,0 +1,47 @@
+"""The gradient's global norm across a tensor-parallel mesh, and clipping by it.
+
+A split parameter (``tp_dim`` set by hvdkit.parallel.plan) holds a different block on each rank of
+its tensor-parallel group, a replicated one the same values on every rank: the whole model's
+squared norm is the group's sum of the blocks' squares plus the replicated parameters' squares
+counted once. Each rank adds its blocks' squares and its replicated squares over the group's
+size, and one allreduce of that one value gives every rank of the group the same norm. The
+data-parallel replicas hold the same (averaged) gradients, so every rank of the mesh computes
+the same norm, clips alike, and skips a step alike where the norm is not finite.
+
+Nothing is read on the host: the norm stays a tensor (a GPU keeps it in flight).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from hvdkit.parallel.ops import all_reduce
+
+
+def grad_norm(parameters: Iterable[torch.Tensor], group, name: str) -> torch.Tensor:
+    """The 2-norm of the whole model's gradient (a 0-dim float64 tensor), from this rank's
+    ``parameters`` of a model split over ``group``; every rank of the group calls it alike."""
+    split, replicated = [], []
+    for param in parameters:
+        if param.grad is not None:
+            (split if getattr(param, "tp_dim", None) is not None else replicated).append(param.grad)
+    squares = torch.zeros((), dtype=torch.float64)
+    for grads, weight in ((split, 1.0), (replicated, 1.0 / group.size)):
+        if grads:
+            squares = squares + weight * torch.stack([g.detach().double().square().sum() for g in grads]).sum()
+    return all_reduce(squares.reshape(1), group, name).reshape(()).sqrt()
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, group, name: str) -> torch.Tensor:
+    """Scale the gradients of ``parameters`` so that the whole model's gradient norm is at most
+    ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` does on the whole model; returns the norm
+    before clipping. Every rank of ``group`` calls it alike; a non-finite norm scales by NaN,
+    as torch's does (the caller skips the step: every rank sees the same norm)."""
+    parameters = [p for p in parameters if p.grad is not None]
+    norm = grad_norm(parameters, group, name)
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for param in parameters:
+        param.grad.mul_(scale.to(param.grad.dtype))
+    return norm

@@ -35,11 +35,16 @@ class ColwiseParallel:
     layer whose logits the loss takes whole)."""
 
     gather_output: bool = False
+    unit: int = 1  # each rank's block holds whole units of this many features: an attention head's width
 
     def apply(self, module: nn.Module, group, name: str) -> nn.Module:
         if not isinstance(module, nn.Linear):
             raise ConfigError(f"tp: the plan splits {name} by columns, which is a {type(module).__name__}, "
                               f"not an nn.Linear")
+        units = module.out_features // self.unit
+        if self.unit > 1 and units % group.size:
+            raise ConfigError(f"tp: {group.size} does not divide {name}'s {units} heads of {self.unit} features; "
+                              f"give a tp that divides the heads")
         split = ColumnParallelLinear(module, group, name, gather_output=self.gather_output)
         _split_as(split, {"weight": 0, "bias": 0})
         return split
@@ -120,8 +125,10 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, object], rng=None) -> nn
         wholes = {key: param for key, param in module.named_parameters(recurse=False)}
         try:
             split = plan[pattern].apply(module, group, name)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None  # the split's sizes, said by hvdkit.parallel.tensor
+        except ConfigError:
+            raise
+        except ValueError as exc:  # hvdkit.parallel.tensor's: a size the group does not divide
+            raise ConfigError(f"tp: {name}: {exc}") from None
         for key, whole in wholes.items():
             block = getattr(split, key)
             tied = originals.get(id(whole))
@@ -157,8 +164,9 @@ def gpt_plan(model: nn.Module, loss_parallel: bool = False) -> dict[str, object]
     then kept in blocks for vocab_parallel_cross_entropy). The position embedding and the norms are
     replicated. With dropout, the attention's (on this rank's heads) and the MLP's hidden one draw
     from the RNG tracker (parallelize's ``rng``)."""
-    plan = {"tokens": RowwiseParallel(), "blocks.*.attention.q": ColwiseParallel(),
-            "blocks.*.attention.k": ColwiseParallel(), "blocks.*.attention.v": ColwiseParallel(),
+    heads = ColwiseParallel(unit=model.blocks[0].attention.head_width) if len(model.blocks) else ColwiseParallel()
+    plan = {"tokens": RowwiseParallel(), "blocks.*.attention.q": heads,
+            "blocks.*.attention.k": heads, "blocks.*.attention.v": heads,
             "blocks.*.attention.o": RowwiseParallel(), "blocks.*.up": ColwiseParallel(),
             "blocks.*.down": RowwiseParallel(), "head": ColwiseParallel(gather_output=not loss_parallel)}
     if any(isinstance(m, nn.Dropout) and m.p for m in model.modules()):

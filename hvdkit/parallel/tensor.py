@@ -39,7 +39,8 @@ from hvdkit.parallel.ops import (
 def _block(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
     width = tensor.shape[dim]
     if width % group.size:
-        raise ValueError(f"tp: {width} along dimension {dim} does not split over {group.size} ranks")
+        raise ValueError(f"its {width} along dimension {dim} do not split over {group.size} ranks; give a tp that "
+                         f"divides them")
     return tensor.detach().narrow(dim, group.rank * (width // group.size), width // group.size).clone()
 
 
@@ -107,8 +108,8 @@ class VocabParallelEmbedding(nn.Module):
                  seq_dim: int = 1) -> None:
         super().__init__()
         if whole.padding_idx is not None or whole.max_norm is not None or whole.sparse:
-            raise ValueError(f"tp: {name} is an embedding with padding_idx, max_norm or sparse gradients, "
-                             f"which a vocabulary-parallel embedding does not split")
+            raise ValueError("an embedding with padding_idx, max_norm or sparse gradients is not split by "
+                             "vocabulary rows")
         self.group, self.name, self.sequence_parallel, self.seq_dim = group, name, sequence_parallel, seq_dim
         self.num_embeddings, self.embedding_dim = whole.num_embeddings, whole.embedding_dim
         self.weight = nn.Parameter(_block(whole.weight, group, 0), requires_grad=whole.weight.requires_grad)

@@ -10,7 +10,9 @@ import pytest
 from conftest import REPO, run
 from hvdkit.checks import selftest
 from hvdkit.config import ConfigError
-from hvdkit.parallel.mesh import Mesh
+from hvdkit.models import TinyGPT
+from hvdkit.parallel.mesh import Group, Mesh
+from hvdkit.parallel.plan import ColwiseParallel, gpt_plan, parallelize
 
 WORKER = [sys.executable, str(REPO / "tests" / "programs" / "tensor_parallel_worker.py")]
 
@@ -30,6 +32,26 @@ def test_tensor_parallel_groups_are_consecutive_ranks_and_data_parallel_groups_h
 def test_a_tp_that_does_not_divide_the_ranks_is_one_line(size, tp):
     with pytest.raises(ConfigError, match=rf"^tp: {tp} does not divide the job's {size} ranks"):
         Mesh(size, tp)
+
+
+@pytest.mark.parametrize("model, tp, plan, line", [
+    (lambda: TinyGPT(64, 16, width=32, heads=4), 8, None,
+     "tp: 8 does not divide blocks.0.attention.q's 4 heads of 8 features; give a tp that divides the heads"),
+    (lambda: TinyGPT(60, 16, width=64, heads=8), 8, None,
+     "tp: tokens: its 60 along dimension 0 do not split over 8 ranks; give a tp that divides them"),
+    (lambda: TinyGPT(64, 16, width=32, heads=4), 2, {"blocks.*.mlp": ColwiseParallel()},
+     "tp: the plan's blocks.*.mlp names no module of TinyGPT"),
+    (lambda: TinyGPT(64, 16, width=32, heads=4), 2, {"blocks.*.norm1": ColwiseParallel()},
+     "tp: the plan splits blocks.0.norm1 by columns, which is a LayerNorm, not an nn.Linear"),
+])
+def test_a_plan_or_a_tp_that_does_not_fit_the_model_is_one_line(model, tp, plan, line):
+    """Said before any collective (the sizes are known on every rank alike)."""
+    mesh = Mesh(tp, tp)
+    mesh.tp_group = Group(list(range(tp)), 0)  # what bind() finds on rank 0, without starting Horovod
+    whole = model()
+    with pytest.raises(ConfigError) as said:
+        parallelize(whole, mesh, plan or gpt_plan(whole))
+    assert str(said.value) == line
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""`hvdkit bench synthetic|scaling|allreduce|zero|checkpoint|goodput|estimate`: the command line."""
+"""`hvdkit bench synthetic|scaling|allreduce|tp-ops|zero|checkpoint|goodput|estimate`: the command line."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from hvdkit.bench.drivers import (
     scaling,
 )
 from hvdkit.bench.figures import ZERO_IMPLS, BenchError, parse_size, size_range
+from hvdkit.bench.tp_ops import tp_ops, tp_ops_worker
 from hvdkit.bench.workers import (
     IMPL_HELP,
     SYNTHETIC_IMPLS,
@@ -209,6 +210,18 @@ def parser() -> argparse.ArgumentParser:
     ar.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     _launch_arguments(ar, files=True)
 
+    tp = sub.add_parser("tp-ops", help="tensor parallelism's operators on Horovod beside torch's functional "
+                                       "collectives on the same tensors: latency per call, alternating rounds")
+    tp.add_argument("--width", type=positive, default=512, help="the GPT's width (default 512)")
+    tp.add_argument("--seq-len", type=positive, default=128, help="tokens a sequence (default 128)")
+    tp.add_argument("--batch-size", type=positive, default=4, help="sequences (default 4)")
+    tp.add_argument("--repeats", type=positive, default=7, help="alternating rounds (default 7)")
+    tp.add_argument("--iters", type=positive, default=50, help="calls timed a round (default 50)")
+    tp.add_argument("-np", "--np", "--num-proc", dest="np", type=positive,
+                    help="ranks, all one tensor-parallel group (default: one per GPU, else per core)")
+    tp.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    _launch_arguments(tp, files=True)
+
     shard = sub.add_parser("zero", help="the sharded optimizer (stage 1, 2) beside Horovod's DistributedOptimizer "
                                         "and torch's ZeroRedundancyOptimizer: throughput and bytes per rank")
     _zero_arguments(shard)
@@ -268,6 +281,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if under_launcher:
                 raise BenchError("allreduce launches its own ranks: run it without a launcher, with -np N")
             return allreduce(args)
+        if args.bench == "tp-ops":
+            if args.worker:
+                tp_ops_worker(args)
+                return 0
+            if under_launcher:
+                raise BenchError("tp-ops launches its own ranks: run it without a launcher, with -np N")
+            return tp_ops(args)
         if args.bench == "estimate":
             return print_estimate(args)
         if args.bench == "zero":

@@ -138,6 +138,7 @@ def test_estimate_prints_each_link_and_world_size():
     (["synthetic", "--compare", "torchrun"], "unknown implementation 'torchrun'"),
     (["synthetic", "--batch-size", "0"], "expected a whole number >= 1"),
     (["synthetic", "--knob", "HOROVOD_CYCLE_TIME"], "expected NAME=VALUE"),
+    (["tp-ops", "-np", "2", "--seq-len", "7"], "tp-ops: --seq-len 7 and --width 512 must each split over the 2 ranks"),
     (["zero", "--max-model"], "needs --memory-cap SIZE"),
     (["zero", "--memory-cap", "2G"], "--memory-cap goes with --max-model"),
     (["zero", "--max-model", "--memory-cap", "2G", "--model", "resnet50"], "grows a GPT"),
@@ -333,6 +334,24 @@ def test_allreduce_under_mpirun(tmp_path, hvd_built):
     assert {r["implementation"] for r in rows} == set(figures.ALLREDUCE_IMPLS)
     assert "horovod in-place / mpi4py" not in proc.stdout  # no size reached 16M
     assert "horovod in-place / torch.distributed busbw, every size: min" in proc.stdout
+
+
+@pytest.mark.slow
+def test_tp_ops_times_each_operator_beside_torchs_functional_collectives(tmp_path, hvd_built):
+    """Each operator's result is checked equal to torch's on the same tensors by the worker before
+    it is timed; here, that every operator is reported with a ratio per round, and the file holds it."""
+    out = tmp_path / "tp"
+    proc = run(HVDKIT + ["tp-ops", "-np", "2", "--width", "32", "--seq-len", "8", "--repeats", "2", "--iters", "2",
+                         "--out", str(out)], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    [record] = parse_records(proc.stdout, "bench.tp_ops")
+    assert record == json.loads((out / "tp-ops.json").read_text())
+    assert [row["op"] for row in record["rows"]] == ["reduce_from_tp", "gather_from_tp", "gather_from_sp",
+                                                     "reduce_scatter_to_sp"]
+    for row in record["rows"]:
+        assert len(row["rounds"]) == 2 and row["ratio"] == pytest.approx(sorted(row["rounds"])[0] / 2
+                                                                         + sorted(row["rounds"])[1] / 2)
+        assert re.search(rf"^{row['op']}\s+\S+\s+{row['hvdkit_us']:.1f}\s+{row['torch_us']:.1f}", proc.stdout, re.M)
 
 
 @pytest.mark.slow

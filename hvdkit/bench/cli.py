@@ -21,7 +21,7 @@ from hvdkit.bench.drivers import (
     print_estimate,
     scaling,
 )
-from hvdkit.bench.figures import ZERO_IMPLS, BenchError, parse_size, size_range
+from hvdkit.bench.figures import TP_IMPLS, ZERO_IMPLS, BenchError, parse_size, size_range
 from hvdkit.bench.tp_ops import tp_ops, tp_ops_worker
 from hvdkit.bench.workers import (
     IMPL_HELP,
@@ -86,16 +86,17 @@ def _zero_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     p.add_argument("--repeats", type=int, default=3, help="rounds over the implementations (default 3)")
     p.add_argument("-np", "--np", dest="np", type=int, default=2, help="ranks (default 2)")
-    p.add_argument("--impl", choices=ZERO_IMPLS, help=argparse.SUPPRESS)
+    p.add_argument("--impl", choices=ZERO_IMPLS + TP_IMPLS, help=argparse.SUPPRESS)
     p.add_argument("--impls", type=_zero_impls, default=ZERO_IMPLS,
-                   help=f"the loops to run, comma-separated (default all: {','.join(ZERO_IMPLS)})")
+                   help=f"the loops to run, comma-separated (default: {','.join(ZERO_IMPLS)}; also "
+                        f"{','.join(TP_IMPLS)}: tensor parallelism over every rank, hvdkit's and torch's)")
 
 
 def _zero_impls(text: str) -> tuple:
     chosen = tuple(name.strip() for name in text.split(",") if name.strip())
-    unknown = [name for name in chosen if name not in ZERO_IMPLS]
+    unknown = [name for name in chosen if name not in ZERO_IMPLS + TP_IMPLS]
     if unknown or not chosen:
-        raise argparse.ArgumentTypeError(f"expected some of {','.join(ZERO_IMPLS)}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(ZERO_IMPLS + TP_IMPLS)}, got {text!r}")
     return chosen
 
 

@@ -1,5 +1,6 @@
 """What runs in each rank of `hvdkit bench zero`: a model trained under hvdkit's ZeRO stages,
-Horovod's DistributedOptimizer and torch's ZeroRedundancyOptimizer, printing one JSON record."""
+Horovod's DistributedOptimizer, torch's ZeroRedundancyOptimizer and FSDP2, or split by tensor
+parallelism (hvdkit's plan, torch's parallelize_module), printing one JSON record."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 import json
 import os
 import time
+from types import SimpleNamespace
 
 from hvdkit import env, job
 from hvdkit.bench.figures import gpt
@@ -35,17 +37,30 @@ def zero_worker(args: argparse.Namespace) -> None:
         _end_above(args.memory_cap, device)
     model, inputs, loss_of = _zero_model(args)
     model.to(device)
+    tensor_parallel = args.impl in ("tp", "torch-tp")
     parameters = sum(p.numel() for p in model.parameters())  # before any sharding
     optimizer_class = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[args.optimizer]
-    if args.impl in ("torch-zero", "fsdp2"):
+    if args.impl in ("torch-zero", "fsdp2", "torch-tp"):
         import torch.distributed as dist
 
         place_process(launch.local_rank or 0, launch.local_size or 1)
         init_torch_distributed("nccl" if device.type == "cuda" else "gloo")
         rank, size = dist.get_rank(), dist.get_world_size()
-        optimizer = (_torch_zero if args.impl == "torch-zero" else _fsdp2)(model, optimizer_class, device)
+        make = {"torch-zero": _torch_zero, "fsdp2": _fsdp2, "torch-tp": _torch_tp}[args.impl]
+        optimizer = make(model, optimizer_class, device)
         model = getattr(optimizer, "hvdkit_model", model)
         gather = _torch_gather
+    elif args.impl == "tp":
+        from hvdkit.parallel.mesh import Mesh
+        from hvdkit.parallel.plan import gpt_plan, parallelize
+
+        mesh = Mesh(launch.size, launch.size)
+        hvd.init(process_sets=mesh.process_sets(hvd) or None)
+        mesh.bind(hvd)
+        rank, size = hvd.rank(), hvd.size()
+        model = parallelize(model, mesh, gpt_plan(model))  # every rank built the same model from seed 0
+        optimizer = optimizer_class(model.parameters(), lr=1e-4)
+        gather = hvd.allgather_object
     else:
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
@@ -59,7 +74,9 @@ def zero_worker(args: argparse.Namespace) -> None:
         else:
             optimizer = zero.ShardedOptimizer(inner, hvd, int(args.impl[-1]))
         gather = hvd.allgather_object
-    batch = [part.to(device) for part in inputs(torch.Generator().manual_seed(rank))]
+    # Tensor parallelism: every rank of the one group steps the whole global batch (size x batch).
+    batch = [part.to(device) for part in inputs(torch.Generator().manual_seed(0 if tensor_parallel else rank),
+                                                size if tensor_parallel else 1)]
 
     peaks = PhasePeaks(device)
 
@@ -83,7 +100,7 @@ def zero_worker(args: argparse.Namespace) -> None:
         print(json.dumps({"event": "bench.zero.over", "cuda_allocated": torch.cuda.max_memory_allocated(device),
                           "cap": args.memory_cap}), flush=True)
         os._exit(job.OVER_CAP)
-    rate = args.batch_size * args.steps / (time.perf_counter() - start)
+    rate = args.batch_size * (size if tensor_parallel else 1) * args.steps / (time.perf_counter() - start)
     phases = peaks.summary()
     held = {**_held(model, optimizer, zero), "phases": phases}
     # The peak the cap and the table speak of: resident memory on a CPU, the allocator's on a GPU.
@@ -92,7 +109,8 @@ def zero_worker(args: argparse.Namespace) -> None:
     if rank == 0:
         print(json.dumps({"event": "bench.zero", "impl": args.impl, "world_size": size, "model": args.model,
                           "parameters": parameters,
-                          "samples_per_sec": sum(r["samples_per_sec"] for r in rows), "ranks": rows}), flush=True)
+                          "samples_per_sec": rows[0]["samples_per_sec"] if tensor_parallel  # one group's
+                          else sum(r["samples_per_sec"] for r in rows), "ranks": rows}), flush=True)
 
 
 def _zero_model(args: argparse.Namespace):
@@ -104,8 +122,8 @@ def _zero_model(args: argparse.Namespace):
     from hvdkit import models
 
     if args.model == "gpt":
-        def tokens(generator):
-            return [torch.randint(0, 256, (args.batch_size, args.seq_len + 1), generator=generator)]
+        def tokens(generator, ranks=1):
+            return [torch.randint(0, 256, (args.batch_size * ranks, args.seq_len + 1), generator=generator)]
 
         def next_token_loss(model, batch):
             (tokens,) = batch
@@ -113,7 +131,7 @@ def _zero_model(args: argparse.Namespace):
 
         return gpt(args.width, args.layers, args.seq_len), tokens, next_token_loss
 
-    def images(generator):
+    def images(generator, ranks=1):  # tensor parallelism's whole batch is the GPT's only (the driver says so)
         return [torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=generator),
                 torch.randint(0, args.num_classes, (args.batch_size,), generator=generator)]
 
@@ -162,10 +180,10 @@ def _held(model, optimizer, zero) -> dict:
         return getattr(tensor, "_local_tensor", tensor)
 
     params = [own(p) for p in model.parameters()]
-    for param, mine in zip(model.parameters(), params, strict=True):
-        mine.grad = own(param.grad) if param.grad is not None else None
+    # what each gradient holds on this rank (a DTensor's local part may be of the whole: torch's TP embedding's)
+    holders = [SimpleNamespace(grad=None if p.grad is None else own(p.grad)) for p in model.parameters()]
     states = [{k: own(v) for k, v in state.items()} for state in local.state.values()]
-    return {**held_bytes(params, params, states), "peak_rss": peak_rss()}
+    return {**held_bytes(params, holders, states), "peak_rss": peak_rss()}
 
 
 def _torch_zero(model, optimizer_class, device):
@@ -191,6 +209,26 @@ def _fsdp2(model, optimizer_class, device):
     for block in model.blocks if hasattr(model, "blocks") else ():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return optimizer_class(model.parameters(), lr=1e-4)
+
+
+def _torch_tp(model, optimizer_class, device):
+    """torch's tensor parallelism: ``parallelize_module`` with hvdkit's GPT plan written in torch's
+    styles (the token embedding by rows of the vocabulary, q, k, v and up by columns, o and down by
+    rows, the output layer by columns, its logits replicated), over one mesh of every rank."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    plan = {"tokens": RowwiseParallel(input_layouts=Replicate()), "head": ColwiseParallel(output_layouts=Replicate())}
+    for index in range(len(model.blocks)):
+        block = f"blocks.{index}"
+        plan.update({f"{block}.attention.{name}": ColwiseParallel() for name in "qkv"})
+        plan.update({f"{block}.attention.o": RowwiseParallel(), f"{block}.up": ColwiseParallel(),
+                     f"{block}.down": RowwiseParallel()})
+    parallelize_module(model, mesh, plan)
     return optimizer_class(model.parameters(), lr=1e-4)
 
 

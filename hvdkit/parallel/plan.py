@@ -140,6 +140,11 @@ def parallelize(model: nn.Module, mesh, plan: dict[str, object], rng=None) -> nn
     unused = [pattern for pattern in plan if not any(fnmatch.fnmatchcase(name, pattern) for name in used | hooked)]
     if unused:
         raise ConfigError(f"tp: the plan's {', '.join(unused)} names no module of {type(model).__name__}")
+    stale = next((name for name, param in model.named_parameters(remove_duplicate=False) if id(param) in originals),
+                 None)
+    if stale is not None:  # tied to a weight the plan split: the two would no longer be one
+        raise ConfigError(f"tp: {stale} is tied to a weight the plan splits, and the plan leaves it whole; split "
+                          f"both alike (an embedding by rows, its output layer by columns), or untie them")
     return model
 
 

@@ -43,6 +43,9 @@ def test_a_tp_that_does_not_divide_the_ranks_is_one_line(size, tp):
      "tp: the plan's blocks.*.mlp names no module of TinyGPT"),
     (lambda: TinyGPT(64, 16, width=32, heads=4), 2, {"blocks.*.norm1": ColwiseParallel()},
      "tp: the plan splits blocks.0.norm1 by columns, which is a LayerNorm, not an nn.Linear"),
+    (lambda: TinyGPT(64, 16, width=32, heads=4, tie_output=True), 2, {"head": ColwiseParallel()},
+     "tp: tokens.weight is tied to a weight the plan splits, and the plan leaves it whole; split both alike "
+     "(an embedding by rows, its output layer by columns), or untie them"),
 ])
 def test_a_plan_or_a_tp_that_does_not_fit_the_model_is_one_line(model, tp, plan, line):
     """Said before any collective (the sizes are known on every rank alike)."""

@@ -77,19 +77,24 @@ def _zero_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model", action="store_true", help="the largest GPT each loop trains under --memory-cap")
     p.add_argument("--memory-cap", type=_byte_size, help="with --max-model: every rank's peak memory (resident; on a "
                                                          "GPU the allocator's) must stay below this (e.g. 3584M)")
-    p.add_argument("--width", type=int, default=512, help="GPT width (default 512)")
+    _gpt_arguments(p, seq_len=32, batch="samples per rank per step", repeats=3)
     p.add_argument("--layers", type=int, default=12, help="GPT blocks (default 12: 38M parameters, 300 MB of Adam "
                                                           "state unsharded)")
-    p.add_argument("--seq-len", type=int, default=32, help="tokens per sample (default 32)")
-    p.add_argument("--batch-size", type=int, default=4, help="samples per rank per step (default 4)")
     p.add_argument("--steps", type=int, default=6, help="timed steps per run (default 6)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
-    p.add_argument("--repeats", type=int, default=3, help="rounds over the implementations (default 3)")
     p.add_argument("-np", "--np", dest="np", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--impl", choices=ZERO_IMPLS + TP_IMPLS, help=argparse.SUPPRESS)
     p.add_argument("--impls", type=_zero_impls, default=ZERO_IMPLS,
                    help=f"the loops to run, comma-separated (default: {','.join(ZERO_IMPLS)}; also "
                         f"{','.join(TP_IMPLS)}: tensor parallelism over every rank, hvdkit's and torch's)")
+
+
+def _gpt_arguments(p: argparse.ArgumentParser, seq_len: int, batch: str, repeats: int) -> None:
+    """The bench GPT's shape and the rounds, as `zero` and `tp-ops` take them."""
+    p.add_argument("--width", type=positive, default=512, help="GPT width (default 512)")
+    p.add_argument("--seq-len", type=positive, default=seq_len, help=f"tokens per sample (default {seq_len})")
+    p.add_argument("--batch-size", type=positive, default=4, help=f"{batch} (default 4)")
+    p.add_argument("--repeats", type=positive, default=repeats, help=f"alternating rounds (default {repeats})")
 
 
 def _zero_impls(text: str) -> tuple:
@@ -213,10 +218,7 @@ def parser() -> argparse.ArgumentParser:
 
     tp = sub.add_parser("tp-ops", help="tensor parallelism's operators on Horovod beside torch's functional "
                                        "collectives on the same tensors: latency per call, alternating rounds")
-    tp.add_argument("--width", type=positive, default=512, help="the GPT's width (default 512)")
-    tp.add_argument("--seq-len", type=positive, default=128, help="tokens a sequence (default 128)")
-    tp.add_argument("--batch-size", type=positive, default=4, help="sequences (default 4)")
-    tp.add_argument("--repeats", type=positive, default=7, help="alternating rounds (default 7)")
+    _gpt_arguments(tp, seq_len=128, batch="sequences", repeats=7)
     tp.add_argument("--iters", type=positive, default=50, help="calls timed a round (default 50)")
     tp.add_argument("-np", "--np", "--num-proc", dest="np", type=positive,
                     help="ranks, all one tensor-parallel group (default: one per GPU, else per core)")
@@ -268,27 +270,25 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+SELF_LAUNCHED = {"allreduce": (allreduce_worker, allreduce), "tp-ops": (tp_ops_worker, tp_ops)}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser().parse_args(argv)
     under_launcher = env.detect().rank is not None
     try:
         if getattr(args, "hosts", None):
             parse_hosts(args.hosts)  # a bad host list fails here, before anything starts
-        if args.bench == "allreduce":
-            size_range(args.sizes)  # bad sizes fail here, before anything starts
+        if args.bench in SELF_LAUNCHED:  # (the worker in each rank, the driver that launches them)
+            if args.bench == "allreduce":
+                size_range(args.sizes)  # bad sizes fail here, before anything starts
+            worker, driver = SELF_LAUNCHED[args.bench]
             if args.worker:
-                allreduce_worker(args)
+                worker(args)
                 return 0
             if under_launcher:
-                raise BenchError("allreduce launches its own ranks: run it without a launcher, with -np N")
-            return allreduce(args)
-        if args.bench == "tp-ops":
-            if args.worker:
-                tp_ops_worker(args)
-                return 0
-            if under_launcher:
-                raise BenchError("tp-ops launches its own ranks: run it without a launcher, with -np N")
-            return tp_ops(args)
+                raise BenchError(f"{args.bench} launches its own ranks: run it without a launcher, with -np N")
+            return driver(args)
         if args.bench == "estimate":
             return print_estimate(args)
         if args.bench == "zero":

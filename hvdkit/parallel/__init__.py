@@ -1,4 +1,4 @@
-"""Model parallelism on Horovod's process sets (docs/parallel.md), beside data parallelism: the
+"""Model parallelism on Horovod's process sets (docs/model-parallelism.md), beside data parallelism: the
 weights sharded (ZeRO stage 3), tensor and pipeline parallelism. Rank side, below hvdkit.zero.
 
 ``mesh``: the job's ranks as (dp, tp) groups, each a Horovod process set made at ``hvd.init``.

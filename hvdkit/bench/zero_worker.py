@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from types import SimpleNamespace
 
@@ -111,6 +112,21 @@ def zero_worker(args: argparse.Namespace) -> None:
                           "parameters": parameters,
                           "samples_per_sec": rows[0]["samples_per_sec"] if tensor_parallel  # one group's
                           else sum(r["samples_per_sec"] for r in rows), "ranks": rows}), flush=True)
+    if args.impl in ("torch-zero", "fsdp2", "torch-tp"):
+        _end_torch_distributed()
+
+
+def _end_torch_distributed() -> None:
+    """Every rank done, the group ended, then this process, without the interpreter's teardown:
+    Gloo's threads, still running while it unloads, abort a rank now and then (signal 6 after
+    the record was printed: fsdp2's rank 1 twice in the suite of 2026-12-06, under load)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _zero_model(args: argparse.Namespace):

@@ -119,7 +119,7 @@ def zero_worker(args: argparse.Namespace) -> None:
 def _end_torch_distributed() -> None:
     """Every rank done, the group ended, then this process, without the interpreter's teardown:
     Gloo's threads, still running while it unloads, abort a rank now and then (signal 6 after
-    the record was printed: fsdp2's rank 1 twice in the suite of 2026-12-06, under load)."""
+    the record was printed)."""
     import torch.distributed as dist
 
     dist.barrier()

@@ -135,10 +135,13 @@ def _reduce_scatter(x: torch.Tensor, group, name: str, dim: int) -> torch.Tensor
     return mpi_ops.synchronize(handle).movedim(0, dim).contiguous()
 
 
-def _block(x: torch.Tensor, group, name: str, dim: int) -> torch.Tensor:
+def block(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """This rank's block of ``x`` along ``dim`` (the group's equal blocks in rank order), a view
+    where it is contiguous; ValueError where the group does not divide the width."""
     width = x.shape[dim]
     if width % group.size:
-        raise ValueError(f"{name}: {width} along dimension {dim} does not split over {group.size} ranks")
+        raise ValueError(f"its {width} along dimension {dim} do not split over {group.size} ranks; give a tp that "
+                         f"divides them")
     return x.narrow(dim, group.rank * (width // group.size), width // group.size).contiguous()
 
 
@@ -167,7 +170,7 @@ class _Scatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, name, dim, _):
         ctx.group, ctx.name, ctx.dim = group, name, dim
-        return _block(x, group, name, dim)
+        return block(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
@@ -184,7 +187,7 @@ class _Gather(torch.autograd.Function):
     def backward(ctx, grad):
         if ctx.summed:
             return _reduce_scatter(grad, ctx.group, f"{ctx.name}.grad", ctx.dim), None, None, None, None
-        return _block(grad, ctx.group, ctx.name, ctx.dim), None, None, None, None
+        return block(grad, ctx.group, ctx.dim), None, None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):

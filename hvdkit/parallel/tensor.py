@@ -28,6 +28,7 @@ from torch import nn
 
 from hvdkit.parallel.ops import (
     all_reduce,
+    block,
     copy_to_tp,
     gather_from_sp,
     gather_from_tp,
@@ -37,11 +38,8 @@ from hvdkit.parallel.ops import (
 
 
 def _block(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
-    width = tensor.shape[dim]
-    if width % group.size:
-        raise ValueError(f"its {width} along dimension {dim} do not split over {group.size} ranks; give a tp that "
-                         f"divides them")
-    return tensor.detach().narrow(dim, group.rank * (width // group.size), width // group.size).clone()
+    """This rank's block of a whole weight, a tensor of its own."""
+    return block(tensor.detach(), group, dim).clone()
 
 
 class ColumnParallelLinear(nn.Module):

@@ -63,6 +63,9 @@ class TrainConfig:
     zero_groups: list = field(default_factory=list, metadata={
         "help": "zero 3: the modules whose weights are gathered together (fnmatch patterns of their names, as "
                 "blocks.*); by default each block of the model's ModuleLists and Sequentials", "item": str})
+    tp: int = field(default=1, metadata={
+        "help": "tensor parallelism: split each layer of the model across this many consecutive ranks (a "
+                "data-parallel replica is tp ranks; session.parallelize(model) splits it, docs/model-parallelism.md)"})
     amp: bool = field(default=False, metadata={"help": "mixed precision: bf16 on CPU, fp16 + GradScaler on GPU"})
     clip_grad_norm: Optional[float] = field(default=None, metadata={"help": "clip gradients to this total norm"})
     elementwise_optimizer: bool = field(default=False, metadata={
@@ -136,7 +139,8 @@ class TrainConfig:
 
 
 # What a resume may change: how long to train, and how the run is logged, checkpointed, watched
-# and sharded (any zero stage takes any stage's checkpoint: hvdkit.zero.shards). Anything else
+# and sharded (any zero stage takes any stage's checkpoint: hvdkit.zero.shards; any tp a tp run's, whose
+# checkpoints are whole: hvdkit.rank.resume.checkpoints). Anything else
 # would make the resumed run a different run than the one checkpointed (batch size moves the
 # data position, base_lr is restored from the checkpoint, ...).
 RESUME_MAY_CHANGE = ("epochs", "max_steps", "data_dir", "num_workers", "log_interval", "log_dir", "logger",
@@ -144,7 +148,7 @@ RESUME_MAY_CHANGE = ("epochs", "max_steps", "data_dir", "num_workers", "log_inte
                      "sharded_checkpoint", "snapshot_steps", "stall_timeout", "max_requeues", "resume", "compile",
                      "fused_optimizer", "channels_last", "cudnn_benchmark", "tf32",
                      "commit_steps", "on_nonfinite", "elementwise_optimizer", "skip_bad_samples",
-                     "check_consistency_steps", "straggler_threshold", "zero", "zero_groups")
+                     "check_consistency_steps", "straggler_threshold", "zero", "zero_groups", "tp")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -223,6 +227,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.snapshot_steps and (cfg.sharded_checkpoint or cfg.elastic or not cfg.checkpoint_dir):
         raise ConfigError("config: snapshot_steps needs a checkpoint_dir, and is not yet for sharded_checkpoint or "
                           "elastic (a sharded checkpoint's parts, an elastic job's changing ranks)")
+    if cfg.tp < 1:
+        raise ConfigError(f"config: tp must be >= 1 (got {cfg.tp})")
+    beside_tp = [name for name, on in (("zero", cfg.zero), ("use_adasum", cfg.use_adasum), ("elastic", cfg.elastic),
+                                       ("sharded_checkpoint", cfg.sharded_checkpoint),
+                                       ("snapshot_steps", cfg.snapshot_steps)) if on]
+    if cfg.tp > 1 and beside_tp:
+        raise ConfigError(f"config: tp is not yet for {', '.join(beside_tp)} (docs/model-parallelism.md says what "
+                          f"tensor parallelism runs with); drop one")
     if cfg.use_adasum and cfg.gradient_predivide_factor != 1.0:
         raise ConfigError("config: gradient_predivide_factor must be 1.0 with use_adasum (Horovod averages only)")
     for name in ("log_dir", "checkpoint_dir"):
@@ -334,7 +346,7 @@ GROUPS = {
     "optimization": ("epochs", "max_steps", "optimizer", "base_lr", "lr_scaling", "momentum", "weight_decay",
                      "warmup_epochs", "lr_schedule", "lr_decay_epochs", "lr_decay_factor", "clip_grad_norm", "amp",
                      "on_nonfinite", "elementwise_optimizer"),
-    "distributed": ("batches_per_allreduce", "zero", "zero_groups", "fp16_allreduce", "use_adasum",
+    "distributed": ("batches_per_allreduce", "zero", "zero_groups", "tp", "fp16_allreduce", "use_adasum",
                     "gradient_predivide_factor",
                     "stall_timeout", "elastic", "commit_steps"),
     "checkpoints": ("checkpoint_dir", "checkpoint_steps", "keep_checkpoints", "async_checkpoint",
@@ -399,7 +411,7 @@ def resume_conflict(saved: Mapping[str, Any], cfg: TrainConfig, adapted: Sequenc
             continue
         flag = "--" + name.replace("_", "-")
         return (f"was written with {flag} {_show(saved[name])} and this run asks for {_show(value)}; a resume "
-                f"continues that run, so only --epochs, --max-steps, --data-dir, --zero and logging, checkpoint "
+                f"continues that run, so only --epochs, --max-steps, --data-dir, --zero, --tp and logging, checkpoint "
                 f"and watchdog settings may change: drop {flag}, or start afresh in another --checkpoint-dir")
     return None
 

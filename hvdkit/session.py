@@ -20,11 +20,10 @@ A Horovod script keeps its loop and hands hvdkit the parts that are easy to get 
                 break
     session.finish()
 
-``Trainer`` is a loop over this class; ``Session(**keys)`` and ``hvdkit train --key`` read the
-same ``TrainConfig`` keys, checked alike (docs/own-loop.md).
-
-``Session`` is a facade, as Lightning Fabric's is: it holds the run's state (hvdkit.rank.state)
-and delegates to the parts hvdkit.rank lists, each handed that state and what else it uses.
+``Trainer`` is a loop over this class; ``Session(**keys)`` and ``hvdkit train --key`` read the same
+``TrainConfig`` keys, checked alike (docs/own-loop.md). ``Session`` is a facade, as Lightning Fabric's is:
+it holds the run's state (hvdkit.rank.state) and delegates to the parts hvdkit.rank lists, each handed
+that state and what else it uses.
 """
 
 from __future__ import annotations
@@ -61,6 +60,7 @@ from hvdkit.rank.resume.host_snapshots import HostSnapshots
 from hvdkit.rank.resume.reading import CheckpointReader
 from hvdkit.rank.start import startup
 from hvdkit.rank.start.loaders import Loaders
+from hvdkit.rank.start.tensor_parallel import split_model
 from hvdkit.rank.state import RunState, state_field
 from hvdkit.rank.step import training
 from hvdkit.rank.step.buckets import distributed_optimizer
@@ -73,13 +73,12 @@ OWN_ERRORS = (ConfigError, CheckpointError, training.NonFiniteError, DivergenceE
 class Session:
     """Horovod started for one training process, and the distributed parts of its loop.
 
-    Keyword arguments are ``TrainConfig`` keys (``batch_size``, ``batches_per_allreduce``,
-    ``amp``, ``clip_grad_norm``, ``checkpoint_dir``, ``log_interval``, ...), validated as
-    ``hvdkit train`` validates its flags; without a ``config``, ``HVDKIT_<KEY>`` environment
-    variables set the keys your keywords leave out (``HVDKIT_CHECKPOINT_DIR=ckpt``). Every
-    method that communicates must be called by every rank at the same point of the loop, as
-    with Horovod itself. hvdkit's own errors that your loop does not catch end every rank with
-    one line (see hvdkit.rank.ending.stops).
+    Keyword arguments are ``TrainConfig`` keys (``batch_size``, ``batches_per_allreduce``, ``amp``,
+    ``clip_grad_norm``, ``checkpoint_dir``, ``tp``, ...), validated as ``hvdkit train`` validates its flags;
+    without a ``config``, ``HVDKIT_<KEY>`` environment variables set the keys your keywords leave out
+    (``HVDKIT_CHECKPOINT_DIR=ckpt``). Every method that communicates must be called by every rank at the
+    same point of the loop, as with Horovod itself. hvdkit's own errors that your loop does not catch end
+    every rank with one line (see hvdkit.rank.ending.stops).
 
     ``loggers``: where rank 0's reports go besides metrics.jsonl: names (as ``--logger``) and
     Logger objects of your own, such as ``MLflow(tracking_uri=...)`` (hvdkit.rank.reports.loggers).
@@ -89,9 +88,9 @@ class Session:
                  **keys) -> None:
         own_loggers = take_loggers(loggers, keys)
         cfg = startup.read_config(config, keys)
-        self.hvd, self.device = hvd, device = startup.start(cfg)
+        self.hvd, self.device, self.mesh = hvd, device, mesh = startup.start(cfg)  # mesh: the (dp, tp) groups
         snapshots = HostSnapshots.of_run(cfg, hvd)
-        ahead = CheckpointReader(cfg, hvd, snapshots).read_ahead()  # a sharded run resumed at another size: its K
+        ahead = CheckpointReader(cfg, hvd, snapshots, mesh).read_ahead()  # resumed at another dp size: its K
         self.cfg = cfg = ahead.cfg
         self.watchdog = Watchdog(0 if cfg.elastic else cfg.stall_timeout, self.rank)
         self.amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16  # fp16 needs loss scaling, bf16 not
@@ -101,21 +100,20 @@ class Session:
         self._signal = stops.StopSignal(rank=self.rank, watchdog=self.watchdog)
         self._unread_step = False  # a step's agreement that should_stop() has not read yet
         self._input_format = torch.preserve_format  # channels_last for a convolutional model on a GPU, from setup()
-        # The parts, each handed what it uses; none holds the Session, none starts anything when made.
         self._lockstep = meetings = Lockstep(hvd, strict=not cfg.elastic, gone=self.watchdog.gone)
         self._times = times = StepTimes(self.rank, self.size, cfg.straggler_threshold)
-        self._reports = reports = Reports(cfg, hvd, device, state, times, own_loggers)
-        self._consistency = consistency = Consistency(cfg, hvd, device, state)
-        self._loaders = loaders = Loaders(cfg, hvd, device, state)
+        self._reports = reports = Reports(cfg, hvd, device, state, times, own_loggers, copies=mesh.tp)
+        self._consistency = consistency = Consistency(cfg, hvd, device, state, mesh)
+        self._loaders = loaders = Loaders(cfg, hvd, device, state, mesh)
         self._checkpoints = checkpoints = RunCheckpoints(cfg, hvd, state, loaders, consistency, self.watchdog,
-                                                         snapshots, ahead.state)
+                                                         snapshots, ahead.state, mesh)
         # Own errors: Horovod's shutdown met outside hvdkit's calls (your own loss.backward()) too.
         self._ending = Ending(cfg, hvd, state, meetings, self._signal, checkpoints, reports, self.watchdog,
                               Lifeline.from_environ(os.environ, self.rank),  # horovodrun --gloo's
                               OWN_ERRORS + (() if cfg.elastic else (HorovodInternalError,)),
                               (ConfigError, LockstepError))
         self._start()
-        self._step = step = training.TrainingStep(cfg, hvd, device, state, times, checkpoints.checkpoint_left)
+        self._step = step = training.TrainingStep(cfg, hvd, device, state, times, checkpoints.checkpoint_left, mesh)
         self._elastic = Elastic(cfg, hvd, state, loaders, checkpoints, reports, times, meetings, step.settle)
 
     def _start(self) -> None:
@@ -157,18 +155,22 @@ class Session:
             print(*args, **kwargs, flush=True)
 
     # -- model, optimizer, resume (hvdkit.rank.resume.checkpoints) ------------------------------------------
+    def parallelize(self, model: nn.Module, plan: Optional[dict] = None) -> nn.Module:
+        """With ``tp``, every rank's whole ``model`` split across its tensor-parallel group by ``plan`` (by default
+        the GPT's), before the optimizer is made (hvdkit.rank.start.tensor_parallel); else ``model``."""
+        return split_model(self.cfg, self.hvd, self.device, self.mesh, self._state, model, plan)
+
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler=None):
-        """(model, optimizer): the model on this rank's device, the optimizer wrapped in
-        Horovod's DistributedOptimizer (or, with ``zero``, hvdkit.zero's ShardedOptimizer), and
-        every rank holding the same state: the newest valid checkpoint in ``checkpoint_dir``, else
-        rank 0's initial weights (hvdkit.rank.resume.checkpoints). A ``scheduler`` is stepped once per
-        optimizer step by ``step()``."""
+        """(model, optimizer): the model on this rank's device, the optimizer wrapped in Horovod's
+        DistributedOptimizer (over the data-parallel set; with ``zero``, hvdkit.zero's ShardedOptimizer), and every
+        rank holding the same state: the newest valid checkpoint in ``checkpoint_dir``, else rank 0's initial
+        weights (hvdkit.rank.resume.checkpoints). A ``scheduler`` is stepped once per optimizer step by ``step()``."""
         cfg, hvd = self.cfg, self.hvd
         self.watchdog.beat("setup()")  # the stall limit counts from here: loading data before it is not a stall
         model = training.on_device(model, self.device)
         self.model, self.scheduler, self._state.inner = model, scheduler, optimizer
         self._input_format = training.input_format(cfg, model, self.device)
-        self.optimizer = distributed_optimizer(cfg, hvd, optimizer, model, self.device)
+        self.optimizer = distributed_optimizer(cfg, hvd, optimizer, model, self.device, self.mesh)
         with self._state.peaks.phase("setup and resume"):
             self._checkpoints.resume_or_broadcast(model)
         self._signal.step = self.global_step
@@ -176,8 +178,7 @@ class Session:
         training.use_fused_kernels(self.optimizer.inner if cfg.zero else self.optimizer,
                           convert=cfg.fused_optimizer and self.device.type == "cuda")
         self._reports.start()  # after the resume: the trackers continue the runs its checkpoint names
-        # Heartbeats for naming a stalled rank, once the run is accepted: a refused resume
-        # leaves the log directory as it was.
+        # Heartbeats for naming a stalled rank, once the run is accepted: a refused resume leaves the log directory.
         job_dir = os.environ.get(job.JOB_DIR)
         self.watchdog.share(job_dir or str(Path(self.log_dir) / "ranks"), own=not job_dir, stacks=self.log_dir,
                             facts=self._checkpoints.resume_location())
@@ -187,7 +188,7 @@ class Session:
     def lr_multiplier(self) -> float:
         """Peak learning rate / base_lr for this world size, by ``lr_scaling``."""
         on_nccl = self.device.type == "cuda" and self.hvd.nccl_built()
-        return training.lr_multiplier(self.cfg, self.size, self.hvd.local_size(), on_nccl)
+        return training.lr_multiplier(self.cfg, self.mesh.data_parallel(self.hvd)[1], self.hvd.local_size(), on_nccl)
 
     def save(self, background: bool = False) -> None:
         """Write a checkpoint of this step to ``checkpoint_dir`` (all ranks call it; rank 0 writes):
@@ -238,8 +239,8 @@ class Session:
     def lr_lambda(self, factor: Callable[[float, float], float]) -> Callable[[int], float]:
         """For LambdaLR, after loader(): ``factor(epochs done, lr_multiplier())`` at each step, the epochs
         fractional (elastic: the epoch's samples processed), the multiplier at the world size of the moment."""
-        return training.lr_lambda(self.cfg, self.hvd, self.device.type == "cuda" and self.hvd.nccl_built(),
-                         self._loaders.progress(), factor)
+        on_nccl = self.device.type == "cuda" and self.hvd.nccl_built()
+        return training.lr_lambda(self.cfg, self.hvd, self.mesh, on_nccl, self._loaders.progress(), factor)
 
     def epochs(self, count: int, max_steps: Optional[int] = None) -> Iterator[int]:
         """Epoch numbers from where a resume left off to ``count``; after each: join, then
@@ -318,10 +319,9 @@ class Session:
             self._lockstep.send_held()
 
     def check_consistency(self) -> None:
-        """Check now that every rank holds the same weights, buffers and optimizer state (all
-        ranks call it at the same point); a difference raises DivergenceError naming the ranks,
-        which ends the job with one line and exit code 77 (see hvdkit.rank.agree.consistency). It also runs
-        every ``check_consistency_steps`` steps and before every checkpoint."""
+        """Check now that the ranks' copies of the model agree (all ranks call it at the same point; what is
+        compared: hvdkit.rank.agree.consistency); a difference raises DivergenceError naming the ranks, which
+        ends the job with one line and exit 77. It also runs every ``check_consistency_steps`` and before saves."""
         self._meet(lockstep.CHECK_CONSISTENCY)
         self._step.settle()
         self._consistency.check()
@@ -383,10 +383,10 @@ class Session:
             raise SystemExit(self.finish()["exit_code"])
 
     def finish(self, summary: Optional[dict] = None) -> dict:
-        """End the run: after a stop, say what was saved and requeue the Slurm job (rank 0);
-        write, print (rank 0) and return the summary, whose exit_code is non-zero after a stop
-        that was not requeued. The signal handlers go last: a requeue makes Slurm SIGTERM every
-        task within milliseconds of scontrol's answer, which must not cut the report short."""
+        """End the run: after a stop, say what was saved and requeue the Slurm job (rank 0); write, print (rank 0)
+        and return the summary, whose exit_code is non-zero after a stop that was not requeued. The signal handlers
+        go last: a requeue makes Slurm SIGTERM every task within milliseconds of scontrol's answer, which must not
+        cut the report short."""
         if not self.cfg.elastic:  # elastic workers may be leaving or joining
             self._meet(lockstep.FINISH)  # before the handlers go: its error is said in one line
         return self._ending.finish(self._step, summary)

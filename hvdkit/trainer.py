@@ -155,9 +155,10 @@ class Trainer:
             raise ConfigError(f"checkpoint_dir {cfg.checkpoint_dir} holds checkpoints of an earlier run, "
                               f"which this run would delete; resume it (drop --no-resume) or use another directory")
 
-    def _prepare(self) -> nn.Module:
-        """The model as the config asks: synchronized batch norm, compiled."""
+    def _prepare(self, session: Session) -> nn.Module:
+        """The model as the config asks: synchronized batch norm, split for tensor parallelism, compiled."""
         model = sync_batch_norm(self.model) if self.cfg.sync_batch_norm else self.model
+        model = session.parallelize(model)
         return torch.compile(model) if self.cfg.compile else model
 
     def fit(self) -> dict:
@@ -167,7 +168,7 @@ class Trainer:
         session = self.session = Session(cfg)
         loader = session.loader(self.train_set)
         test_loader = session.eval_loader(self.test_set)
-        model = self._prepare()
+        model = self._prepare(session)
         optimizer = self.make_optimizer(model.parameters())
         per_epoch = session.steps_per_epoch()
         total_steps = min(cfg.epochs * per_epoch, cfg.max_steps or math.inf)

@@ -62,6 +62,14 @@ class Mesh:
         """Each data-parallel group's global ranks: those holding the same tensor-parallel shards."""
         return [[d * self.tp + t for d in range(self.dp)] for t in range(self.tp)]
 
+    def data_parallel(self, hvd) -> tuple[int, int]:
+        """(this rank's data-parallel replica, the number of replicas): which shard of the data it
+        reads and how many there are, what the seeds, loaders and learning rate scale by. Without
+        tensor parallelism Horovod's own rank and size, read at the call (an elastic run's change)."""
+        if self.tp == 1:
+            return hvd.rank(), hvd.size()
+        return self.dp_group.rank, self.dp
+
     def process_sets(self, hvd) -> list:
         """The Horovod process sets to make at ``hvd.init`` (every rank the same list, in this order):
         the tensor-parallel groups, then the data-parallel ones, each of more than one rank and

@@ -28,6 +28,7 @@ class RunState:
     trackers: dict = field(default_factory=dict)  # logger name: its run's id, kept in checkpoints (resumes go on)
     resumed_config: Optional[dict] = None  # the config keys of the checkpoint resumed from
     peaks: PhasePeaks = field(default_factory=PhasePeaks)  # peak memory per phase, for the summary
+    rng_tracker: Any = None  # tensor parallelism's dropout generator (hvdkit.parallel.rng), kept in checkpoints
     unsettled: list = field(default_factory=list)  # steps whose non-finite flags are not read yet (TrainingStep)
 
 

@@ -14,6 +14,7 @@ import horovod.torch as hvd
 import torch
 from torch import nn
 
+from hvdkit.parallel.mesh import Mesh
 from hvdkit.rank.step import buckets
 
 
@@ -117,7 +118,7 @@ def stepped_pair(optimizer_class, options: dict, clip, amp: bool, device: torch.
         state = RunState(model=model, optimizer=optimizer, inner=inner)
         cfg = TrainConfig(on_nonfinite=policy, clip_grad_norm=clip, amp=amp)
         times = StepTimes(hvd.rank(), hvd.size(), 0.15)
-        step = TrainingStep(cfg, hvd, device, state, times, lambda: "no checkpoint_dir")
+        step = TrainingStep(cfg, hvd, device, state, times, lambda: "no checkpoint_dir", Mesh(hvd.size()))
         pairs.append((model, optimizer, step))
     return pairs
 

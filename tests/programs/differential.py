@@ -222,8 +222,9 @@ CELLS += [
 ]
 # Tensor parallelism against the one-process step of the same global batch, in fp64, 50 steps: each
 # step's loss and the weights at the end (the shards joined). Arms: Horovod's DistributedOptimizer
-# over the data-parallel set (or none where it is one rank), and ZeRO 1 sharding within that set.
-TP_ARMS = ("tp", "tp-zero-1")
+# over the data-parallel set (or none where it is one rank), ZeRO 1 sharding within that set, and
+# hvdkit's Session with tp (session.parallelize, setup, backward, step: the product's step).
+TP_ARMS = ("tp", "tp-zero-1", "tp-session")
 CELLS += [
     Cell("tp-2-gpt", model=lambda: TinyGPT(64, 16, width=32, layers=2, heads=4).double(), causal_lm=True, tp=2,
          plan=gpt_plan, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), steps=50,
@@ -233,7 +234,7 @@ CELLS += [
          arms=TP_ARMS, compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4)),
     Cell("tp-2-gpt-clip-and-a-nonfinite-step", model=lambda: TinyGPT(64, 16, width=32, layers=2, heads=4).double(),
          causal_lm=True, tp=2, plan=gpt_plan, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
-         steps=50, arms=("tp",), compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4),
+         steps=50, arms=("tp", "tp-session"), compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4),
          keys={"clip_grad_norm": 0.05}, poisoned=7),
     Cell("tp-2-hf-shaped-causal-lm", model=lambda: CausalLM().double(), causal_lm=True, tp=2, plan=hf_plan,
          optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1), steps=50,
@@ -387,6 +388,8 @@ def tensor_parallel_arm(cell: Cell, arm: str, log_dir: str) -> dict:
     """The model split by ``cell.plan`` over the tensor-parallel group, each replica stepping on its
     share of the global batch, the gradients averaged over the data-parallel set: by Horovod's
     DistributedOptimizer (``tp``) or by ZeRO 1 sharding the state within the set (``tp-zero-1``)."""
+    if arm == "tp-session":
+        return tensor_parallel_session(cell, log_dir)
     mesh = MESHES[cell.tp]
     torch.manual_seed(0)
     whole = cell.model()
@@ -416,6 +419,35 @@ def tensor_parallel_arm(cell: Cell, arm: str, log_dir: str) -> dict:
             if torch.isfinite(norm):  # the same norm on every rank of the mesh: all skip alike
                 optimizer.step()
     joined = whole_state_dict(model, mesh.tp_group, f"differential.{cell.name}.{arm}")
+    return {"losses": losses, "weights": [joined[name] for name in names]}
+
+
+def tensor_parallel_session(cell: Cell, log_dir: str) -> dict:
+    """hvdkit's Session with ``tp``, in the loop users write: its model split by session.parallelize
+    (from this rank's own whole model: the Session gives every rank rank 0's weights), its gradients
+    averaged over the data-parallel set, clipped by the whole model's norm, a non-finite step
+    skipped on every rank (``on_nonfinite: skip``)."""
+    keys = {"seed": 0, "batch_size": BATCH, "logger": "none", "log_dir": log_dir, "tp": cell.tp, **cell.keys}
+    session = hvdkit.Session(**keys, **({"on_nonfinite": "skip"} if cell.poisoned is not None else {}))
+    torch.manual_seed(0)
+    whole = cell.model()
+    if hvd.rank() != 0:  # weights of their own: the Session gives every rank rank 0's
+        with torch.no_grad():
+            for param in whole.parameters():
+                param.add_(1.0)
+    names = [name for name, _ in whole.named_parameters()]
+    model = session.parallelize(whole, cell.plan(whole))
+    model, optimizer = session.setup(model, cell.optimizer(model))
+    losses, replica = [], session.mesh.dp_group.rank
+    for step in range(cell.steps):
+        model.poisoned = step == cell.poisoned
+        optimizer.zero_grad()
+        loss = loss_of(model, batch_of(cell, replica, step))
+        losses.append(loss.detach().clone())
+        session.backward(loss)
+        session.step()
+    joined = whole_state_dict(model, session.mesh.tp_group, f"differential.{cell.name}.session")
+    session.finish()
     return {"losses": losses, "weights": [joined[name] for name in names]}
 
 

@@ -15,6 +15,7 @@ from torch.utils.data import TensorDataset
 
 from hvdkit import checkpoint
 from hvdkit.config import ConfigError, TrainConfig, from_mapping, validate
+from hvdkit.parallel.mesh import Mesh
 from hvdkit.rank.agree.consistency import Consistency
 from hvdkit.rank.agree.lockstep import Lockstep
 from hvdkit.rank.agree.stragglers import StepTimes
@@ -33,6 +34,7 @@ from hvdkit.rank.state import RunState
 from hvdkit.rank.step.training import NonFiniteError, TrainingStep
 
 CPU = torch.device("cpu")
+MESH = Mesh(1)  # the whole job (one rank) data parallel: hvd's own rank and size
 
 
 def config(**keys) -> TrainConfig:
@@ -49,7 +51,7 @@ def trained(state: RunState, cfg: TrainConfig) -> None:
 def loaders(directory: Path) -> None:
     """epochs() moves the state's epoch on and saves after each; a position from other batch sizes is refused."""
     cfg, state = config(batch_size=2), RunState()
-    part = Loaders(cfg, hvd, CPU, state)
+    part = Loaders(cfg, hvd, CPU, state, MESH)
     loader = part.train(TensorDataset(torch.arange(10.0)), None, False, {})
     assert part.steps_per_epoch() == 5 and part.batch_sizes() == [2]
     saved = []
@@ -72,7 +74,8 @@ def step(directory: Path) -> None:
     for mode in ("skip", "stop"):
         cfg, state = config(on_nonfinite=mode), RunState()
         trained(state, cfg)
-        part = TrainingStep(cfg, hvd, CPU, state, times, checkpoint_left=lambda: "last good checkpoint X kept")
+        part = TrainingStep(cfg, hvd, CPU, state, times, checkpoint_left=lambda: "last good checkpoint X kept",
+                            mesh=MESH)
         before = [p.detach().clone() for p in state.model.parameters()]
         state.optimizer.zero_grad()
         part.backward(state.model(torch.full((1, 3), float("nan"))).sum())
@@ -90,9 +93,9 @@ def checkpoints(directory: Path) -> None:
     cfg = config(checkpoint_dir=str(directory / "ckpt"), check_consistency_steps=1, batch_size=2)
     state, watchdog = RunState(log_dir=str(directory)), Watchdog(0, 0)
     trained(state, cfg)
-    loader_part, consistency = Loaders(cfg, hvd, CPU, state), Consistency(cfg, hvd, CPU, state)
+    loader_part, consistency = Loaders(cfg, hvd, CPU, state, MESH), Consistency(cfg, hvd, CPU, state, MESH)
     loader_part.train(TensorDataset(torch.arange(8.0)), None, True, {})
-    part = RunCheckpoints(cfg, hvd, state, loader_part, consistency, watchdog, None, None)
+    part = RunCheckpoints(cfg, hvd, state, loader_part, consistency, watchdog, None, None, MESH)
     state.global_step, state.epoch, state.extra["mine"] = 3, 1, 7
     part.save()
     assert consistency.last_good == 3 and checkpoint.existing(cfg.checkpoint_dir)[-1].name.endswith("000000003.pt")
@@ -101,33 +104,36 @@ def checkpoints(directory: Path) -> None:
     trained(fresh, cfg)
     with torch.no_grad():
         fresh.model.weight.add_(1.0)
-    restored = RunCheckpoints(cfg, hvd, fresh, Loaders(cfg, hvd, CPU, fresh), Consistency(cfg, hvd, CPU, fresh),
-                           watchdog, None, None).restore()
+    restored = RunCheckpoints(cfg, hvd, fresh, Loaders(cfg, hvd, CPU, fresh, MESH), Consistency(cfg, hvd, CPU, fresh, MESH),
+                           watchdog, None, None, MESH).restore()
     assert restored["loader_batches"] == [2] and (fresh.global_step, fresh.epoch, fresh.extra) == (3, 1, {"mine": 7})
     assert all(torch.equal(weights[k], v) for k, v in fresh.model.state_dict().items())
 
 
 def reading(directory: Path) -> None:
     """read_ahead: a sharded run resumed at another world size goes on with the K that keeps the global
-    batch, in a copy of its config; an unsharded run is not read ahead, and refuses that checkpoint."""
+    batch, in a copy of its config; an unsharded run refuses that checkpoint (read ahead, raised by restore)."""
     cfg = config(checkpoint_dir=str(directory / "ckpt"), batch_size=2, batches_per_allreduce=3,
                  sharded_checkpoint=True)
     state = RunState(log_dir=str(directory))
     trained(state, cfg)
-    loader_part = Loaders(cfg, hvd, CPU, state)
+    loader_part = Loaders(cfg, hvd, CPU, state, MESH)
     loader_part.train(TensorDataset(torch.arange(12.0)), None, True, {})
     state.global_step = 4
-    RunCheckpoints(cfg, hvd, state, loader_part, Consistency(cfg, hvd, CPU, state), Watchdog(0, 0), None,
-                   None).save()
+    RunCheckpoints(cfg, hvd, state, loader_part, Consistency(cfg, hvd, CPU, state, MESH), Watchdog(0, 0), None,
+                   None, MESH).save()
     written = checkpoint.load(checkpoint.existing(cfg.checkpoint_dir)[-1])
     checkpoint.save(cfg.checkpoint_dir, 8, {**written, "world_size": 2, "rng": written["rng"] * 2}, keep=2)
-    ahead = CheckpointReader(cfg, hvd, None).read_ahead()
+    ahead = CheckpointReader(cfg, hvd, None, MESH).read_ahead()
     assert ahead.cfg.batches_per_allreduce == 6 and cfg.batches_per_allreduce == 3, "K in a copy of the config"
     assert ahead.state["path"].endswith("ckpt-step000000008.pt") and ahead.state["step"] == 4
     plain = config(checkpoint_dir=cfg.checkpoint_dir, batch_size=2, batches_per_allreduce=3)
-    assert CheckpointReader(plain, hvd, None).read_ahead() == Ahead(plain), "no read ahead, no collective"
+    unread = config(checkpoint_dir=cfg.checkpoint_dir, batch_size=2, batches_per_allreduce=3, resume=False)
+    assert CheckpointReader(unread, hvd, None, MESH).read_ahead() == Ahead(unread), "not resuming: no read ahead"
+    ahead = CheckpointReader(plain, hvd, None, MESH).read_ahead()
+    assert ahead.cfg == plain and "was written by 2 ranks, this job has 1" in str(ahead.state["error"]), ahead
     try:
-        CheckpointReader(plain, hvd, None).read()
+        CheckpointReader(plain, hvd, None, MESH).read()
         raise AssertionError("an unsharded run took a checkpoint of 2 ranks")
     except ConfigError as exc:
         assert "was written by 2 ranks, this job has 1" in str(exc), exc
@@ -166,13 +172,13 @@ def start_nothing(directory: Path) -> None:
     watchdog, signals = Watchdog(cfg.stall_timeout, 0), stops.StopSignal(rank=0)
     signals.watchdog = watchdog
     lockstep, reports = Lockstep(hvd), Reports(cfg, hvd, CPU, state, times)
-    loaders, consistency = Loaders(cfg, hvd, CPU, state), Consistency(cfg, hvd, CPU, state)
+    loaders, consistency = Loaders(cfg, hvd, CPU, state, MESH), Consistency(cfg, hvd, CPU, state, MESH)
     snapshots = HostSnapshots(hvd, str(directory / "snapshots"))
-    CheckpointReader(cfg, hvd, snapshots)
-    checkpoints = RunCheckpoints(cfg, hvd, state, loaders, consistency, watchdog, snapshots, None)
+    CheckpointReader(cfg, hvd, snapshots, MESH)
+    checkpoints = RunCheckpoints(cfg, hvd, state, loaders, consistency, watchdog, snapshots, None, MESH)
     ending = Ending(cfg, hvd, state, lockstep, signals, checkpoints, reports, watchdog,
                     Lifeline("127.0.0.1", 9, 0), (ConfigError,), (ConfigError,))
-    step = TrainingStep(cfg, hvd, CPU, state, times, checkpoints.checkpoint_left)
+    step = TrainingStep(cfg, hvd, CPU, state, times, checkpoints.checkpoint_left, MESH)
     Elastic(cfg, hvd, state, loaders, checkpoints, reports, times, lockstep, step.settle)
     assert held() == before, (before, held())
     watchdog.start()

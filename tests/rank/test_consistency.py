@@ -81,7 +81,7 @@ def test_checkpoints_after_the_last_check_that_passed_are_set_aside_not_deleted(
         checkpoint.save(str(tmp_path), step, {"step": step}, keep=5)
     (checkpoint.shard_folder(checkpoint.path_for(str(tmp_path), 12))).mkdir()
     # what setting aside reads: the checkpoint_dir; no Horovod, no model
-    check = consistency.Consistency(SimpleNamespace(checkpoint_dir=str(tmp_path)), None, None, RunState())
+    check = consistency.Consistency(SimpleNamespace(checkpoint_dir=str(tmp_path)), None, None, RunState(), None)
     check.last_good = 8
     check._set_aside_unchecked()
     assert checkpoint.existing(str(tmp_path)) == [checkpoint.path_for(str(tmp_path), s) for s in (4, 8)]
@@ -123,6 +123,24 @@ def test_a_rank_whose_weights_diverge_stops_the_job_and_the_rerun_resumes_from_b
     assert f"hvdkit: resumed from {checkpoint.path_for(str(ckpt), 6)}" in rerun.stderr
     (summary,) = selftest.parse_records(rerun.stdout, "summary")
     assert summary["steps"] == 30
+
+
+@pytest.mark.slow
+def test_under_tensor_parallelism_a_block_is_compared_within_its_data_parallel_group(tmp_path):
+    """tp 2 x dp 2: rank 3 changes its block of fc.weight, which only rank 1 holds too; the blocks of
+    one tensor-parallel group differ by design and raise nothing, nor does fc.bias, whole everywhere."""
+    logs = tmp_path / "logs"
+    proc = run([*HVDKIT, "launch", "-np", "4", "--launcher", "mpirun", "--", *SCRIPT, "--tp", "2", "--plant", "3",
+                "--plant-rank", "3", "--check-every", "2", "--steps", "8", "--log-dir", str(logs)], timeout=300)
+    assert proc.returncode == job.DIVERGED, proc.stderr[-3000:]
+    host = socket.gethostname()
+    assert (f"hvdkit: error: the ranks' copies of the model differ at step 4: rank 3 ({host}) differs from ranks "
+            f"0 ({host}), 1 ({host}), 2 ({host}), first in 'fc.weight'") in proc.stderr, proc.stderr[-3000:]
+    report = json.loads((logs / "divergence-step-4.json").read_text())
+    assert report["differing_ranks"] == [3] and report["compared"] == consistency.scope(0, False, 2)
+    assert report["tensors"][0] == "fc.bias", "what is whole first, then the blocks"
+    weights = report["digests"]["fc.weight"]
+    assert weights[0] != weights[1] and weights[1] != weights[3] and weights[0] == weights[2], weights
 
 
 @pytest.mark.slow

@@ -118,10 +118,11 @@ def test_which_steps_update_each_bucket_as_it_lands(keys, make, device, buckets,
     torch's own elementwise classes (not their subclasses, unless declared) over several buckets
     with on_nonfinite stop; off for clipping, skip, Adasum, GradScaler, and a GPU optimizer that
     cannot skip on the device."""
+    from hvdkit.parallel.mesh import Mesh
     from hvdkit.rank.state import RunState
     from hvdkit.rank.step.training import TrainingStep
 
     inner = make([torch.nn.Parameter(torch.randn(3))])
     state = RunState(optimizer=_bucket_views(inner, buckets), inner=inner, scaler=object() if scaler else None)
-    step = TrainingStep(TrainConfig(**keys), None, torch.device(device), state, None, lambda: "")
+    step = TrainingStep(TrainConfig(**keys), None, torch.device(device), state, None, lambda: "", Mesh(1))
     assert step._overlaps(state.optimizer) is overlapped

@@ -15,7 +15,10 @@ same (not under ``zero``, whose ranks hold slices, nor under Adasum, whose ranks
 optimizers on their own gradients and combine the updates). Under ``zero 3`` the sharded weights
 are slices too, each held by one rank only, so there is no second copy to compare: the check
 covers the buffers and the weights kept whole (the gathers give every rank the same whole
-weights by construction). Not compared: the running statistics of batch norms that are not
+weights by construction). Under tensor parallelism (``tp``) a split weight's block, and its
+optimizer state, is compared with the ranks of its data-parallel group, which hold the same block,
+never with the other blocks of its tensor-parallel group; what every rank holds whole (the norms,
+the position embedding) with every rank. Not compared: the running statistics of batch norms that are not
 synchronized (each rank's own batches, by design in Horovod), which a checkpoint takes from rank 0.
 
 On a mismatch every rank stops at that step (they all read the same allreduce): the digests
@@ -82,8 +85,11 @@ def _horovod_sync_batch_norm():
     return hvd.SyncBatchNorm
 
 
-def scope(zero: int, adasum: bool) -> str:
-    """What the check compares under ``zero`` (its stage) and Adasum, in words."""
+def scope(zero: int, adasum: bool, tp: int = 1) -> str:
+    """What the check compares under ``zero`` (its stage), Adasum and tensor parallelism, in words."""
+    if tp > 1:
+        return ("the weights kept whole, the buffers and the optimizer's state with every rank; each block of a "
+                "split weight and its state with its data-parallel group, which holds the same block")
     if zero == 3:
         return ("the buffers and the weights kept whole; not the sharded weights nor the optimizer's state, "
                 "whose slices each rank holds alone")
@@ -114,8 +120,8 @@ def compared(model: nn.Module, optimizer, replicated_optimizer: bool) -> list[tu
 class Consistency:
     """The check of one run: it compares the state's model and optimizer across ranks."""
 
-    def __init__(self, cfg, hvd, device, state: RunState) -> None:
-        self.cfg, self.hvd, self.device, self.state = cfg, hvd, device, state
+    def __init__(self, cfg, hvd, device, state: RunState, mesh) -> None:
+        self.cfg, self.hvd, self.device, self.state, self.mesh = cfg, hvd, device, state, mesh
         self.last_good: Optional[int] = None  # the last step whose check passed
         self.checked_at: Optional[int] = None
 
@@ -139,25 +145,56 @@ class Consistency:
         assert not state.unsettled, "hvdkit: the steps' non-finite flags are read (settle) before a consistency check"
         self.checked_at = step
         tensors = compared(state.model, state.optimizer, not (cfg.zero or cfg.use_adasum))
+        blocks = self._blocks(state.model)
+        tensors = [*(t for t in tensors if t[0] not in blocks), *(t for t in tensors if t[0] in blocks)]
         if not tensors:
             return
         digests = torch.stack([digest(t).to(self.device) for _, t in tensors]).cpu()
-        extremes = hvd.allreduce(torch.cat([digests, -digests]), op=hvd.Min, name="hvdkit.consistency")
-        low, high = extremes[:len(tensors)], -extremes[len(tensors):]
-        if torch.equal(low, high):
+        whole = len(tensors) - len(blocks)  # compared with every rank; the blocks within the data-parallel group
+        extremes = hvd.allreduce(torch.cat([digests[:whole], -digests[:whole]]), op=hvd.Min,
+                                 name="hvdkit.consistency")
+        agree = torch.equal(extremes[:whole], -extremes[whole:])
+        if blocks and self.mesh.dp > 1:
+            group = self.mesh.dp_group.process_set
+            extremes = hvd.allreduce(torch.cat([digests[whole:], -digests[whole:]]), op=hvd.Min,
+                                     name="hvdkit.consistency.blocks", process_set=group)
+            agree = hvd.allreduce(torch.tensor([float(agree and torch.equal(extremes[:len(blocks)],
+                                                                             -extremes[len(blocks):]))]),
+                                  op=hvd.Min, name="hvdkit.consistency.agree").item() == 1.0
+        if agree:
             self.last_good = step
             return
-        self._stop([name for name, _ in tensors], digests.tolist())
+        self._stop([name for name, _ in tensors], digests.tolist(), whole)
 
-    def _stop(self, names: list[str], digests: list[int]) -> None:
-        """Name what differs, keep the evidence and the last good checkpoint, end every rank."""
+    def _blocks(self, model: nn.Module) -> set[str]:
+        """The names ``compared`` gives the blocks of split weights and their optimizer state: each rank of
+        a tensor-parallel group holds another block (none without tensor parallelism)."""
+        if self.mesh.tp == 1:
+            return set()
+        split = [name for name, p in model.named_parameters() if getattr(p, "tp_dim", None) is not None]
+        state = getattr(self.state.optimizer, "state", {})
+        keys = {key for per_parameter in state.values() for key in per_parameter}
+        return {*split, *(f"optimizer.{name}.{key}" for name in split for key in keys)}
+
+    def _stop(self, names: list[str], digests: list[int], whole: int) -> None:
+        """Name what differs, keep the evidence and the last good checkpoint, end every rank. The first
+        ``whole`` digests are compared across every rank, the rest (blocks) within data-parallel groups."""
         ranks = self.hvd.allgather_object((socket.gethostname(), digests), name="hvdkit.consistency.detail")
-        groups: dict = {}
-        for rank, (_, values) in enumerate(ranks):
-            groups.setdefault(tuple(values), []).append(rank)
-        reference = max(groups.values(), key=lambda members: (len(members), 0 in members))
-        differing = [rank for rank in range(len(ranks)) if rank not in reference]
-        first = next(name for i, name in enumerate(names) if len({values[i] for _, values in ranks}) > 1)
+        every = list(range(len(ranks)))
+        # (ranks that should agree, which digests): every rank's whole tensors, each data-parallel group's blocks
+        comparisons = [(every, slice(0, whole))]
+        if whole < len(names):
+            comparisons += [(members, slice(whole, len(names))) for members in self.mesh.dp_ranks()]
+        differing: set[int] = set()
+        for members, part in comparisons:
+            groups: dict = {}
+            for rank in members:
+                groups.setdefault(tuple(ranks[rank][1][part]), []).append(rank)
+            largest = max(groups.values(), key=lambda agreeing: (len(agreeing), min(agreeing) == min(members)))
+            differing |= set(members) - set(largest)
+        differing, reference = sorted(differing), [rank for rank in every if rank not in differing]
+        first = next(names[i] for members, part in comparisons for i in range(len(names))[part]
+                     if len({ranks[rank][1][i] for rank in members}) > 1)
         step = self.state.global_step
         report = Path(self.state.log_dir) / f"divergence-step-{step}.json"
 
@@ -170,7 +207,7 @@ class Consistency:
                 f"{first!r}; digests per tensor and rank in {report}; {self._kept()}")
         if self.hvd.rank() == 0:
             _write_json(report, {"step": step, "last_good_step": self.last_good, "first": first,
-                                 "compared": scope(self.cfg.zero, self.cfg.use_adasum),
+                                 "compared": scope(self.cfg.zero, self.cfg.use_adasum, self.mesh.tp),
                                  "differing_ranks": differing, "reference_ranks": reference,
                                  "hosts": [host for host, _ in ranks], "tensors": names,
                                  "digests": {name: [values[i] for _, values in ranks] for i, name in enumerate(names)}})

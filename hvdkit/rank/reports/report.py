@@ -34,9 +34,12 @@ FOLD_EVERY = 64  # log() calls kept before they are summed: a loop that never re
 class Reports:
     """The metrics of one run, at the state's step, with each rank's step ``times``."""
 
-    def __init__(self, cfg, hvd, device, state: RunState, times: StepTimes, own_loggers: Sequence = ()) -> None:
-        """``own_loggers``: Logger objects of your own making, beside those ``cfg.logger`` names."""
+    def __init__(self, cfg, hvd, device, state: RunState, times: StepTimes, own_loggers: Sequence = (),
+                 copies: int = 1) -> None:
+        """``own_loggers``: Logger objects of your own making, beside those ``cfg.logger`` names;
+        ``copies``: the ranks that log each sample (a tensor-parallel group's, which read the same batches)."""
         self.cfg, self.hvd, self.device, self.state, self.times = cfg, hvd, device, state, times
+        self.copies = copies
         self.own_loggers = list(own_loggers)
         self.sums: dict[str, torch.Tensor] = {}
         self._logged: list[tuple] = []  # (samples, means) logged since the last fold
@@ -89,7 +92,7 @@ class Reports:
         times = self.times.row().to(self.device) if stage == "train" else torch.zeros(0, device=self.device)
         window = torch.cat([torch.stack([*(self.sums[n] for n in names), self.count.float()]).double(), times])
         reduced = hvd.allreduce(window, op=hvd.Sum, name=f"hvdkit.{stage}").tolist()  # the report's one read
-        *sums, count = reduced[:len(names) + 1]
+        *sums, count = (value / self.copies for value in reduced[:len(names) + 1])
         self.last_count = count
         means = {name: total / count if count else float("nan") for name, total in zip(names, sums, strict=True)}
         values = {**extra, **means}

@@ -7,7 +7,9 @@ batch sizes, or (elastic) the ElasticSampler's position. Rank 0 reads the newest
 continue (another config, another world size) is refused on every rank with the same line,
 before anything is written (which one, and whether: hvdkit.rank.resume.reading). A sharded
 run's checkpoint says nothing the world size decides: ZeRO's shards are re-sliced, a sharded
-checkpoint is read whole.
+checkpoint is read whole. A tensor-parallel run's checkpoint holds the whole model and optimizer
+state (hvdkit.parallel.whole: joined over each tensor-parallel group before rank 0 writes, each
+rank's blocks taken on resume), so it resumes at any (dp, tp), and at tp 1 as any other.
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ from torch import nn
 
 from hvdkit import checkpoint
 from hvdkit.config import ConfigError, to_dict
+from hvdkit.parallel import whole
+from hvdkit.parallel.plan import whole_state_dict
 from hvdkit.rank.agree.consistency import Consistency
 from hvdkit.rank.ending import stops
 from hvdkit.rank.liveness.watchdog import Watchdog
+from hvdkit.rank.resume import reading
 from hvdkit.rank.resume.host_snapshots import HostSnapshots
 from hvdkit.rank.resume.reading import CheckpointReader
 from hvdkit.rank.start.loaders import Loaders
@@ -39,18 +44,20 @@ class RunCheckpoints:
     position, each written only of weights the consistency check passed (where it is on). Made once per
     Session on every rank; ``snapshots``: the host snapshots of hvdkit launch's restarts
     (HostSnapshots.of_run; None outside them), ``read_ahead``: rank 0's read before the parts were made
-    (CheckpointReader.read_ahead's Ahead.state; None elsewhere), both stated by the caller."""
+    (CheckpointReader.read_ahead's Ahead.state; None elsewhere), both stated by the caller; ``mesh``: the
+    job's (dp, tp) groups."""
 
     def __init__(self, cfg, hvd, state: RunState, loaders: Loaders, consistency: Consistency, watchdog: Watchdog,
-                 snapshots: Optional[HostSnapshots], read_ahead: Optional[dict]) -> None:
-        self.cfg, self.hvd, self.state = cfg, hvd, state
+                 snapshots: Optional[HostSnapshots], read_ahead: Optional[dict], mesh) -> None:
+        self.cfg, self.hvd, self.state, self.mesh = cfg, hvd, state, mesh
+        self.tp_group = mesh.tp_group if mesh.tp > 1 else None  # the model's blocks are joined and split over it
         self.loaders, self.consistency, self.watchdog = loaders, consistency, watchdog
         self.elastic_state: Optional[dict] = None  # read in setup(), applied by load_elastic
         self.elastic_sampler = None  # given to load_elastic: a stop's checkpoint records its position
         self.ahead = read_ahead  # rank 0: Ahead.state (CheckpointReader.read_ahead), for restore()
         self.writer = checkpoint.Writer(background=cfg.async_checkpoint)
         self.snapshots = snapshots  # snapshot_steps: the state in host memory for hvdkit launch's restarts
-        self.reader = CheckpointReader(cfg, hvd, snapshots)
+        self.reader = CheckpointReader(cfg, hvd, snapshots, mesh)
         self.last_write = 0.0  # seconds the newest written checkpoint took to write (rank 0)
         self._warned = False
 
@@ -59,7 +66,8 @@ class RunCheckpoints:
         optimizer's state is empty, so only parameters are broadcast: Horovod's
         broadcast_optimizer_state would take a zero-gradient step to create state, which with
         AdamW's weight decay moves the weights. Elastic: read here, applied by load_elastic.
-        Zero 3: with the weights final on every rank, each keeps its slices of them (shard_model)."""
+        Zero 3: with the weights final on every rank, each keeps its slices of them (shard_model). Tensor
+        parallelism: every replica's blocks are of rank 0's weights already (Session.parallelize)."""
         if self.cfg.snapshot_steps and not self.snapshots:
             raise ConfigError("snapshot_steps: snapshots are kept for the restarts of hvdkit launch --max-restarts N "
                               "(which names where each host keeps them); run under it, or drop snapshot_steps")
@@ -71,7 +79,7 @@ class RunCheckpoints:
         state = self.restore()
         if state is not None:
             self.loaders.resumed_batches = state.get("loader_batches")
-        elif not getattr(self.state.optimizer, "deferred", False):  # a deferred model is made alike on every rank
+        elif not getattr(self.state.optimizer, "deferred", False) and self.tp_group is None:  # deferred: made alike
             self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         if self.cfg.zero == 3:
             self.state.optimizer.shard_model()
@@ -100,10 +108,13 @@ class RunCheckpoints:
         if "error" in state:  # every rank stops with the same line
             raise state["error"]
         self.load_state(state)
-        if state["world_size"] == self.hvd.size():
+        if (state["world_size"], state["config"].get("tp", 1)) == (self.hvd.size(), self.mesh.tp):
             set_rng_state(state["rng"][self.hvd.rank()])
-        else:  # another world size: each rank keeps the seed it started with
-            state["loader_batches"] = [b * state["world_size"] // self.hvd.size() for b in state["loader_batches"]]
+            if self.state.rng_tracker is not None:
+                self.state.rng_tracker.load_state_dict(state["rng"][self.hvd.rank()]["tp"])
+        else:  # another mesh: each rank keeps the seeds it started with
+            saved, replicas = reading.replicas(state), self.mesh.data_parallel(self.hvd)[1]
+            state["loader_batches"] = [b * saved // replicas for b in state["loader_batches"]]
         say(self.hvd, f"hvdkit: resumed from {state['path']} (epoch {run.epoch + 1}, step {run.global_step})")
         return state
 
@@ -132,7 +143,10 @@ class RunCheckpoints:
             if self.cfg.zero == 3:  # each rank keeps its slices (shard_model, after this)
                 run.optimizer.load_model_state(state["model"], sliced=sliced)
             else:
-                self.module().load_state_dict(shards.whole_model(path, state) if sliced else state["model"])
+                model_state = shards.whole_model(path, state) if sliced else state["model"]
+                if self.tp_group is not None:  # this rank's blocks of the whole
+                    model_state = whole.own_model_state(self.module(), model_state, self.tp_group)
+                self.module().load_state_dict(model_state)
         except RuntimeError as exc:
             raise ConfigError(f"checkpoint {state['path']} does not fit this model: "
                               f"{str(exc).splitlines()[0]}") from None
@@ -143,8 +157,9 @@ class RunCheckpoints:
         elif self.cfg.zero:  # a checkpoint of zero 0: its whole state, sliced
             run.optimizer.load_whole_state(saved)
         else:
-            run.optimizer.load_state_dict(shards.plain_optimizer_state(path, saved) if shards.is_manifest(saved)
-                                          else saved)
+            saved = shards.plain_optimizer_state(path, saved) if shards.is_manifest(saved) else saved
+            run.optimizer.load_state_dict(saved if self.tp_group is None else
+                                          whole.own_optimizer_state(run.optimizer, saved, self.tp_group))
             # That made new param-group dicts; a scheduler sets the rates in the dicts of the
             # optimizer you passed, so those must stay the ones Horovod's wrapper steps with.
             for mine, loaded in zip(run.inner.param_groups, run.optimizer.param_groups, strict=True):
@@ -201,10 +216,20 @@ class RunCheckpoints:
         if self.hvd.rank() == 0:  # what a save of this step killed before its main file left; before any rank writes
             shutil.rmtree(checkpoint.shard_folder(checkpoint.path_for(self.cfg.checkpoint_dir, run.global_step)),
                           ignore_errors=True)
-        rng = self.hvd.allgather_object(rng_state())
+        tracker = self.state.rng_tracker
+        rng = self.hvd.allgather_object({**rng_state(), **({"tp": tracker.state_dict()} if tracker else {})})
+        joined = self._joined() if self.tp_group is not None else {}
         if self.hvd.rank() == 0 or self.writes_parts:
-            self.write(shards.manifest(run.optimizer) if self.cfg.zero else None, rng=rng,
-                       loader_batches=self.loaders.batch_sizes())
+            self.write(shards.manifest(run.optimizer) if self.cfg.zero else joined.get("optimizer"), rng=rng,
+                       loader_batches=self.loaders.batch_sizes(), model_state=joined.get("model"))
+
+    def _joined(self) -> dict:
+        """The whole model's state and its optimizer's, joined over the tensor-parallel group (all its
+        ranks call it alike: hvdkit.parallel.whole)."""
+        step = self.state.global_step
+        return {"model": whole_state_dict(self.module(), self.tp_group, f"hvdkit.tp.save.{step}"),
+                "optimizer": whole.whole_optimizer_state(self.state.optimizer, self.tp_group,
+                                                         f"hvdkit.tp.save.{step}.optimizer")}
 
     @property
     def writes_parts(self) -> bool:
@@ -231,8 +256,10 @@ class RunCheckpoints:
         if self.snapshots:
             self.snapshots.drop()
 
-    def write(self, optimizer_state: Optional[dict] = None, place: Optional[tuple] = None, **position) -> None:
-        """This rank's state (the optimizer's, or ZeRO's manifest), and ``position``: how the data
+    def write(self, optimizer_state: Optional[dict] = None, place: Optional[tuple] = None,
+              model_state: Optional[dict] = None, **position) -> None:
+        """This rank's state (the optimizer's, or ZeRO's manifest; ``model_state``: the model's, made
+        whole by the caller), and ``position``: how the data
         position is kept (see save, save_elastic); ``place``: (directory, writer, keep) of a
         snapshot. In a save in parts (``writes_parts``) every rank calls it and writes its part: with
         ``sharded_checkpoint`` its share of what every rank holds (checkpoint.split), under ZeRO
@@ -244,7 +271,8 @@ class RunCheckpoints:
         # backward (Horovod's Adasum optimizer steps each parameter in its gradient hook): copied now.
         deferred = () if cfg.use_adasum else shared
         state = {
-            "model": run.optimizer.unsharded_state_dict() if cfg.zero == 3 else module.state_dict(),
+            "model": model_state if model_state is not None else
+            run.optimizer.unsharded_state_dict() if cfg.zero == 3 else module.state_dict(),
             "optimizer": run.optimizer.state_dict() if optimizer_state is None else optimizer_state,
             "scheduler": run.scheduler.state_dict() if run.scheduler is not None else None,
             "scaler": run.scaler.state_dict() if run.scaler else None, "extra": run.extra, "trackers": run.trackers,

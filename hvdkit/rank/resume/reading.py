@@ -1,10 +1,12 @@
 """Which checkpoint a run takes back, and whether it may: the newest valid state (a checkpoint,
 or this host's snapshot where newer), refused with one line where this run cannot continue it.
 
-A sharded run (``zero``, or ``sharded_checkpoint``) may resume at another world size: its
-accumulation steps K adapt so that the global batch, and with it the data position and the
-learning rate schedule, stay as they were; where K cannot, it is refused. That K is decided by
-``read_ahead`` before the Session makes its parts, which are then made with it.
+A sharded run (``zero``, or ``sharded_checkpoint``) may resume at another world size, and a
+tensor-parallel run's checkpoint (whole: hvdkit.parallel.whole) at another number of data-parallel
+replicas (world size / tp): its accumulation steps K adapt so that the global batch, and with it
+the data position and the learning rate schedule, stay as they were; where K cannot, it is
+refused. That K is decided by ``read_ahead`` before the Session makes its parts, which are then
+made with it.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ class CheckpointReader:
     """Reads the state a run resumes from (on the rank that calls read: rank 0, the rank whose
     host keeps the newest snapshot, or every rank of an elastic run). Starts nothing."""
 
-    def __init__(self, cfg, hvd, snapshots: Optional[HostSnapshots]) -> None:
-        self.cfg, self.hvd, self.snapshots = cfg, hvd, snapshots
+    def __init__(self, cfg, hvd, snapshots: Optional[HostSnapshots], mesh) -> None:
+        self.cfg, self.hvd, self.snapshots, self.mesh = cfg, hvd, snapshots, mesh
 
     @property
     def sharded(self) -> bool:
@@ -43,11 +45,13 @@ class CheckpointReader:
         return bool(self.cfg.zero or self.cfg.sharded_checkpoint)
 
     def read_ahead(self) -> Ahead:
-        """A sharded run resuming (all ranks call it, before the Session's parts are made): rank 0
-        reads the checkpoint now, and every rank learns the K it resumes with (the config is not
-        changed: Ahead.cfg is a copy). Not sharded, or not resuming: the config, without a collective."""
+        """A run resuming (all ranks call it, before the Session's parts are made): rank 0 reads the
+        checkpoint now, and every rank learns the K it resumes with (the config is not changed:
+        Ahead.cfg is a copy). Not resuming, elastic, or restarted from the snapshots of a run that is
+        not sharded (its world size is the checkpoint's; the snapshot's rank reads it): the config,
+        without a collective."""
         cfg = self.cfg
-        if not (self.sharded and cfg.checkpoint_dir and cfg.resume):
+        if not (cfg.checkpoint_dir and cfg.resume) or cfg.elastic or (self.snapshots and not self.sharded):
             return Ahead(cfg)
         state, k = None, None
         if self.hvd.rank() == 0:
@@ -71,16 +75,17 @@ class CheckpointReader:
 
     def accepted(self, path: Path, state: dict) -> dict:
         """The checkpoint ``path``'s ``state`` with its path, if this run may continue it; ConfigError if not."""
-        other_size = state["world_size"] != self.hvd.size()
+        other_size = replicas(state) != self.mesh.data_parallel(self.hvd)[1]
         sharded = self.sharded and bool(state["config"].get("zero") or state["config"].get("sharded_checkpoint"))
-        adapted = ("batches_per_allreduce",) * (sharded and other_size)
+        adaptable = sharded or max(state["config"].get("tp", 1), self.cfg.tp) > 1  # a tp run's checkpoint is whole
+        adapted = ("batches_per_allreduce",) * (adaptable and other_size)
         conflict = config_resume_conflict(state["config"], self.cfg, adapted)
         if conflict:
             raise ConfigError(f"checkpoint {path} {conflict}")
         saved = state["world_size"]
-        if other_size and sharded:
+        if other_size and adaptable:
             return {**state, "path": str(path), "batches_per_allreduce": self._adapted_k(path, state)}
-        if saved != self.hvd.size() and not self.cfg.elastic:  # elastic positions fit any size
+        if other_size and not self.cfg.elastic:  # elastic positions fit any size
             raise ConfigError(f"checkpoint {path} was written by {saved} ranks, this job has "
                               f"{self.hvd.size()}; resume with {saved} ranks (the data order and learning "
                               f"rate depend on it), or start afresh in another --checkpoint-dir")
@@ -106,16 +111,22 @@ class CheckpointReader:
         return None
 
     def _adapted_k(self, path, state: dict) -> int:
-        """K for this world size that keeps the checkpoint's global batch (size x batch x K);
-        ConfigError if none does. Said in one line."""
-        saved, size, k = state["world_size"], self.hvd.size(), state["config"]["batches_per_allreduce"]
+        """K for this number of data-parallel replicas (the world size without tensor parallelism) that
+        keeps the checkpoint's global batch (replicas x batch x K); ConfigError if none does. Said in one line."""
+        saved, size, k = replicas(state), self.mesh.data_parallel(self.hvd)[1], state["config"]["batches_per_allreduce"]
+        what = "data-parallel replicas" if max(state["config"].get("tp", 1), self.cfg.tp) > 1 else "ranks"
         if (saved * k) % size:
-            raise ConfigError(f"checkpoint {path} was written by {saved} ranks with batches_per_allreduce {k}; "
-                              f"{size} ranks cannot keep its global batch of {saved} x {k} batches (the data "
-                              f"position and learning rate depend on it): resume with a world size that divides "
+            raise ConfigError(f"checkpoint {path} was written by {saved} {what} with batches_per_allreduce {k}; "
+                              f"{size} {what} cannot keep its global batch of {saved} x {k} batches (the data "
+                              f"position and learning rate depend on it): resume with a number that divides "
                               f"{saved * k}, or start afresh in another --checkpoint-dir")
         adapted = saved * k // size
-        print(f"hvdkit: checkpoint {path} was written by {saved} ranks, this job has {size}: batches_per_allreduce "
+        print(f"hvdkit: checkpoint {path} was written by {saved} {what}, this job has {size}: batches_per_allreduce "
               f"{k} -> {adapted} keeps the global batch of {saved * k * self.cfg.batch_size} samples and the "
               f"learning rate schedule", file=sys.stderr, flush=True)
         return adapted
+
+
+def replicas(state: dict) -> int:
+    """The data-parallel replicas of the run that wrote a checkpoint: its world size over its tp."""
+    return state["world_size"] // state["config"].get("tp", 1)

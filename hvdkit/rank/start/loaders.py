@@ -70,10 +70,11 @@ def end_workers() -> None:
 
 class Loaders:
     """The loaders of one run, whose step and epoch (in ``state``) they follow; ``epochs()`` moves
-    the epoch on."""
+    the epoch on. Each data-parallel replica of ``mesh`` reads its shard (every rank without tensor
+    parallelism; with it, a tensor-parallel group's ranks read the same batches)."""
 
-    def __init__(self, cfg, hvd, device, state: RunState) -> None:
-        self.cfg, self.hvd, self.device, self.state = cfg, hvd, device, state
+    def __init__(self, cfg, hvd, device, state: RunState, mesh) -> None:
+        self.cfg, self.hvd, self.device, self.state, self.mesh = cfg, hvd, device, state, mesh
         self.made: list[DataLoader] = []  # training loaders, in the order made
         self.micro_size = cfg.batch_size  # samples per micro-batch, from the last loader made
         self.resumed_batches: Optional[list] = None  # the checkpoint's loader batch sizes
@@ -82,12 +83,12 @@ class Loaders:
         if self.cfg.elastic:  # the ranks change: Horovod's sampler shares out what is left of the epoch
             self.made.append(self.elastic(data_or_loader, batch_size, loader_args))
             return self.made[-1]
-        size, rank = self.hvd.size(), self.hvd.rank()
+        rank, size = self.mesh.data_parallel(self.hvd)
         dataset, batch_size, options = self._parts(data_or_loader, batch_size, loader_args,
                                                    kept=("collate_fn", "drop_last"))
         if len(dataset) < size * batch_size:
             raise ConfigError(f"data: the training set has {len(dataset)} samples, fewer than "
-                              f"world size x batch_size = {size} x {batch_size}")
+                              f"data-parallel replicas x batch_size = {size} x {batch_size}")
         sampler = ResumableSampler(dataset, num_replicas=size, rank=rank, shuffle=shuffle, seed=self.cfg.seed)
         made = _workers_end_at_exit(DataLoader(dataset, batch_size=batch_size * self.cfg.batches_per_allreduce,
                                                sampler=sampler, **options))
@@ -106,8 +107,14 @@ class Loaders:
     def evaluation(self, data_or_loader, batch_size: Optional[int], loader_args: dict) -> DataLoader:
         dataset, batch_size, options = self._parts(data_or_loader, batch_size, loader_args, kept=("collate_fn",))
         return _workers_end_at_exit(DataLoader(dataset, batch_size=batch_size,
-                                               sampler=ShardSampler(len(dataset), self.hvd.rank, self.hvd.size),
+                                               sampler=ShardSampler(len(dataset), self._replica, self._replicas),
                                                **options))
+
+    def _replica(self) -> int:
+        return self.mesh.data_parallel(self.hvd)[0]
+
+    def _replicas(self) -> int:
+        return self.mesh.data_parallel(self.hvd)[1]
 
     def _parts(self, data_or_loader, batch_size: Optional[int], loader_args: dict, kept: tuple):
         """(dataset, batch size, DataLoader options) from a Dataset, or from a DataLoader whose
@@ -117,7 +124,7 @@ class Loaders:
             loader_args = {**{name: getattr(data_or_loader, name) for name in kept}, **loader_args}
             data_or_loader = data_or_loader.dataset
         loader_args = dict(loader_args)
-        options = {**loader_options(self.cfg, self.hvd.rank(), self.device.type == "cuda",
+        options = {**loader_options(self.cfg, self._replica(), self.device.type == "cuda",  # a tp group alike
                                          loader_args.pop("worker_init_fn", None)), **loader_args}
         return data_or_loader, batch_size or self.cfg.batch_size, options
 

@@ -32,6 +32,7 @@ import torch
 from hvdkit import env
 from hvdkit.config import ConfigError, TrainConfig, from_environ, from_mapping, validate
 from hvdkit.models import seed_everything
+from hvdkit.parallel.mesh import Mesh
 from hvdkit.rank.ending import stops
 from hvdkit.rank.liveness import link
 from hvdkit.system import wholefiles
@@ -47,6 +48,8 @@ def read_config(config: Optional[TrainConfig], keys: Mapping[str, object]) -> Tr
     if config is None:
         config = from_mapping(from_environ(os.environ))
     cfg = validate(from_mapping(dict(keys), base=config))
+    if cfg.tp > 1:
+        Mesh(env.detect().size or 1, cfg.tp)  # a tp that does not divide the job's ranks: said here, in one line
     if undo:
         undo()
     return cfg
@@ -56,7 +59,8 @@ def start(cfg: TrainConfig):
     """hvd.init() with hvdkit's settings, a crash's Python stacks on stderr (``faulthandler``),
     a warning where the launcher disagrees with Horovod, the line to `hvdkit launch
     --max-restarts` (hvdkit.rank.liveness.link; not elastic: Horovod goes on without a rank that
-    died), this rank's device and seeds; (horovod.torch, device)."""
+    died), this rank's device and seeds; (horovod.torch, device, the job's Mesh: with ``tp``, its
+    process sets made at hvd.init, from the launcher's world size)."""
     import horovod.torch as hvd
 
     spans_hosts = env.detect().spans_hosts
@@ -65,7 +69,14 @@ def start(cfg: TrainConfig):
     for name, value in ({} if cfg.elastic else settings).items():
         os.environ.setdefault(name, value)  # a variable the user exported wins
     link.wait_for_go(os.environ)  # a standby attempt's rank, until it is needed
-    hvd.init()
+    mesh = None
+    if cfg.tp > 1:  # Horovod's process sets are fixed at hvd.init: the mesh is made from the launcher's size
+        mesh = Mesh(env.detect().size or 1, cfg.tp)
+        hvd.init(process_sets=mesh.process_sets(hvd) or None)
+        mesh.bind(hvd)
+    else:
+        hvd.init()
+        mesh = Mesh(hvd.size()).bind(hvd)
     if not faulthandler.is_enabled():  # after hvd.init: MPI's own handler for SIGSEGV still runs after it
         with contextlib.suppress(ValueError, OSError, AttributeError):  # a stderr with no file (a notebook's)
             faulthandler.enable(all_threads=True)
@@ -81,9 +92,9 @@ def start(cfg: TrainConfig):
     device = place_process(hvd.local_rank(), hvd.local_size())
     if device.type == "cuda":
         tune_gpu(cfg)
-    seed_everything(cfg.seed + hvd.rank())
+    seed_everything(cfg.seed + mesh.data_parallel(hvd)[0])  # a tensor-parallel group's ranks draw alike
     atexit.register(exit_quickly)
-    return hvd, device
+    return hvd, device, mesh
 
 
 def tune_gpu(cfg: TrainConfig) -> None:

@@ -17,6 +17,8 @@ hvdkit.rank.start.startup.reproducible_settings), so a run stays bitwise reprodu
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from typing import Callable, Optional
 
 import torch
@@ -72,15 +74,20 @@ def gradient_path(cfg: TrainConfig, ranks: int) -> str:
 
 
 def distributed_optimizer(cfg: TrainConfig, hvd, optimizer: torch.optim.Optimizer, model: nn.Module,
-                          device: torch.device):
+                          device: torch.device, mesh):
     """``optimizer`` made distributed as ``cfg`` says: with ``zero``, hvdkit.zero's ShardedOptimizer;
     else Horovod's DistributedOptimizer, with bucket views where Horovod's grouped allreduce
-    applies (``gradient_path``)."""
+    applies (``gradient_path``). Its gradients are averaged over ``mesh``'s data-parallel group:
+    the whole job without tensor parallelism; with it, the ranks holding the same blocks, and
+    where that is this rank alone (tp the whole job) nothing is reduced (``unreduced``)."""
     compression = hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none
     if cfg.zero != 3 and is_deferred(model):
         raise ConfigError("the model is on the meta device: zero 3 builds it one module at a time into each "
                           "rank's slices; set zero 3, or build the model on the CPU")
-    path = gradient_path(cfg, hvd.size())
+    if mesh.tp > 1 and not any(getattr(p, "tp_dim", None) is not None for p in model.parameters()):
+        raise ConfigError("tp: split the model with session.parallelize(model) before making its optimizer")
+    process_set = mesh.dp_group.process_set if mesh.tp > 1 else hvd.global_process_set
+    path = gradient_path(cfg, hvd.size() if mesh.tp == 1 else mesh.dp)
     if path == "sharded":
         zero.check(optimizer, model, cfg.zero, cfg.elementwise_optimizer)
         if cfg.zero == 3:
@@ -89,14 +96,16 @@ def distributed_optimizer(cfg: TrainConfig, hvd, optimizer: torch.optim.Optimize
                                                  device=device)
         return zero.ShardedOptimizer(optimizer, hvd, cfg.zero, compression, cfg.batches_per_allreduce,
                                      cfg.gradient_predivide_factor)
-    if path == "bucket views":
+    if mesh.tp > 1 and mesh.dp == 1:
+        wrapped = unreduced(optimizer)
+    elif path == "bucket views":
         wrapped = with_bucket_views(optimizer, model.named_parameters(), compression, cfg.batches_per_allreduce,
-                                    gradient_buckets(model, bucket_bytes(device)))
+                                    gradient_buckets(model, bucket_bytes(device)), process_set)
     else:
         wrapped = hvd.DistributedOptimizer(
             optimizer, named_parameters=model.named_parameters(), compression=compression,
             backward_passes_per_step=cfg.batches_per_allreduce, op=hvd.Adasum if cfg.use_adasum else hvd.Average,
-            gradient_predivide_factor=cfg.gradient_predivide_factor)
+            gradient_predivide_factor=cfg.gradient_predivide_factor, process_set=process_set)
     # Horovod's wrapper is a new optimizer over the same param groups: it keeps the state you may
     # have loaded into yours. A scheduler warns that it stepped before the optimizer when the step
     # it wrapped (yours) was not called; Horovod's is instead.
@@ -106,15 +115,41 @@ def distributed_optimizer(cfg: TrainConfig, hvd, optimizer: torch.optim.Optimize
 
 
 def with_bucket_views(optimizer, named_parameters, compression, backward_passes_per_step: int,
-                       buckets: list[list[nn.Parameter]]):
+                       buckets: list[list[nn.Parameter]], process_set=None):
     """As hvd.DistributedOptimizer makes its class (the user's optimizer class with Horovod's
-    methods), with ``_BucketViews``' methods over Horovod's."""
+    methods), with ``_BucketViews``' methods over Horovod's; averaged over ``process_set`` (None:
+    the whole job)."""
+    from horovod.torch.mpi_ops import global_process_set
     from horovod.torch.optimizer import _DistributedOptimizer
 
     methods = dict(_DistributedOptimizer.__dict__)
     methods.update((name, value) for name, value in _BucketViews.__dict__.items() if callable(value))
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
-    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, buckets)
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, buckets,
+               process_set or global_process_set)
+
+
+def unreduced(optimizer: torch.optim.Optimizer):
+    """``optimizer``'s class with the methods of Horovod's that the step calls, doing nothing: the
+    optimizer of a rank that is its own data-parallel group (tensor parallelism over the whole
+    job), whose gradients are its blocks' own, already whole. Over the same param groups and state."""
+    methods = {name: value for name, value in _Unreduced.__dict__.items() if callable(value)}
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
+    wrapped = copy.copy(optimizer)
+    wrapped.__class__ = cls
+    wrapped._synchronized = False
+    return wrapped
+
+
+class _Unreduced:
+    """Horovod's optimizer methods that hvdkit's step calls, for ``unreduced``."""
+
+    def synchronize(self) -> None:
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        yield
 
 
 class _BucketViews:
@@ -122,11 +157,15 @@ class _BucketViews:
     Never instantiated: ``with_bucket_views`` copies them into the optimizer's class, so they
     name Horovod's methods explicitly instead of through ``super()``."""
 
-    def __init__(self, params, named_parameters, compression, backward_passes_per_step, buckets) -> None:
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step, buckets,
+                 process_set) -> None:
         from horovod.torch.optimizer import _DistributedOptimizer
 
         _DistributedOptimizer.__init__(self, params, named_parameters, compression, backward_passes_per_step,
-                                       groups=buckets)
+                                       process_set=process_set)
+        self._groups = buckets
+        if self._grad_accs:  # its hooks are registered (more than one rank): its groups, formed as it forms them
+            self._form_groups(buckets)
         self._outside: Optional[list] = None  # the trained parameters in no bucket (gradient_tensors)
         self._with_last: Optional[Callable[[], None]] = None  # sent just before this step's last bucket
         self._sent = 0  # buckets sent this step
@@ -149,6 +188,20 @@ class _BucketViews:
                     p.grad = self._views[p]
             self._flat[group] = flat
             self._requires_update.difference_update(group)  # Horovod's synchronize leaves them to ours
+
+    def _form_groups(self, buckets: list[list[nn.Parameter]]) -> None:
+        """Horovod's groups of ``groups=buckets``: each bucket's trained parameters, then one group per
+        trained parameter left out. Formed here, not by Horovod: its hooks' registration broadcasts
+        the parameters' order from global rank 0 over the process set, which a data-parallel set
+        without rank 0 (tensor parallelism's) refuses; here every rank lists them alike."""
+        trained = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        ids = {id(p) for p in trained}
+        groups = [tuple(p for p in bucket if id(p) in ids) for bucket in buckets]
+        grouped = {id(p) for group in groups for p in group}
+        for group in [*groups, *((p,) for p in trained if id(p) not in grouped)]:
+            self._group_counts[group] = 0
+            for p in group:
+                self._p_to_group[p] = group
 
     def with_last_bucket(self, send: Optional[Callable[[], None]]) -> Optional[Callable[[], None]]:
         """``send()`` is called once, just before this step's last bucket goes to Horovod, from the

@@ -28,6 +28,8 @@ from torch import nn
 
 from hvdkit import nested
 from hvdkit.config import TrainConfig
+from hvdkit.parallel import norms
+from hvdkit.parallel.ops import all_reduce
 from hvdkit.rank.agree.stragglers import StepTimes
 from hvdkit.rank.state import RunState, say
 from hvdkit.zero.deferred import is_deferred
@@ -52,15 +54,19 @@ def lr_multiplier(cfg: TrainConfig, size: int, local_size: int, on_gpu_with_nccl
     return {"linear": float(batches), "sqrt": math.sqrt(batches), "none": 1.0}[cfg.lr_scaling]
 
 
-def lr_lambda(cfg: TrainConfig, hvd, on_gpu_with_nccl: bool, progress: Callable[[int], float],
+def lr_lambda(cfg: TrainConfig, hvd, mesh, on_gpu_with_nccl: bool, progress: Callable[[int], float],
               factor: Callable[[float, float], float]) -> Callable[[int], float]:
-    """A LambdaLR function: ``factor(epochs done at the step, lr_multiplier at the world size of
-    the moment)``. It holds no Session nor loader: in the scheduler that would make a reference
+    """A LambdaLR function: ``factor(epochs done at the step, lr_multiplier at the number of
+    data-parallel replicas of the moment)`` (``mesh.data_parallel``: the world size without tensor
+    parallelism). It holds no Session nor loader: in the scheduler that would make a reference
     cycle, which keeps the loaders' workers alive past the run's end."""
+    def multiplier() -> float:
+        return lr_multiplier(cfg, mesh.data_parallel(hvd)[1], hvd.local_size(), on_gpu_with_nccl)
+
     if not cfg.elastic:  # the world size is the job's: the multiplier is worked out once
-        multiplier = lr_multiplier(cfg, hvd.size(), hvd.local_size(), on_gpu_with_nccl)
-        return lambda step: factor(progress(step), multiplier)
-    return lambda step: factor(progress(step), lr_multiplier(cfg, hvd.size(), hvd.local_size(), on_gpu_with_nccl))
+        fixed = multiplier()
+        return lambda step: factor(progress(step), fixed)
+    return lambda step: factor(progress(step), multiplier())
 
 
 def split_batch(batch: Any, size: int) -> list:
@@ -112,11 +118,13 @@ def input_format(cfg: TrainConfig, model: nn.Module, device: torch.device) -> to
 
 class TrainingStep:
     """The step of one run: it steps the state's model, optimizer, scaler and scheduler, timed by
-    ``times``; ``checkpoint_left()`` says which checkpoint a run stopped by a non-finite step leaves."""
+    ``times``; ``checkpoint_left()`` says which checkpoint a run stopped by a non-finite step leaves;
+    ``mesh``: the job's (dp, tp) groups, whose tensor-parallel group norms and checks the gradients."""
 
     def __init__(self, cfg, hvd, device, state: RunState, times: StepTimes,
-                 checkpoint_left: Callable[[], str]) -> None:
+                 checkpoint_left: Callable[[], str], mesh) -> None:
         self.cfg, self.hvd, self.device, self.state, self.times = cfg, hvd, device, state, times
+        self.tp_group = mesh.tp_group if mesh.tp > 1 else None  # a model split across it: norms and checks span it
         self.checkpoint_left = checkpoint_left  # RunCheckpoints.checkpoint_left
         self.micro_count = cfg.batches_per_allreduce  # of the step under way
         self.skipped, self.skips_in_a_row = 0, 0  # on_nonfinite: skip
@@ -183,6 +191,11 @@ class TrainingStep:
             scaler.unscale_(optimizer)
             if cfg.zero:  # each rank checked only its own slices for an overflow
                 optimizer.agree_on_overflow(scaler)
+            elif self.tp_group is not None:  # and only its own blocks
+                found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+                for device, flag in found.items():  # a sum of 0/1 flags, on the device: nothing is read here
+                    found[device] = all_reduce(flag.reshape(1), self.tp_group, "hvdkit.tp.inf").clamp(
+                        max=1.0).reshape(flag.shape)
         checked = self._clip_and_check()
         with contextlib.nullcontext() if cfg.use_adasum else optimizer.skip_synchronize():
             if scaler:  # GradScaler skips an overflow: on the device where the optimizer takes found_inf
@@ -198,7 +211,9 @@ class TrainingStep:
         nothing of the other buckets. So: bucket views with several buckets; an optimizer that
         updates each element on its own (``elementwise``: one of torch's classes in hvdkit.zero.elementwise's
         list, not a subclass, or one the user declares so); no clipping (its global norm needs
-        every bucket first); no fp16 GradScaler (its unscale and skip need every gradient);
+        every bucket first); no tensor parallelism (a bucket's check is agreed across the
+        tensor-parallel group, whose ranks hold other blocks, before any steps); no fp16
+        GradScaler (its unscale and skip need every gradient);
         ``on_nonfinite: stop`` (a skip would have to take back buckets already stepped: the
         stop ends the run instead, and no checkpoint holds what it stepped); and either an
         optimizer whose bucket checks are read as each lands, on a CPU only (on a GPU, a host sync
@@ -210,6 +225,7 @@ class TrainingStep:
         cfg = self.cfg
         overlaps = (hasattr(optimizer, "landed") and optimizer.bucket_count() > 1
                     and elementwise(self.state.inner, cfg.elementwise_optimizer) and not cfg.clip_grad_norm
+                    and self.tp_group is None
                     and self.state.scaler is None and cfg.on_nonfinite == "stop" and not cfg.use_adasum
                     and not any(group.get("differentiable") for group in optimizer.param_groups)
                     and (not cfg.snapshot_steps if skips_on_device(optimizer) else self.device.type == "cpu"))
@@ -267,7 +283,9 @@ class TrainingStep:
         every element is, short of a sum past 3e38; else the gradients' norm), or None where
         nothing is to check (fp16 loss scaling: GradScaler checks them itself). Averaged gradients
         are the same on every rank, and ZeRO's norm sums every rank's slices, so every rank decides
-        alike; Adasum's gradients are local, so there the ranks add their flags (``_flag``)."""
+        alike; Adasum's gradients are local, so there the ranks add their flags (``_flag``). A model
+        split for tensor parallelism is clipped by the whole model's norm (hvdkit.parallel.norms), and
+        its unclipped check summed over the tensor-parallel group: each rank holds other blocks."""
         cfg, state = self.cfg, self.state
         optimizer = state.optimizer
         if cfg.zero:  # the norm of the whole gradient, from every rank's slices
@@ -278,7 +296,8 @@ class TrainingStep:
             else:
                 return None
         elif cfg.clip_grad_norm:
-            norm = nn.utils.clip_grad_norm_(self._parameters(), cfg.clip_grad_norm)
+            norm = (nn.utils.clip_grad_norm_(self._parameters(), cfg.clip_grad_norm) if self.tp_group is None else
+                    norms.clip_grad_norm_(self._parameters(), cfg.clip_grad_norm, self.tp_group, "hvdkit.tp.norm"))
         elif state.scaler is None:
             gradients = getattr(optimizer, "gradient_tensors", None)
             if gradients:  # a few flat tensors: their sum is non-finite where any element is (NaN, ±inf)
@@ -288,6 +307,8 @@ class TrainingStep:
                 if not grads:
                     return None
                 norm = nn.utils.get_total_norm(grads)
+            if self.tp_group is not None:  # non-finite where any rank's blocks are
+                norm = all_reduce(norm.double().reshape(1), self.tp_group, "hvdkit.tp.finite").reshape(())
         else:
             return None
         return None if state.scaler is not None else norm

@@ -1,0 +1,70 @@
+"""A tensor-parallel model's state joined whole for a checkpoint, and a whole state split again.
+
+A checkpoint of a tensor-parallel run holds the whole model and the whole optimizer state, as a
+data-parallel run's does: every split parameter (``tp_dim``, hvdkit.parallel.plan) joined along
+that dimension in rank order (hvdkit.parallel.plan's ``whole_state_dict``), and so each of its
+optimizer tensors of the parameter's shape (Adam's moments, SGD's momentum). So it resumes at any
+tensor-parallel size, tp 1 included (each rank takes its block of what it reads:
+``own_model_state``, ``own_optimizer_state``), and exports as it is.
+The optimizer state's parameters are numbered in the model's parameter order, which parallelize
+keeps (each planned module is replaced in place, its weight and bias as the whole module's).
+
+Joining is a collective of the tensor-parallel group (every rank of it calls alike, at the same
+point); splitting is not (each rank takes its block of the same whole state).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hvdkit.parallel.ops import all_gather, block
+
+
+def split_dims(optimizer) -> dict[int, int]:
+    """The optimizer state's parameter number -> its ``tp_dim``, for the split parameters."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {index: p.tp_dim for index, p in enumerate(params) if getattr(p, "tp_dim", None) is not None}
+
+
+def whole_optimizer_state(optimizer, group, name: str) -> dict:
+    """``optimizer.state_dict()`` with each split parameter's tensors of its shape joined whole, on
+    the CPU; its scalars (Adam's step) as they are, alike on every rank."""
+    saved = optimizer.state_dict()
+    dims, params = split_dims(optimizer), [p for g in optimizer.param_groups for p in g["params"]]
+    state = {}
+    for index, per_parameter in sorted(saved["state"].items()):
+        joined = {}
+        for key, value in per_parameter.items():
+            if torch.is_tensor(value) and index in dims and value.shape == params[index].shape and group.size > 1:
+                value = all_gather(value, group, f"{name}.{index}.{key}", dims[index])
+            joined[key] = value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
+        state[index] = joined
+    return {"state": state, "param_groups": saved["param_groups"]}
+
+
+def own_model_state(model: nn.Module, whole: dict, group) -> dict:
+    """This rank's blocks of a whole state_dict, for ``model`` split over ``group``."""
+    dims = {name: p.tp_dim for name, p in model.named_parameters(remove_duplicate=False)
+            if getattr(p, "tp_dim", None) is not None}
+    return {key: block(value, group, dims[key]) if key in dims else value for key, value in whole.items()}
+
+
+def own_optimizer_state(optimizer, whole: dict, group) -> dict:
+    """This rank's blocks of a whole optimizer state_dict (``whole_optimizer_state``'s, or a
+    data-parallel run's), for ``optimizer`` over a model split over ``group``."""
+    dims, params = split_dims(optimizer), [p for g in optimizer.param_groups for p in g["params"]]
+    state = {}
+    for index, per_parameter in whole["state"].items():
+        index = int(index)
+        whole_shape = None
+        if index in dims:
+            whole_shape = list(params[index].shape)
+            whole_shape[dims[index]] *= group.size
+        own = {}
+        for key, value in per_parameter.items():
+            if torch.is_tensor(value) and whole_shape is not None and list(value.shape) == whole_shape:
+                value = block(value, group, dims[index])
+            own[key] = value
+        state[index] = own
+    return {"state": state, "param_groups": whole["param_groups"]}

@@ -1,0 +1,81 @@
+"""hvdkit.rank.start.tensor_parallel: ``hvdkit train --tp N`` as users launch it, in real jobs.
+
+The Session's tensor-parallel step is checked against the one-process step of the same global batch
+in the differential harness (its ``tp-session`` arm, at np 2 and 4 under both controllers:
+tests/test_differential.py). Here the product's command: a run at tp 2 x dp 2 under mpirun writes
+checkpoints that hold the whole model and optimizer state (hvdkit.parallel.whole); resumed from its
+middle at np 1 (tp 1, its K doubled to keep the global batch) and at dp 2 under horovodrun --gloo,
+each follows the uninterrupted run: each step's loss and the final weights within 1e-3 (fp32,
+relative norm). And bad input: one line, exit 2, before anything starts.
+"""
+
+import shutil
+import sys
+
+import pytest
+import torch
+
+from conftest import final_weights, metrics_records, run
+from hvdkit import checkpoint
+from hvdkit.launch import planner
+
+pytestmark = pytest.mark.slow
+
+TRAIN = [sys.executable, "-m", "hvdkit", "train", "--dataset", "text", "--model", "gpt-tiny", "--seq-len", "32",
+         "--batch-size", "4", "--optimizer", "adamw", "--base-lr", "0.002", "--warmup-epochs", "0",
+         "--lr-schedule", "none", "--max-steps", "8", "--checkpoint-steps", "4", "--log-interval", "1",
+         "--check-consistency-steps", "2", "--logger", "none"]
+
+
+def trained(directory, launcher, np, *args):
+    """``hvdkit train`` on ``np`` ranks under ``launcher`` (None: one process, no launcher): its losses
+    by step, its final weights and the process."""
+    ckpt, logs = directory / "ckpt", directory / "logs"
+    command = [*TRAIN, "--checkpoint-dir", str(ckpt), "--log-dir", str(logs), *args]
+    proc = run(planner.local_command(launcher, np, command) if launcher else command, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    losses = {r["step"]: r["loss"] for r in metrics_records(logs / "metrics.jsonl") if r.get("event") == "train"}
+    return losses, final_weights(ckpt), proc
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-12)).item()
+
+
+def test_a_run_saved_at_tp2_dp2_resumes_at_np1_and_at_dp2_and_follows_the_uninterrupted_run(tmp_path):
+    whole = tmp_path / "tp2-dp2"
+    losses, weights, _ = trained(whole, "mpirun", 4, "--tp", "2")
+    assert sorted(losses) == list(range(1, 9)), losses
+    middle = checkpoint.path_for(str(whole / "ckpt"), 4)
+    saved = checkpoint.load(middle)
+    assert (saved["world_size"], saved["config"]["tp"]) == (4, 2)
+    assert tuple(saved["model"]["tokens.weight"].shape) == (256, 128), "the whole model, not rank 0's block"
+    index = list(saved["model"]).index("tokens.weight")  # the optimizer numbers the parameters in the model's order
+    assert tuple(saved["optimizer"]["state"][index]["exp_avg"].shape) == (256, 128)
+    for name, launcher, np, said in (("np1", None, 1, "batches_per_allreduce 1 -> 2"),
+                                     ("dp2", "horovodrun --gloo", 2, None)):
+        (tmp_path / name / "ckpt").mkdir(parents=True)
+        shutil.copy(middle, tmp_path / name / "ckpt")
+        resumed, resumed_weights, proc = trained(tmp_path / name, launcher, np)
+        assert f"resumed from {tmp_path / name / 'ckpt'}" in proc.stderr, proc.stderr[-2000:]
+        if said:
+            assert said in proc.stderr, proc.stderr[-2000:]
+        assert sorted(resumed) == [5, 6, 7, 8], resumed
+        for step, loss in resumed.items():
+            assert abs(loss - losses[step]) <= 1e-3 * abs(losses[step]), (name, step, loss, losses[step])
+        far = {key: relative(value, weights[key]) for key, value in resumed_weights.items()}
+        assert max(far.values()) <= 1e-3, (name, sorted(far.items(), key=lambda item: -item[1])[:3])
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--tp", "3"], "hvdkit train: tp: 3 does not divide the job's 2 ranks"),
+    (["--tp", "2", "--model", "mlp", "--dataset", "synthetic"], "hvdkit train: tp: hvdkit has no plan for a "),
+    (["--tp", "2", "--zero", "1"], "hvdkit train: config: tp is not yet for zero"),
+], ids=["tp-not-dividing-the-ranks", "a-model-without-a-plan", "zero-beside-tp"])
+def test_bad_input_is_one_line_and_exit_2_before_anything_starts(tmp_path, args, said):
+    proc = run(planner.local_command("mpirun", 2, [*TRAIN, "--log-dir", str(tmp_path / "logs"),
+                                                   "--checkpoint-dir", str(tmp_path / "ckpt"), *args]), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("hvdkit train:")]
+    assert len(lines) == 1 and lines[0].startswith(said), proc.stderr[-2000:]
+    assert not (tmp_path / "ckpt").exists() or not checkpoint.existing(str(tmp_path / "ckpt"))

@@ -104,8 +104,8 @@ def checkpoints(directory: Path) -> None:
     trained(fresh, cfg)
     with torch.no_grad():
         fresh.model.weight.add_(1.0)
-    restored = RunCheckpoints(cfg, hvd, fresh, Loaders(cfg, hvd, CPU, fresh, MESH), Consistency(cfg, hvd, CPU, fresh, MESH),
-                           watchdog, None, None, MESH).restore()
+    restored = RunCheckpoints(cfg, hvd, fresh, Loaders(cfg, hvd, CPU, fresh, MESH),
+                              Consistency(cfg, hvd, CPU, fresh, MESH), watchdog, None, None, MESH).restore()
     assert restored["loader_batches"] == [2] and (fresh.global_step, fresh.epoch, fresh.extra) == (3, 1, {"mine": 7})
     assert all(torch.equal(weights[k], v) for k, v in fresh.model.state_dict().items())
 

@@ -40,11 +40,14 @@ LONG = ["--model", "mlp", "--epochs", "60", "--lr-schedule", "step", "--lr-decay
 # Stopped, resumed and compared bitwise with a run that never stopped: 368 steps, the decay at step 322,
 # far from the stop (after step 50): under the suite's load a stop has taken 147 steps to land.
 SHORT = [*LONG, "--epochs", "16", "--lr-decay-epochs", "14"]
+# The built-in GPT split across both ranks (tp 2): its flags after LONG's, which they override.
+TENSOR_PARALLEL = ["--dataset", "text", "--model", "gpt-tiny", "--seq-len", "32", "--batch-size", "4", "--tp", "2"]
 LAUNCHERS = {  # name: the command that runs `command` on 2 ranks
     "hvdkit launch mpirun": lambda command: [*LAUNCH, "--launcher", "mpirun", "--", *command],
     "hvdkit launch horovodrun --mpi": lambda command: [*LAUNCH, "--launcher", "horovodrun", "--mpi", "--", *command],
     "hvdkit launch horovodrun --gloo": lambda command: [*LAUNCH, "--launcher", "horovodrun", "--gloo", "--",
                                                         *command],
+    "hvdkit launch mpirun, tp 2": lambda command: [*LAUNCH, "--launcher", "mpirun", "--", *command, *TENSOR_PARALLEL],
     "mpirun": lambda command: planner.local_command("mpirun", 2, command),
     "horovodrun --gloo": lambda command: planner.local_command("horovodrun --gloo", 2, command),
 }
@@ -110,6 +113,7 @@ def uninterrupted(tmp_path_factory):
     ("hvdkit launch horovodrun --mpi", signal.SIGHUP, 129),  # a closed terminal, a dropped ssh connection
     ("hvdkit launch mpirun", signal.SIGHUP, 129),
     ("mpirun", signal.SIGTERM, 1),  # Open MPI's own code for a job it was told to end
+    ("hvdkit launch mpirun, tp 2", signal.SIGTERM, 143),  # the step's checkpoint joined over the group
 ])
 def test_a_stop_signal_saves_the_step_it_stopped_at(tmp_path, launcher, sig, code):
     proc = start(launcher, tmp_path)
@@ -266,6 +270,7 @@ def test_a_frozen_rank_ends_the_job_at_the_stall_limit_named_with_exit_code_75(t
     jobs = {  # name: (launcher, the stall limit, environment)
         "hvdkit launch mpirun": ("hvdkit launch mpirun", STALL, {}),
         "hvdkit launch horovodrun --gloo": ("hvdkit launch horovodrun --gloo", STALL, {}),
+        "hvdkit launch mpirun, tp 2": ("hvdkit launch mpirun, tp 2", STALL, {}),  # rank 0 waits in a tp collective
         "mpirun": ("mpirun", STALL, {}),
         "horovodrun --gloo": ("horovodrun --gloo", STALL, {}),
         "horovodrun --gloo, Gloo's timeout": ("horovodrun --gloo", 0, {"HOROVOD_GLOO_TIMEOUT_SECONDS": "6"}),

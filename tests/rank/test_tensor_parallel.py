@@ -6,33 +6,41 @@ tests/test_differential.py). Here the product's command: a run at tp 2 x dp 2 un
 checkpoints that hold the whole model and optimizer state (hvdkit.parallel.whole); resumed from its
 middle at np 1 (tp 1, its K doubled to keep the global batch) and at dp 2 under horovodrun --gloo,
 each follows the uninterrupted run: each step's loss and the final weights within 1e-3 (fp32,
-relative norm). And bad input: one line, exit 2, before anything starts.
+relative norm); a rank killed at step 6 under `hvdkit launch --max-restarts 1` restarts the job,
+which resumes from step 4 and ends bitwise at the uninterrupted run's weights. And bad input: one
+line, exit 2, before anything starts. A stop signal and a frozen rank at tp 2: tests/rank/test_stops.py.
 """
 
+import os
 import shutil
 import sys
 
 import pytest
 import torch
 
-from conftest import final_weights, metrics_records, run
+from conftest import REPO, assert_bitwise_equal, final_weights, metrics_records, run
 from hvdkit import checkpoint
 from hvdkit.launch import planner
 
 pytestmark = pytest.mark.slow
 
-TRAIN = [sys.executable, "-m", "hvdkit", "train", "--dataset", "text", "--model", "gpt-tiny", "--seq-len", "32",
+TRAIN_COMMAND = [sys.executable, "-m", "hvdkit", "train"]
+TRAIN = [*TRAIN_COMMAND, "--dataset", "text", "--model", "gpt-tiny", "--seq-len", "32",
          "--batch-size", "4", "--optimizer", "adamw", "--base-lr", "0.002", "--warmup-epochs", "0",
          "--lr-schedule", "none", "--max-steps", "8", "--checkpoint-steps", "4", "--log-interval", "1",
          "--check-consistency-steps", "2", "--logger", "none"]
 
 
-def trained(directory, launcher, np, *args):
-    """``hvdkit train`` on ``np`` ranks under ``launcher`` (None: one process, no launcher): its losses
-    by step, its final weights and the process."""
+def trained(directory, launcher, np, *args, env=None):
+    """``hvdkit train`` on ``np`` ranks under ``launcher`` (None: one process, no launcher; a list: a
+    command line that takes hvdkit train's flags): its losses by step, its final weights and the process."""
     ckpt, logs = directory / "ckpt", directory / "logs"
     command = [*TRAIN, "--checkpoint-dir", str(ckpt), "--log-dir", str(logs), *args]
-    proc = run(planner.local_command(launcher, np, command) if launcher else command, timeout=300)
+    if isinstance(launcher, list):
+        command = [*launcher, *command[len(TRAIN_COMMAND):]]
+    elif launcher:
+        command = planner.local_command(launcher, np, command)
+    proc = run(command, timeout=300, env=env)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     losses = {r["step"]: r["loss"] for r in metrics_records(logs / "metrics.jsonl") if r.get("event") == "train"}
     return losses, final_weights(ckpt), proc
@@ -42,7 +50,8 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-12)).item()
 
 
-def test_a_run_saved_at_tp2_dp2_resumes_at_np1_and_at_dp2_and_follows_the_uninterrupted_run(tmp_path):
+def test_a_run_at_tp2_dp2_restarts_bitwise_and_resumes_at_np1_and_at_dp2_following_the_uninterrupted_run(
+        tmp_path):
     whole = tmp_path / "tp2-dp2"
     losses, weights, _ = trained(whole, "mpirun", 4, "--tp", "2")
     assert sorted(losses) == list(range(1, 9)), losses
@@ -52,6 +61,16 @@ def test_a_run_saved_at_tp2_dp2_resumes_at_np1_and_at_dp2_and_follows_the_uninte
     assert tuple(saved["model"]["tokens.weight"].shape) == (256, 128), "the whole model, not rank 0's block"
     index = list(saved["model"]).index("tokens.weight")  # the optimizer numbers the parameters in the model's order
     assert tuple(saved["optimizer"]["state"][index]["exp_avg"].shape) == (256, 128)
+
+    killed = [sys.executable, "-m", "hvdkit", "launch", "-np", "4", "--launcher", "mpirun", "--max-restarts", "1",
+              "--", sys.executable, str(REPO / "tests" / "programs" / "killed_once.py")]
+    death = {"KILL_AT_STEP": "6", "KILL_RANK": "3",
+             "KILL_AFTER_WRITTEN": checkpoint.path_for(str(tmp_path / "restarted" / "ckpt"), 4)}
+    _, restarted, proc = trained(tmp_path / "restarted", killed, 4, "--tp", "2",
+                                 env=dict(os.environ, **death))
+    assert "killed_once: rank 3 killed at step 6, attempt 0" in proc.stderr, proc.stderr[-3000:]
+    assert "restart 1 of 1" in proc.stderr and "resumed from" in proc.stderr, proc.stderr[-3000:]
+    assert_bitwise_equal(restarted, weights)
     for name, launcher, np, said in (("np1", None, 1, "batches_per_allreduce 1 -> 2"),
                                      ("dp2", "horovodrun --gloo", 2, None)):
         (tmp_path / name / "ckpt").mkdir(parents=True)

@@ -92,6 +92,14 @@ def zero_compare(args: argparse.Namespace) -> int:
           + ", ".join(f"{name} {value:.3f}" for name, value in ratios.items()))
     for name, values in per_round.items():
         print(f"  {name} by round: " + " ".join(f"{value:.3f}" for value in values))
+    for impl, results in runs.items():  # hvdkit's tensor parallelism: the waits the step could not overlap
+        if "exposed_per_step" in results[-1]["ranks"][0]:
+            exposed = statistics.median(1000 * max(rank["exposed_per_step"] for rank in r["ranks"]) for r in results)
+            table[impl]["exposed_ms_per_step"] = exposed
+            step_ms = 1000 * args.batch_size * args.np / table[impl]["samples_per_sec"]  # a group's global batch
+            print(f"{impl}: exposed communication {exposed:.1f} ms of a {step_ms:.1f} ms step "
+                  f"({exposed / step_ms:.0%}; the training thread's waits in Horovod's synchronize, the slowest rank, "
+                  f"median over rounds)")
     saving = peak_saving(table, args.np) if "horovod" in table else {}
     if saving:
         print(f"peak ({peak_name}) below DistributedOptimizer's (medians), of what the formula saves: "

@@ -1,13 +1,16 @@
 """What runs in each rank of `hvdkit bench zero`: a model trained under hvdkit's ZeRO stages,
 Horovod's DistributedOptimizer, torch's ZeroRedundancyOptimizer and FSDP2, or split by tensor
-parallelism (hvdkit's plan, torch's parallelize_module), printing one JSON record."""
+parallelism (hvdkit's ``Session(tp=N)``, the product's step; torch's parallelize_module), printing
+one JSON record."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 from types import SimpleNamespace
 
@@ -40,6 +43,7 @@ def zero_worker(args: argparse.Namespace) -> None:
     model.to(device)
     tensor_parallel = args.impl in ("tp", "torch-tp")
     parameters = sum(p.numel() for p in model.parameters())  # before any sharding
+    session, waited = None, [0.0]
     optimizer_class = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[args.optimizer]
     if args.impl in ("torch-zero", "fsdp2", "torch-tp"):
         import torch.distributed as dist
@@ -51,17 +55,16 @@ def zero_worker(args: argparse.Namespace) -> None:
         optimizer = make(model, optimizer_class, device)
         model = getattr(optimizer, "hvdkit_model", model)
         gather = _torch_gather
-    elif args.impl == "tp":
-        from hvdkit.parallel.mesh import Mesh
-        from hvdkit.parallel.plan import gpt_plan, parallelize
+    elif args.impl == "tp":  # the product's step, with its defaults: one tensor-parallel group of every rank
+        import hvdkit
 
-        mesh = Mesh(launch.size, launch.size)
-        hvd.init(process_sets=mesh.process_sets(hvd) or None)
-        mesh.bind(hvd)
+        session = hvdkit.Session(tp=launch.size, batch_size=args.batch_size, logger="none",
+                                 log_dir=tempfile.mkdtemp(prefix="hvdkit-bench-tp-"))
         rank, size = hvd.rank(), hvd.size()
-        model = parallelize(model, mesh, gpt_plan(model))  # every rank built the same model from seed 0
-        optimizer = optimizer_class(model.parameters(), lr=1e-4)
+        model = session.parallelize(model)  # the GPT's plan
+        model, optimizer = session.setup(model, optimizer_class(model.parameters(), lr=1e-4))
         gather = hvd.allgather_object
+        waited = _time_waits()
     else:
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
@@ -84,19 +87,21 @@ def zero_worker(args: argparse.Namespace) -> None:
     def step(when: str) -> None:
         with peaks.phase(f"{when}: forward and backward"):
             optimizer.zero_grad()
-            loss_of(model, batch).backward()
+            loss = loss_of(model, batch)
+            session.backward(loss) if session else loss.backward()
         with peaks.phase(f"{when}: optimizer step"):
-            optimizer.step()
+            session.step() if session else optimizer.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
     try:
         for n in range(args.warmup):
             step("first step" if n == 0 else "steady")
-        start, cpu = time.perf_counter(), time.thread_time()
+        start, cpu, waits = time.perf_counter(), time.thread_time(), waited[0]
         for _ in range(args.steps):
             step("steady")
         cpu = (time.thread_time() - cpu) / args.steps
+        exposed = (waited[0] - waits) / args.steps
     except torch.cuda.OutOfMemoryError:  # past --memory-cap on a GPU
         print(json.dumps({"event": "bench.zero.over", "cuda_allocated": torch.cuda.max_memory_allocated(device),
                           "cap": args.memory_cap}), flush=True)
@@ -106,7 +111,8 @@ def zero_worker(args: argparse.Namespace) -> None:
     held = {**_held(model, optimizer, zero), "phases": phases}
     # The peak the cap and the table speak of: resident memory on a CPU, the allocator's on a GPU.
     held["peak"] = held["peak_rss"] if device.type == "cpu" else max(v for k, v in phases.items() if k != "unit")
-    rows = gather({"samples_per_sec": rate, "cpu_per_step": cpu, "baseline": baseline, **held})
+    rows = gather({"samples_per_sec": rate, "cpu_per_step": cpu, "baseline": baseline, **held,
+                   **({"exposed_per_step": exposed} if session else {})})
     if rank == 0:
         print(json.dumps({"event": "bench.zero", "impl": args.impl, "world_size": size, "model": args.model,
                           "parameters": parameters,
@@ -114,6 +120,27 @@ def zero_worker(args: argparse.Namespace) -> None:
                           else sum(r["samples_per_sec"] for r in rows), "ranks": rows}), flush=True)
     if args.impl in ("torch-zero", "fsdp2", "torch-tp"):
         _end_torch_distributed()
+    if session:
+        session.finish()
+        shutil.rmtree(session.log_dir, ignore_errors=True)
+
+
+def _time_waits() -> list:
+    """The seconds this thread waits in Horovod's synchronize (hvdkit.parallel.ops' collectives wait
+    there), summed in the list's one item: the tensor-parallel communication the step cannot overlap."""
+    from horovod.torch import mpi_ops
+
+    synchronize, waited = mpi_ops.synchronize, [0.0]
+
+    def timed(handle):
+        began = time.perf_counter()
+        try:
+            return synchronize(handle)
+        finally:
+            waited[0] += time.perf_counter() - began
+
+    mpi_ops.synchronize = timed
+    return waited
 
 
 def _end_torch_distributed() -> None:

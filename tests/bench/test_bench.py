@@ -425,9 +425,10 @@ def test_zero_runs_each_loop_and_reports_the_bytes_each_rank_holds(tmp_path, hvd
 
 @pytest.mark.slow
 def test_zero_runs_tensor_parallelism_beside_torchs_and_reports_each_ranks_half(tmp_path, hvd_built):
-    """--impls tp,torch-tp: hvdkit's GPT plan on Horovod and torch's parallelize_module with the same
-    plan, each rank stepping the whole global batch: each holds about half the weights and the
-    state (the norms and positions are replicated), and the group's rate is one rank's."""
+    """--impls tp,torch-tp: hvdkit's Session(tp=2) with the GPT's plan and torch's parallelize_module
+    with the same plan, each rank stepping the whole global batch: each holds about half the weights
+    and the state (the norms and positions are replicated), the group's rate is one rank's, and the
+    Session's exposed communication is a part of its step."""
     out = tmp_path / "tp"
     proc = run(HVDKIT + ["zero", "--impls", "tp,torch-tp,horovod", "--width", "64", "--layers", "2", "--steps", "2",
                          "--warmup", "1", "--repeats", "1", "--out", str(out)], timeout=600)
@@ -440,6 +441,8 @@ def test_zero_runs_tensor_parallelism_beside_torchs_and_reports_each_ranks_half(
             assert table[impl][held] == pytest.approx(table["horovod"][held] / 2, rel=0.05), (impl, held)
     assert set(record["ratios"]) == {"tp/torch-tp", "tp/horovod"}
     assert "  tp/torch-tp by round: " in proc.stdout
+    assert 0 < table["tp"]["exposed_ms_per_step"] < 1000 * 4 * 2 / table["tp"]["samples_per_sec"], table["tp"]
+    assert "tp: exposed communication " in proc.stdout
 
 
 @pytest.mark.slow

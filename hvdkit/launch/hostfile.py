@@ -111,6 +111,20 @@ def needed(hosts: Sequence[Host], np: int) -> tuple[list[Host], list[Host]]:
     return used, list(hosts[len(used):])
 
 
+def split_groups(placed: Mapping[str, Sequence[int]], tp: int) -> Optional[str]:
+    """Where a tensor-parallel group of ``tp`` consecutive ranks would span hosts under ``placed``
+    (ranks_by_host), what to say; None where each group is on one host."""
+    host_of = {rank: host for host, ranks in placed.items() for rank in ranks}
+    for first in range(0, len(host_of), tp):
+        hosts = sorted({host_of[rank] for rank in range(first, first + tp) if rank in host_of})
+        if len(hosts) > 1:
+            slots = ", ".join(f"{host} {len(ranks)}" for host, ranks in placed.items())
+            return (f"tp {tp}: the tensor-parallel group of ranks {first}-{first + tp - 1} would span hosts "
+                    f"{' and '.join(hosts)} (ranks per host: {slots}), and every layer's allreduces would cross "
+                    f"the network; give each host a multiple of {tp} slots")
+    return None
+
+
 def ranks_by_host(hosts: Sequence[Host], np: int) -> dict[str, list[int]]:
     """The ranks each host runs when the launcher fills the hosts' slots in order (mpirun's
     default by-slot mapping, and horovodrun's): to name the ranks a lost host took with it."""

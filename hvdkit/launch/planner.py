@@ -40,6 +40,7 @@ from hvdkit.launch.hostfile import (
     read_hostfile,
     several,
     slurm_hosts,
+    split_groups,
 )
 from hvdkit.launch.mpi import find_program, mpi_flavor, mpirun_version
 from hvdkit.launch.network import Network, NetworkError, routable_network
@@ -197,6 +198,9 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
                       restarts=supervised and getattr(args, "max_restarts", 0) > 0)
     oversubscribed = check_slots(spec, local_slots)
     placed = ranks_by_host(hosts, args.np) if listed else {}
+    split = split_groups(placed, tensor_parallel_size(command, {**environ, **set_env}))
+    if split:
+        raise LaunchError(split)
     if chosen is HOROVODRUN:
         env = dict(set_env)
         if as_root and args.controller != "gloo":  # its mpirun refuses root without these
@@ -211,6 +215,24 @@ def plan(args: argparse.Namespace, command: list[str], environ: Mapping[str, str
     launch_side = [job.JOB_DIR, job.RESTART, job.SNAPSHOTS, job.LINK, job.STANDBY] if supervised else []
     return _spared(_mpirun_plan(spec, reason, mpi_version(program), oversubscribed, environ, network,
                                 [*extra, *launch_side], placed, hosts if listed else []), spares)
+
+
+def tensor_parallel_size(command: Sequence[str], environ: Mapping[str, str]) -> int:
+    """The ``tp`` of a training command: ``--tp N`` (or ``--tp=N``) given to ``hvdkit train``
+    (``hvdkit train``, ``python -m hvdkit train``), else HVDKIT_TP in the ranks' environment (as a
+    Session reads it); 1 where neither says (a script of your own with Session(tp=N) is checked by its
+    ranks instead: hvdkit.rank.start.startup)."""
+    words = list(command)
+    for at in range(len(words) - 1):
+        if words[at].endswith("hvdkit") and words[at + 1] == "train":
+            for index, word in enumerate(words[at + 2:], start=at + 2):
+                if word == "--tp" and index + 1 < len(words) and words[index + 1].isdigit():
+                    return int(words[index + 1])
+                if word.startswith("--tp=") and word[5:].isdigit():
+                    return int(word[5:])
+    told = environ.get("HVDKIT_TP", "")
+    size = int(told) if told.isdigit() else 1
+    return size
 
 
 def _spared(result: Plan, spares: list) -> Plan:

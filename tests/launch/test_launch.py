@@ -2,7 +2,9 @@
 The commands each launcher gets are golden-tested in tests/launch/test_commands.py; hostfiles, the network
 and the joining of rank output each in a file of their own; supervise in tests/launch/test_supervise.py."""
 
+import functools
 import os
+import re
 import shlex
 import sys
 
@@ -227,3 +229,25 @@ def test_launcher_scripts_print_usage_and_dry_run(script):
     assert proc.returncode == 0, proc.stderr
     assert shlex.split(proc.stdout.strip().splitlines()[-1])[-2:] == ["python", "train.py"]
     assert script.split(".")[0] in proc.stdout.splitlines()[0]
+
+
+@pytest.mark.parametrize("hosts, command, environ, refused", [
+    ("a:3,b:3", ["hvdkit", "train", "--tp", "2"], {}, "tp 2: the tensor-parallel group of ranks 2-3 would span hosts "
+                                                      "a and b (ranks per host: a 3, b 3)"),
+    ("a:3,b:3", [sys.executable, "-m", "hvdkit", "train", "--tp=2"], {}, "ranks 2-3 would span"),
+    ("a:3,b:3", ["python", "train.py"], {"HVDKIT_TP": "2"}, "ranks 2-3 would span"),  # a Session's own variable
+    ("a:2,b:4", ["hvdkit", "train", "--tp", "2"], {}, None),
+    ("a:3,b:3", ["hvdkit", "train", "--model", "mlp"], {}, None),
+    ("a:3,b:3", ["python", "train.py", "--tp", "2"], {}, None),  # a script's own flag: its ranks check it
+])
+def test_a_tensor_parallel_group_across_hosts_is_refused_in_one_line(hosts, command, environ, refused):
+    """hvdkit launch places consecutive ranks on each host's slots: a tp group that would span two hosts
+    (its every layer's allreduces on the network) is one line before anything starts."""
+    args = planner.parser().parse_args(["-np", "6", "-H", hosts, "--launcher", "mpirun"])
+    plan = functools.partial(planner.plan, args, command, environ, lambda name: f"/opt/bin/{name}",
+                             lambda _: OPENMPI, False, 2)
+    if refused is None:
+        assert plan().command[-len(command):] == command
+    else:
+        with pytest.raises(LaunchError, match=re.escape(refused)):
+            plan()

@@ -10,10 +10,12 @@ import psutil
 import pytest
 
 from conftest import run
+from hvdkit.parallel.mesh import Mesh
 from hvdkit.rank.start.startup import (
     ALLREDUCE_RULES,
     data_path_hint,
     gloo_data_settings,
+    groups_across_hosts,
     interface_on,
     performance_settings,
 )
@@ -105,3 +107,13 @@ def test_a_rank_that_crashes_in_c_code_prints_its_python_stacks(tmp_path):
     assert proc.returncode == -signal.SIGSEGV, proc.stderr[-3000:]
     assert "Fatal Python error: Segmentation fault" in proc.stderr, proc.stderr[-3000:]
     assert re.search(r'File ".*crashing_loop.py", line 6 in users_step', proc.stderr), proc.stderr[-3000:]
+
+
+def test_a_tensor_parallel_group_across_hosts_is_said_by_rank_0():
+    """Under srun or a plain mpirun (hvdkit launch refuses it before starting), the ranks find that a
+    tensor-parallel group spans hosts from their host names, gathered once at the start."""
+    mesh = Mesh(6, tp=2)
+    assert groups_across_hosts(mesh, ["a", "a", "b", "b", "c", "c"]) is None
+    assert groups_across_hosts(mesh, ["a", "a", "a", "b", "b", "b"]) == (
+        "tp 2: the tensor-parallel group of ranks 2-3 spans hosts a and b: every layer's allreduces cross the "
+        "network; run a multiple of 2 ranks on each host")

@@ -74,6 +74,9 @@ def start(cfg: TrainConfig):
         mesh = Mesh(env.detect().size or 1, cfg.tp)
         hvd.init(process_sets=mesh.process_sets(hvd) or None)
         mesh.bind(hvd)
+        spanning = groups_across_hosts(mesh, hvd.allgather_object(socket.gethostname(), name="hvdkit.tp.hosts"))
+        if spanning and hvd.rank() == 0:
+            print(f"hvdkit: warning: {spanning}", file=sys.stderr, flush=True)
     else:
         hvd.init()
         mesh = Mesh(hvd.size()).bind(hvd)
@@ -95,6 +98,19 @@ def start(cfg: TrainConfig):
     seed_everything(cfg.seed + mesh.data_parallel(hvd)[0])  # a tensor-parallel group's ranks draw alike
     atexit.register(exit_quickly)
     return hvd, device, mesh
+
+
+def groups_across_hosts(mesh: Mesh, hosts: list[str]) -> Optional[str]:
+    """What to say where a tensor-parallel group's ranks run on several hosts (``hosts``: each rank's,
+    in rank order), else None. `hvdkit launch` refuses such a placement before it starts
+    (hvdkit.launch.hostfile.split_groups); srun and a plain mpirun are told here."""
+    for ranks in mesh.tp_ranks():
+        names = sorted({hosts[rank] for rank in ranks})
+        if len(names) > 1:
+            return (f"tp {mesh.tp}: the tensor-parallel group of ranks {ranks[0]}-{ranks[-1]} spans hosts "
+                    f"{' and '.join(names)}: every layer's allreduces cross the network; run a multiple of "
+                    f"{mesh.tp} ranks on each host")
+    return None
 
 
 def tune_gpu(cfg: TrainConfig) -> None:

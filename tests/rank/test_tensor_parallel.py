@@ -7,7 +7,8 @@ checkpoints that hold the whole model and optimizer state (hvdkit.parallel.whole
 middle at np 1 (tp 1, its K doubled to keep the global batch) and at dp 2 under horovodrun --gloo,
 each follows the uninterrupted run: each step's loss and the final weights within 1e-3 (fp32,
 relative norm); a rank killed at step 6 under `hvdkit launch --max-restarts 1` restarts the job,
-which resumes from step 4 and ends bitwise at the uninterrupted run's weights. And bad input: one
+which resumes from step 4 and ends bitwise at the uninterrupted run's weights; with dropout, a run
+resumed from its middle ends bitwise where the whole run ends (the RNG tracker's state restored). And bad input: one
 line, exit 2, before anything starts. A stop signal and a frozen rank at tp 2: tests/rank/test_stops.py.
 """
 
@@ -84,6 +85,15 @@ def test_a_run_at_tp2_dp2_restarts_bitwise_and_resumes_at_np1_and_at_dp2_followi
             assert abs(loss - losses[step]) <= 1e-3 * abs(losses[step]), (name, step, loss, losses[step])
         far = {key: relative(value, weights[key]) for key, value in resumed_weights.items()}
         assert max(far.values()) <= 1e-3, (name, sorted(far.items(), key=lambda item: -item[1])[:3])
+
+
+def test_with_dropout_a_run_resumed_from_its_middle_ends_bitwise_where_the_whole_run_ends(tmp_path):
+    """tests/programs/tp_dropout_resume.py at tp 2: the masks inside the regions are the RNG tracker's,
+    restored with the checkpoint (without its restore the resumed run's weights differ)."""
+    proc = run(planner.local_command("mpirun", 2, [sys.executable, str(REPO / "tests" / "programs" /
+                                                                        "tp_dropout_resume.py"), str(tmp_path)]),
+               timeout=300)
+    assert proc.returncode == 0 and "tp_dropout_resume: ok" in proc.stdout, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("args, said", [

@@ -2,12 +2,12 @@
 
 The Session's tensor-parallel step is checked against the one-process step of the same global batch
 in the differential harness (its ``tp-session`` arm, at np 2 and 4 under both controllers:
-tests/test_differential.py). Here the product's command: a run at tp 2 x dp 2 under mpirun writes
+tests/test_differential.py). Here the product's command: a run at tp 2 x dp 2 under horovodrun --gloo writes
 checkpoints that hold the whole model and optimizer state (hvdkit.parallel.whole); resumed from its
 middle at np 1 (tp 1, its K doubled to keep the global batch) and at dp 2 under horovodrun --gloo,
 each follows the uninterrupted run: each step's loss and the final weights within 1e-3 (fp32,
-relative norm); a rank killed at step 6 under `hvdkit launch --max-restarts 1` restarts the job,
-which resumes from step 4 and ends bitwise at the uninterrupted run's weights; with dropout, a run
+relative norm); a rank killed at step 6 under `hvdkit launch --max-restarts 1` (mpirun) restarts the
+job, which resumes from step 4 and ends bitwise at the uninterrupted run's weights (Gloo's); with dropout, a run
 resumed from its middle ends bitwise where the whole run ends (the RNG tracker's state restored). And bad input: one
 line, exit 2, before anything starts. A stop signal and a frozen rank at tp 2: tests/rank/test_stops.py.
 """
@@ -54,7 +54,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_a_run_at_tp2_dp2_restarts_bitwise_and_resumes_at_np1_and_at_dp2_following_the_uninterrupted_run(
         tmp_path):
     whole = tmp_path / "tp2-dp2"
-    losses, weights, _ = trained(whole, "mpirun", 4, "--tp", "2")
+    losses, weights, _ = trained(whole, "horovodrun --gloo", 4, "--tp", "2")
     assert sorted(losses) == list(range(1, 9)), losses
     middle = checkpoint.path_for(str(whole / "ckpt"), 4)
     saved = checkpoint.load(middle)

@@ -230,8 +230,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.tp < 1:
         raise ConfigError(f"config: tp must be >= 1 (got {cfg.tp})")
     beside_tp = [name for name, on in (("zero", cfg.zero), ("use_adasum", cfg.use_adasum), ("elastic", cfg.elastic),
-                                       ("sharded_checkpoint", cfg.sharded_checkpoint),
-                                       ("snapshot_steps", cfg.snapshot_steps)) if on]
+                                       ("sharded_checkpoint", cfg.sharded_checkpoint)) if on]
     if cfg.tp > 1 and beside_tp:
         raise ConfigError(f"config: tp is not yet for {', '.join(beside_tp)} (docs/model-parallelism.md says what "
                           f"tensor parallelism runs with); drop one")

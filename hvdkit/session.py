@@ -89,7 +89,7 @@ class Session:
         own_loggers = take_loggers(loggers, keys)
         cfg = startup.read_config(config, keys)
         self.hvd, self.device, self.mesh = hvd, device, mesh = startup.start(cfg)  # mesh: the (dp, tp) groups
-        snapshots = HostSnapshots.of_run(cfg, hvd)
+        snapshots = HostSnapshots.of_run(cfg, hvd, mesh)
         ahead = CheckpointReader(cfg, hvd, snapshots, mesh).read_ahead()  # resumed at another dp size: its K
         self.cfg = cfg = ahead.cfg
         self.watchdog = Watchdog(0 if cfg.elastic else cfg.stall_timeout, self.rank)

@@ -10,7 +10,9 @@ The optimizer state's parameters are numbered in the model's parameter order, wh
 keeps (each planned module is replaced in place, its weight and bias as the whole module's).
 
 Joining is a collective of the tensor-parallel group (every rank of it calls alike, at the same
-point); splitting is not (each rank takes its block of the same whole state).
+point); splitting is not (each rank takes its block of the same whole state). A snapshot in host
+memory is written by each rank of a group on its own, with no collective in the step
+(``block_dims`` says how it is split), and joined by the rank that reads them (``joined_blocks``).
 """
 
 from __future__ import annotations
@@ -68,3 +70,28 @@ def own_optimizer_state(optimizer, whole: dict, group) -> dict:
             own[key] = value
         state[index] = own
     return {"state": state, "param_groups": whole["param_groups"]}
+
+
+def block_dims(model: nn.Module, optimizer) -> dict:
+    """How this rank's state is split, for ``joined_blocks``: each split model tensor's dimension by
+    its state_dict name; each split parameter's optimizer number -> (dimension, its block's shape)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return {"model": {name: p.tp_dim for name, p in model.named_parameters(remove_duplicate=False)
+                      if getattr(p, "tp_dim", None) is not None},
+            "optimizer": {index: (dim, tuple(params[index].shape)) for index, dim in split_dims(optimizer).items()}}
+
+
+def joined_blocks(blocks: list[dict]) -> dict:
+    """One whole state from each tensor-parallel rank's own (``blocks``, in rank order, as each rank
+    wrote it, with ``tp_block``: ``block_dims``): each split tensor of the model and of the optimizer
+    joined along its dimension, the rest rank 0's. No collective: a snapshot's blocks, read by one rank."""
+    first, dims = blocks[0], blocks[0]["tp_block"]
+    model = {key: torch.cat([block["model"][key] for block in blocks], dim=dims["model"][key])
+             if key in dims["model"] else value for key, value in first["model"].items()}
+    state = {}
+    for index, per_parameter in first["optimizer"]["state"].items():
+        dim, shape = dims["optimizer"].get(index, (None, None))
+        state[index] = {key: torch.cat([block["optimizer"]["state"][index][key] for block in blocks], dim=dim)
+                        if dim is not None and torch.is_tensor(value) and tuple(value.shape) == shape else value
+                        for key, value in per_parameter.items()}
+    return {**first, "model": model, "optimizer": {"state": state, "param_groups": first["optimizer"]["param_groups"]}}

@@ -6,13 +6,16 @@ tests/test_differential.py). Here the product's command: a run at tp 2 x dp 2 un
 checkpoints that hold the whole model and optimizer state (hvdkit.parallel.whole); resumed from its
 middle at np 1 (tp 1, its K doubled to keep the global batch) and at dp 2 under horovodrun --gloo,
 each follows the uninterrupted run: each step's loss and the final weights within 1e-3 (fp32,
-relative norm); a rank killed at step 6 under `hvdkit launch --max-restarts 1` (mpirun) restarts the
-job, which resumes from step 4 and ends bitwise at the uninterrupted run's weights (Gloo's); with dropout, a run
+relative norm); a rank killed at step 6 under `hvdkit launch --max-restarts 1` (mpirun) with
+`--snapshot-steps 1` restarts the job, which resumes from the snapshot of step 5 or 6 (each rank of
+a group writes its blocks; the reader joins them) and ends bitwise at the uninterrupted run's
+weights (Gloo's); with dropout, a run
 resumed from its middle ends bitwise where the whole run ends (the RNG tracker's state restored). And bad input: one
 line, exit 2, before anything starts. A stop signal and a frozen rank at tp 2: tests/rank/test_stops.py.
 """
 
 import os
+import re
 import shutil
 import sys
 
@@ -67,10 +70,14 @@ def test_a_run_at_tp2_dp2_restarts_bitwise_and_resumes_at_np1_and_at_dp2_followi
               "--", sys.executable, str(REPO / "tests" / "programs" / "killed_once.py")]
     death = {"KILL_AT_STEP": "6", "KILL_RANK": "3",
              "KILL_AFTER_WRITTEN": checkpoint.path_for(str(tmp_path / "restarted" / "ckpt"), 4)}
-    _, restarted, proc = trained(tmp_path / "restarted", killed, 4, "--tp", "2",
+    _, restarted, proc = trained(tmp_path / "restarted", killed, 4, "--tp", "2", "--snapshot-steps", "1",
                                  env=dict(os.environ, **death))
     assert "killed_once: rank 3 killed at step 6, attempt 0" in proc.stderr, proc.stderr[-3000:]
-    assert "restart 1 of 1" in proc.stderr and "resumed from" in proc.stderr, proc.stderr[-3000:]
+    assert "restart 1 of 1" in proc.stderr, proc.stderr[-3000:]
+    [resumed] = [line for line in proc.stderr.splitlines() if "resumed from" in line]
+    # each rank of the host's group wrote its blocks, joined by the rank that read them
+    assert re.search(r"hvdkit-snapshots-[^ ]*/tp-0/ckpt-step00000000[56]\.pt \(epoch 1, step [56]\)", resumed), resumed
+    assert not os.path.exists(resumed.split("resumed from ")[1].split("/tp-0/")[0]), "the snapshots outlived the job"
     assert_bitwise_equal(restarted, weights)
     for name, launcher, np, said in (("np1", None, 1, "batches_per_allreduce 1 -> 2"),
                                      ("dp2", "horovodrun --gloo", 2, None)):

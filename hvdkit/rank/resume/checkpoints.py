@@ -216,12 +216,16 @@ class RunCheckpoints:
         if self.hvd.rank() == 0:  # what a save of this step killed before its main file left; before any rank writes
             shutil.rmtree(checkpoint.shard_folder(checkpoint.path_for(self.cfg.checkpoint_dir, run.global_step)),
                           ignore_errors=True)
-        tracker = self.state.rng_tracker
-        rng = self.hvd.allgather_object({**rng_state(), **({"tp": tracker.state_dict()} if tracker else {})})
+        rng = self.hvd.allgather_object(self._own_rng())
         joined = self._joined() if self.tp_group is not None else {}
         if self.hvd.rank() == 0 or self.writes_parts:
             self.write(shards.manifest(run.optimizer) if self.cfg.zero else joined.get("optimizer"), rng=rng,
                        loader_batches=self.loaders.batch_sizes(), model_state=joined.get("model"))
+
+    def _own_rng(self) -> dict:
+        """This rank's generators' states, the RNG tracker's with them under tensor parallelism."""
+        tracker = self.state.rng_tracker
+        return {**rng_state(), **({"tp": tracker.state_dict()} if tracker else {})}
 
     def _joined(self) -> dict:
         """The whole model's state and its optimizer's, joined over the tensor-parallel group (all its
@@ -246,10 +250,12 @@ class RunCheckpoints:
     def snapshot(self) -> None:
         """This step's state into host memory (all ranks call it; HostSnapshots.take)."""
         module = self.module()
+        blocks = {"tp_block": whole.block_dims(module, self.state.optimizer)} if self.tp_group is not None else {}
         self.snapshots.take(self.state.global_step,
                             lambda: sum(t.nbytes for t in [*module.buffers(), *self._changed_by_step(module)]),
                             lambda optimizer_state, **entries: self.write(
-                                optimizer_state, loader_batches=self.loaders.batch_sizes(), **entries))
+                                optimizer_state, loader_batches=self.loaders.batch_sizes(), **blocks, **entries),
+                            self._own_rng)
 
     def drop_snapshots(self) -> None:
         """The run ended (finished or stopped): its snapshots go."""

@@ -94,15 +94,20 @@ class CheckpointReader:
     def _newest(self, warn) -> Optional[tuple]:
         """(path, state) of the newest valid state: this host's snapshot where it is newer than the
         newest checkpoint (a snapshot that does not verify is passed over, with a warning)."""
-        # ZeRO's snapshots are read by RunCheckpoints._from_shard_snapshots
-        own = self.snapshots.dir if self.snapshots and not self.snapshots.shards else None
-        places = [d for d in (own, self.cfg.checkpoint_dir) if d]
-        for directory in sorted(places, key=lambda d: max(map(checkpoint.step_of, checkpoint.existing(d)), default=-1),
-                                reverse=True):
+        # (its newest step, how to read it, whether it is the checkpoint_dir); ZeRO's snapshots are read
+        # by RunCheckpoints._from_shard_snapshots
+        places = []
+        if self.snapshots and not self.snapshots.shards:
+            places.append((self.snapshots.newest(), self.snapshots.load_latest, False))
+        if self.cfg.checkpoint_dir:
+            directory = self.cfg.checkpoint_dir
+            places.append((max(map(checkpoint.step_of, checkpoint.existing(directory)), default=-1),
+                           lambda said: checkpoint.load_latest(directory, said), True))
+        for _, load, is_checkpoint_dir in sorted(places, key=lambda place: place[0], reverse=True):
             try:
-                found = checkpoint.load_latest(directory, warn)
+                found = load(warn)
             except checkpoint.CheckpointError as exc:
-                if directory == self.cfg.checkpoint_dir:
+                if is_checkpoint_dir:
                     raise
                 warn(f"{exc}; using the newest checkpoint instead")
                 continue

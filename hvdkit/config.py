@@ -229,8 +229,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                           "elastic (a sharded checkpoint's parts, an elastic job's changing ranks)")
     if cfg.tp < 1:
         raise ConfigError(f"config: tp must be >= 1 (got {cfg.tp})")
-    beside_tp = [name for name, on in (("zero", cfg.zero), ("use_adasum", cfg.use_adasum), ("elastic", cfg.elastic),
-                                       ("sharded_checkpoint", cfg.sharded_checkpoint)) if on]
+    beside_tp = [name for name, on in (("zero 3", cfg.zero == 3), ("use_adasum", cfg.use_adasum),
+                                       ("elastic", cfg.elastic), ("sharded_checkpoint", cfg.sharded_checkpoint),
+                                       ("snapshot_steps with zero", cfg.snapshot_steps and cfg.zero)) if on]
     if cfg.tp > 1 and beside_tp:
         raise ConfigError(f"config: tp is not yet for {', '.join(beside_tp)} (docs/model-parallelism.md says what "
                           f"tensor parallelism runs with); drop one")

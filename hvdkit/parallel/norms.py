@@ -6,14 +6,16 @@ squared norm is the group's sum of the blocks' squares plus the replicated param
 counted once. Each rank adds its blocks' squares and its replicated squares over the group's
 size, and one allreduce of that one value gives every rank of the group the same norm. The
 data-parallel replicas hold the same (averaged) gradients, so every rank of the mesh computes
-the same norm, clips alike, and skips a step alike where the norm is not finite.
+the same norm, clips alike, and skips a step alike where the norm is not finite. Under ZeRO within
+the data-parallel set each rank holds slices of its block's gradient instead (``sharded_clip_grad_norm_``).
 
 Nothing is read on the host: the norm stays a tensor (a GPU keeps it in flight).
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+import math
+from typing import Iterable, Optional
 
 import torch
 
@@ -44,4 +46,30 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, group, 
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for param in parameters:
         param.grad.mul_(scale.to(param.grad.dtype))
+    return norm
+
+
+def sharded_clip_grad_norm_(optimizer, max_norm: Optional[float], group, dp_group, name: str) -> torch.Tensor:
+    """The whole model's gradient norm from ZeRO's slices (hvdkit.zero.optimizer.ShardedOptimizer over
+    ``dp_group``'s set) of a model split over ``group``, and, with ``max_norm``, each slice's gradient
+    scaled as ``clip_grad_norm_`` scales the parameters'. A slice's squares count once where they are
+    of a split parameter, over the group's size where of a replicated one; one allreduce over the
+    data-parallel set gives each rank its block's sum, one over the group the whole model's. Every
+    rank of the mesh calls it alike."""
+    squares = torch.zeros((), dtype=torch.float64)
+    for piece, bucket in zip(optimizer.slices, optimizer.buckets, strict=True):
+        if piece.grad is None:
+            continue
+        grad, start = piece.grad.detach().double(), optimizer.rank * len(piece)
+        for index, offset, shape in zip(bucket.params, bucket.offsets, bucket.shapes, strict=True):
+            lo, hi = max(start, offset), min(start + len(piece), offset + math.prod(shape))
+            if lo < hi:
+                weight = 1.0 if getattr(optimizer.params[index], "tp_dim", None) is not None else 1.0 / group.size
+                squares = squares + weight * grad[lo - start:hi - start].square().sum()
+    norm = all_reduce(all_reduce(squares.reshape(1), dp_group, f"{name}.dp"), group, name).reshape(()).sqrt()
+    if max_norm is not None:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for piece in optimizer.slices:
+            if piece.grad is not None:
+                piece.grad.mul_(scale.to(piece.grad.dtype))
     return norm

@@ -17,23 +17,25 @@ memory is written by each rank of a group on its own, with no collective in the 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from hvdkit.parallel.ops import all_gather, block
 
 
-def split_dims(optimizer) -> dict[int, int]:
-    """The optimizer state's parameter number -> its ``tp_dim``, for the split parameters."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+def split_dims(params: list) -> dict[int, int]:
+    """The optimizer state's parameter number -> its ``tp_dim``, for the split parameters of
+    ``params`` (the parameters in the order the optimizer's state_dict numbers them)."""
     return {index: p.tp_dim for index, p in enumerate(params) if getattr(p, "tp_dim", None) is not None}
 
 
-def whole_optimizer_state(optimizer, group, name: str) -> dict:
-    """``optimizer.state_dict()`` with each split parameter's tensors of its shape joined whole, on
-    the CPU; its scalars (Adam's step) as they are, alike on every rank."""
-    saved = optimizer.state_dict()
-    dims, params = split_dims(optimizer), [p for g in optimizer.param_groups for p in g["params"]]
+def whole_optimizer_state(saved: dict, params: list, group, name: str) -> dict:
+    """An optimizer state_dict over ``params`` (``saved``: this rank's) with each split parameter's
+    tensors of its shape joined whole, on the CPU; its scalars (Adam's step) as they are, alike on
+    every rank."""
+    dims = split_dims(params)
     state = {}
     for index, per_parameter in sorted(saved["state"].items()):
         joined = {}
@@ -52,10 +54,10 @@ def own_model_state(model: nn.Module, whole: dict, group) -> dict:
     return {key: block(value, group, dims[key]) if key in dims else value for key, value in whole.items()}
 
 
-def own_optimizer_state(optimizer, whole: dict, group) -> dict:
+def own_optimizer_state(whole: dict, params: list, group) -> dict:
     """This rank's blocks of a whole optimizer state_dict (``whole_optimizer_state``'s, or a
-    data-parallel run's), for ``optimizer`` over a model split over ``group``."""
-    dims, params = split_dims(optimizer), [p for g in optimizer.param_groups for p in g["params"]]
+    data-parallel run's), for an optimizer over ``params`` of a model split over ``group``."""
+    dims = split_dims(params)
     state = {}
     for index, per_parameter in whole["state"].items():
         index = int(index)
@@ -72,13 +74,34 @@ def own_optimizer_state(optimizer, whole: dict, group) -> dict:
     return {"state": state, "param_groups": whole["param_groups"]}
 
 
-def block_dims(model: nn.Module, optimizer) -> dict:
+def block_dims(model: nn.Module, params: list) -> dict:
     """How this rank's state is split, for ``joined_blocks``: each split model tensor's dimension by
     its state_dict name; each split parameter's optimizer number -> (dimension, its block's shape)."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
     return {"model": {name: p.tp_dim for name, p in model.named_parameters(remove_duplicate=False)
                       if getattr(p, "tp_dim", None) is not None},
-            "optimizer": {index: (dim, tuple(params[index].shape)) for index, dim in split_dims(optimizer).items()}}
+            "optimizer": {index: (dim, tuple(params[index].shape)) for index, dim in split_dims(params).items()}}
+
+
+def whole_sharded_state(optimizer, dp_group, name: str) -> dict:
+    """The torch state_dict of a ZeRO optimizer (hvdkit.zero.optimizer.ShardedOptimizer over
+    ``dp_group``'s set) as one optimizer over this rank's parameters would have it: each bucket's
+    slices of each state tensor allgathered over the set, then cut into the parameters' shapes. Every
+    rank of the set calls it alike (each holds state for the same buckets, from the first step on)."""
+    state: dict[int, dict] = {}
+    for n, (piece, bucket) in enumerate(zip(optimizer.slices, optimizer.buckets, strict=True)):
+        for key, value in sorted(optimizer.inner.state.get(piece, {}).items()):
+            flat = value
+            if torch.is_tensor(value) and value.dim() and dp_group.size > 1:
+                flat = all_gather(value, dp_group, f"{name}.{n}.{key}", 0)
+            for i, offset, shape in zip(bucket.params, bucket.offsets, bucket.shapes, strict=True):
+                whole = torch.is_tensor(value) and value.dim()
+                size = math.prod(shape)
+                state.setdefault(i, {})[key] = flat[offset:offset + size].view(shape).clone() if whole else value
+    groups, first = [], 0
+    for options, count in zip(optimizer.group_options(), optimizer.group_sizes, strict=True):
+        groups.append({**options, "params": list(range(first, first + count))})
+        first += count
+    return {"state": state, "param_groups": groups}
 
 
 def joined_blocks(blocks: list[dict]) -> dict:

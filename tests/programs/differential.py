@@ -223,8 +223,9 @@ CELLS += [
 # Tensor parallelism against the one-process step of the same global batch, in fp64 (and one row in
 # fp32, within 1e-3), 50 steps: each step's loss and the weights at the end (the shards joined).
 # Arms: Horovod's DistributedOptimizer over the data-parallel set (or none where it is one rank), ZeRO 1
-# sharding within that set, and hvdkit's Session with tp (session.parallelize, setup, backward, step).
-TP_ARMS = ("tp", "tp-zero-1", "tp-session")
+# sharding within that set, and hvdkit's Session with tp (session.parallelize, setup, backward, step),
+# with zero 1 too (ZeRO within the data-parallel set; where that set is one rank, neither ZeRO arm runs).
+TP_ARMS = ("tp", "tp-zero-1", "tp-session", "tp-session-zero-1")
 CELLS += [
     Cell("tp-2-gpt", model=lambda: TinyGPT(64, 16, width=32, layers=2, heads=4).double(), causal_lm=True, tp=2,
          plan=gpt_plan, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), steps=50,
@@ -239,7 +240,8 @@ CELLS += [
          arms=TP_ARMS, compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4)),
     Cell("tp-2-gpt-clip-and-a-nonfinite-step", model=lambda: TinyGPT(64, 16, width=32, layers=2, heads=4).double(),
          causal_lm=True, tp=2, plan=gpt_plan, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
-         steps=50, arms=("tp", "tp-session"), compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4),
+         steps=50, arms=("tp", "tp-session", "tp-session-zero-1"), compared=("losses", "weights"), exact=False,
+         tolerance=1e-9, at=(2, 4),
          keys={"clip_grad_norm": 0.05}, poisoned=7),
     Cell("tp-2-hf-shaped-causal-lm", model=lambda: CausalLM().double(), causal_lm=True, tp=2, plan=hf_plan,
          optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1), steps=50,
@@ -393,8 +395,8 @@ def tensor_parallel_arm(cell: Cell, arm: str, log_dir: str) -> dict:
     """The model split by ``cell.plan`` over the tensor-parallel group, each replica stepping on its
     share of the global batch, the gradients averaged over the data-parallel set: by Horovod's
     DistributedOptimizer (``tp``) or by ZeRO 1 sharding the state within the set (``tp-zero-1``)."""
-    if arm == "tp-session":
-        return tensor_parallel_session(cell, log_dir)
+    if arm.startswith("tp-session"):
+        return tensor_parallel_session(cell, log_dir, zero=1 if arm.endswith("zero-1") else 0)
     mesh = MESHES[cell.tp]
     torch.manual_seed(0)
     whole = cell.model()
@@ -427,12 +429,13 @@ def tensor_parallel_arm(cell: Cell, arm: str, log_dir: str) -> dict:
     return {"losses": losses, "weights": [joined[name] for name in names]}
 
 
-def tensor_parallel_session(cell: Cell, log_dir: str) -> dict:
+def tensor_parallel_session(cell: Cell, log_dir: str, zero: int = 0) -> dict:
     """hvdkit's Session with ``tp``, in the loop users write: its model split by session.parallelize
     (from this rank's own whole model: the Session gives every rank rank 0's weights), its gradients
     averaged over the data-parallel set, clipped by the whole model's norm, a non-finite step
     skipped on every rank (``on_nonfinite: skip``)."""
-    keys = {"seed": 0, "batch_size": BATCH, "logger": "none", "log_dir": log_dir, "tp": cell.tp, **cell.keys}
+    keys = {"seed": 0, "batch_size": BATCH, "logger": "none", "log_dir": log_dir, "tp": cell.tp, "zero": zero,
+            **cell.keys}
     session = hvdkit.Session(**keys, **({"on_nonfinite": "skip"} if cell.poisoned is not None else {}))
     torch.manual_seed(0)
     whole = cell.model()
@@ -497,7 +500,7 @@ def run(cells: list[Cell]) -> int:
         for cell in cells:
             theirs = one_process(cell) if cell.tp else reference(cell)
             for arm in cell.arms:
-                if arm == "tp-zero-1" and MESHES[cell.tp].dp == 1:
+                if arm.endswith("zero-1") and MESHES[cell.tp].dp == 1:
                     continue  # ZeRO within a data-parallel set of one rank: nothing to shard
                 try:
                     ours = (tensor_parallel_arm if cell.tp else hvdkit_arm)(
@@ -513,7 +516,7 @@ def run(cells: list[Cell]) -> int:
                     verdict = "ok" if not problems else "FAIL " + " | ".join(problems[:2])
                     print(f"differential: {cell.name} {arm}: {verdict}", flush=True)
     if hvd.rank() == 0:
-        runs = sum(len([arm for arm in cell.arms if not (arm == "tp-zero-1" and MESHES[cell.tp].dp == 1)])
+        runs = sum(len([arm for arm in cell.arms if not (arm.endswith("zero-1") and MESHES[cell.tp].dp == 1)])
                    for cell in cells)
         print(f"differential: {len(cells)} cells ({runs} runs), {failed} failed", flush=True)
     return failed

@@ -1,17 +1,18 @@
 """hvdkit.rank.start.tensor_parallel: ``hvdkit train --tp N`` as users launch it, in real jobs.
 
 The Session's tensor-parallel step is checked against the one-process step of the same global batch
-in the differential harness (its ``tp-session`` arm, at np 2 and 4 under both controllers:
-tests/test_differential.py). Here the product's command: a run at tp 2 x dp 2 under horovodrun --gloo writes
-checkpoints that hold the whole model and optimizer state (hvdkit.parallel.whole); resumed from its
-middle at np 1 (tp 1, its K doubled to keep the global batch) and at dp 2 under horovodrun --gloo,
-each follows the uninterrupted run: each step's loss and the final weights within 1e-3 (fp32,
-relative norm); a rank killed at step 6 under `hvdkit launch --max-restarts 1` (mpirun) with
-`--snapshot-steps 1` restarts the job, which resumes from the snapshot of step 5 or 6 (each rank of
-a group writes its blocks; the reader joins them) and ends bitwise at the uninterrupted run's
-weights (Gloo's); with dropout, a run
-resumed from its middle ends bitwise where the whole run ends (the RNG tracker's state restored). And bad input: one
-line, exit 2, before anything starts. A stop signal and a frozen rank at tp 2: tests/rank/test_stops.py.
+in the differential harness (its ``tp-session`` arms, with and without ZeRO 1, at np 2 and 4 under
+both controllers: tests/test_differential.py). Here the product's command: a run at tp 2 x dp 2
+under horovodrun --gloo writes checkpoints that hold the whole model and optimizer state
+(hvdkit.parallel.whole); resumed from its middle at np 1 (tp 1, its K doubled to keep the global
+batch), at dp 2 under horovodrun --gloo, and at tp 2 x dp 2 with ZeRO 2 within the data-parallel
+set under mpirun, each follows the uninterrupted run: each step's loss and the final weights within
+1e-3 (fp32, relative norm); a rank killed at step 6 under `hvdkit launch --max-restarts 1` (mpirun)
+with `--snapshot-steps 1` restarts the job, which resumes from the snapshot of step 5 or 6 (each
+rank of a group writes its blocks; the reader joins them) and ends bitwise at the uninterrupted
+run's weights (Gloo's); with dropout, a run resumed from its middle ends bitwise where the whole run
+ends (the RNG tracker's state restored). And bad input: one line, exit 2, before anything starts.
+A stop signal and a frozen rank at tp 2: tests/rank/test_stops.py.
 """
 
 import os
@@ -79,11 +80,12 @@ def test_a_run_at_tp2_dp2_restarts_bitwise_and_resumes_at_np1_and_at_dp2_followi
     assert re.search(r"hvdkit-snapshots-[^ ]*/tp-0/ckpt-step00000000[56]\.pt \(epoch 1, step [56]\)", resumed), resumed
     assert not os.path.exists(resumed.split("resumed from ")[1].split("/tp-0/")[0]), "the snapshots outlived the job"
     assert_bitwise_equal(restarted, weights)
-    for name, launcher, np, said in (("np1", None, 1, "batches_per_allreduce 1 -> 2"),
-                                     ("dp2", "horovodrun --gloo", 2, None)):
+    for name, launcher, np, args, said in (("np1", None, 1, (), "batches_per_allreduce 1 -> 2"),
+                                           ("dp2", "horovodrun --gloo", 2, (), None),
+                                           ("tp2-dp2-zero2", "mpirun", 4, ("--tp", "2", "--zero", "2"), None)):
         (tmp_path / name / "ckpt").mkdir(parents=True)
         shutil.copy(middle, tmp_path / name / "ckpt")
-        resumed, resumed_weights, proc = trained(tmp_path / name, launcher, np)
+        resumed, resumed_weights, proc = trained(tmp_path / name, launcher, np, *args)
         assert f"resumed from {tmp_path / name / 'ckpt'}" in proc.stderr, proc.stderr[-2000:]
         if said:
             assert said in proc.stderr, proc.stderr[-2000:]
@@ -106,8 +108,9 @@ def test_with_dropout_a_run_resumed_from_its_middle_ends_bitwise_where_the_whole
 @pytest.mark.parametrize("args, said", [
     (["--tp", "3"], "hvdkit train: tp: 3 does not divide the job's 2 ranks"),
     (["--tp", "2", "--model", "mlp", "--dataset", "synthetic"], "hvdkit train: tp: hvdkit has no plan for a "),
-    (["--tp", "2", "--zero", "1"], "hvdkit train: config: tp is not yet for zero"),
-], ids=["tp-not-dividing-the-ranks", "a-model-without-a-plan", "zero-beside-tp"])
+    (["--tp", "2", "--zero", "3"], "hvdkit train: config: tp is not yet for zero 3"),
+    (["--tp", "2", "--zero", "1"], "hvdkit train: config: zero shards within the data-parallel set, and at tp 2 "),
+], ids=["tp-not-dividing-the-ranks", "a-model-without-a-plan", "zero-3-beside-tp", "zero-with-one-replica"])
 def test_bad_input_is_one_line_and_exit_2_before_anything_starts(tmp_path, args, said):
     proc = run(planner.local_command("mpirun", 2, [*TRAIN, "--log-dir", str(tmp_path / "logs"),
                                                    "--checkpoint-dir", str(tmp_path / "ckpt"), *args]), timeout=120)

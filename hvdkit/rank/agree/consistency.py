@@ -145,7 +145,7 @@ class Consistency:
         assert not state.unsettled, "hvdkit: the steps' non-finite flags are read (settle) before a consistency check"
         self.checked_at = step
         tensors = compared(state.model, state.optimizer, not (cfg.zero or cfg.use_adasum))
-        blocks = self._blocks(state.model)
+        blocks = self._blocks(state.model) & {name for name, _ in tensors}
         tensors = [*(t for t in tensors if t[0] not in blocks), *(t for t in tensors if t[0] in blocks)]
         if not tensors:
             return

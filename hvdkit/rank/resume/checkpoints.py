@@ -152,14 +152,16 @@ class RunCheckpoints:
                               f"{str(exc).splitlines()[0]}") from None
         if "zero_shard" in state:  # from a snapshot: this rank's shard, as it was
             shards.load_own(run.optimizer, path, saved, state["zero_shard"])
-        elif shards.is_manifest(saved) and self.cfg.zero:
+        elif shards.is_manifest(saved) and self.cfg.zero and self.tp_group is None:
             shards.load(run.optimizer, path, saved)
-        elif self.cfg.zero:  # a checkpoint of zero 0: its whole state, sliced
-            run.optimizer.load_whole_state(saved)
+        elif self.cfg.zero:  # a whole state (a checkpoint of zero 0, or of tensor parallelism: its blocks), sliced
+            saved = shards.plain_optimizer_state(path, saved) if shards.is_manifest(saved) else saved
+            run.optimizer.load_whole_state(saved if self.tp_group is None else
+                                           whole.own_optimizer_state(saved, self._params(), self.tp_group))
         else:
             saved = shards.plain_optimizer_state(path, saved) if shards.is_manifest(saved) else saved
             run.optimizer.load_state_dict(saved if self.tp_group is None else
-                                          whole.own_optimizer_state(run.optimizer, saved, self.tp_group))
+                                          whole.own_optimizer_state(saved, self._params(), self.tp_group))
             # That made new param-group dicts; a scheduler sets the rates in the dicts of the
             # optimizer you passed, so those must stay the ones Horovod's wrapper steps with.
             for mine, loaded in zip(run.inner.param_groups, run.optimizer.param_groups, strict=True):
@@ -219,7 +221,8 @@ class RunCheckpoints:
         rng = self.hvd.allgather_object(self._own_rng())
         joined = self._joined() if self.tp_group is not None else {}
         if self.hvd.rank() == 0 or self.writes_parts:
-            self.write(shards.manifest(run.optimizer) if self.cfg.zero else joined.get("optimizer"), rng=rng,
+            self.write(shards.manifest(run.optimizer) if self.cfg.zero and not joined else joined.get("optimizer"),
+                       rng=rng,
                        loader_batches=self.loaders.batch_sizes(), model_state=joined.get("model"))
 
     def _own_rng(self) -> dict:
@@ -228,16 +231,26 @@ class RunCheckpoints:
         return {**rng_state(), **({"tp": tracker.state_dict()} if tracker else {})}
 
     def _joined(self) -> dict:
-        """The whole model's state and its optimizer's, joined over the tensor-parallel group (all its
-        ranks call it alike: hvdkit.parallel.whole)."""
-        step = self.state.global_step
+        """The whole model's state and its optimizer's, joined over the tensor-parallel group (and ZeRO's
+        slices over the data-parallel set first); every rank calls it alike (hvdkit.parallel.whole)."""
+        step, optimizer = self.state.global_step, self.state.optimizer
+        own = (whole.whole_sharded_state(optimizer, self.mesh.dp_group, f"hvdkit.tp.save.{step}.zero")
+               if self.cfg.zero else optimizer.state_dict())
         return {"model": whole_state_dict(self.module(), self.tp_group, f"hvdkit.tp.save.{step}"),
-                "optimizer": whole.whole_optimizer_state(self.state.optimizer, self.tp_group,
+                "optimizer": whole.whole_optimizer_state(own, self._params(), self.tp_group,
                                                          f"hvdkit.tp.save.{step}.optimizer")}
+
+    def _params(self) -> list:
+        """The parameters in the order the optimizer's state_dict numbers them (ZeRO's: the model's,
+        not the slices it steps)."""
+        optimizer = self.state.optimizer
+        return optimizer.params if self.cfg.zero else [p for g in optimizer.param_groups for p in g["params"]]
 
     @property
     def writes_parts(self) -> bool:
         """Every rank writes a part of this run's checkpoints (checkpoint.parts)."""
+        if self.tp_group is not None:  # whole: joined over the mesh before rank 0 writes it
+            return False
         return bool(self.cfg.zero) or (self.cfg.sharded_checkpoint and self.hvd.size() > 1)
 
     def after_step(self, checkpoint_due: bool) -> None:
@@ -250,7 +263,7 @@ class RunCheckpoints:
     def snapshot(self) -> None:
         """This step's state into host memory (all ranks call it; HostSnapshots.take)."""
         module = self.module()
-        blocks = {"tp_block": whole.block_dims(module, self.state.optimizer)} if self.tp_group is not None else {}
+        blocks = {"tp_block": whole.block_dims(module, self._params())} if self.tp_group is not None else {}
         self.snapshots.take(self.state.global_step,
                             lambda: sum(t.nbytes for t in [*module.buffers(), *self._changed_by_step(module)]),
                             lambda optimizer_state, **entries: self.write(

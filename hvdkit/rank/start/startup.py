@@ -48,8 +48,10 @@ def read_config(config: Optional[TrainConfig], keys: Mapping[str, object]) -> Tr
     if config is None:
         config = from_mapping(from_environ(os.environ))
     cfg = validate(from_mapping(dict(keys), base=config))
-    if cfg.tp > 1:
-        Mesh(env.detect().size or 1, cfg.tp)  # a tp that does not divide the job's ranks: said here, in one line
+    if cfg.tp > 1:  # a tp that does not divide the job's ranks: said here, in one line
+        if Mesh(env.detect().size or 1, cfg.tp).dp == 1 and cfg.zero:
+            raise ConfigError(f"config: zero shards within the data-parallel set, and at tp {cfg.tp} the job's "
+                              f"{cfg.tp} ranks are one replica; drop --zero, or run more ranks")
     if undo:
         undo()
     return cfg

@@ -95,7 +95,7 @@ def distributed_optimizer(cfg: TrainConfig, hvd, optimizer: torch.optim.Optimize
                                                  cfg.batches_per_allreduce, cfg.gradient_predivide_factor,
                                                  device=device)
         return zero.ShardedOptimizer(optimizer, hvd, cfg.zero, compression, cfg.batches_per_allreduce,
-                                     cfg.gradient_predivide_factor)
+                                     cfg.gradient_predivide_factor, process_set=process_set)
     if mesh.tp > 1 and mesh.dp == 1:
         wrapped = unreduced(optimizer)
     elif path == "bucket views":

@@ -125,6 +125,7 @@ class TrainingStep:
                  checkpoint_left: Callable[[], str], mesh) -> None:
         self.cfg, self.hvd, self.device, self.state, self.times = cfg, hvd, device, state, times
         self.tp_group = mesh.tp_group if mesh.tp > 1 else None  # a model split across it: norms and checks span it
+        self.dp_group = mesh.dp_group  # where ZeRO's slices are, under tensor parallelism
         self.checkpoint_left = checkpoint_left  # RunCheckpoints.checkpoint_left
         self.micro_count = cfg.batches_per_allreduce  # of the step under way
         self.skipped, self.skips_in_a_row = 0, 0  # on_nonfinite: skip
@@ -191,7 +192,7 @@ class TrainingStep:
             scaler.unscale_(optimizer)
             if cfg.zero:  # each rank checked only its own slices for an overflow
                 optimizer.agree_on_overflow(scaler)
-            elif self.tp_group is not None:  # and only its own blocks
+            if self.tp_group is not None:  # and only its own blocks
                 found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
                 for device, flag in found.items():  # a sum of 0/1 flags, on the device: nothing is read here
                     found[device] = all_reduce(flag.reshape(1), self.tp_group, "hvdkit.tp.inf").clamp(
@@ -288,7 +289,10 @@ class TrainingStep:
         its unclipped check summed over the tensor-parallel group: each rank holds other blocks."""
         cfg, state = self.cfg, self.state
         optimizer = state.optimizer
-        if cfg.zero:  # the norm of the whole gradient, from every rank's slices
+        if cfg.zero and self.tp_group is not None and (cfg.clip_grad_norm or state.scaler is None):
+            norm = norms.sharded_clip_grad_norm_(optimizer, cfg.clip_grad_norm, self.tp_group, self.dp_group,
+                                                 "hvdkit.tp.norm")  # every block's slices
+        elif cfg.zero:  # the norm of the whole gradient, from every rank's slices
             if cfg.clip_grad_norm:
                 norm = optimizer.clip_grad_norm_(cfg.clip_grad_norm)
             elif state.scaler is None:

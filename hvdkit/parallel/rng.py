@@ -11,6 +11,10 @@ masks the uninterrupted one would have.
 
 On a GPU the CUDA generator of the current device is swapped (reading and setting its state
 does not wait for the device); on a CPU torch's default generator.
+
+Activation checkpointing recomputes a forward in the backward: torch's checkpoint brings back
+torch's own generator for it, and ``checkpoint`` (Megatron's CheckpointFunction does the same)
+brings back the tracker's too, so that the recomputed regions draw the masks the forward drew.
 """
 
 from __future__ import annotations
@@ -53,6 +57,34 @@ class RNGTracker:
         finally:
             self.state = self._get()
             self._set(outside)
+
+    def checkpoint(self, function, *args, **kwargs):
+        """``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)`` whose
+        recomputation draws the tracker's masks of the forward again: the tracker's state at the
+        forward's start is put back for the recomputation, and the state of the moment after it."""
+        import torch.utils.checkpoint
+
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=self._contexts,
+                                                 **kwargs)
+
+    def _contexts(self) -> tuple:
+        """(forward, recomputation) contexts of one checkpointed call (torch's ``context_fn``)."""
+        at_forward: list = []
+
+        @contextlib.contextmanager
+        def forward() -> Iterator[None]:
+            at_forward.append(self.state.clone())
+            yield
+
+        @contextlib.contextmanager
+        def recomputation() -> Iterator[None]:
+            now, self.state = self.state, at_forward[0].clone()
+            try:
+                yield
+            finally:
+                self.state = now
+
+        return forward(), recomputation()
 
     def state_dict(self) -> dict:
         return {"tensor_parallel": self.state.clone()}

@@ -12,6 +12,7 @@ Rank 0 prints "tensor parallel: ok at tp T x dp D" per mesh, or the job fails wi
 import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from hvdkit import env
@@ -194,9 +195,54 @@ def check_gpt_dropout(mesh) -> None:
     assert not torch.equal(tracker.state, start), "the regions drew from the tracker"
 
 
+def check_checkpointed_dropout(mesh) -> None:
+    """Each block of the GPT with dropout recomputed in the backward (activation checkpointing) by
+    the tracker's ``checkpoint``: the gradients of one step are bitwise those of the step without
+    checkpointing, from the same generators' states; torch's checkpoint alone, which brings back
+    torch's generator but not the tracker's, recomputes other masks inside the regions."""
+    tp = mesh.tp_group
+    torch.manual_seed(0)
+    whole = TinyGPT(64, 16, width=32, layers=2, heads=4, dropout=0.2).double()
+    tracker = RNGTracker(0, tp)
+    model = parallelize(whole, mesh, gpt_plan(whole), rng=tracker)
+    blocks = list(model.blocks)
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(mesh.dp_group.rank))
+    outside, inside = torch.get_rng_state(), tracker.state.clone()
+
+    def gradients(run_block) -> list:
+        torch.set_rng_state(outside)
+        tracker.state = inside.clone()
+        model.zero_grad()
+        for index, block in enumerate(blocks):
+            model.blocks[index] = Recomputed(block, run_block)
+        loss = F.cross_entropy(model(tokens[:, :-1]).reshape(-1, 64), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        for index, block in enumerate(blocks):
+            model.blocks[index] = block
+        return [p.grad.clone() for p in model.parameters()]
+
+    plain = gradients(lambda block, x: block(x))
+    ours = gradients(lambda block, x: tracker.checkpoint(block, x))
+    torchs = gradients(lambda block, x: torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False))
+    assert all(torch.equal(a, b) for a, b in zip(plain, ours, strict=True)), "checkpointed: other gradients"
+    assert not all(torch.equal(a, b) for a, b in zip(plain, torchs, strict=True)), "the tracker's state mattered not"
+
+
+class Recomputed(nn.Module):
+    """``block`` run by ``run_block(block, x)``: as it is, or checkpointed."""
+
+    def __init__(self, block: nn.Module, run_block) -> None:
+        super().__init__()
+        self.block, self.run_block = block, run_block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run_block(self.block, x)
+
+
 def check(mesh: Mesh) -> None:
     check_rng(mesh)
     check_gpt_dropout(mesh)
+    check_checkpointed_dropout(mesh)
     replica = mesh.dp_group.rank  # the ranks of one tensor-parallel group share their inputs
     for step in range(2):
         for gather_output in (False, True):

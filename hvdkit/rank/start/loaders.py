@@ -88,7 +88,8 @@ class Loaders:
                                                    kept=("collate_fn", "drop_last"))
         if len(dataset) < size * batch_size:
             raise ConfigError(f"data: the training set has {len(dataset)} samples, fewer than "
-                              f"data-parallel replicas x batch_size = {size} x {batch_size}")
+                              f"{'world size' if self.mesh.tp == 1 else 'data-parallel replicas'} x batch_size = "
+                              f"{size} x {batch_size}")
         sampler = ResumableSampler(dataset, num_replicas=size, rank=rank, shuffle=shuffle, seed=self.cfg.seed)
         made = _workers_end_at_exit(DataLoader(dataset, batch_size=batch_size * self.cfg.batches_per_allreduce,
                                                sampler=sampler, **options))

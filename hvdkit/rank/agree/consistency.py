@@ -87,6 +87,10 @@ def _horovod_sync_batch_norm():
 
 def scope(zero: int, adasum: bool, tp: int = 1) -> str:
     """What the check compares under ``zero`` (its stage), Adasum and tensor parallelism, in words."""
+    if tp > 1 and zero:
+        return ("the weights kept whole and the buffers with every rank; each block of a split weight with its "
+                "data-parallel group, which holds the same block; not the optimizer's state, whose slices each "
+                "rank holds alone")
     if tp > 1:
         return ("the weights kept whole, the buffers and the optimizer's state with every rank; each block of a "
                 "split weight and its state with its data-parallel group, which holds the same block")

@@ -66,6 +66,10 @@ class TrainConfig:
     tp: int = field(default=1, metadata={
         "help": "tensor parallelism: split each layer of the model across this many consecutive ranks (a "
                 "data-parallel replica is tp ranks; session.parallelize(model) splits it, docs/model-parallelism.md)"})
+    sequence_parallel: bool = field(default=False, metadata={
+        "help": "with tp: the norms and dropouts between the split layers run on each rank's part of the sequence "
+                "(gathered into the split layers, reduce-scattered out of them): less activation memory, the same "
+                "traffic; the built-in GPT's plan, docs/model-parallelism.md"})
     amp: bool = field(default=False, metadata={"help": "mixed precision: bf16 on CPU, fp16 + GradScaler on GPU"})
     clip_grad_norm: Optional[float] = field(default=None, metadata={"help": "clip gradients to this total norm"})
     elementwise_optimizer: bool = field(default=False, metadata={
@@ -148,7 +152,8 @@ RESUME_MAY_CHANGE = ("epochs", "max_steps", "data_dir", "num_workers", "log_inte
                      "sharded_checkpoint", "snapshot_steps", "stall_timeout", "max_requeues", "resume", "compile",
                      "fused_optimizer", "channels_last", "cudnn_benchmark", "tf32",
                      "commit_steps", "on_nonfinite", "elementwise_optimizer", "skip_bad_samples",
-                     "check_consistency_steps", "straggler_threshold", "zero", "zero_groups", "tp")
+                     "check_consistency_steps", "straggler_threshold", "zero", "zero_groups", "tp",
+                     "sequence_parallel")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -235,6 +240,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.tp > 1 and beside_tp:
         raise ConfigError(f"config: tp is not yet for {', '.join(beside_tp)} (docs/model-parallelism.md says what "
                           f"tensor parallelism runs with); drop one")
+    if cfg.sequence_parallel and cfg.tp == 1:
+        raise ConfigError("config: sequence_parallel splits the sequence across a tensor-parallel group: give tp > 1 "
+                          "too")
     if cfg.use_adasum and cfg.gradient_predivide_factor != 1.0:
         raise ConfigError("config: gradient_predivide_factor must be 1.0 with use_adasum (Horovod averages only)")
     for name in ("log_dir", "checkpoint_dir"):
@@ -346,7 +354,8 @@ GROUPS = {
     "optimization": ("epochs", "max_steps", "optimizer", "base_lr", "lr_scaling", "momentum", "weight_decay",
                      "warmup_epochs", "lr_schedule", "lr_decay_epochs", "lr_decay_factor", "clip_grad_norm", "amp",
                      "on_nonfinite", "elementwise_optimizer"),
-    "distributed": ("batches_per_allreduce", "zero", "zero_groups", "tp", "fp16_allreduce", "use_adasum",
+    "distributed": ("batches_per_allreduce", "zero", "zero_groups", "tp", "sequence_parallel", "fp16_allreduce",
+                    "use_adasum",
                     "gradient_predivide_factor",
                     "stall_timeout", "elastic", "commit_steps"),
     "checkpoints": ("checkpoint_dir", "checkpoint_steps", "keep_checkpoints", "async_checkpoint",

@@ -5,7 +5,9 @@ weights sharded (ZeRO stage 3), tensor and pipeline parallelism. Rank side, belo
 ``ops``: hvdkit's autograd functions over Horovod's collectives, each named by its caller.
 ``tensor``: tensor parallelism's layers (column-, row-parallel linear, vocabulary-parallel
 embedding and cross-entropy), each made from the whole layer it replaces.
-``plan``: ``parallelize(model, mesh, plan)``, the styles by module name, and the GPT's plan.
+``plan``: ``parallelize(model, mesh, plan)``, the styles by module name (sequence parallelism's
+too), and the GPT's plan.
+``grads``: where each parameter's gradient is (ZeRO's slices too), sequence parallelism's sums.
 ``norms``: the whole model's gradient norm across the mesh, and clipping by it.
 ``rng``: the RNG tracker of dropout inside the tensor-parallel regions.
 """

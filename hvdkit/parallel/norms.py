@@ -14,11 +14,11 @@ Nothing is read on the host: the norm stays a tensor (a GPU keeps it in flight).
 
 from __future__ import annotations
 
-import math
 from typing import Iterable, Optional
 
 import torch
 
+from hvdkit.parallel.grads import sliced
 from hvdkit.parallel.ops import all_reduce
 
 
@@ -57,15 +57,9 @@ def sharded_clip_grad_norm_(optimizer, max_norm: Optional[float], group, dp_grou
     data-parallel set gives each rank its block's sum, one over the group the whole model's. Every
     rank of the mesh calls it alike."""
     squares = torch.zeros((), dtype=torch.float64)
-    for piece, bucket in zip(optimizer.slices, optimizer.buckets, strict=True):
-        if piece.grad is None:
-            continue
-        grad, start = piece.grad.detach().double(), optimizer.rank * len(piece)
-        for index, offset, shape in zip(bucket.params, bucket.offsets, bucket.shapes, strict=True):
-            lo, hi = max(start, offset), min(start + len(piece), offset + math.prod(shape))
-            if lo < hi:
-                weight = 1.0 if getattr(optimizer.params[index], "tp_dim", None) is not None else 1.0 / group.size
-                squares = squares + weight * grad[lo - start:hi - start].square().sum()
+    for param, grad in sliced(optimizer):
+        weight = 1.0 if getattr(param, "tp_dim", None) is not None else 1.0 / group.size
+        squares = squares + weight * grad.detach().double().square().sum()
     norm = all_reduce(all_reduce(squares.reshape(1), dp_group, f"{name}.dp"), group, name).reshape(()).sqrt()
     if max_norm is not None:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)

@@ -116,6 +116,22 @@ def all_reduce(x: torch.Tensor, group, name: str, op=None) -> torch.Tensor:
     return mpi_ops.synchronize(handle)
 
 
+def all_reduce_(tensors: list[torch.Tensor], group, name: str) -> None:
+    """Each of ``tensors`` replaced by the group's sum, in place, in one allreduce per dtype (the
+    tensors flattened into one vector): many small sums, as sequence parallelism's norms' gradients
+    are, cost one collective. Views are written through; no autograd."""
+    if group.size == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for dtype, same in by_dtype.items():
+        summed = all_reduce(torch.cat([t.detach().reshape(-1) for t in same]), group, f"{name}.{dtype}".replace(
+            "torch.", ""))
+        for tensor, part in zip(same, summed.split([t.numel() for t in same]), strict=True):
+            tensor.detach().copy_(part.view_as(tensor))
+
+
 def all_gather(x: torch.Tensor, group, name: str, dim: int) -> torch.Tensor:
     """Every rank's ``x`` of ``group`` joined along ``dim`` in rank order, a new tensor; no autograd."""
     from horovod.torch import mpi_ops

@@ -9,12 +9,14 @@ of the input features (its bias whole, added once the ranks' partial sums are su
 vocabulary-parallel embedding holds a block of the rows; ``vocab_parallel_cross_entropy`` takes
 each rank's block of the logits and never joins them.
 
-Sequence parallelism (``sequence_parallel=True``): between the tensor-parallel regions each rank
+Sequence parallelism (a column-parallel layer's ``input="sequence"``, the others'
+``sequence_parallel=True``): between the tensor-parallel regions each rank
 holds its part of the sequence (along ``seq_dim``; 1 for batch-first tensors, as torch's
 ``SequenceParallel``): a column-parallel layer gathers the sequence first, a row-parallel one
 reduce-scatters its result into the parts. What a rank then computes on its part alone (a norm's
 weights, a row-parallel bias) has a gradient of its part only: those parameters are marked
-``sequence_parallel`` and their gradients summed over the group (``sum_sequence_parallel_grads``).
+``sequence_parallel`` and their gradients summed over the group
+(hvdkit.parallel.grads.sum_sequence_parallel_grads).
 
 Every collective is named from the layer's ``name`` (its module path: the same on every rank and
 from step to step); every rank of the group calls each layer in the same order.
@@ -44,23 +46,31 @@ def _block(tensor: torch.Tensor, group, dim: int) -> torch.Tensor:
 
 class ColumnParallelLinear(nn.Module):
     """``whole`` (an nn.Linear) with this rank's block of its output features: its output is this
-    rank's block of the whole output (joined where ``gather_output``). Its input is the whole
-    input on every rank (sequence parallel: each rank's part of the sequence, gathered here)."""
+    rank's block of the whole output (joined where ``gather_output``). Its ``input``, one of INPUTS:
+    "whole", the same on every rank, copied into the region (the backward sums the ranks'
+    gradients); "sequence", each rank's part of the sequence, gathered here (the backward
+    reduce-scatters); "gathered", whole, gathered by a module before it whose backward sums
+    (hvdkit.parallel.plan.SequenceParallel's ``gather_output``: one gather for the q, k and v
+    layers that read it), so nothing is done here."""
 
-    def __init__(self, whole: nn.Linear, group, name: str, gather_output: bool = False,
-                 sequence_parallel: bool = False, seq_dim: int = 1) -> None:
+    INPUTS = ("whole", "sequence", "gathered")
+
+    def __init__(self, whole: nn.Linear, group, name: str, gather_output: bool = False, input: str = "whole",
+                 seq_dim: int = 1) -> None:
         super().__init__()
+        if input not in self.INPUTS:
+            raise ValueError(f"the input {input!r} is not one of {', '.join(self.INPUTS)}")
         self.group, self.name = group, name
-        self.gather_output, self.sequence_parallel, self.seq_dim = gather_output, sequence_parallel, seq_dim
+        self.gather_output, self.input, self.seq_dim = gather_output, input, seq_dim
         self.in_features, self.out_features = whole.in_features, whole.out_features
         self.weight = nn.Parameter(_block(whole.weight, group, 0), requires_grad=whole.weight.requires_grad)
         self.bias = None if whole.bias is None else nn.Parameter(_block(whole.bias, group, 0),
                                                                  requires_grad=whole.bias.requires_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
+        if self.input == "sequence":
             x = gather_from_sp(x, self.group, f"{self.name}.sequence", self.seq_dim)
-        else:
+        elif self.input == "whole":
             x = copy_to_tp(x, self.group, f"{self.name}.input")
         out = F.linear(x, self.weight, self.bias)
         return gather_from_tp(out, self.group, f"{self.name}.output") if self.gather_output else out
@@ -158,11 +168,3 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad_logits.scatter_add_(-1, local.unsqueeze(-1), -(~outside).to(softmax.dtype).unsqueeze(-1))
         return grad_logits.mul_(grad.unsqueeze(-1)), None, None, None
 
-
-def sum_sequence_parallel_grads(module: nn.Module, group, name: str) -> None:
-    """Sum over ``group`` the gradients of ``module``'s parameters marked ``sequence_parallel``
-    (each rank's is of its part of the sequence only), in place; every rank of the group calls it
-    after the backward, before the optimizer step."""
-    for param_name, param in module.named_parameters():
-        if getattr(param, "sequence_parallel", False) and param.grad is not None:
-            param.grad.copy_(all_reduce(param.grad, group, f"{name}.{param_name}"))

@@ -12,7 +12,7 @@ from hvdkit.checks import selftest
 from hvdkit.config import ConfigError
 from hvdkit.models import TinyGPT
 from hvdkit.parallel.mesh import Group, Mesh
-from hvdkit.parallel.plan import ColwiseParallel, gpt_plan, parallelize
+from hvdkit.parallel.plan import ColwiseParallel, RowwiseParallel, gpt_plan, parallelize
 
 WORKER = [sys.executable, str(REPO / "tests" / "programs" / "tensor_parallel_worker.py")]
 
@@ -46,6 +46,10 @@ def test_a_tp_that_does_not_divide_the_ranks_is_one_line(size, tp):
     (lambda: TinyGPT(64, 16, width=32, heads=4, tie_output=True), 2, {"head": ColwiseParallel()},
      "tp: tokens.weight is tied to a weight the plan splits, and the plan leaves it whole; split both alike "
      "(an embedding by rows, its output layer by columns), or untie them"),
+    (lambda: TinyGPT(64, 16, width=32, heads=4), 2, {"blocks.*.up": ColwiseParallel(input="rows")},
+     "tp: blocks.0.up: the input 'rows' is not one of whole, sequence, gathered"),
+    (lambda: TinyGPT(64, 16, width=32, heads=4), 2, {"blocks.*.down": RowwiseParallel(output="columns")},
+     "tp: blocks.0.down's output 'columns' is not whole or sequence"),
 ])
 def test_a_plan_or_a_tp_that_does_not_fit_the_model_is_one_line(model, tp, plan, line):
     """Said before any collective (the sizes are known on every rank alike)."""
@@ -55,6 +59,20 @@ def test_a_plan_or_a_tp_that_does_not_fit_the_model_is_one_line(model, tp, plan,
     with pytest.raises(ConfigError) as said:
         parallelize(whole, mesh, plan or gpt_plan(whole))
     assert str(said.value) == line
+
+
+def test_sequence_parallelism_marks_the_replicated_parameters_each_rank_computes_on_its_part():
+    """The norms' weights and biases and the row-parallel layers' biases: their gradients are
+    summed over the group (hvdkit.parallel.grads); nothing else is, the split ones are blocks."""
+    mesh = Mesh(2, 2)
+    mesh.tp_group = Group([0, 1], 0)
+    whole = TinyGPT(64, 16, width=32, layers=2, heads=4)
+    model = parallelize(whole, mesh, gpt_plan(whole, sequence_parallel=True))
+    marked = {name for name, param in model.named_parameters() if getattr(param, "sequence_parallel", False)}
+    per_block = ("norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias", "attention.o.bias", "down.bias")
+    assert marked == {"norm.weight", "norm.bias", *(f"blocks.{i}.{name}" for i in range(2) for name in per_block)}
+    assert not any(getattr(param, "tp_dim", None) is not None for name, param in model.named_parameters()
+                   if name in marked)
 
 
 @pytest.mark.slow

@@ -42,9 +42,17 @@ from torch import nn
 import hvdkit
 from hvdkit import env
 from hvdkit.models import TinyGPT
+from hvdkit.parallel.grads import sum_sequence_parallel_grads
 from hvdkit.parallel.mesh import Mesh
 from hvdkit.parallel.norms import clip_grad_norm_
-from hvdkit.parallel.plan import ColwiseParallel, RowwiseParallel, gpt_plan, parallelize, whole_state_dict
+from hvdkit.parallel.plan import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    gpt_plan,
+    parallelize,
+    whole_state_dict,
+)
 from hvdkit.rank.start import startup
 from hvdkit.trainer import train_step
 from hvdkit.zero.optimizer import ShardedOptimizer
@@ -148,6 +156,25 @@ def hf_plan(model) -> dict:
             "lm_head": ColwiseParallel(gather_output=True)}
 
 
+def hf_sequence_parallel_plan(model) -> dict:
+    """The same with sequence parallelism, as torchtitan's plans write it: the first layer's input
+    scattered into each rank's part of the sequence, each norm on its part gathering for the split
+    layers after it, each row-parallel layer reduce-scattering back into the parts."""
+    gathered = ColwiseParallel(input="gathered")
+    return {"model.embed_tokens": RowwiseParallel(), "model.layers.0": SequenceParallel(scatter_input=True),
+            "model.layers.*_layernorm": SequenceParallel(gather_output=True),
+            "model.layers.*.self_attn.[qkv]_proj": gathered, "model.layers.*.mlp.gate_proj": gathered,
+            "model.layers.*.mlp.up_proj": gathered,
+            "model.layers.*.self_attn.o_proj": RowwiseParallel(output="sequence"),
+            "model.layers.*.mlp.down_proj": RowwiseParallel(output="sequence"),
+            "model.norm": SequenceParallel(gather_output=True), "lm_head": ColwiseParallel(gather_output=True,
+                                                                                          input="gathered")}
+
+
+def gpt_sequence_parallel_plan(model) -> dict:
+    return gpt_plan(model, sequence_parallel=True)
+
+
 def partial_head(model):
     return torch.optim.SGD(model.head.parameters(), lr=0.5)
 
@@ -246,9 +273,18 @@ CELLS += [
     Cell("tp-2-hf-shaped-causal-lm", model=lambda: CausalLM().double(), causal_lm=True, tp=2, plan=hf_plan,
          optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1), steps=50,
          arms=TP_ARMS, compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4)),
+    # sequence parallelism: the norms on each rank's part of the sequence, their gradients summed over tp
+    Cell("tp-2-gpt-sequence-parallel", model=lambda: TinyGPT(64, 16, width=32, layers=2, heads=4).double(),
+         causal_lm=True, tp=2, plan=gpt_sequence_parallel_plan,
+         optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), steps=50,
+         arms=TP_ARMS, compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4)),
+    Cell("tp-2-hf-shaped-causal-lm-sequence-parallel", model=lambda: CausalLM().double(), causal_lm=True, tp=2,
+         plan=hf_sequence_parallel_plan, optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01,
+                                                                              weight_decay=0.1),
+         steps=50, arms=TP_ARMS, compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4)),
 ]
 SMOKE = ("fp32", "optimizer-over-part", "mixed-dtypes", "zero-1", "zero-3-hf-shaped-causal-lm",  # horovodrun --gloo
-         "tp-2-gpt-tied")
+         "tp-2-gpt-tied", "tp-2-gpt-sequence-parallel")
 MESHES: dict[int, Mesh] = {}  # tp -> the mesh of its rows, made at hvd.init (main)
 
 
@@ -416,14 +452,15 @@ def tensor_parallel_arm(cell: Cell, arm: str, log_dir: str) -> dict:
         loss = loss_of(model, batch_of(cell, dp.rank, step))
         losses.append(loss.detach().clone())
         loss.backward()
-        if clip is None:
-            optimizer.step()
-            continue
         if dp.size > 1:
             optimizer.synchronize()  # Horovod's clipping pattern: averaged over dp, then clipped
-        norm = clip_grad_norm_(model.parameters(), clip, mesh.tp_group, f"differential.{cell.name}.norm")
+        # the sequence-parallel parameters' gradients, each rank's of its part: summed over tp
+        sum_sequence_parallel_grads(optimizer if dp.size > 1 else model, mesh.tp_group,
+                                    f"differential.{cell.name}.sequence")
+        norm = None if clip is None else clip_grad_norm_(model.parameters(), clip, mesh.tp_group,
+                                                          f"differential.{cell.name}.norm")
         with optimizer.skip_synchronize() if dp.size > 1 else contextlib.nullcontext():
-            if torch.isfinite(norm):  # the same norm on every rank of the mesh: all skip alike
+            if norm is None or torch.isfinite(norm):  # the same norm on every rank of the mesh: all skip alike
                 optimizer.step()
     joined = whole_state_dict(model, mesh.tp_group, f"differential.{cell.name}.{arm}")
     return {"losses": losses, "weights": [joined[name] for name in names]}

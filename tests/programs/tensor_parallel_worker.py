@@ -9,6 +9,8 @@ Rank 0 prints "tensor parallel: ok at tp T x dp D" per mesh, or the job fails wi
     mpirun -np N python tests/programs/tensor_parallel_worker.py
 """
 
+import copy
+
 import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
@@ -17,15 +19,15 @@ from torch import nn
 
 from hvdkit import env
 from hvdkit.models import TinyGPT
+from hvdkit.parallel.grads import sum_sequence_parallel_grads
 from hvdkit.parallel.mesh import Mesh
-from hvdkit.parallel.ops import all_gather
+from hvdkit.parallel.ops import all_gather, gather_from_sp
 from hvdkit.parallel.plan import gpt_plan, parallelize
 from hvdkit.parallel.rng import RNGTracker
 from hvdkit.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    sum_sequence_parallel_grads,
     vocab_parallel_cross_entropy,
 )
 
@@ -57,7 +59,7 @@ def check_column(mesh, replica: int, step: int, gather_output: bool, sequence_pa
     x = seeded(100 * replica + step, BATCH, SEQ, WIDTH).requires_grad_()
     upstream = seeded(200 * replica + step, BATCH, SEQ, HIDDEN)
     layer = ColumnParallelLinear(whole, tp, "test.column", gather_output=gather_output,
-                                 sequence_parallel=sequence_parallel)
+                                 input="sequence" if sequence_parallel else "whole")
     (whole(x) * upstream).sum().backward()
     mine = (block(x, tp, 1) if sequence_parallel else x).detach().clone().requires_grad_()
     out = layer(mine)
@@ -96,7 +98,7 @@ def check_mlp(mesh, replica: int, step: int, sequence_parallel: bool) -> None:
     up, down = whole_linear(30 + step, WIDTH, HIDDEN), whole_linear(40 + step, HIDDEN, WIDTH)
     x = seeded(500 * replica + step, BATCH, SEQ, WIDTH).requires_grad_()
     upstream = seeded(600 * replica + step, BATCH, SEQ, WIDTH)
-    column = ColumnParallelLinear(up, tp, "test.mlp.up", sequence_parallel=sequence_parallel)
+    column = ColumnParallelLinear(up, tp, "test.mlp.up", input="sequence" if sequence_parallel else "whole")
     row = RowParallelLinear(down, tp, "test.mlp.down", sequence_parallel=sequence_parallel)
     expected = down(F.gelu(up(x)))
     (expected * upstream).sum().backward()
@@ -110,6 +112,39 @@ def check_mlp(mesh, replica: int, step: int, sequence_parallel: bool) -> None:
     close(column.weight.grad, block(up.weight.grad, tp, 0), f"{what}: up's gradient")
     close(row.weight.grad, block(down.weight.grad, tp, 1), f"{what}: down's gradient")
     close(row.bias.grad, down.bias.grad, f"{what}: down's bias's gradient")
+
+
+def check_gathered(mesh, replica: int, step: int) -> None:
+    """Sequence parallelism's norm on each rank's part of the sequence, its output gathered once
+    for the q, k and v layers that read it whole (``input="gathered"``): the outputs and every
+    gradient are the whole layers', the norm's once its parts' gradients are summed."""
+    tp = mesh.tp_group
+    what = f"gathered step {step}"
+    torch.manual_seed(60 + step)
+    norm = nn.LayerNorm(WIDTH).double()
+    with torch.no_grad():
+        norm.weight.add_(seeded(61 + step, WIDTH)), norm.bias.add_(seeded(62 + step, WIDTH))
+    wholes = [whole_linear(63 + 3 * step + i, WIDTH, HIDDEN) for i in range(3)]
+    x = seeded(1100 * replica + step, BATCH, SEQ, WIDTH).requires_grad_()
+    upstreams = [seeded(1200 * replica + 10 * step + i, BATCH, SEQ, HIDDEN) for i in range(3)]
+    mine_norm = copy.deepcopy(norm)
+    for param in mine_norm.parameters():
+        param.sequence_parallel = True
+    layers = [ColumnParallelLinear(w, tp, f"test.gathered.{i}", input="gathered") for i, w in enumerate(wholes)]
+    normed = norm(x)
+    sum((w(normed) * up).sum() for w, up in zip(wholes, upstreams, strict=True)).backward()
+    mine = block(x, tp, 1).detach().clone().requires_grad_()
+    gathered = gather_from_sp(mine_norm(mine), tp, "test.gathered.sequence", 1)
+    outs = [layer(gathered) for layer in layers]
+    for out, w in zip(outs, wholes, strict=True):
+        close(out, block(w(normed).detach(), tp, -1), f"{what}: output")
+    sum((out * block(up, tp, -1)).sum() for out, up in zip(outs, upstreams, strict=True)).backward()
+    sum_sequence_parallel_grads(mine_norm, tp, "test.gathered.grads")
+    close(mine.grad, block(x.grad, tp, 1), f"{what}: input's gradient")
+    close(mine_norm.weight.grad, norm.weight.grad, f"{what}: norm's weight's gradient")
+    close(mine_norm.bias.grad, norm.bias.grad, f"{what}: norm's bias's gradient")
+    for layer, w in zip(layers, wholes, strict=True):
+        close(layer.weight.grad, block(w.weight.grad, tp, 0), f"{what}: weight's gradient")
 
 
 def check_embedding(mesh, replica: int, step: int, sequence_parallel: bool) -> None:
@@ -170,29 +205,40 @@ def check_rng(mesh) -> None:
         assert torch.equal(F.dropout(ones, 0.5), first), "the saved state draws the same mask again"
 
 
-def check_gpt_dropout(mesh) -> None:
+def check_gpt_dropout(mesh, sequence_parallel: bool) -> None:
     """The GPT with dropout split by its plan, the attention's and the MLP's hidden dropout drawn
     from the tracker: three steps, after which every rank of a tensor-parallel group holds the same
     replicated weights (the norms', the positions': the masks of what the ranks hold whole agreed,
-    else their gradients would differ), and the tracker's generator moved."""
+    else their gradients would differ), and the tracker's generator moved. With sequence
+    parallelism the residual stream's dropout acts on each rank's part, its masks drawn apart; the
+    norms' gradients are summed over the group."""
     tp = mesh.tp_group
     torch.manual_seed(0)
     whole = TinyGPT(64, 16, width=32, layers=2, heads=4, dropout=0.2).double()
     tracker = RNGTracker(0, tp)
     start = tracker.state.clone()
-    model = parallelize(whole, mesh, gpt_plan(whole), rng=tracker)
+    model = parallelize(whole, mesh, gpt_plan(whole, sequence_parallel=sequence_parallel), rng=tracker)
+    masks: list = []
+    model.blocks[0].drop.register_forward_hook(  # the elements it zeroed
+        lambda _, args, out: masks.append(((out == 0) & (args[0] != 0)).double()))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(3):
         tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(10 * mesh.dp_group.rank + step))
         optimizer.zero_grad()
         loss = F.cross_entropy(model(tokens[:, :-1]).reshape(-1, 64), tokens[:, 1:].reshape(-1))
         loss.backward()
+        sum_sequence_parallel_grads(model, tp, "test.dropout.sequence")
         optimizer.step()
+    what = f"dropout sequence_parallel={sequence_parallel}"
     for name, param in model.named_parameters():
         if getattr(param, "tp_dim", None) is None:  # replicated
             held = all_gather(param.detach().unsqueeze(0), tp, f"test.dropout.{name}", 0)
-            assert all(torch.equal(held[0], row) for row in held[1:]), f"dropout: {name} differs across the group"
+            assert all(torch.equal(held[0], row) for row in held[1:]), f"{what}: {name} differs across the group"
     assert not torch.equal(tracker.state, start), "the regions drew from the tracker"
+    assert masks[0].shape[1] == (16 // tp.size if sequence_parallel else 16), masks[0].shape
+    held = all_gather(masks[0].unsqueeze(0), tp, "test.dropout.masks", 0)
+    differ = not all(torch.equal(held[0], row) for row in held[1:])
+    assert differ == sequence_parallel, f"{what}: the residual dropout's masks differ across the group: {differ}"
 
 
 def check_checkpointed_dropout(mesh) -> None:
@@ -241,13 +287,15 @@ class Recomputed(nn.Module):
 
 def check(mesh: Mesh) -> None:
     check_rng(mesh)
-    check_gpt_dropout(mesh)
+    for sequence_parallel in (False, True):
+        check_gpt_dropout(mesh, sequence_parallel)
     check_checkpointed_dropout(mesh)
     replica = mesh.dp_group.rank  # the ranks of one tensor-parallel group share their inputs
     for step in range(2):
         for gather_output in (False, True):
             check_column(mesh, replica, step, gather_output, sequence_parallel=False)
         check_column(mesh, replica, step, False, sequence_parallel=True)
+        check_gathered(mesh, replica, step)
         for sequence_parallel in (False, True):
             check_row(mesh, replica, step, sequence_parallel)
             check_mlp(mesh, replica, step, sequence_parallel)

@@ -5,14 +5,15 @@ in the differential harness (its ``tp-session`` arms, with and without ZeRO 1, a
 both controllers: tests/test_differential.py). Here the product's command: a run at tp 2 x dp 2
 under horovodrun --gloo writes checkpoints that hold the whole model and optimizer state
 (hvdkit.parallel.whole); resumed from its middle at np 1 (tp 1, its K doubled to keep the global
-batch), at dp 2 under horovodrun --gloo, and at tp 2 x dp 2 with ZeRO 2 within the data-parallel
-set under mpirun, each follows the uninterrupted run: each step's loss and the final weights within
-1e-3 (fp32, relative norm); a rank killed at step 6 under `hvdkit launch --max-restarts 1` (mpirun)
-with `--snapshot-steps 1` restarts the job, which resumes from the snapshot of step 5 or 6 (each
-rank of a group writes its blocks; the reader joins them) and ends bitwise at the uninterrupted
-run's weights (Gloo's); with dropout, a run resumed from its middle ends bitwise where the whole run
-ends (the RNG tracker's state restored). And bad input: one line, exit 2, before anything starts.
-A stop signal and a frozen rank at tp 2: tests/rank/test_stops.py.
+batch), at dp 2 under horovodrun --gloo, at tp 2 x dp 2 with ZeRO 2 within the data-parallel set
+and at tp 2 x dp 2 with sequence parallelism under mpirun, each follows the uninterrupted run: each
+step's loss and the final weights within 1e-3 (fp32, relative norm); a rank killed at step 6 under
+`hvdkit launch --max-restarts 1` (mpirun) with `--snapshot-steps 1` restarts the job, which
+resumes from the snapshot of step 5 or 6 (each rank of a group writes its blocks; the reader joins
+them) and ends bitwise at the uninterrupted run's weights (Gloo's); with dropout, a run resumed
+from its middle ends bitwise where the whole run ends (the RNG tracker's state restored). And bad
+input: one line, exit 2, before anything starts. A stop signal and a frozen rank at tp 2:
+tests/rank/test_stops.py.
 """
 
 import os
@@ -82,7 +83,9 @@ def test_a_run_at_tp2_dp2_restarts_bitwise_and_resumes_at_np1_and_at_dp2_followi
     assert_bitwise_equal(restarted, weights)
     for name, launcher, np, args, said in (("np1", None, 1, (), "batches_per_allreduce 1 -> 2"),
                                            ("dp2", "horovodrun --gloo", 2, (), None),
-                                           ("tp2-dp2-zero2", "mpirun", 4, ("--tp", "2", "--zero", "2"), None)):
+                                           ("tp2-dp2-zero2", "mpirun", 4, ("--tp", "2", "--zero", "2"), None),
+                                           ("tp2-dp2-sequence-parallel", "mpirun", 4,
+                                            ("--tp", "2", "--sequence-parallel"), None)):
         (tmp_path / name / "ckpt").mkdir(parents=True)
         shutil.copy(middle, tmp_path / name / "ckpt")
         resumed, resumed_weights, proc = trained(tmp_path / name, launcher, np, *args)
@@ -110,7 +113,12 @@ def test_with_dropout_a_run_resumed_from_its_middle_ends_bitwise_where_the_whole
     (["--tp", "2", "--model", "mlp", "--dataset", "synthetic"], "hvdkit train: tp: hvdkit has no plan for a "),
     (["--tp", "2", "--zero", "3"], "hvdkit train: config: tp is not yet for zero 3"),
     (["--tp", "2", "--zero", "1"], "hvdkit train: config: zero shards within the data-parallel set, and at tp 2 "),
-], ids=["tp-not-dividing-the-ranks", "a-model-without-a-plan", "zero-3-beside-tp", "zero-with-one-replica"])
+    (["--sequence-parallel"], "hvdkit train: config: sequence_parallel splits the sequence across a tensor-parallel "
+                              "group: give tp > 1 too"),
+    (["--tp", "2", "--sequence-parallel", "--seq-len", "31"], "hvdkit train: tp: 2 does not divide the GPT's "
+                                                              "sequence of 31 tokens"),
+], ids=["tp-not-dividing-the-ranks", "a-model-without-a-plan", "zero-3-beside-tp", "zero-with-one-replica",
+        "sequence-parallel-without-tp", "sequence-parallel-not-dividing-the-sequence"])
 def test_bad_input_is_one_line_and_exit_2_before_anything_starts(tmp_path, args, said):
     proc = run(planner.local_command("mpirun", 2, [*TRAIN, "--log-dir", str(tmp_path / "logs"),
                                                    "--checkpoint-dir", str(tmp_path / "ckpt"), *args]), timeout=120)

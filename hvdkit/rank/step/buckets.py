@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from hvdkit.config import ConfigError, TrainConfig
+from hvdkit.parallel.grads import has_sequence_parallel, sum_sequence_parallel_grads
 from hvdkit.zero import optimizer as zero
 from hvdkit.zero import stage3
 from hvdkit.zero.deferred import is_deferred
@@ -94,8 +95,9 @@ def distributed_optimizer(cfg: TrainConfig, hvd, optimizer: torch.optim.Optimize
             return stage3.WeightShardedOptimizer(optimizer, hvd, model, cfg.zero_groups, compression,
                                                  cfg.batches_per_allreduce, cfg.gradient_predivide_factor,
                                                  device=device)
-        return zero.ShardedOptimizer(optimizer, hvd, cfg.zero, compression, cfg.batches_per_allreduce,
-                                     cfg.gradient_predivide_factor, process_set=process_set)
+        sharded = zero.ShardedOptimizer(optimizer, hvd, cfg.zero, compression, cfg.batches_per_allreduce,
+                                        cfg.gradient_predivide_factor, process_set=process_set)
+        return summing_sequence_parallel(sharded, mesh) if has_sequence_parallel(model) else sharded
     if mesh.tp > 1 and mesh.dp == 1:
         wrapped = unreduced(optimizer)
     elif path == "bucket views":
@@ -111,7 +113,22 @@ def distributed_optimizer(cfg: TrainConfig, hvd, optimizer: torch.optim.Optimize
     # it wrapped (yours) was not called; Horovod's is instead.
     wrapped.state = optimizer.state
     optimizer._opt_called = True
-    return wrapped
+    return summing_sequence_parallel(wrapped, mesh) if has_sequence_parallel(model) else wrapped
+
+
+def summing_sequence_parallel(optimizer, mesh):
+    """``optimizer`` (a distributed one) whose ``synchronize()`` then sums the gradients of the
+    sequence-parallel parameters over ``mesh``'s tensor-parallel group (hvdkit.parallel.grads):
+    after the data-parallel average and before anything reads them, in the step's synchronize, in
+    a loop's own (Horovod's clipping pattern) and in the one ``step()`` makes."""
+    averaged = optimizer.synchronize
+
+    def synchronize() -> None:
+        averaged()
+        sum_sequence_parallel_grads(optimizer, mesh.tp_group, "hvdkit.tp.sequence")
+
+    optimizer.synchronize = synchronize
+    return optimizer
 
 
 def with_bucket_views(optimizer, named_parameters, compression, backward_passes_per_step: int,

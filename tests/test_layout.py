@@ -14,7 +14,7 @@ PACKAGE = REPO / "hvdkit"
 # What runs inside every rank: it must start without the launcher's code, which may be absent
 # from a rank's image and would pull the launch side's concerns into a rank.
 RANK_SIDE = [*sorted((PACKAGE / "rank").rglob("*.py")), *sorted((PACKAGE / "checkpoint").glob("*.py")),
-             *sorted((PACKAGE / "parallel").glob("*.py")),
+             *sorted((PACKAGE / "parallel").rglob("*.py")),
              *sorted((PACKAGE / "system").glob("*.py")), *(PACKAGE / name for name in (
                  "session.py", "trainer.py", "job.py", "data.py", "models.py", "config.py", "env.py", "nested.py"))]
 

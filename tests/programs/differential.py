@@ -45,6 +45,7 @@ from hvdkit.models import TinyGPT
 from hvdkit.parallel.grads import sum_sequence_parallel_grads
 from hvdkit.parallel.mesh import Mesh
 from hvdkit.parallel.norms import clip_grad_norm_
+from hvdkit.parallel.pipeline.stages import Pipeline, gpt_stage
 from hvdkit.parallel.plan import (
     ColwiseParallel,
     RowwiseParallel,
@@ -145,6 +146,9 @@ class Cell:
     exact: bool = True  # bitwise at 2 ranks (not where the arm's arithmetic differs: a norm summed by slices)
     tp: int = 0  # tensor parallel: the one-process step is the reference (``one_process``, ``tensor_parallel_arm``)
     plan: Optional[Callable[[nn.Module], dict]] = None  # its hvdkit.parallel.plan
+    pp: int = 0  # pipeline stages: the one-process step is the reference (``pipeline_arm``)
+    schedule: str = "1f1b"  # the pipeline's (hvdkit.parallel.pipeline.schedules)
+    micro_batches: int = 4  # the pipeline's, of each replica's batch of BATCH x micro samples
 
 
 def hf_plan(model) -> dict:
@@ -283,9 +287,21 @@ CELLS += [
                                                                               weight_decay=0.1),
          steps=50, arms=TP_ARMS, compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4)),
 ]
+# Pipelines: the GPT cut in 2 stages, each schedule, at pp 2 (np 2) and pp 2 x dp 2 (np 4)
+CELLS += [
+    Cell(f"pp-2-gpt-{schedule}", model=lambda: TinyGPT(64, 16, width=32, layers=4, heads=4).double(),
+         causal_lm=True, pp=2, schedule=schedule, micro=2, micro_batches=4,
+         optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1), steps=50,
+         arms=("pp",), compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4))
+    for schedule in ("gpipe", "1f1b")
+]
 SMOKE = ("fp32", "optimizer-over-part", "mixed-dtypes", "zero-1", "zero-3-hf-shaped-causal-lm",  # horovodrun --gloo
-         "tp-2-gpt-tied", "tp-2-gpt-sequence-parallel")
-MESHES: dict[int, Mesh] = {}  # tp -> the mesh of its rows, made at hvd.init (main)
+         "tp-2-gpt-tied", "tp-2-gpt-sequence-parallel", "pp-2-gpt-1f1b")
+MESHES: dict[tuple, Mesh] = {}  # (tp, pp) -> the mesh of its rows, made at hvd.init (main)
+
+
+def mesh_of(cell: Cell) -> Mesh:
+    return MESHES[(cell.tp or 1, cell.pp or 1)]
 
 
 def batch_of(cell: Cell, rank: int, step: int) -> tuple:
@@ -413,7 +429,7 @@ def one_process(cell: Cell) -> dict:
     """Tensor parallelism's reference: the whole model on this rank alone, stepped on the global
     batch (every data-parallel replica's share); each step's loss on this rank's replica's share."""
     model, optimizer = made(cell)
-    mesh = MESHES[cell.tp]
+    mesh = mesh_of(cell)
     losses, clip = [], cell.keys.get("clip_grad_norm")
     for step in range(cell.steps):
         model.poisoned = step == cell.poisoned
@@ -424,7 +440,45 @@ def one_process(cell: Cell) -> dict:
         loss_of(model, tuple(torch.cat(parts) for parts in zip(*shares, strict=True))).backward()
         if clip is None or torch.isfinite(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)):
             optimizer.step()  # a step whose gradient is not finite is skipped
-    return {"losses": losses, "weights": [p.detach().clone() for p in model.parameters()]}
+    return {"losses": losses, "weights": [p.detach().clone() for p in model.parameters()],
+            "names": [name for name, _ in model.named_parameters()]}
+
+
+def stage_of(theirs: dict, ours: dict) -> dict:
+    """The one process's results that a pipeline stage holds: its parameters by name, and the
+    losses where it is the last stage (the others compute none)."""
+    weights = dict(zip(theirs["names"], theirs["weights"], strict=True))
+    return {"losses": theirs["losses"] if ours["losses"] else [], "weights": [weights[n] for n in ours["names"]]}
+
+
+def pipeline_arm(cell: Cell, arm: str, log_dir: str) -> dict:
+    """The GPT cut into ``cell.pp`` stages (hvdkit.parallel.pipeline), each replica's batch run as
+    ``cell.micro_batches`` micro-batches by ``cell.schedule``, each stage's gradients averaged over
+    its data-parallel set by Horovod's DistributedOptimizer (none where the set is one rank), in the
+    loop users write: this rank's stage's weights, and each step's loss on the last stage."""
+    mesh = mesh_of(cell)
+    torch.manual_seed(0)
+    stage = gpt_stage(cell.model(), mesh.pp_group.rank, mesh.pp)
+    optimizer = cell.optimizer(stage)
+    dp = mesh.dp_group
+    if dp.size > 1:
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=stage.named_parameters(),
+                                             backward_passes_per_step=cell.micro_batches, process_set=dp.process_set)
+    pipeline = Pipeline(stage, mesh, cell.schedule, cell.micro_batches)
+
+    def loss_fn(logits, targets):
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    losses = []
+    for step in range(cell.steps):
+        optimizer.zero_grad()
+        inputs, targets = batch_of(cell, dp.rank, step)
+        per_micro_batch = pipeline.step(inputs, targets, loss_fn)
+        if pipeline.is_last:
+            losses.append(torch.stack(per_micro_batch).mean())
+        optimizer.step()
+    return {"losses": losses, "weights": [p.detach().clone() for p in stage.parameters()],
+            "names": [name for name, _ in stage.named_parameters()]}
 
 
 def tensor_parallel_arm(cell: Cell, arm: str, log_dir: str) -> dict:
@@ -433,7 +487,7 @@ def tensor_parallel_arm(cell: Cell, arm: str, log_dir: str) -> dict:
     DistributedOptimizer (``tp``) or by ZeRO 1 sharding the state within the set (``tp-zero-1``)."""
     if arm.startswith("tp-session"):
         return tensor_parallel_session(cell, log_dir, zero=1 if arm.endswith("zero-1") else 0)
-    mesh = MESHES[cell.tp]
+    mesh = mesh_of(cell)
     torch.manual_seed(0)
     whole = cell.model()
     names = [name for name, _ in whole.named_parameters()]
@@ -535,15 +589,16 @@ def run(cells: list[Cell]) -> int:
     failed = 0
     with tempfile.TemporaryDirectory(prefix="hvdkit-differential-") as scratch:
         for cell in cells:
-            theirs = one_process(cell) if cell.tp else reference(cell)
+            theirs = one_process(cell) if cell.tp or cell.pp else reference(cell)
             for arm in cell.arms:
-                if arm.endswith("zero-1") and MESHES[cell.tp].dp == 1:
+                if arm.endswith("zero-1") and mesh_of(cell).dp == 1:
                     continue  # ZeRO within a data-parallel set of one rank: nothing to shard
                 try:
-                    ours = (tensor_parallel_arm if cell.tp else hvdkit_arm)(
-                        cell, arm, os.path.join(scratch, f"{cell.name}-{arm}"))
-                    said = differences(ours, theirs, hvd.size() == 2 and cell.exact, cell.tolerance, cell.compared,
-                                       "one process's" if cell.tp else "Horovod's")
+                    arm_of = pipeline_arm if cell.pp else tensor_parallel_arm if cell.tp else hvdkit_arm
+                    ours = arm_of(cell, arm, os.path.join(scratch, f"{cell.name}-{arm}"))
+                    said = differences(ours, stage_of(theirs, ours) if cell.pp else theirs,
+                                       hvd.size() == 2 and cell.exact, cell.tolerance, cell.compared,
+                                       "one process's" if cell.tp or cell.pp else "Horovod's")
                 except Exception as error:  # noqa: BLE001  -- the cell's failure, said; the launch goes on
                     said = [f"{type(error).__name__}: {error}".splitlines()[0]]
                 everyone = hvd.allgather_object(said, name=f"differential.{cell.name}.{arm}")
@@ -553,7 +608,7 @@ def run(cells: list[Cell]) -> int:
                     verdict = "ok" if not problems else "FAIL " + " | ".join(problems[:2])
                     print(f"differential: {cell.name} {arm}: {verdict}", flush=True)
     if hvd.rank() == 0:
-        runs = sum(len([arm for arm in cell.arms if not (arm.endswith("zero-1") and MESHES[cell.tp].dp == 1)])
+        runs = sum(len([arm for arm in cell.arms if not (arm.endswith("zero-1") and mesh_of(cell).dp == 1)])
                    for cell in cells)
         print(f"differential: {len(cells)} cells ({runs} runs), {failed} failed", flush=True)
     return failed
@@ -569,13 +624,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name, value in {**startup.performance_settings(False), **startup.reproducible_settings()}.items():
         os.environ.setdefault(name, value)
     size = env.detect().size  # the launcher's: the meshes' process sets are made at hvd.init
-    MESHES.update({cell.tp: Mesh(size, cell.tp) for cell in CELLS if cell.tp and size % cell.tp == 0})
-    hvd.init(process_sets=[s for mesh in MESHES.values() for s in mesh.process_sets(hvd)] or None)
+    MESHES.update({(cell.tp or 1, cell.pp or 1): Mesh(size, cell.tp or 1, cell.pp or 1) for cell in CELLS
+                   if (cell.tp or cell.pp) and size % ((cell.tp or 1) * (cell.pp or 1)) == 0})
+    shared: dict = {}  # the meshes' sets by their ranks: each made once
+    hvd.init(process_sets=[s for mesh in MESHES.values() for s in mesh.process_sets(hvd, shared)] or None)
     for mesh in MESHES.values():
         mesh.bind(hvd)
     startup.place_process(hvd.local_rank(), hvd.local_size())  # the Session's torch threads for the reference too
     chosen = [cell for cell in CELLS if (hvd.size() in cell.at or hvd.size() not in (2, 3, 4))
-              and (not cell.tp or cell.tp in MESHES)]
+              and (not (cell.tp or cell.pp) or (cell.tp or 1, cell.pp or 1) in MESHES)]
     if args.smoke:
         chosen = [cell for cell in chosen if cell.name in SMOKE]
     if args.only:

@@ -1,0 +1,109 @@
+"""Pipeline parallelism (hvdkit.parallel.pipeline): the mesh's pipeline axis, the schedules as
+lists of actions, and the GPT's cut, in one process; the stages in real jobs against the
+one-process step are rows of the differential harness (``pp-2-gpt-gpipe``, ``pp-2-gpt-1f1b`` at
+pp 2 and pp 2 x dp 2 under mpirun, 1F1B under horovodrun --gloo: tests/test_differential.py)."""
+
+import copy
+
+import horovod.torch as hvd
+import pytest
+import torch
+
+from hvdkit.config import ConfigError
+from hvdkit.models import TinyGPT
+from hvdkit.parallel.mesh import Group, Mesh
+from hvdkit.parallel.pipeline.schedules import SCHEDULES, Action, check_schedule, gpipe, one_f_one_b
+from hvdkit.parallel.pipeline.stages import Pipeline, gpt_stage
+
+
+def test_the_pipeline_is_the_outermost_axis_and_its_neighbours_are_process_sets():
+    mesh = Mesh(8, tp=2, pp=2)
+    assert mesh.dp == 2
+    assert mesh.tp_ranks() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert mesh.dp_ranks() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert mesh.pp_ranks() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert Mesh(6, pp=3).pairs() == [[0, 2], [2, 4], [1, 3], [3, 5]]
+    shared: dict = {}
+    sets = [s.ranks for s in mesh.process_sets(hvd, shared)]
+    assert sets == [[0, 1], [2, 3], [4, 5], [6, 7], [0, 2], [1, 3], [4, 6], [5, 7], [0, 4], [1, 5], [2, 6], [3, 7]]
+    # another mesh of the job makes only the sets not made yet
+    assert [s.ranks for s in Mesh(8, tp=2).process_sets(hvd, shared)] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert [s.ranks for s in Mesh(8, pp=2).process_sets(hvd, shared)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize("size, tp, pp, line", [
+    (4, 1, 3, "pp: 3 stages of 1 ranks (pp x tp = 3) do not divide the job's 4 ranks; give a pp and tp whose "
+              "product does"),
+    (8, 2, 3, "pp: 3 stages of 2 ranks (pp x tp = 6) do not divide the job's 8 ranks; give a pp and tp whose "
+              "product does"),
+])
+def test_stages_that_do_not_divide_the_ranks_are_one_line(size, tp, pp, line):
+    with pytest.raises(ConfigError) as said:
+        Mesh(size, tp, pp)
+    assert str(said.value) == line
+
+
+def test_the_schedules_are_gpipes_and_1f1bs_orders():
+    assert [gpipe(s, 2, 4) for s in range(2)] == [[Action("F", i) for i in range(4)] + [Action("B", i) for i in
+                                                                                         range(4)]] * 2
+    assert repr(one_f_one_b(0, 2, 4)) == "[F0, F1, B0, F2, B1, F3, B2, B3]"
+    assert repr(one_f_one_b(1, 2, 4)) == "[F0, B0, F1, B1, F2, B2, F3, B3]"
+    assert repr(one_f_one_b(0, 4, 4)) == "[F0, F1, F2, F3, B0, B1, B2, B3]", "the first stage fills the pipeline"
+    for name in SCHEDULES:
+        for stages in range(1, 6):
+            for micro_batches in range(stages, 10):
+                check_schedule(name, stages, micro_batches)
+
+
+def test_1f1b_with_fewer_micro_batches_than_stages_is_one_line():
+    with pytest.raises(ConfigError, match=r"^pp: 1F1B needs at least as many micro-batches as stages \(2 < 4\)"):
+        one_f_one_b(0, 4, 2)
+
+
+def test_the_checker_finds_lists_that_deadlock():
+    """Stage 0 waits for micro-batch 0's gradient before it sends micro-batch 1's activation, which
+    stage 1 waits for before it sends that gradient."""
+    crossed = {0: [Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1)],
+               1: [Action("F", 0), Action("F", 1), Action("B", 0), Action("B", 1)]}
+    SCHEDULES["crossed"] = lambda stage, stages, micro_batches: crossed[stage]
+    try:
+        with pytest.raises(AssertionError, match=r"crossed at 2 stages and 2 micro-batches deadlocks: stage 0 at B0, "
+                                                 r"stage 1 at F1"):
+            check_schedule("crossed", 2, 2)
+    finally:
+        del SCHEDULES["crossed"]
+
+
+def test_the_gpts_stages_hold_each_parameter_once_and_compute_the_whole_model():
+    torch.manual_seed(0)
+    whole = TinyGPT(64, 16, width=32, layers=4, heads=4).double()
+    stages = [gpt_stage(copy.deepcopy(whole), s, 2) for s in range(2)]
+    names = [name for stage in stages for name, _ in stage.named_parameters()]
+    assert names == [name for name, _ in whole.named_parameters()], "the whole model's names, in its order"
+    tokens = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(stages[1](stages[0](tokens)), whole(tokens), rtol=0, atol=0)
+    assert set(stages[0].state_dict()) | set(stages[1].state_dict()) == set(whole.state_dict())
+
+
+@pytest.mark.parametrize("model, stages, line", [
+    (lambda: TinyGPT(64, 16, width=32, layers=3), 2, "pp: 2 stages do not divide the model's 3 blocks; give a pp "
+                                                     "that divides them"),
+    (lambda: TinyGPT(64, 16, width=32, layers=2, tie_output=True), 2,
+     "pp: the model's output layer is tied to its token embedding, which the first and the last stage would each "
+     "hold; untie them (tie_output off) to pipeline it"),
+])
+def test_a_cut_that_does_not_fit_the_model_is_one_line(model, stages, line):
+    with pytest.raises(ConfigError) as said:
+        gpt_stage(model(), 0, stages)
+    assert str(said.value) == line
+
+
+def test_a_schedule_unknown_or_a_batch_the_micro_batches_do_not_divide_is_one_line():
+    mesh = Mesh(2, pp=2)
+    mesh.pp_group = Group([0, 1], 0)  # what bind() finds on rank 0, without starting Horovod
+    stage = gpt_stage(TinyGPT(64, 16, width=32, layers=2), 0, 2)
+    with pytest.raises(ConfigError, match=r"^pp: the schedule 'zb' is not one of gpipe, 1f1b$"):
+        Pipeline(stage, mesh, "zb")
+    pipeline = Pipeline(stage, mesh, "gpipe", micro_batches=4)
+    with pytest.raises(ConfigError, match=r"^pp: 4 micro-batches do not divide the batch of 6; give a batch size"):
+        pipeline.step(torch.zeros(6, 16, dtype=torch.long), torch.zeros(6, 16, dtype=torch.long), None)

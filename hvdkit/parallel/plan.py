@@ -211,8 +211,10 @@ def gpt_plan(model: nn.Module, loss_parallel: bool = False, sequence_parallel: b
     from the RNG tracker (parallelize's ``rng``). ``sequence_parallel``: between the split layers
     each rank holds its part of the sequence, from the embeddings' dropout (which scatters it) to
     the final norm; each norm gathers the sequence for the layers after it, each row-parallel layer
-    reduce-scatters into the parts."""
-    width = model.blocks[0].attention.head_width if len(model.blocks) else 1
+    reduce-scatters into the parts. A pipeline stage of the GPT
+    (hvdkit.parallel.pipeline.stages.GPTStage) gets the plan of the modules it holds."""
+    blocks = list(model.blocks.values() if isinstance(model.blocks, nn.ModuleDict) else model.blocks)
+    width = blocks[0].attention.head_width if blocks else 1
     into = "gathered" if sequence_parallel else "whole"
     out = "sequence" if sequence_parallel else "whole"
     heads = ColwiseParallel(unit=width, input=into)
@@ -230,4 +232,5 @@ def gpt_plan(model: nn.Module, loss_parallel: bool = False, sequence_parallel: b
                      "blocks.*.norm2": gathering, "norm": gathering})
         if dropout:  # the residual stream's, on each rank's part
             plan["blocks.*.drop"] = SequenceParallel()
-    return plan
+    names = [name for name, _ in model.named_modules()]  # a pipeline stage's part of the GPT holds some
+    return {pattern: style for pattern, style in plan.items() if any(fnmatch.fnmatchcase(n, pattern) for n in names)}

@@ -14,6 +14,7 @@ from hvdkit.models import TinyGPT
 from hvdkit.parallel.mesh import Group, Mesh
 from hvdkit.parallel.pipeline.schedules import SCHEDULES, Action, check_schedule, gpipe, one_f_one_b
 from hvdkit.parallel.pipeline.stages import Pipeline, gpt_stage
+from hvdkit.parallel.plan import gpt_plan, parallelize
 
 
 def test_the_pipeline_is_the_outermost_axis_and_its_neighbours_are_process_sets():
@@ -107,3 +108,18 @@ def test_a_schedule_unknown_or_a_batch_the_micro_batches_do_not_divide_is_one_li
     pipeline = Pipeline(stage, mesh, "gpipe", micro_batches=4)
     with pytest.raises(ConfigError, match=r"^pp: 4 micro-batches do not divide the batch of 6; give a batch size"):
         pipeline.step(torch.zeros(6, 16, dtype=torch.long), torch.zeros(6, 16, dtype=torch.long), None)
+
+
+def test_each_stage_of_the_gpt_gets_the_plan_of_the_modules_it_holds():
+    """tp x pp: a stage split over its tensor-parallel group by the GPT's plan (run at tp 2 x pp 2
+    in the harness's ``tp-2-pp-2-gpt-1f1b`` row)."""
+    mesh = Mesh(4, tp=2, pp=2)
+    mesh.tp_group = Group([0, 1], 0)
+    first, last = (gpt_stage(TinyGPT(64, 16, width=32, layers=4, heads=4), s, 2) for s in range(2))
+    assert "tokens" in gpt_plan(first) and "head" not in gpt_plan(first)
+    assert "head" in gpt_plan(last) and "tokens" not in gpt_plan(last)
+    split = parallelize(last, mesh, gpt_plan(last))
+    assert {name for name, p in split.named_parameters() if getattr(p, "tp_dim", None) is not None} == {
+        f"blocks.{i}.{layer}.{kind}" for i in (2, 3) for layer in ("attention.q", "attention.k", "attention.v",
+                                                                   "attention.o", "up", "down")
+        for kind in ("weight", "bias") if not (layer in ("attention.o", "down") and kind == "bias")} | {"head.weight"}

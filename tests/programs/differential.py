@@ -287,13 +287,19 @@ CELLS += [
                                                                               weight_decay=0.1),
          steps=50, arms=TP_ARMS, compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4)),
 ]
-# Pipelines: the GPT cut in 2 stages, each schedule, at pp 2 (np 2) and pp 2 x dp 2 (np 4)
+# Pipelines: the GPT cut in 2 stages, each schedule, at pp 2 (np 2) and pp 2 x dp 2 (np 4); and each stage
+# split over a tensor-parallel group, tp 2 x pp 2 (np 4)
 CELLS += [
     Cell(f"pp-2-gpt-{schedule}", model=lambda: TinyGPT(64, 16, width=32, layers=4, heads=4).double(),
          causal_lm=True, pp=2, schedule=schedule, micro=2, micro_batches=4,
          optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1), steps=50,
          arms=("pp",), compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4))
     for schedule in ("gpipe", "1f1b")
+] + [
+    Cell("tp-2-pp-2-gpt-1f1b", model=lambda: TinyGPT(64, 16, width=32, layers=4, heads=4).double(),
+         causal_lm=True, tp=2, pp=2, plan=gpt_plan, micro=2, micro_batches=4,
+         optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1), steps=50,
+         arms=("pp",), compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(4,)),
 ]
 SMOKE = ("fp32", "optimizer-over-part", "mixed-dtypes", "zero-1", "zero-3-hf-shaped-causal-lm",  # horovodrun --gloo
          "tp-2-gpt-tied", "tp-2-gpt-sequence-parallel", "pp-2-gpt-1f1b")
@@ -459,6 +465,9 @@ def pipeline_arm(cell: Cell, arm: str, log_dir: str) -> dict:
     mesh = mesh_of(cell)
     torch.manual_seed(0)
     stage = gpt_stage(cell.model(), mesh.pp_group.rank, mesh.pp)
+    names = [name for name, _ in stage.named_parameters()]
+    if cell.tp:  # each stage split over its tensor-parallel group
+        stage = parallelize(stage, mesh, cell.plan(stage))
     optimizer = cell.optimizer(stage)
     dp = mesh.dp_group
     if dp.size > 1:
@@ -477,8 +486,9 @@ def pipeline_arm(cell: Cell, arm: str, log_dir: str) -> dict:
         if pipeline.is_last:
             losses.append(torch.stack(per_micro_batch).mean())
         optimizer.step()
-    return {"losses": losses, "weights": [p.detach().clone() for p in stage.parameters()],
-            "names": [name for name, _ in stage.named_parameters()]}
+    joined = whole_state_dict(stage, mesh.tp_group, f"differential.{cell.name}.{arm}") if cell.tp else dict(
+        stage.named_parameters())
+    return {"losses": losses, "weights": [joined[name].detach().clone() for name in names], "names": names}
 
 
 def tensor_parallel_arm(cell: Cell, arm: str, log_dir: str) -> dict:

@@ -1,4 +1,5 @@
-"""`hvdkit bench synthetic|scaling|allreduce|tp-ops|zero|checkpoint|goodput|estimate`: the command line."""
+"""`hvdkit bench synthetic|scaling|allreduce|tp-ops|pp-transport|zero|checkpoint|goodput|estimate`: the
+command line."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from hvdkit.bench.drivers import (
     scaling,
 )
 from hvdkit.bench.figures import TP_IMPLS, ZERO_IMPLS, BenchError, parse_size, size_range
+from hvdkit.bench.pp_transport import pp_transport, pp_transport_worker
 from hvdkit.bench.tp_ops import tp_ops, tp_ops_worker
 from hvdkit.bench.workers import (
     IMPL_HELP,
@@ -225,6 +227,19 @@ def parser() -> argparse.ArgumentParser:
     tp.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     _launch_arguments(tp, files=True)
 
+    pipe = sub.add_parser("pp-transport", help="a pipeline's activations between two stages: hvdkit's transport, "
+                                               "Horovod's alltoall and torch's isend/irecv over Gloo, latency and "
+                                               "bandwidth per transfer, alternating rounds")
+    pipe.add_argument("--width", type=positive, default=512, help="GPT width (default 512)")
+    pipe.add_argument("--seq-lens", type=number_list(int, "1,128,1024", "expected whole numbers >= 1"),
+                      default=[1, 128, 1024], metavar="T[,T]",
+                      help="tokens per sequence, one row each (default 1,128,1024)")
+    pipe.add_argument("--batch-size", type=positive, default=4, help="sequences per micro-batch (default 4)")
+    pipe.add_argument("--repeats", type=positive, default=7, help="alternating rounds (default 7)")
+    pipe.add_argument("--iters", type=positive, default=20, help="round trips timed a round (default 20)")
+    pipe.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    _launch_arguments(pipe, files=True)
+
     shard = sub.add_parser("zero", help="the sharded optimizer (stage 1, 2) beside Horovod's DistributedOptimizer "
                                         "and torch's ZeroRedundancyOptimizer: throughput and bytes per rank")
     _zero_arguments(shard)
@@ -270,7 +285,8 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-SELF_LAUNCHED = {"allreduce": (allreduce_worker, allreduce), "tp-ops": (tp_ops_worker, tp_ops)}
+SELF_LAUNCHED = {"allreduce": (allreduce_worker, allreduce), "tp-ops": (tp_ops_worker, tp_ops),
+                 "pp-transport": (pp_transport_worker, pp_transport)}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -139,6 +139,7 @@ def test_estimate_prints_each_link_and_world_size():
     (["synthetic", "--batch-size", "0"], "expected a whole number >= 1"),
     (["synthetic", "--knob", "HOROVOD_CYCLE_TIME"], "expected NAME=VALUE"),
     (["tp-ops", "-np", "2", "--seq-len", "7"], "tp-ops: --seq-len 7 and --width 512 must each split over the 2 ranks"),
+    (["pp-transport", "--seq-lens", "128,0"], "expected whole numbers >= 1, got '128,0'"),
     (["zero", "--impls", "tp", "--model", "cnn"], "zero: tensor parallelism (tp, torch-tp) splits the GPT"),
     (["zero", "--max-model"], "needs --memory-cap SIZE"),
     (["zero", "--memory-cap", "2G"], "--memory-cap goes with --max-model"),
@@ -353,6 +354,23 @@ def test_tp_ops_times_each_operator_beside_torchs_functional_collectives(tmp_pat
         assert len(row["rounds"]) == 2 and row["ratio"] == pytest.approx(sorted(row["rounds"])[0] / 2
                                                                          + sorted(row["rounds"])[1] / 2)
         assert re.search(rf"^{row['op']}\s+\S+\s+{row['hvdkit_us']:.1f}\s+{row['torch_us']:.1f}", proc.stdout, re.M)
+
+
+@pytest.mark.slow
+def test_pp_transport_times_each_way_beside_torchs_isend_irecv(tmp_path, hvd_built):
+    """Each way brings back what it sent, checked by the worker before it is timed; here, that
+    every shape is reported with each way's time and a ratio per round, and the file holds it."""
+    out = tmp_path / "pp"
+    proc = run(HVDKIT + ["pp-transport", "--width", "16", "--seq-lens", "1,8", "--repeats", "2", "--iters", "2",
+                         "--out", str(out)], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    [record] = parse_records(proc.stdout, "bench.pp_transport")
+    assert record == json.loads((out / "pp-transport.json").read_text())
+    assert [row["shape"] for row in record["rows"]] == [[4, 1, 16], [4, 8, 16]]
+    for row in record["rows"]:
+        assert set(row["us"]) == {"hvdkit", "alltoall", "torch"} and len(row["rounds"]["hvdkit"]) == 2
+        assert re.search(rf"^{'x'.join(map(str, row['shape']))}\s+\d+\s+{row['us']['hvdkit']:.1f}\s+"
+                         rf"{row['us']['alltoall']:.1f}\s+{row['us']['torch']:.1f}", proc.stdout, re.M)
 
 
 @pytest.mark.slow

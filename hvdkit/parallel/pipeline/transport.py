@@ -45,6 +45,10 @@ class Link:
         self.pair, self.name = pair, name
         self.shapes: dict[tuple, tuple] = {}  # (direction, the micro-batch's input shape) -> (shape, dtype)
         self.in_flight: list = []  # (handle, the tensor it sends): kept alive until it has gone
+        # What each receive lands in, by (direction, input shape, micro-batch), kept from step to step: a
+        # fresh tensor of megabytes for every transfer cost as much again as the transfer (page faults;
+        # docs/performance.md). A micro-batch's input is free again after its backward.
+        self.buffers: dict[tuple, torch.Tensor] = {}
 
     @property
     def other(self) -> int:
@@ -74,9 +78,11 @@ class Link:
             dims = int(header[1])
             known = tuple(int(d) for d in header[2:2 + dims]), DTYPES[int(header[0])]
             self.shapes[(direction, key)] = known
-        buffer = torch.empty(known[0], dtype=known[1], device=device)
+        buffer = self.buffers.get((direction, key, index))
+        if buffer is None or buffer.device != device:
+            buffer = self.buffers[(direction, key, index)] = torch.empty(known[0], dtype=known[1], device=device)
         _wait(_broadcast(buffer, self.other, f"{self.name}.{direction}.{index}", self.pair.process_set))
-        return buffer
+        return buffer.view(known[0])  # a tensor of its own each time (its .grad too), over the kept storage
 
     def settle(self) -> None:
         """Wait for this rank's sends: at the end of a schedule, before the names are used again."""

@@ -1,5 +1,5 @@
-"""`hvdkit bench synthetic|scaling|allreduce|tp-ops|pp-transport|zero|checkpoint|goodput|estimate`: the
-command line."""
+"""`hvdkit bench synthetic|scaling|allreduce|tp-ops|pp-transport|pp|zero|checkpoint|goodput|estimate`:
+the command line."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from hvdkit.bench.drivers import (
     scaling,
 )
 from hvdkit.bench.figures import TP_IMPLS, ZERO_IMPLS, BenchError, parse_size, size_range
+from hvdkit.bench.pipeline import pipeline_bench, pipeline_worker
 from hvdkit.bench.pp_transport import pp_transport, pp_transport_worker
 from hvdkit.bench.tp_ops import tp_ops, tp_ops_worker
 from hvdkit.bench.workers import (
@@ -240,6 +241,21 @@ def parser() -> argparse.ArgumentParser:
     pipe.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     _launch_arguments(pipe, files=True)
 
+    pp = sub.add_parser("pp", help="a pipeline's step at pp 2, hvdkit's beside torch.distributed.pipelining's "
+                                   "same schedule: step time, bubble, bytes per stage")
+    pp.add_argument("--width", type=positive, default=512, help="GPT width (default 512)")
+    pp.add_argument("--layers", type=positive, default=4, help="GPT blocks, half on each stage (default 4)")
+    pp.add_argument("--seq-len", type=positive, default=64, help="tokens per sequence (default 64)")
+    pp.add_argument("--batch-size", type=positive, default=8, help="sequences a step (default 8)")
+    pp.add_argument("--micro-batches", type=number_list(int, "4,8", "expected whole numbers >= 1"), default=[4, 8],
+                    metavar="M[,M]", help="micro-batches a step, one row each (default 4,8)")
+    pp.add_argument("--schedules", type=_names(("gpipe", "1f1b"), "schedule"), default=["gpipe", "1f1b"],
+                    metavar="S[,S]", help="gpipe, 1f1b (default both)")
+    pp.add_argument("--repeats", type=positive, default=7, help="alternating rounds (default 7)")
+    pp.add_argument("--steps", type=positive, default=3, help="steps timed a round (default 3)")
+    pp.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    _launch_arguments(pp, files=True)
+
     shard = sub.add_parser("zero", help="the sharded optimizer (stage 1, 2) beside Horovod's DistributedOptimizer "
                                         "and torch's ZeroRedundancyOptimizer: throughput and bytes per rank")
     _zero_arguments(shard)
@@ -286,7 +302,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 SELF_LAUNCHED = {"allreduce": (allreduce_worker, allreduce), "tp-ops": (tp_ops_worker, tp_ops),
-                 "pp-transport": (pp_transport_worker, pp_transport)}
+                 "pp-transport": (pp_transport_worker, pp_transport), "pp": (pipeline_worker, pipeline_bench)}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

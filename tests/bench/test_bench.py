@@ -140,6 +140,7 @@ def test_estimate_prints_each_link_and_world_size():
     (["synthetic", "--knob", "HOROVOD_CYCLE_TIME"], "expected NAME=VALUE"),
     (["tp-ops", "-np", "2", "--seq-len", "7"], "tp-ops: --seq-len 7 and --width 512 must each split over the 2 ranks"),
     (["pp-transport", "--seq-lens", "128,0"], "expected whole numbers >= 1, got '128,0'"),
+    (["pp", "--schedules", "gpipe,zb"], "unknown schedule 'zb'; choose from gpipe, 1f1b"),
     (["zero", "--impls", "tp", "--model", "cnn"], "zero: tensor parallelism (tp, torch-tp) splits the GPT"),
     (["zero", "--max-model"], "needs --memory-cap SIZE"),
     (["zero", "--memory-cap", "2G"], "--memory-cap goes with --max-model"),
@@ -371,6 +372,27 @@ def test_pp_transport_times_each_way_beside_torchs_isend_irecv(tmp_path, hvd_bui
         assert set(row["us"]) == {"hvdkit", "alltoall", "torch"} and len(row["rounds"]["hvdkit"]) == 2
         assert re.search(rf"^{'x'.join(map(str, row['shape']))}\s+\d+\s+{row['us']['hvdkit']:.1f}\s+"
                          rf"{row['us']['alltoall']:.1f}\s+{row['us']['torch']:.1f}", proc.stdout, re.M)
+
+
+@pytest.mark.slow
+def test_pp_times_hvdkits_pipeline_beside_torchs_pipelining(tmp_path, hvd_built):
+    """The worker checks the two implementations' first losses equal (the same stages, the same
+    weights) before it times them; here, every schedule and micro-batch count is reported with its
+    ratio per round and each stage's bubble, and each stage holds about half the model's bytes."""
+    out = tmp_path / "pp"
+    proc = run(HVDKIT + ["pp", "--width", "32", "--layers", "2", "--seq-len", "8", "--batch-size", "8",
+                         "--micro-batches", "2,4", "--repeats", "2", "--steps", "1", "--out", str(out)], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    [record] = parse_records(proc.stdout, "bench.pp")
+    assert record == json.loads((out / "pp.json").read_text())
+    assert [(row["schedule"], row["micro_batches"]) for row in record["rows"]] == [
+        ("gpipe", 2), ("gpipe", 4), ("1f1b", 2), ("1f1b", 4)]
+    for row in record["rows"]:
+        assert len(row["rounds"]) == 2 and all(0 < bubble < 1 for bubble in row["bubble"])
+        assert row["ideal_bubble"] == pytest.approx(1 / (row["micro_batches"] + 1))
+        assert re.search(rf"^{row['schedule']}\s+{row['micro_batches']}\s+{row['seconds']['hvdkit']:.3f}\s+",
+                         proc.stdout, re.M)
+    assert sum(held["bytes"] for held in record["memory"]) == pytest.approx(record["whole_bytes"], rel=0.01)
 
 
 @pytest.mark.slow

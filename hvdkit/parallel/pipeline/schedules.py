@@ -18,7 +18,9 @@ its send) and asserts that every list runs to its end.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+import time
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -87,8 +89,25 @@ def check_schedule(name: str, stages: int, micro_batches: int) -> None:
     assert not stuck, f"{name} at {stages} stages and {micro_batches} micro-batches deadlocks: {', '.join(stuck)}"
 
 
+@dataclass
+class StageTimes:
+    """Where one stage's step went, on the host's clock: ``span`` from its first action's start to
+    its last send's end; ``waiting`` in receives (for a neighbour's compute, and the transfer
+    itself) and for its own sends at the end; the rest computing (forward, loss, backward)."""
+
+    span: float = 0.0
+    waiting: float = 0.0
+
+    @property
+    def bubble(self) -> float:
+        """The share of the step this stage idled: (p - 1) / (m + p - 1) for a balanced cut whose
+        transfers take no time."""
+        return self.waiting / self.span if self.span else 0.0
+
+
 def run_schedule(module: nn.Module, actions: list[Action], inputs: list, targets: list,
-                 loss_fn: Callable, previous, following, device: torch.device) -> list[torch.Tensor]:
+                 loss_fn: Callable, previous, following, device: torch.device,
+                 times: Optional[StageTimes] = None) -> list[torch.Tensor]:
     """Run ``actions`` on this stage's ``module``. Every stage of the pipeline runs its own list of
     the same schedule, given the step's micro-batches alike (the ranks of a pipeline read the same
     batches): ``inputs``, which the first stage feeds its module (the others receive their inputs
@@ -96,18 +115,32 @@ def run_schedule(module: nn.Module, actions: list[Action], inputs: list, targets
     the last stage's ``loss_fn(output, target)`` takes (the others receive their outputs'
     gradients over ``following``). Each micro-batch's loss is divided by their number, so the
     gradients accumulated over the step are the whole batch's mean. Returns the last stage's losses
-    (each undivided, detached, one per micro-batch); the others' are empty."""
+    (each undivided, detached, one per micro-batch); the others' are empty. ``times``: filled with
+    this stage's span and waits."""
+    times = StageTimes() if times is None else times
     count = len(inputs)
     keys = [tuple(x.shape) for x in inputs]
     held: dict[int, tuple] = {}  # micro-batch -> (its input here, its output here) until its backward
     losses: list[torch.Tensor] = []
+    for action in actions:  # every receive of the step started now: negotiated while this stage computes
+        if action.kind == "F" and previous is not None:
+            previous.post("activation", action.micro_batch, keys[action.micro_batch], device)
+        if action.kind == "B" and following is not None:
+            following.post("gradient", action.micro_batch, keys[action.micro_batch], device)
+    start = time.perf_counter()
+    waiting = 0.0
+
+    def received(link, direction: str, i: int) -> torch.Tensor:
+        nonlocal waiting
+        began = time.perf_counter()
+        tensor = link.receive(direction, i, keys[i], device)
+        waiting += time.perf_counter() - began
+        return tensor
+
     for action in actions:
         i = action.micro_batch
         if action.kind == "F":
-            if previous is None:
-                x = inputs[i]
-            else:
-                x = previous.receive("activation", i, keys[i], device).requires_grad_()
+            x = inputs[i] if previous is None else received(previous, "activation", i).requires_grad_()
             out = module(x)
             if following is None:
                 loss = loss_fn(out, targets[i])
@@ -121,10 +154,13 @@ def run_schedule(module: nn.Module, actions: list[Action], inputs: list, targets
             if following is None:
                 out.backward()
             else:
-                out.backward(following.receive("gradient", i, keys[i], device))
+                out.backward(received(following, "gradient", i))
             if previous is not None:
                 previous.send(x.grad, "gradient", i, keys[i])
+    began = time.perf_counter()
     for link in (previous, following):
         if link is not None:
             link.settle()
+    end = time.perf_counter()
+    times.span, times.waiting = end - start, waiting + end - began
     return losses

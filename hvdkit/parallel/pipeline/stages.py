@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from hvdkit.config import ConfigError
-from hvdkit.parallel.pipeline.schedules import SCHEDULES, run_schedule
+from hvdkit.parallel.pipeline.schedules import SCHEDULES, StageTimes, run_schedule
 from hvdkit.parallel.pipeline.transport import Link
 
 
@@ -73,6 +73,7 @@ class Pipeline:
         self.actions = SCHEDULES[schedule](self.stage, self.stages, self.micro_batches)
         self.previous = Link(mesh.previous_pair, f"hvdkit.pp.{self.stage - 1}") if mesh.previous_pair else None
         self.following = Link(mesh.next_pair, f"hvdkit.pp.{self.stage}") if mesh.next_pair else None
+        self.times = StageTimes()  # the last step's: its span and waits, its bubble
 
     @property
     def is_last(self) -> bool:
@@ -82,11 +83,12 @@ class Pipeline:
         """Forward and backward of one batch (``inputs``, ``targets``: the same on every stage of the
         pipeline), split along its first dimension into the micro-batches: the gradients of this
         stage's parameters accumulate the batch's mean loss. Returns each micro-batch's loss on the
-        last stage, nothing on the others. ConfigError for a batch the micro-batches do not divide."""
+        last stage, nothing on the others; ``times`` then holds where the step went (its bubble).
+        ConfigError for a batch the micro-batches do not divide."""
         if len(inputs) % self.micro_batches:
             raise ConfigError(f"pp: {self.micro_batches} micro-batches do not divide the batch of {len(inputs)}; "
                               f"give a batch size they divide")
         size = len(inputs) // self.micro_batches
         device = next(self.module.parameters()).device
         return run_schedule(self.module, self.actions, list(inputs.split(size)), list(targets.split(size)),
-                            loss_fn, self.previous, self.following, device)
+                            loss_fn, self.previous, self.following, device, self.times)

@@ -2,11 +2,14 @@
 
 Horovod has no point-to-point send: a transfer is a broadcast within the two ranks' process set
 (hvdkit.parallel.mesh's pairs, made at ``hvd.init``), rooted at the sender, into a buffer the
-receiver made. Both ranks name it alike (the boundary, the direction, the micro-batch), so a
-send and the receive it meets are one collective whatever else either rank has in flight: a send
-is started and left in flight (``send``), a receive waited for where its tensor is needed
-(``receive``). Horovod matches collectives by name, not by order, so a schedule whose sends are
-all started before the receives that wait is deadlock-free (hvdkit.parallel.pipeline.schedules).
+receiver keeps for that micro-batch from step to step. Both ranks name it alike (the boundary,
+the direction, the micro-batch), so a send and the receive it meets are one collective whatever
+else either rank has in flight: a send is started and left in flight (``send``), a receive is
+started early (``post``: at the step's start, for every micro-batch) and waited for where its
+tensor is needed (``receive``). Horovod matches collectives by name, not by order, so a schedule
+whose sends are all started before the receives that wait is deadlock-free
+(hvdkit.parallel.pipeline.schedules). Measured against Horovod's alltoall and torch's
+isend/irecv: `hvdkit bench pp-transport` (docs/performance.md).
 
 The receiver needs the tensor's shape and dtype before the broadcast. They are sent once per
 boundary, direction and micro-batch input shape (a small int64 tensor before the first transfer
@@ -15,8 +18,6 @@ on when a shape is new.
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 
@@ -49,6 +50,7 @@ class Link:
         # fresh tensor of megabytes for every transfer cost as much again as the transfer (page faults;
         # docs/performance.md). A micro-batch's input is free again after its backward.
         self.buffers: dict[tuple, torch.Tensor] = {}
+        self.posted: dict[tuple, tuple] = {}  # (direction, micro-batch) -> (handle, buffer) of a receive started
 
     @property
     def other(self) -> int:
@@ -69,20 +71,32 @@ class Link:
         self.in_flight.append((_broadcast(tensor, me, f"{self.name}.{direction}.{index}", self.pair.process_set),
                                tensor))
 
-    def receive(self, direction: str, index: int, key: tuple, device: torch.device) -> torch.Tensor:
-        """Micro-batch ``index``'s tensor of ``direction`` from the other stage, waited for."""
-        known: Optional[tuple] = self.shapes.get((direction, key))
-        if known is None:
-            header = torch.zeros(META, dtype=torch.int64)
-            _wait(_broadcast(header, self.other, f"{self.name}.{direction}.shape.{index}", self.pair.process_set))
-            dims = int(header[1])
-            known = tuple(int(d) for d in header[2:2 + dims]), DTYPES[int(header[0])]
-            self.shapes[(direction, key)] = known
+    def post(self, direction: str, index: int, key: tuple, device: torch.device) -> None:
+        """Start receiving micro-batch ``index``'s tensor of ``direction`` into its kept buffer, where
+        its shape is known (after the first step of that shape), so that Horovod has negotiated it
+        by the time ``receive`` waits: a receive started only where its tensor is needed cost more
+        than a millisecond on the critical path each (docs/performance.md)."""
+        known = self.shapes.get((direction, key))
+        if known is None or (direction, index) in self.posted:
+            return
         buffer = self.buffers.get((direction, key, index))
         if buffer is None or buffer.device != device:
             buffer = self.buffers[(direction, key, index)] = torch.empty(known[0], dtype=known[1], device=device)
-        _wait(_broadcast(buffer, self.other, f"{self.name}.{direction}.{index}", self.pair.process_set))
-        return buffer.view(known[0])  # a tensor of its own each time (its .grad too), over the kept storage
+        handle = _broadcast(buffer, self.other, f"{self.name}.{direction}.{index}", self.pair.process_set)
+        self.posted[(direction, index)] = (handle, buffer)
+
+    def receive(self, direction: str, index: int, key: tuple, device: torch.device) -> torch.Tensor:
+        """Micro-batch ``index``'s tensor of ``direction`` from the other stage, waited for (started
+        here where ``post`` did not)."""
+        if (direction, key) not in self.shapes:
+            header = torch.zeros(META, dtype=torch.int64)
+            _wait(_broadcast(header, self.other, f"{self.name}.{direction}.shape.{index}", self.pair.process_set))
+            dims = int(header[1])
+            self.shapes[(direction, key)] = tuple(int(d) for d in header[2:2 + dims]), DTYPES[int(header[0])]
+        self.post(direction, index, key, device)
+        handle, buffer = self.posted.pop((direction, index))
+        _wait(handle)
+        return buffer.view(buffer.shape)  # a tensor of its own each time (its .grad too), over the kept storage
 
     def settle(self) -> None:
         """Wait for this rank's sends: at the end of a schedule, before the names are used again."""

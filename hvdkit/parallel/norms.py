@@ -8,6 +8,8 @@ size, and one allreduce of that one value gives every rank of the group the same
 data-parallel replicas hold the same (averaged) gradients, so every rank of the mesh computes
 the same norm, clips alike, and skips a step alike where the norm is not finite. Under ZeRO within
 the data-parallel set each rank holds slices of its block's gradient instead (``sharded_clip_grad_norm_``).
+A pipeline's stages hold disjoint parameters: a second allreduce of that one value over the
+pipeline's group (``stages``) adds the other stages' squares.
 
 Nothing is read on the host: the norm stays a tensor (a GPU keeps it in flight).
 """
@@ -22,9 +24,11 @@ from hvdkit.parallel.grads import sliced
 from hvdkit.parallel.ops import all_reduce
 
 
-def grad_norm(parameters: Iterable[torch.Tensor], group, name: str) -> torch.Tensor:
+def grad_norm(parameters: Iterable[torch.Tensor], group, name: str, stages=None) -> torch.Tensor:
     """The 2-norm of the whole model's gradient (a 0-dim float64 tensor), from this rank's
-    ``parameters`` of a model split over ``group``; every rank of the group calls it alike."""
+    ``parameters`` of a model split over ``group``; every rank of the group calls it alike. With
+    ``stages`` (a pipeline's group: this rank's peers holding the other stages), the stages'
+    squares are summed too, each stage's parameters its own."""
     split, replicated = [], []
     for param in parameters:
         if param.grad is not None:
@@ -33,16 +37,21 @@ def grad_norm(parameters: Iterable[torch.Tensor], group, name: str) -> torch.Ten
     for grads, weight in ((split, 1.0), (replicated, 1.0 / group.size)):
         if grads:
             squares = squares + weight * torch.stack([g.detach().double().square().sum() for g in grads]).sum()
-    return all_reduce(squares.reshape(1), group, name).reshape(()).sqrt()
+    squares = all_reduce(squares.reshape(1), group, name)
+    if stages is not None:
+        squares = all_reduce(squares, stages, f"{name}.stages")
+    return squares.reshape(()).sqrt()
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, group, name: str) -> torch.Tensor:
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, group, name: str,
+                    stages=None) -> torch.Tensor:
     """Scale the gradients of ``parameters`` so that the whole model's gradient norm is at most
     ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` does on the whole model; returns the norm
     before clipping. Every rank of ``group`` calls it alike; a non-finite norm scales by NaN,
-    as torch's does (the caller skips the step: every rank sees the same norm)."""
+    as torch's does (the caller skips the step: every rank sees the same norm). ``stages``: as
+    ``grad_norm``'s, the whole pipeline's norm."""
     parameters = [p for p in parameters if p.grad is not None]
-    norm = grad_norm(parameters, group, name)
+    norm = grad_norm(parameters, group, name, stages)
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for param in parameters:
         param.grad.mul_(scale.to(param.grad.dtype))

@@ -293,8 +293,17 @@ CELLS += [
     Cell(f"pp-2-gpt-{schedule}", model=lambda: TinyGPT(64, 16, width=32, layers=4, heads=4).double(),
          causal_lm=True, pp=2, schedule=schedule, micro=2, micro_batches=4,
          optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1), steps=50,
-         arms=("pp",), compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4))
+         arms=("pp", "pp-zero-1"), compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4))
     for schedule in ("gpipe", "1f1b")
+] + [
+    Cell("pp-2-gpt-fp32", model=lambda: TinyGPT(64, 16, width=32, layers=4, heads=4), causal_lm=True, pp=2, micro=2,
+         micro_batches=4, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), steps=50,
+         arms=("pp", "pp-zero-1"), compared=("losses", "weights"), exact=False, tolerance=1e-3, at=(2, 4)),
+    Cell("pp-2-gpt-clip-and-a-nonfinite-step", model=lambda: TinyGPT(64, 16, width=32, layers=4, heads=4).double(),
+         causal_lm=True, pp=2, micro=2, micro_batches=4,
+         optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), steps=50, arms=("pp",),
+         compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4), keys={"clip_grad_norm": 0.05},
+         poisoned=7),
 ] + [
     Cell("tp-2-pp-2-gpt-1f1b", model=lambda: TinyGPT(64, 16, width=32, layers=4, heads=4).double(),
          causal_lm=True, tp=2, pp=2, plan=gpt_plan, micro=2, micro_batches=4,
@@ -460,8 +469,10 @@ def stage_of(theirs: dict, ours: dict) -> dict:
 def pipeline_arm(cell: Cell, arm: str, log_dir: str) -> dict:
     """The GPT cut into ``cell.pp`` stages (hvdkit.parallel.pipeline), each replica's batch run as
     ``cell.micro_batches`` micro-batches by ``cell.schedule``, each stage's gradients averaged over
-    its data-parallel set by Horovod's DistributedOptimizer (none where the set is one rank), in the
-    loop users write: this rank's stage's weights, and each step's loss on the last stage."""
+    its data-parallel set by Horovod's DistributedOptimizer (``pp``; none where the set is one rank)
+    or reduce-scattered by ZeRO 1 within it (``pp-zero-1``), clipped by the whole pipeline's norm
+    where the cell clips (a non-finite one skips the step on every rank), in the loop users write:
+    this rank's stage's weights, and each step's loss on the last stage."""
     mesh = mesh_of(cell)
     torch.manual_seed(0)
     stage = gpt_stage(cell.model(), mesh.pp_group.rank, mesh.pp)
@@ -470,22 +481,33 @@ def pipeline_arm(cell: Cell, arm: str, log_dir: str) -> dict:
         stage = parallelize(stage, mesh, cell.plan(stage))
     optimizer = cell.optimizer(stage)
     dp = mesh.dp_group
-    if dp.size > 1:
+    if dp.size > 1 and arm == "pp":
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=stage.named_parameters(),
                                              backward_passes_per_step=cell.micro_batches, process_set=dp.process_set)
+    elif dp.size > 1:  # ZeRO 1 within the data-parallel set, its gradients reduced once the micro-batches are in
+        optimizer = ShardedOptimizer(optimizer, hvd, 1, backward_passes_per_step=cell.micro_batches,
+                                     process_set=dp.process_set)
     pipeline = Pipeline(stage, mesh, cell.schedule, cell.micro_batches)
+    losses, clip, poisoned = [], cell.keys.get("clip_grad_norm"), [False]
 
     def loss_fn(logits, targets):
-        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return loss * float("nan") if poisoned[0] else loss
 
-    losses = []
     for step in range(cell.steps):
+        poisoned[0] = step == cell.poisoned
         optimizer.zero_grad()
         inputs, targets = batch_of(cell, dp.rank, step)
         per_micro_batch = pipeline.step(inputs, targets, loss_fn)
         if pipeline.is_last:
             losses.append(torch.stack(per_micro_batch).mean())
-        optimizer.step()
+        if dp.size > 1:
+            optimizer.synchronize()  # Horovod's clipping pattern: averaged over dp, then clipped
+        norm = None if clip is None else clip_grad_norm_(stage.parameters(), clip, mesh.tp_group,
+                                                          f"differential.{cell.name}.norm", stages=mesh.pp_group)
+        with optimizer.skip_synchronize() if dp.size > 1 else contextlib.nullcontext():
+            if norm is None or torch.isfinite(norm):  # the whole pipeline's norm on every rank: all skip alike
+                optimizer.step()
     joined = whole_state_dict(stage, mesh.tp_group, f"differential.{cell.name}.{arm}") if cell.tp else dict(
         stage.named_parameters())
     return {"losses": losses, "weights": [joined[name].detach().clone() for name in names], "names": names}

@@ -51,6 +51,7 @@ class Mesh:
     pp_group: Optional[Group] = None  # this rank's pipeline: its rank there is its stage
     previous_pair: Optional[Group] = None  # (the previous stage's rank, this one): what stage s - 1 sends here
     next_pair: Optional[Group] = None  # (this rank, the next stage's): what this stage sends on
+    ends_group: Optional[Group] = None  # (the first stage's rank, the last's), on those two: a tied embedding's
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.size % self.tp:
@@ -79,6 +80,10 @@ class Mesh:
         """Each pipeline's global ranks, stage by stage: those holding the same shards of each stage."""
         return [[self._rank(p, d, t) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
 
+    def ends_ranks(self) -> list[list[int]]:
+        """Each pipeline's first and last stage's ranks: what holds an embedding tied to the output."""
+        return [[ranks[0], ranks[-1]] for ranks in self.pp_ranks()] if self.pp > 1 else []
+
     def pairs(self) -> list[list[int]]:
         """Each pair of neighbouring stages' ranks in one pipeline (stage s, stage s + 1)."""
         return [ranks[s:s + 2] for ranks in self.pp_ranks() for s in range(self.pp - 1)]
@@ -93,13 +98,13 @@ class Mesh:
 
     def process_sets(self, hvd, shared: Optional[dict] = None) -> list:
         """The Horovod process sets to make at ``hvd.init`` (every rank the same list, in this order):
-        the tensor-parallel groups, the data-parallel ones, the pipelines and their neighbouring
-        pairs, each of more than one rank and fewer than the whole job, each set once. ``shared``:
-        the sets of the job's other meshes by their ranks (a program with several), reused and
-        added to; the list returned is this mesh's new ones."""
+        the tensor-parallel groups, the data-parallel ones, the pipelines, their neighbouring pairs
+        and their ends (first and last stage), each of more than one rank and fewer than the whole
+        job, each set once. ``shared``: the sets of the job's other meshes by their ranks (a program
+        with several), reused and added to; the list returned is this mesh's new ones."""
         shared = {} if shared is None else shared
         self._sets, new = {}, []
-        for ranks in [*self.tp_ranks(), *self.dp_ranks(), *self.pp_ranks(), *self.pairs()]:
+        for ranks in [*self.tp_ranks(), *self.dp_ranks(), *self.pp_ranks(), *self.pairs(), *self.ends_ranks()]:
             if 1 < len(ranks) < self.size and tuple(ranks) not in self._sets:
                 if tuple(ranks) not in shared:
                     shared[tuple(ranks)] = hvd.ProcessSet(ranks)
@@ -118,6 +123,8 @@ class Mesh:
         pipeline, stage = self.pp_group.ranks, self.pp_group.rank
         self.previous_pair = self._group(pipeline[stage - 1:stage + 1], me, hvd) if stage > 0 else None
         self.next_pair = self._group(pipeline[stage:stage + 2], me, hvd) if stage < self.pp - 1 else None
+        ends = [pipeline[0], pipeline[-1]]
+        self.ends_group = self._group(ends, me, hvd) if self.pp > 1 and me in ends else None
         return self
 
     def _group(self, ranks: list[int], me: int, hvd) -> Group:

@@ -13,7 +13,7 @@ from hvdkit.config import ConfigError
 from hvdkit.models import TinyGPT
 from hvdkit.parallel.mesh import Group, Mesh
 from hvdkit.parallel.pipeline.schedules import SCHEDULES, Action, check_schedule, gpipe, one_f_one_b
-from hvdkit.parallel.pipeline.stages import Pipeline, gpt_stage
+from hvdkit.parallel.pipeline.stages import Pipeline, gpt_cuts, gpt_stage
 from hvdkit.parallel.plan import gpt_plan, parallelize
 
 
@@ -30,6 +30,9 @@ def test_the_pipeline_is_the_outermost_axis_and_its_neighbours_are_process_sets(
     # another mesh of the job makes only the sets not made yet
     assert [s.ranks for s in Mesh(8, tp=2).process_sets(hvd, shared)] == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert [s.ranks for s in Mesh(8, pp=2).process_sets(hvd, shared)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # at 3 stages and more, each pipeline's ends are a set of their own (a tied embedding's)
+    assert Mesh(6, pp=3).ends_ranks() == [[0, 4], [1, 5]]
+    assert [s.ranks for s in Mesh(6, pp=3).process_sets(hvd)][-2:] == [[0, 4], [1, 5]]
 
 
 @pytest.mark.parametrize("size, tp, pp, line", [
@@ -88,10 +91,7 @@ def test_the_gpts_stages_hold_each_parameter_once_and_compute_the_whole_model():
 
 @pytest.mark.parametrize("model, stages, line", [
     (lambda: TinyGPT(64, 16, width=32, layers=3), 2, "pp: 2 stages do not divide the model's 3 blocks; give a pp "
-                                                     "that divides them"),
-    (lambda: TinyGPT(64, 16, width=32, layers=2, tie_output=True), 2,
-     "pp: the model's output layer is tied to its token embedding, which the first and the last stage would each "
-     "hold; untie them (tie_output off) to pipeline it"),
+                                                     "that divides them, or cuts (block names, or \"parameters\")"),
 ])
 def test_a_cut_that_does_not_fit_the_model_is_one_line(model, stages, line):
     with pytest.raises(ConfigError) as said:
@@ -123,3 +123,26 @@ def test_each_stage_of_the_gpt_gets_the_plan_of_the_modules_it_holds():
         f"blocks.{i}.{layer}.{kind}" for i in (2, 3) for layer in ("attention.q", "attention.k", "attention.v",
                                                                    "attention.o", "up", "down")
         for kind in ("weight", "bias") if not (layer in ("attention.o", "down") and kind == "bias")} | {"head.weight"}
+
+
+def test_a_cut_is_where_its_block_names_say_or_balanced_by_parameters():
+    model = TinyGPT(64, 16, width=32, layers=3)
+    assert [list(gpt_stage(model, s, 2, ["blocks.1"]).blocks) for s in range(2)] == [["0"], ["1", "2"]]
+    # a vocabulary of 4096 x 64 on each end: the ends take fewer blocks
+    wide = TinyGPT(4096, 16, width=64, layers=12)
+    assert gpt_cuts(wide, 2, "parameters") == [6]
+    assert gpt_cuts(wide, 4, "parameters") == [1, 6, 11]
+    sizes = [sum(p.numel() for p in gpt_stage(wide, s, 4, "parameters").parameters()) for s in range(4)]
+    assert max(sizes) < 1.6 * min(sizes), sizes
+
+
+@pytest.mark.parametrize("cuts, line", [
+    (["blocks.0"], "pp: the cuts blocks.0 are not 1 increasing block names of blocks.1 to blocks.3, where stages 1 "
+                   "to 1 begin"),
+    (["blocks.2", "blocks.1"], "pp: the cuts blocks.2, blocks.1 are not 1 increasing block names"),
+    (["norm"], "pp: the cuts norm are not 1 increasing block names"),
+])
+def test_cuts_that_name_no_boundary_are_one_line(cuts, line):
+    with pytest.raises(ConfigError) as said:
+        gpt_cuts(TinyGPT(64, 16, width=32, layers=4), 2, cuts)
+    assert str(said.value).startswith(line)

@@ -45,7 +45,7 @@ from hvdkit.models import TinyGPT
 from hvdkit.parallel.grads import sum_sequence_parallel_grads
 from hvdkit.parallel.mesh import Mesh
 from hvdkit.parallel.norms import clip_grad_norm_
-from hvdkit.parallel.pipeline.stages import Pipeline, gpt_stage
+from hvdkit.parallel.pipeline.stages import Pipeline, gpt_stage, sum_tied_grads
 from hvdkit.parallel.plan import (
     ColwiseParallel,
     RowwiseParallel,
@@ -296,6 +296,10 @@ CELLS += [
          arms=("pp", "pp-zero-1"), compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4))
     for schedule in ("gpipe", "1f1b")
 ] + [
+    Cell("pp-2-gpt-tied", model=lambda: TinyGPT(64, 16, width=32, layers=4, heads=4, tie_output=True).double(),
+         causal_lm=True, pp=2, micro=2, micro_batches=4,
+         optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1), steps=50, arms=("pp",),
+         compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4)),
     Cell("pp-2-gpt-fp32", model=lambda: TinyGPT(64, 16, width=32, layers=4, heads=4), causal_lm=True, pp=2, micro=2,
          micro_batches=4, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), steps=50,
          arms=("pp", "pp-zero-1"), compared=("losses", "weights"), exact=False, tolerance=1e-3, at=(2, 4)),
@@ -456,14 +460,14 @@ def one_process(cell: Cell) -> dict:
         if clip is None or torch.isfinite(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)):
             optimizer.step()  # a step whose gradient is not finite is skipped
     return {"losses": losses, "weights": [p.detach().clone() for p in model.parameters()],
-            "names": [name for name, _ in model.named_parameters()]}
+            "by_name": {name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}}
 
 
 def stage_of(theirs: dict, ours: dict) -> dict:
     """The one process's results that a pipeline stage holds: its parameters by name, and the
     losses where it is the last stage (the others compute none)."""
-    weights = dict(zip(theirs["names"], theirs["weights"], strict=True))
-    return {"losses": theirs["losses"] if ours["losses"] else [], "weights": [weights[n] for n in ours["names"]]}
+    return {"losses": theirs["losses"] if ours["losses"] else [],
+            "weights": [theirs["by_name"][name] for name in ours["names"]]}
 
 
 def pipeline_arm(cell: Cell, arm: str, log_dir: str) -> dict:
@@ -503,6 +507,7 @@ def pipeline_arm(cell: Cell, arm: str, log_dir: str) -> dict:
             losses.append(torch.stack(per_micro_batch).mean())
         if dp.size > 1:
             optimizer.synchronize()  # Horovod's clipping pattern: averaged over dp, then clipped
+        sum_tied_grads(stage, mesh, f"differential.{cell.name}.tied")  # an embedding tied to the last stage's head
         norm = None if clip is None else clip_grad_norm_(stage.parameters(), clip, mesh.tp_group,
                                                           f"differential.{cell.name}.norm", stages=mesh.pp_group)
         with optimizer.skip_synchronize() if dp.size > 1 else contextlib.nullcontext():

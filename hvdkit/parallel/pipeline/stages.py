@@ -1,10 +1,12 @@
 """A model cut into pipeline stages, and this rank's stage stepped by a schedule.
 
-``gpt_stage(model, stage, stages)``: hvdkit's GPT (hvdkit.models.TinyGPT) cut between its blocks,
-an equal number on each stage: the first stage also holds the embeddings, the last the final norm
-and the output layer. The stage keeps the whole model's modules under their names (a block stays
-``blocks.N``), so its parameters, its state_dict and a checkpoint's keys are the whole model's,
-this stage's part of them; the rest is let go.
+``gpt_stage(model, stage, stages, cuts=None)``: hvdkit's GPT (hvdkit.models.TinyGPT) cut between
+its blocks, an equal number on each stage, or where ``cuts`` names (block names, as torch's
+``split_spec``; or "parameters", balanced by parameter count): the first stage also holds the
+embeddings, the last the final norm and the output layer (tied to the embedding, a copy on each,
+kept in step by ``sum_tied_grads``). The stage keeps the whole model's modules under their names
+(a block stays ``blocks.N``), so its parameters, its state_dict and a checkpoint's keys are the
+whole model's, this stage's part of them; the rest is let go.
 
 ``Pipeline(module, mesh, schedule, micro_batches)``: this rank's stage over ``mesh``'s pipeline
 (hvdkit.parallel.mesh: the stage is the rank's place in it); ``step(inputs, targets, loss_fn)``
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 from hvdkit.config import ConfigError
+from hvdkit.parallel.ops import all_reduce_
 from hvdkit.parallel.pipeline.schedules import SCHEDULES, StageTimes, run_schedule
 from hvdkit.parallel.pipeline.transport import Link
 
@@ -45,19 +48,62 @@ class GPTStage(nn.Module):
         return self.head(self.norm(x)) if self.outputs else x
 
 
-def gpt_stage(model: nn.Module, stage: int, stages: int) -> GPTStage:
-    """Stage ``stage`` of ``stages`` of hvdkit's GPT, its blocks in equal parts. ConfigError, in one
-    line, for blocks the stages do not divide, or an output layer tied to the token embedding
-    (on the first stage and the last: not yet kept in step across them)."""
+def gpt_cuts(model: nn.Module, stages: int, cuts=None) -> list[int]:
+    """The first block of each stage after the first: equal parts by default (ConfigError where the
+    stages do not divide the blocks); ``cuts`` as torch's ``split_spec`` names them, the blocks
+    where stages 1 to ``stages - 1`` begin (``["blocks.3"]``); or "parameters", the boundaries that
+    give each stage about as many parameters (the embeddings count on the first stage, the final
+    norm and the output layer on the last). ConfigError, in one line, for cuts that are not
+    ``stages - 1`` increasing block names strictly inside the model."""
     layers = len(model.blocks)
-    if layers % stages:
-        raise ConfigError(f"pp: {stages} stages do not divide the model's {layers} blocks; give a pp that divides "
-                          f"them")
-    if stages > 1 and model.head.weight is model.tokens.weight:
-        raise ConfigError("pp: the model's output layer is tied to its token embedding, which the first and the "
-                          "last stage would each hold; untie them (tie_output off) to pipeline it")
-    per = layers // stages
-    return GPTStage(model, stage * per, (stage + 1) * per)
+    if cuts is None:
+        if layers % stages:
+            raise ConfigError(f"pp: {stages} stages do not divide the model's {layers} blocks; give a pp that "
+                              f"divides them, or cuts (block names, or \"parameters\")")
+        return [k * layers // stages for k in range(1, stages)]
+    if cuts == "parameters":
+        sizes = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
+        first = sum(p.numel() for m in (model.tokens, model.positions) for p in m.parameters())
+        last = sum(p.numel() for m in (model.norm, model.head) for p in m.parameters())
+        before = [first + sum(sizes[:i]) for i in range(layers + 1)]  # parameters before block i
+        total = before[-1] + last
+        chosen: list[int] = []
+        for k in range(1, stages):
+            low, high = (chosen[-1] + 1 if chosen else 1), layers - (stages - k)
+            if low > high:
+                raise ConfigError(f"pp: {stages} stages need at least as many blocks; the model has {layers}")
+            chosen.append(min(range(low, high + 1), key=lambda i: abs(before[i] - total * k / stages)))
+        return chosen
+    indices = [int(name.split(".")[1]) if name.startswith("blocks.") and name.split(".")[1].isdigit()
+               and name.count(".") == 1 else -1 for name in cuts]
+    if len(cuts) != stages - 1 or indices != sorted(set(indices)) or not all(0 < i < layers for i in indices):
+        raise ConfigError(f"pp: the cuts {', '.join(cuts) or 'given'} are not {stages - 1} increasing block names "
+                          f"of blocks.1 to blocks.{layers - 1}, where stages 1 to {stages - 1} begin")
+    return indices
+
+
+def gpt_stage(model: nn.Module, stage: int, stages: int, cuts=None) -> GPTStage:
+    """Stage ``stage`` of ``stages`` of hvdkit's GPT, cut where ``gpt_cuts`` says (ConfigError, in
+    one line, for cuts that do not fit). An output layer tied to the token embedding is held by the
+    first stage and by the last, each a copy: their gradients are summed by ``sum_tied_grads``."""
+    bounds = [0, *gpt_cuts(model, stages, cuts), len(model.blocks)]
+    part = GPTStage(model, bounds[stage], bounds[stage + 1])
+    if stages > 1 and model.head.weight is model.tokens.weight:  # held by the first stage and by the last
+        model.tokens.weight.pipeline_tied = True
+    return part
+
+
+def sum_tied_grads(module: nn.Module, mesh, name: str) -> None:
+    """Sum the gradients of ``module``'s parameters tied across the pipeline (marked
+    ``pipeline_tied``: an embedding the first stage holds and the last stage's output layer uses,
+    as Megatron's embedding group keeps them) over the first and the last stage's ranks, in place:
+    both then step the same weight alike. Those two ranks call it after the data-parallel average
+    (a loop's ``optimizer.synchronize()``), before clipping and the step; on the others it does
+    nothing."""
+    if mesh.ends_group is None:
+        return
+    all_reduce_([p.grad for p in module.parameters() if getattr(p, "pipeline_tied", False) and p.grad is not None],
+                mesh.ends_group, name)
 
 
 class Pipeline:

@@ -146,6 +146,15 @@ def _byte_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _rounds_arguments(p: argparse.ArgumentParser, count: str, default: int, what: str) -> None:
+    """A self-launched pipeline benchmark's rounds (``--repeats``, and ``count`` of ``what`` timed a
+    round), its worker's flag and the launch's arguments."""
+    p.add_argument("--repeats", type=positive, default=7, help="alternating rounds (default 7)")
+    p.add_argument(count, type=positive, default=default, help=f"{what} timed a round (default {default})")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    _launch_arguments(p, files=True)
+
+
 def _launch_arguments(p: argparse.ArgumentParser, files: bool) -> None:
     p.add_argument("--launcher", choices=launchers.CHOICES, default="auto",
                    help="how to start the ranks (as hvdkit launch; default: auto)")
@@ -236,10 +245,7 @@ def parser() -> argparse.ArgumentParser:
                       default=[1, 128, 1024], metavar="T[,T]",
                       help="tokens per sequence, one row each (default 1,128,1024)")
     pipe.add_argument("--batch-size", type=positive, default=4, help="sequences per micro-batch (default 4)")
-    pipe.add_argument("--repeats", type=positive, default=7, help="alternating rounds (default 7)")
-    pipe.add_argument("--iters", type=positive, default=20, help="round trips timed a round (default 20)")
-    pipe.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    _launch_arguments(pipe, files=True)
+    _rounds_arguments(pipe, "--iters", 20, "round trips")
 
     pp = sub.add_parser("pp", help="a pipeline's step at pp 2, hvdkit's beside torch.distributed.pipelining's "
                                    "same schedule: step time, bubble, bytes per stage")
@@ -251,10 +257,7 @@ def parser() -> argparse.ArgumentParser:
                     metavar="M[,M]", help="micro-batches a step, one row each (default 4,8)")
     pp.add_argument("--schedules", type=_names(("gpipe", "1f1b"), "schedule"), default=["gpipe", "1f1b"],
                     metavar="S[,S]", help="gpipe, 1f1b (default both)")
-    pp.add_argument("--repeats", type=positive, default=7, help="alternating rounds (default 7)")
-    pp.add_argument("--steps", type=positive, default=3, help="steps timed a round (default 3)")
-    pp.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    _launch_arguments(pp, files=True)
+    _rounds_arguments(pp, "--steps", 3, "steps")
 
     shard = sub.add_parser("zero", help="the sharded optimizer (stage 1, 2) beside Horovod's DistributedOptimizer "
                                         "and torch's ZeroRedundancyOptimizer: throughput and bytes per rank")

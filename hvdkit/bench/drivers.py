@@ -284,6 +284,16 @@ def out_dir(args: argparse.Namespace, kind: str) -> Path:
     return out
 
 
+def save_record(args: argparse.Namespace, kind: str, record: dict) -> int:
+    """A self-launched benchmark's end: rank 0's ``record`` written to ``<kind>.json`` under --out
+    (or a new folder in runs/bench), the file named, the record printed as one JSON line; 0."""
+    out = out_dir(args, kind)
+    (out / f"{kind}.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {out}/{kind}.json")
+    print(json.dumps(record), flush=True)
+    return 0
+
+
 def default_np() -> int:
     """One rank per GPU, or per core without GPUs."""
     import torch

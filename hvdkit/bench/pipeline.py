@@ -19,7 +19,7 @@ import statistics
 import time
 
 from hvdkit import env
-from hvdkit.bench.drivers import RunFailed, launch_command, out_dir, run_launch
+from hvdkit.bench.drivers import RunFailed, launch_command, run_launch, save_record
 from hvdkit.bench.workers import apply_defaults, init_torch_distributed
 
 IMPLS = ("hvdkit", "torch")
@@ -48,11 +48,7 @@ def pipeline_bench(args: argparse.Namespace) -> int:
         print(f"stage {stage}: {held['bytes'] / 2**20:.1f} MiB of weights, gradients and Adam state, "
               f"{held['bytes'] / (record['whole_bytes'] / 2):.3f}x half the whole model's "
               f"({record['whole_bytes'] / 2**20:.1f} MiB)")
-    out = out_dir(args, "pp")
-    (out / "pp.json").write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {out}/pp.json")
-    print(json.dumps(record), flush=True)
-    return 0
+    return save_record(args, "pp", record)
 
 
 def pipeline_worker(args: argparse.Namespace) -> None:

@@ -19,7 +19,7 @@ import statistics
 import time
 
 from hvdkit import env
-from hvdkit.bench.drivers import RunFailed, launch_command, out_dir, run_launch
+from hvdkit.bench.drivers import RunFailed, launch_command, run_launch, save_record
 from hvdkit.bench.workers import apply_defaults, init_torch_distributed
 
 WAYS = ("hvdkit", "alltoall", "torch")
@@ -41,11 +41,7 @@ def pp_transport(args: argparse.Namespace) -> int:
               + f" {row['ratio']['hvdkit']:>12.3f} {row['ratio']['alltoall']:>14.3f} "
                 f"{row['bytes'] / row['us']['hvdkit']:>11.0f} {row['bytes'] / row['us']['torch']:>10.0f}  "
               + " ".join(f"{r:.2f}" for r in row["rounds"]["hvdkit"]))
-    out = out_dir(args, "pp-transport")
-    (out / "pp-transport.json").write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {out}/pp-transport.json")
-    print(json.dumps(record), flush=True)
-    return 0
+    return save_record(args, "pp-transport", record)
 
 
 def pp_transport_worker(args: argparse.Namespace) -> None:

@@ -17,7 +17,7 @@ import statistics
 import time
 
 from hvdkit import env
-from hvdkit.bench.drivers import RunFailed, default_np, launch_command, out_dir, run_launch
+from hvdkit.bench.drivers import RunFailed, default_np, launch_command, run_launch, save_record
 from hvdkit.bench.figures import BenchError
 from hvdkit.bench.workers import init_torch_distributed
 
@@ -41,11 +41,7 @@ def tp_ops(args: argparse.Namespace) -> int:
         print(f"{row['op']:<22} {'x'.join(map(str, row['shape'])):<16} {row['hvdkit_us']:>10.1f} "
               f"{row['torch_us']:>10.1f} {row['ratio']:>6.3f}  {row['hvdkit_cpu_us']:>13.1f} "
               f"{row['torch_cpu_us']:>12.1f}  {' '.join(f'{r:.3f}' for r in row['rounds'])}")
-    out = out_dir(args, "tp-ops")
-    (out / "tp-ops.json").write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {out}/tp-ops.json")
-    print(json.dumps(record), flush=True)
-    return 0
+    return save_record(args, "tp-ops", record)
 
 
 def tp_ops_worker(args: argparse.Namespace) -> None:

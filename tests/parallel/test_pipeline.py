@@ -13,7 +13,7 @@ from hvdkit.config import ConfigError
 from hvdkit.models import TinyGPT
 from hvdkit.parallel.mesh import Group, Mesh
 from hvdkit.parallel.pipeline.schedules import SCHEDULES, Action, check_schedule, gpipe, one_f_one_b
-from hvdkit.parallel.pipeline.stages import Pipeline, gpt_cuts, gpt_stage
+from hvdkit.parallel.pipeline.stages import Pipeline, gpt_cuts, gpt_stage, sequential_stage
 from hvdkit.parallel.plan import gpt_plan, parallelize
 
 
@@ -146,3 +146,18 @@ def test_cuts_that_name_no_boundary_are_one_line(cuts, line):
     with pytest.raises(ConfigError) as said:
         gpt_cuts(TinyGPT(64, 16, width=32, layers=4), 2, cuts)
     assert str(said.value).startswith(line)
+
+
+def test_a_sequential_model_is_cut_at_its_named_children_and_the_stages_compute_the_whole():
+    torch.manual_seed(0)
+    whole = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 3)).double()
+    first, last = (sequential_stage(whole, s, 2, cuts=["2"]) for s in range(2))
+    assert list(first.state_dict()) == ["0.weight", "0.bias"] and list(last.state_dict())[:2] == ["2.weight", "2.bias"]
+    x = torch.randn(5, 8, dtype=torch.float64)
+    torch.testing.assert_close(last(first(x)), whole(x), rtol=0, atol=0)
+    with pytest.raises(ConfigError, match=r"^pp: 2 stages do not divide the model's 5 modules; give a pp"):
+        sequential_stage(whole, 0, 2)
+    with pytest.raises(ConfigError, match=r"^pp: the cuts 0 are not 1 increasing names of the model's modules after "
+                                          r"its first \(1, 2, 3, \.\.\.\)$"):
+        sequential_stage(whole, 0, 2, cuts=["0"])

@@ -45,7 +45,7 @@ from hvdkit.models import TinyGPT
 from hvdkit.parallel.grads import sum_sequence_parallel_grads
 from hvdkit.parallel.mesh import Mesh
 from hvdkit.parallel.norms import clip_grad_norm_
-from hvdkit.parallel.pipeline.stages import Pipeline, gpt_stage, sum_tied_grads
+from hvdkit.parallel.pipeline.stages import Pipeline, gpt_stage, sequential_stage, sum_tied_grads
 from hvdkit.parallel.plan import (
     ColwiseParallel,
     RowwiseParallel,
@@ -149,6 +149,7 @@ class Cell:
     pp: int = 0  # pipeline stages: the one-process step is the reference (``pipeline_arm``)
     schedule: str = "1f1b"  # the pipeline's (hvdkit.parallel.pipeline.schedules)
     micro_batches: int = 4  # the pipeline's, of each replica's batch of BATCH x micro samples
+    cut: Optional[Callable] = None  # (model, stage, stages) -> this rank's stage: the GPT's (gpt_stage) by default
 
 
 def hf_plan(model) -> dict:
@@ -300,6 +301,12 @@ CELLS += [
          causal_lm=True, pp=2, micro=2, micro_batches=4,
          optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1), steps=50, arms=("pp",),
          compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4)),
+    # a model of the user's own, an nn.Sequential cut at a named child (fp32: the harness's batches of features)
+    Cell("pp-2-sequential-mlp", model=lambda: nn.Sequential(
+        nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3)),
+         cut=lambda model, stage, stages: sequential_stage(model, stage, stages, cuts=["3"]), pp=2, micro=2,
+         micro_batches=4, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), steps=50,
+         arms=("pp", "pp-zero-1"), compared=("losses", "weights"), exact=False, tolerance=1e-5, at=(2, 4)),
     Cell("pp-2-gpt-fp32", model=lambda: TinyGPT(64, 16, width=32, layers=4, heads=4), causal_lm=True, pp=2, micro=2,
          micro_batches=4, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), steps=50,
          arms=("pp", "pp-zero-1"), compared=("losses", "weights"), exact=False, tolerance=1e-3, at=(2, 4)),
@@ -479,7 +486,7 @@ def pipeline_arm(cell: Cell, arm: str, log_dir: str) -> dict:
     this rank's stage's weights, and each step's loss on the last stage."""
     mesh = mesh_of(cell)
     torch.manual_seed(0)
-    stage = gpt_stage(cell.model(), mesh.pp_group.rank, mesh.pp)
+    stage = (cell.cut or gpt_stage)(cell.model(), mesh.pp_group.rank, mesh.pp)
     names = [name for name, _ in stage.named_parameters()]
     if cell.tp:  # each stage split over its tensor-parallel group
         stage = parallelize(stage, mesh, cell.plan(stage))

@@ -8,6 +8,9 @@ kept in step by ``sum_tied_grads``). The stage keeps the whole model's modules u
 (a block stays ``blocks.N``), so its parameters, its state_dict and a checkpoint's keys are the
 whole model's, this stage's part of them; the rest is let go.
 
+``sequential_stage(model, stage, stages, cuts=None)``: an nn.Sequential cut between its children
+alike, each child under its name.
+
 ``Pipeline(module, mesh, schedule, micro_batches)``: this rank's stage over ``mesh``'s pipeline
 (hvdkit.parallel.mesh: the stage is the rank's place in it); ``step(inputs, targets, loss_fn)``
 runs one batch's forward and backward passes as micro-batches by the schedule
@@ -16,6 +19,8 @@ runs one batch's forward and backward passes as micro-batches by the schedule
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -91,6 +96,27 @@ def gpt_stage(model: nn.Module, stage: int, stages: int, cuts=None) -> GPTStage:
     if stages > 1 and model.head.weight is model.tokens.weight:  # held by the first stage and by the last
         model.tokens.weight.pipeline_tied = True
     return part
+
+
+def sequential_stage(model: nn.Sequential, stage: int, stages: int, cuts=None) -> nn.Sequential:
+    """Stage ``stage`` of ``stages`` of an nn.Sequential: its children in equal parts, or cut where
+    ``cuts`` names (the children where stages 1 to ``stages - 1`` begin, as torch's ``split_spec``),
+    each child under its own name, so the stage's state_dict keys are the whole model's. ConfigError,
+    in one line, for stages that do not divide the children (without cuts) or cuts that are not
+    increasing names of children after the first."""
+    names = [name for name, _ in model.named_children()]
+    if cuts is None:
+        if len(names) % stages:
+            raise ConfigError(f"pp: {stages} stages do not divide the model's {len(names)} modules; give a pp that "
+                              f"divides them, or cuts (the names of the modules where stages begin)")
+        bounds = [k * len(names) // stages for k in range(stages + 1)]
+    else:
+        indices = [names.index(name) if name in names else -1 for name in cuts]
+        if len(cuts) != stages - 1 or indices != sorted(set(indices)) or not all(i > 0 for i in indices):
+            raise ConfigError(f"pp: the cuts {', '.join(map(str, cuts)) or 'given'} are not {stages - 1} increasing "
+                              f"names of the model's modules after its first ({', '.join(names[1:4])}, ...)")
+        bounds = [0, *indices, len(names)]
+    return nn.Sequential(OrderedDict((name, getattr(model, name)) for name in names[bounds[stage]:bounds[stage + 1]]))
 
 
 def sum_tied_grads(module: nn.Module, mesh, name: str) -> None:

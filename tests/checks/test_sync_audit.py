@@ -129,3 +129,25 @@ def test_a_steady_stage_3_step_reads_nothing_and_waits_for_each_gather_by_design
         assert [host_reads(step) for step in steps] == [{}] * len(steps), steps
         assert [step["waits"] for step in steps] == [3 * units - 1] * len(steps), steps
         assert settle_reads(result["report_step"]) == 1, result["report_step"]
+
+
+@pytest.mark.parametrize("shape", ["tp", "tp-sequence-parallel"])
+def test_a_steady_tensor_parallel_step_reads_nothing(shape):
+    """Session(tp=2): every collective of the split layers, the norms and the checks stays a tensor
+    on the device; its waits are Horovod's handles (on a GPU they return once queued), as many in
+    every step."""
+    steps = audited(shape)["steps"]
+    assert [(step["reads"], step["cuda_syncs"]) for step in steps] == [({}, 0)] * len(steps), steps
+    assert [host_reads(step) for step in steps] == [{}] * len(steps), steps
+    assert len({step["waits"] for step in steps}) == 1, steps
+
+
+def test_a_steady_pipeline_step_reads_nothing_and_waits_where_the_schedule_needs_a_gradient():
+    """1F1B over 4 micro-batches at pp 2 (rank 0, the first stage: F0 F1 B0 F2 B1 F3 B2 B3), every
+    receive started at the step's start: the stage starts waiting at B0, B1 and B2, each after a
+    forward's send; B3's gradient and the sends are waited for without a submission between, at
+    the same wait point. The shapes, read on the host once, are not read again."""
+    steps = audited("pp")["steps"]
+    assert [(step["reads"], step["cuda_syncs"]) for step in steps] == [({}, 0)] * len(steps), steps
+    assert [host_reads(step) for step in steps] == [{}] * len(steps), steps
+    assert [step["waits"] for step in steps] == [3] * len(steps), steps

@@ -19,6 +19,7 @@ Parameters the optimizer does not train (frozen, or outside it) stay whole on ev
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -224,16 +225,23 @@ class WeightShardedOptimizer(ShardedOptimizer):
         weights under ``weights`` (per unit): a checkpoint's part, or a snapshot's shard."""
         return {**super().shard_state(), "weights": {n: piece.detach() for n, piece in enumerate(self.slices)}}
 
+    @contextlib.contextmanager
+    def _exported(self):
+        """Inside, the model's state_dict may be taken, its sharded weights empty (an export's):
+        ``_refuse_state_dict`` refuses it elsewhere."""
+        self._exporting = True
+        try:
+            yield
+        finally:
+            self._exporting = False
+
     def unsharded_state_dict(self) -> dict:
         """The model's state_dict with None in place of each sharded weight (its order kept): the
         buffers and the weights kept whole, for a stage-3 checkpoint's main file (each rank's part
         holds its slices; hvdkit.zero.shards joins them). No collective."""
         sharded = self.sharded_names()
-        self._exporting = True
-        try:
+        with self._exported():
             state = self.model.state_dict()
-        finally:
-            self._exporting = False
         return {name: None if name in sharded else value for name, value in state.items()}
 
     @staticmethod
@@ -266,11 +274,8 @@ class WeightShardedOptimizer(ShardedOptimizer):
         """The model's state_dict with whole weights, on the CPU: every rank calls it (each unit is
         gathered in turn, one at a time); ``module``: the model, or the module torch.compile wraps."""
         module = self.model if module is None else module
-        self._exporting = True
-        try:
+        with self._exported():
             state = module.state_dict()
-        finally:
-            self._exporting = False
         names: dict[int, list[str]] = {}
         for name, param in module.named_parameters(remove_duplicate=False):
             names.setdefault(id(param), []).append(name)

@@ -115,9 +115,10 @@ def ratio_summary(record: dict, large: int = 16 << 20) -> dict:
 # --- hvdkit bench zero ----------------------------------------------------------------------
 
 ZERO_IMPLS = ("zero1", "zero2", "zero3", "horovod", "torch-zero", "fsdp2")
-# Tensor parallelism over every rank (the GPT only; named in --impls): hvdkit's plan on Horovod, and
-# torch's parallelize_module with the same plan. Each rank steps the whole global batch.
-TP_IMPLS = ("tp", "torch-tp")
+# Tensor parallelism over every rank (the GPT only; named in --impls): hvdkit's plan on Horovod (tp-sp:
+# with sequence parallelism), and torch's parallelize_module with the same plan. Each rank steps the
+# whole global batch.
+TP_IMPLS = ("tp", "tp-sp", "torch-tp")
 LADDER_WIDTHS = (512, 640, 768, 896, 1024, 1152, 1280, 1536)
 LADDER_STEP = 1.03  # neighbouring models of the ladder differ by at least 3% of parameters
 BASELINE_RSS = 1100 * 2**20  # a rank's resident memory before its model: torch, Horovod, MPI (none on a GPU)
@@ -192,4 +193,5 @@ def largest(fits, count: int, first: int) -> int:
 # gradients, state, the optimizer's temporaries): where the search for each starts, nothing more.
 def zero_guess(impl: str, size: int) -> float:
     return {"horovod": 17.5, "torch-zero": 12 + 8 / size, "zero1": 8 + 10 / size, "zero2": 4 + 13 / size,
-            "zero3": 17 / size, "fsdp2": 17 / size, "tp": 17 / size, "torch-tp": 17 / size}[impl]
+            "zero3": 17 / size, "fsdp2": 17 / size, "tp": 17 / size, "tp-sp": 17 / size,
+            "torch-tp": 17 / size}[impl]

@@ -14,6 +14,7 @@ from hvdkit import env
 from hvdkit.bench.drivers import launch_command, out_dir, run_launch
 from hvdkit.bench.figures import (
     BASELINE_RSS,
+    TP_IMPLS,
     BenchError,
     ladder,
     largest,
@@ -41,9 +42,9 @@ def zero(args: argparse.Namespace) -> int:
         raise BenchError("zero: --memory-cap goes with --max-model")
     if args.max_model and args.model != "gpt":
         raise BenchError(f"zero --max-model grows a GPT; it does not take --model {args.model}")
-    if args.model != "gpt" and set(args.impls) & {"tp", "torch-tp"}:
-        raise BenchError(f"zero: tensor parallelism (tp, torch-tp) splits the GPT by its plan; it does not take "
-                         f"--model {args.model}")
+    if args.model != "gpt" and set(args.impls) & set(TP_IMPLS):
+        raise BenchError(f"zero: tensor parallelism ({', '.join(TP_IMPLS)}) splits the GPT by its plan; it does not "
+                         f"take --model {args.model}")
     return zero_max_model(args) if args.max_model else zero_compare(args)
 
 
@@ -189,7 +190,8 @@ def _zero_probe(args: argparse.Namespace, impl: str, width: int, layers: int) ->
 # The throughput ratios the comparison prints, where both loops ran: each stage against Horovod's
 # and torch's unsharded or optimizer-sharded loops, stage 3 against FSDP2 and stage 2.
 RATIOS = (("zero1", "horovod"), ("zero1", "torch-zero"), ("zero2", "horovod"), ("zero2", "torch-zero"),
-          ("zero3", "fsdp2"), ("zero3", "zero2"), ("zero3", "horovod"), ("tp", "torch-tp"), ("tp", "horovod"))
+          ("zero3", "fsdp2"), ("zero3", "zero2"), ("zero3", "horovod"), ("tp", "torch-tp"), ("tp", "horovod"),
+          ("tp-sp", "tp"))
 
 
 def _zero_worker_args(args: argparse.Namespace, impl: str) -> list[str]:

@@ -15,7 +15,7 @@ import time
 from types import SimpleNamespace
 
 from hvdkit import env, job
-from hvdkit.bench.figures import gpt
+from hvdkit.bench.figures import TP_IMPLS, gpt
 from hvdkit.bench.workers import init_torch_distributed
 
 
@@ -41,7 +41,7 @@ def zero_worker(args: argparse.Namespace) -> None:
         _end_above(args.memory_cap, device)
     model, inputs, loss_of = _zero_model(args)
     model.to(device)
-    tensor_parallel = args.impl in ("tp", "torch-tp")
+    tensor_parallel = args.impl in TP_IMPLS
     parameters = sum(p.numel() for p in model.parameters())  # before any sharding
     session, waited = None, [0.0]
     optimizer_class = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[args.optimizer]
@@ -55,11 +55,11 @@ def zero_worker(args: argparse.Namespace) -> None:
         optimizer = make(model, optimizer_class, device)
         model = getattr(optimizer, "hvdkit_model", model)
         gather = _torch_gather
-    elif args.impl == "tp":  # the product's step, with its defaults: one tensor-parallel group of every rank
+    elif args.impl in ("tp", "tp-sp"):  # the product's step, its defaults: one tensor-parallel group of every rank
         import hvdkit
 
-        session = hvdkit.Session(tp=launch.size, batch_size=args.batch_size, logger="none",
-                                 log_dir=tempfile.mkdtemp(prefix="hvdkit-bench-tp-"))
+        session = hvdkit.Session(tp=launch.size, sequence_parallel=args.impl == "tp-sp", batch_size=args.batch_size,
+                                 logger="none", log_dir=tempfile.mkdtemp(prefix="hvdkit-bench-tp-"))
         rank, size = hvd.rank(), hvd.size()
         model = session.parallelize(model)  # the GPT's plan
         model, optimizer = session.setup(model, optimizer_class(model.parameters(), lr=1e-4))

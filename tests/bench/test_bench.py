@@ -141,13 +141,13 @@ def test_estimate_prints_each_link_and_world_size():
     (["tp-ops", "-np", "2", "--seq-len", "7"], "tp-ops: --seq-len 7 and --width 512 must each split over the 2 ranks"),
     (["pp-transport", "--seq-lens", "128,0"], "expected whole numbers >= 1, got '128,0'"),
     (["pp", "--schedules", "gpipe,zb"], "unknown schedule 'zb'; choose from gpipe, 1f1b"),
-    (["zero", "--impls", "tp", "--model", "cnn"], "zero: tensor parallelism (tp, torch-tp) splits the GPT"),
+    (["zero", "--impls", "tp", "--model", "cnn"], "zero: tensor parallelism (tp, tp-sp, torch-tp) splits the GPT"),
     (["zero", "--max-model"], "needs --memory-cap SIZE"),
     (["zero", "--memory-cap", "2G"], "--memory-cap goes with --max-model"),
     (["zero", "--max-model", "--memory-cap", "2G", "--model", "resnet50"], "grows a GPT"),
     (["zero", "--max-model", "--memory-cap", "2X"], "size '2X'"),
     (["zero", "--impls", "zero3,fsdp"],
-     "expected some of zero1,zero2,zero3,horovod,torch-zero,fsdp2,tp,torch-tp, got 'zero3,fsdp'"),
+     "expected some of zero1,zero2,zero3,horovod,torch-zero,fsdp2,tp,tp-sp,torch-tp, got 'zero3,fsdp'"),
     (["checkpoint", "--params", "0"], "expected a count like 175M"),
     (["checkpoint", "--params", "1.5T"], "expected a count like 175M"),
     (["checkpoint", "--arms", "async,disk"], "unknown arm 'disk'; choose from sync, async, sharded, snapshot"),
@@ -465,21 +465,22 @@ def test_zero_runs_each_loop_and_reports_the_bytes_each_rank_holds(tmp_path, hvd
 
 @pytest.mark.slow
 def test_zero_runs_tensor_parallelism_beside_torchs_and_reports_each_ranks_half(tmp_path, hvd_built):
-    """--impls tp,torch-tp: hvdkit's Session(tp=2) with the GPT's plan and torch's parallelize_module
-    with the same plan, each rank stepping the whole global batch: each holds about half the weights
-    and the state (the norms and positions are replicated), the group's rate is one rank's, and the
-    Session's exposed communication is a part of its step."""
+    """--impls tp,tp-sp,torch-tp: hvdkit's Session(tp=2) with the GPT's plan (and with sequence
+    parallelism) and torch's parallelize_module with the same plan, each rank stepping the whole
+    global batch: each holds about half the weights and the state (the norms and positions are
+    replicated), the group's rate is one rank's, and the Session's exposed communication is a part
+    of its step."""
     out = tmp_path / "tp"
-    proc = run(HVDKIT + ["zero", "--impls", "tp,torch-tp,horovod", "--width", "64", "--layers", "2", "--steps", "2",
-                         "--warmup", "1", "--repeats", "1", "--out", str(out)], timeout=600)
+    proc = run(HVDKIT + ["zero", "--impls", "tp,tp-sp,torch-tp,horovod", "--width", "64", "--layers", "2", "--steps",
+                         "2", "--warmup", "1", "--repeats", "1", "--out", str(out)], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     record = json.loads((out / "zero.json").read_text())
     table = record["table"]
-    assert list(table) == ["tp", "torch-tp", "horovod"]
-    for impl in ("tp", "torch-tp"):
+    assert list(table) == ["tp", "tp-sp", "torch-tp", "horovod"]
+    for impl in ("tp", "tp-sp", "torch-tp"):
         for held in ("params", "optimizer_state"):
             assert table[impl][held] == pytest.approx(table["horovod"][held] / 2, rel=0.05), (impl, held)
-    assert set(record["ratios"]) == {"tp/torch-tp", "tp/horovod"}
+    assert set(record["ratios"]) == {"tp/torch-tp", "tp/horovod", "tp-sp/tp"}
     assert "  tp/torch-tp by round: " in proc.stdout
     assert 0 < table["tp"]["exposed_ms_per_step"] < 1000 * 4 * 2 / table["tp"]["samples_per_sec"], table["tp"]
     assert "tp: exposed communication " in proc.stdout

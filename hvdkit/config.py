@@ -26,6 +26,7 @@ LR_SCHEDULES = ("cosine", "step", "none")
 LR_SCALINGS = ("linear", "sqrt", "none")
 OPTIMIZERS = ("sgd", "adamw", "adam")
 NONFINITE_ACTIONS = ("stop", "skip")
+PP_SCHEDULES = ("1f1b", "gpipe")  # hvdkit.parallel.pipeline.schedules
 
 
 @dataclass
@@ -70,6 +71,18 @@ class TrainConfig:
         "help": "with tp: the norms and dropouts between the split layers run on each rank's part of the sequence "
                 "(gathered into the split layers, reduce-scattered out of them): less activation memory, the same "
                 "traffic; the built-in GPT's plan, docs/model-parallelism.md"})
+    pp: int = field(default=1, metadata={
+        "help": "pipeline parallelism: cut the model into this many stages, one after another on as many ranks (a "
+                "data-parallel replica is pp x tp ranks; session.parallelize(model) cuts it, "
+                "docs/model-parallelism.md)"})
+    micro_batches: int = field(default=0, metadata={
+        "help": "with pp: the micro-batches of batch_size samples each step's batch runs through the pipeline as "
+                "(batches_per_allreduce, as the pipeline counts it); 1f1b needs at least pp"})
+    pp_schedule: str = field(default="1f1b", metadata={
+        "help": "with pp: the order of the micro-batches' forward and backward passes: 1f1b or gpipe"})
+    pp_cuts: list = field(default_factory=list, metadata={
+        "help": "with pp: where stages 1 to pp-1 begin (module names, as blocks.3, as torch's split_spec), or "
+                "parameters (balanced by parameter count); by default equal parts", "item": str})
     amp: bool = field(default=False, metadata={"help": "mixed precision: bf16 on CPU, fp16 + GradScaler on GPU"})
     clip_grad_norm: Optional[float] = field(default=None, metadata={"help": "clip gradients to this total norm"})
     elementwise_optimizer: bool = field(default=False, metadata={
@@ -153,7 +166,7 @@ RESUME_MAY_CHANGE = ("epochs", "max_steps", "data_dir", "num_workers", "log_inte
                      "fused_optimizer", "channels_last", "cudnn_benchmark", "tf32",
                      "commit_steps", "on_nonfinite", "elementwise_optimizer", "skip_bad_samples",
                      "check_consistency_steps", "straggler_threshold", "zero", "zero_groups", "tp",
-                     "sequence_parallel")
+                     "sequence_parallel", "pp", "micro_batches", "pp_schedule", "pp_cuts")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -210,7 +223,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"config: clip_grad_norm must be > 0 (got {cfg.clip_grad_norm})")
     if cfg.lr_schedule not in LR_SCHEDULES:
         raise ConfigError(f"config: lr_schedule must be one of {', '.join(LR_SCHEDULES)} (got {cfg.lr_schedule!r})")
-    for name, choices in (("lr_scaling", LR_SCALINGS), ("optimizer", OPTIMIZERS), ("on_nonfinite", NONFINITE_ACTIONS)):
+    for name, choices in (("lr_scaling", LR_SCALINGS), ("optimizer", OPTIMIZERS), ("on_nonfinite", NONFINITE_ACTIONS),
+                          ("pp_schedule", PP_SCHEDULES)):
         if getattr(cfg, name) not in choices:
             raise ConfigError(f"config: {name} must be one of {', '.join(choices)} (got {getattr(cfg, name)!r})")
     if cfg.zero not in (0, 1, 2, 3):
@@ -243,6 +257,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.sequence_parallel and cfg.tp == 1:
         raise ConfigError("config: sequence_parallel splits the sequence across a tensor-parallel group: give tp > 1 "
                           "too")
+    _check_pipeline(cfg)
     if cfg.use_adasum and cfg.gradient_predivide_factor != 1.0:
         raise ConfigError("config: gradient_predivide_factor must be 1.0 with use_adasum (Horovod averages only)")
     for name in ("log_dir", "checkpoint_dir"):
@@ -254,6 +269,34 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if problem:
         raise ConfigError(f"config: logger {cfg.logger!r}: {problem}")
     return cfg
+
+
+def _check_pipeline(cfg: TrainConfig) -> None:
+    """The pipeline's keys: ``micro_batches`` sets batches_per_allreduce (the step's micro-batches, which
+    the pipeline runs by its schedule), and what pipelines do not run with yet is refused."""
+    if cfg.pp < 1:
+        raise ConfigError(f"config: pp must be >= 1 (got {cfg.pp})")
+    if cfg.pp == 1:
+        if cfg.micro_batches or cfg.pp_cuts:
+            raise ConfigError("config: micro_batches and pp_cuts are the pipeline's: give pp > 1 too (without a "
+                              "pipeline, batches_per_allreduce sets the micro-batches of a step)")
+        return
+    if cfg.micro_batches < 0 or (cfg.micro_batches and cfg.batches_per_allreduce not in (1, cfg.micro_batches)):
+        raise ConfigError(f"config: micro_batches {cfg.micro_batches} and batches_per_allreduce "
+                          f"{cfg.batches_per_allreduce} both say how many micro-batches a step has; give one")
+    if cfg.micro_batches:
+        cfg.batches_per_allreduce = cfg.micro_batches
+    if cfg.pp_schedule == "1f1b" and cfg.batches_per_allreduce < cfg.pp:
+        raise ConfigError(f"config: 1f1b over {cfg.pp} stages needs at least {cfg.pp} micro-batches a step (it has "
+                          f"{cfg.batches_per_allreduce}); give micro_batches {cfg.pp} or more, or pp_schedule gpipe")
+    beside = [name for name, on in (("zero 3", cfg.zero == 3), ("use_adasum", cfg.use_adasum),
+                                    ("elastic", cfg.elastic), ("sharded_checkpoint", cfg.sharded_checkpoint),
+                                    ("snapshot_steps", cfg.snapshot_steps), ("amp", cfg.amp),
+                                    ("sequence_parallel", cfg.sequence_parallel), ("compile", cfg.compile),
+                                    ("sync_batch_norm", cfg.sync_batch_norm)) if on]
+    if beside:
+        raise ConfigError(f"config: pp is not yet for {', '.join(beside)} (docs/model-parallelism.md says what "
+                          f"pipelines run with); drop one")
 
 
 LOGGERS = ("tensorboard", "csv", "mlflow", "wandb")  # what --logger takes (hvdkit.rank.reports.loggers makes them)
@@ -354,8 +397,8 @@ GROUPS = {
     "optimization": ("epochs", "max_steps", "optimizer", "base_lr", "lr_scaling", "momentum", "weight_decay",
                      "warmup_epochs", "lr_schedule", "lr_decay_epochs", "lr_decay_factor", "clip_grad_norm", "amp",
                      "on_nonfinite", "elementwise_optimizer"),
-    "distributed": ("batches_per_allreduce", "zero", "zero_groups", "tp", "sequence_parallel", "fp16_allreduce",
-                    "use_adasum",
+    "distributed": ("batches_per_allreduce", "zero", "zero_groups", "tp", "sequence_parallel", "pp", "micro_batches",
+                    "pp_schedule", "pp_cuts", "fp16_allreduce", "use_adasum",
                     "gradient_predivide_factor",
                     "stall_timeout", "elastic", "commit_steps"),
     "checkpoints": ("checkpoint_dir", "checkpoint_steps", "keep_checkpoints", "async_checkpoint",

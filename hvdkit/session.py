@@ -20,10 +20,9 @@ A Horovod script keeps its loop and hands hvdkit the parts that are easy to get 
                 break
     session.finish()
 
-``Trainer`` is a loop over this class; ``Session(**keys)`` and ``hvdkit train --key`` read the same
-``TrainConfig`` keys, checked alike (docs/own-loop.md). ``Session`` is a facade, as Lightning Fabric's is:
-it holds the run's state (hvdkit.rank.state) and delegates to the parts hvdkit.rank lists, each handed
-that state and what else it uses.
+``Trainer`` is a loop over this class; ``Session(**keys)`` and ``hvdkit train --key`` read the same ``TrainConfig``
+keys, checked alike (docs/own-loop.md; a pipeline's loop: hvdkit.rank.step.pipelined). ``Session`` is a facade, as
+Lightning Fabric's is: it holds the run's state (hvdkit.rank.state) and delegates to the parts hvdkit.rank lists.
 """
 
 from __future__ import annotations
@@ -60,10 +59,11 @@ from hvdkit.rank.resume.host_snapshots import HostSnapshots
 from hvdkit.rank.resume.reading import CheckpointReader
 from hvdkit.rank.start import startup
 from hvdkit.rank.start.loaders import Loaders
-from hvdkit.rank.start.tensor_parallel import split_model
+from hvdkit.rank.start.parallelize import split_model
 from hvdkit.rank.state import RunState, state_field
 from hvdkit.rank.step import training
 from hvdkit.rank.step.buckets import distributed_optimizer
+from hvdkit.rank.step.pipelined import PipelinePasses
 
 # hvdkit's own errors: each ends every rank with one line instead of a traceback per rank.
 OWN_ERRORS = (ConfigError, CheckpointError, training.NonFiniteError, DivergenceError, LockstepError, RankEnded,
@@ -88,7 +88,7 @@ class Session:
                  **keys) -> None:
         own_loggers = take_loggers(loggers, keys)
         cfg = startup.read_config(config, keys)
-        self.hvd, self.device, self.mesh = hvd, device, mesh = startup.start(cfg)  # mesh: the (dp, tp) groups
+        self.hvd, self.device, self.mesh = hvd, device, mesh = startup.start(cfg)  # mesh: the (pp, dp, tp) groups
         snapshots = HostSnapshots.of_run(cfg, hvd, mesh)
         ahead = CheckpointReader(cfg, hvd, snapshots, mesh).read_ahead()  # resumed at another dp size: its K
         self.cfg = cfg = ahead.cfg
@@ -102,7 +102,7 @@ class Session:
         self._input_format = torch.preserve_format  # channels_last for a convolutional model on a GPU, from setup()
         self._lockstep = meetings = Lockstep(hvd, strict=not cfg.elastic, gone=self.watchdog.gone)
         self._times = times = StepTimes(self.rank, self.size, cfg.straggler_threshold)
-        self._reports = reports = Reports(cfg, hvd, device, state, times, own_loggers, copies=mesh.tp)
+        self._reports = reports = Reports(cfg, hvd, device, state, times, own_loggers, mesh)
         self._consistency = consistency = Consistency(cfg, hvd, device, state, mesh)
         self._loaders = loaders = Loaders(cfg, hvd, device, state, mesh)
         self._checkpoints = checkpoints = RunCheckpoints(cfg, hvd, state, loaders, consistency, self.watchdog,
@@ -115,6 +115,7 @@ class Session:
         self._start()
         self._step = step = training.TrainingStep(cfg, hvd, device, state, times, checkpoints.checkpoint_left, mesh)
         self._elastic = Elastic(cfg, hvd, state, loaders, checkpoints, reports, times, meetings, step.settle)
+        self.pipeline = PipelinePasses(cfg, mesh, device, state, self._start_step)  # pp: a step's passes
 
     def _start(self) -> None:
         """The parts start (the order: hvdkit.rank). Elastic: the stop handlers on the driver's host
@@ -156,8 +157,8 @@ class Session:
 
     # -- model, optimizer, resume (hvdkit.rank.resume.checkpoints) ------------------------------------------
     def parallelize(self, model: nn.Module, plan: Optional[dict] = None) -> nn.Module:
-        """With ``tp``, every rank's whole ``model`` split across its tensor-parallel group by ``plan`` (by default
-        the GPT's), before the optimizer is made (hvdkit.rank.start.tensor_parallel); else ``model``."""
+        """Every rank's whole ``model``, with ``pp`` cut into this rank's stage, with ``tp`` split across its
+        group by ``plan`` (by default the GPT's), before the optimizer is made (hvdkit.rank.start.parallelize)."""
         return split_model(self.cfg, self.hvd, self.device, self.mesh, self._state, model, plan)
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler=None):
@@ -336,9 +337,8 @@ class Session:
         return self._reports.due(self._loaders.epoch_ended())
 
     def report(self, stage: str = "train", **extra) -> dict:
-        """The sample-weighted means of everything log()ged since the last report, over all
-        ranks, in one allreduce; rank 0 shows and writes them with ``extra`` (e.g. lr) and the
-        throughput."""
+        """The sample-weighted means of everything log()ged since the last report, over all ranks, in one
+        allreduce; rank 0 shows and writes them with ``extra`` (e.g. lr) and the throughput."""
         self._meet(lockstep.REPORT)
         self._step.settle()
         return self._reports.report(stage, extra)

@@ -82,13 +82,34 @@ def lr_factor(cfg: TrainConfig, epoch: float, final_epoch: float, multiplier: fl
 
 
 def train_step(session: Session, model: nn.Module, loss_fn: LossFn, batch) -> None:
-    """One optimizer step over a batch of K micro-batches, logging each one's metrics."""
+    """One optimizer step over a batch of K micro-batches, logging each one's metrics (with ``pp``, the
+    last stage's: ``pipeline_step``)."""
     session.optimizer.zero_grad()
+    if session.cfg.pp > 1:
+        pipeline_step(session, loss_fn, batch)
+        return
     for micro in session.micro_batches(batch):
         with session.autocast():
             loss, metrics = loss_and_metrics(loss_fn, model, micro)
         session.backward(loss)
         session.log(batch_len(micro), loss=loss, **metrics)
+    session.step()
+
+
+def pipeline_step(session: Session, loss_fn: LossFn, batch) -> None:
+    """``train_step`` through a pipeline (hvdkit.rank.step.pipelined): ``batch`` (inputs, targets) run
+    by the schedule; on the last stage ``loss_fn`` is given the stage's output as the model's (a
+    callable returning it) and the micro-batch, and each micro-batch's metrics are logged there."""
+    logged = []
+
+    def last_stage_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss, metrics = loss_and_metrics(loss_fn, lambda _: output, (None, targets))
+        logged.append((batch_len(targets), loss, metrics))
+        return loss
+
+    session.pipeline.step(batch, last_stage_loss)
+    for samples, loss, metrics in logged:
+        session.log(samples, loss=loss, **metrics)
     session.step()
 
 
@@ -232,7 +253,14 @@ class Trainer:
         session = self.session
 
         def metrics_of(batch):
-            loss, metrics = loss_and_metrics(self.loss_fn, session.model, batch)
+            if session.cfg.pp > 1:  # the last stage's output, as the model's: the other stages log nothing
+                inputs, targets = batch
+                output = session.pipeline.forward(inputs)
+                if output is None:
+                    return 0, {}
+                loss, metrics = loss_and_metrics(self.loss_fn, lambda _: output, (None, targets))
+            else:
+                loss, metrics = loss_and_metrics(self.loss_fn, session.model, batch)
             return batch_len(batch), {"loss": loss, **metrics}
 
         return session.evaluate(test_loader, metrics_of)

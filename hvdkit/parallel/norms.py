@@ -9,7 +9,9 @@ data-parallel replicas hold the same (averaged) gradients, so every rank of the 
 the same norm, clips alike, and skips a step alike where the norm is not finite. Under ZeRO within
 the data-parallel set each rank holds slices of its block's gradient instead (``sharded_clip_grad_norm_``).
 A pipeline's stages hold disjoint parameters: a second allreduce of that one value over the
-pipeline's group (``stages``) adds the other stages' squares.
+pipeline's group (``stages``) adds the other stages' squares; an embedding tied to the output layer
+(``pipeline_tied``, hvdkit.parallel.pipeline.stages) is held by the first and the last stage, the
+same gradient on both once summed, and counts half on each.
 
 Nothing is read on the host: the norm stays a tensor (a GPU keeps it in flight).
 """
@@ -29,18 +31,28 @@ def grad_norm(parameters: Iterable[torch.Tensor], group, name: str, stages=None)
     ``parameters`` of a model split over ``group``; every rank of the group calls it alike. With
     ``stages`` (a pipeline's group: this rank's peers holding the other stages), the stages'
     squares are summed too, each stage's parameters its own."""
-    split, replicated = [], []
-    for param in parameters:
-        if param.grad is not None:
-            (split if getattr(param, "tp_dim", None) is not None else replicated).append(param.grad)
     squares = torch.zeros((), dtype=torch.float64)
-    for grads, weight in ((split, 1.0), (replicated, 1.0 / group.size)):
-        if grads:
-            squares = squares + weight * torch.stack([g.detach().double().square().sum() for g in grads]).sum()
+    for weight, grads in _weighted_grads(parameters, group.size, stages is not None).items():
+        squares = squares + weight * torch.stack([g.detach().double().square().sum() for g in grads]).sum()
     squares = all_reduce(squares.reshape(1), group, name)
     if stages is not None:
         squares = all_reduce(squares, stages, f"{name}.stages")
     return squares.reshape(()).sqrt()
+
+
+def _share(param, group_size: int, stages: bool) -> float:
+    """How much of ``param``'s squares this rank counts toward the whole model's: all of a split
+    block, 1/group_size of a replicated one, half again of one tied across the pipeline's ends."""
+    share = 1.0 if getattr(param, "tp_dim", None) is not None else 1.0 / group_size
+    return share / 2 if stages and getattr(param, "pipeline_tied", False) else share
+
+
+def _weighted_grads(parameters: Iterable[torch.Tensor], group_size: int, stages: bool) -> dict[float, list]:
+    weighted: dict[float, list] = {}
+    for param in parameters:
+        if param.grad is not None:
+            weighted.setdefault(_share(param, group_size, stages), []).append(param.grad)
+    return weighted
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, group, name: str,
@@ -58,18 +70,21 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, group, 
     return norm
 
 
-def sharded_clip_grad_norm_(optimizer, max_norm: Optional[float], group, dp_group, name: str) -> torch.Tensor:
+def sharded_clip_grad_norm_(optimizer, max_norm: Optional[float], group, dp_group, name: str,
+                            stages=None) -> torch.Tensor:
     """The whole model's gradient norm from ZeRO's slices (hvdkit.zero.optimizer.ShardedOptimizer over
     ``dp_group``'s set) of a model split over ``group``, and, with ``max_norm``, each slice's gradient
     scaled as ``clip_grad_norm_`` scales the parameters'. A slice's squares count once where they are
     of a split parameter, over the group's size where of a replicated one; one allreduce over the
-    data-parallel set gives each rank its block's sum, one over the group the whole model's. Every
-    rank of the mesh calls it alike."""
+    data-parallel set gives each rank its block's sum, one over the group the whole model's (and one
+    over ``stages``, a pipeline's group, the whole pipeline's). Every rank of the mesh calls it alike."""
     squares = torch.zeros((), dtype=torch.float64)
     for param, grad in sliced(optimizer):
-        weight = 1.0 if getattr(param, "tp_dim", None) is not None else 1.0 / group.size
-        squares = squares + weight * grad.detach().double().square().sum()
-    norm = all_reduce(all_reduce(squares.reshape(1), dp_group, f"{name}.dp"), group, name).reshape(()).sqrt()
+        squares = squares + _share(param, group.size, stages is not None) * grad.detach().double().square().sum()
+    squares = all_reduce(all_reduce(squares.reshape(1), dp_group, f"{name}.dp"), group, name)
+    if stages is not None:
+        squares = all_reduce(squares, stages, f"{name}.stages")
+    norm = squares.reshape(()).sqrt()
     if max_norm is not None:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for piece in optimizer.slices:

@@ -1,4 +1,4 @@
-"""A tensor-parallel model's state joined whole for a checkpoint, and a whole state split again.
+"""A tensor-parallel or pipelined model's state joined whole for a checkpoint, and a whole state split again.
 
 A checkpoint of a tensor-parallel run holds the whole model and the whole optimizer state, as a
 data-parallel run's does: every split parameter (``tp_dim``, hvdkit.parallel.plan) joined along
@@ -13,11 +13,17 @@ Joining is a collective of the tensor-parallel group (every rank of it calls ali
 point); splitting is not (each rank takes its block of the same whole state). A snapshot in host
 memory is written by each rank of a group on its own, with no collective in the step
 (``block_dims`` says how it is split), and joined by the rank that reads them (``joined_blocks``).
+
+A pipeline's stages hold disjoint parts of the model under the whole model's names: each stage's
+state, whole across its tensor-parallel group, goes to the pipeline's first rank, which joins them
+and numbers the optimizer's state in the whole model's order (``joined_stages``); each stage takes
+its entries back by name (``own_stage_state``, ``own_stage_optimizer_state``), then its blocks.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import nn
@@ -118,3 +124,64 @@ def joined_blocks(blocks: list[dict]) -> dict:
                         if dim is not None and torch.is_tensor(value) and tuple(value.shape) == shape else value
                         for key, value in per_parameter.items()}
     return {**first, "model": model, "optimizer": {"state": state, "param_groups": first["optimizer"]["param_groups"]}}
+
+
+def by_name(saved: dict, params: list, module: nn.Module) -> dict:
+    """An optimizer state_dict over ``params`` (numbered as the optimizer numbers them) of a pipeline
+    stage ``module`` (hvdkit.parallel.pipeline.stages.with_whole_names), its parameters named as in the
+    whole model: ``state`` by name, and each param group's ``params`` as names."""
+    name_of = {id(param): name for param, name in zip(module.parameters(), module.own_parameter_names, strict=True)}
+    names = [name_of[id(param)] for param in params]
+    return {"state": {names[int(index)]: value for index, value in saved["state"].items()},
+            "param_groups": [{**group, "params": [names[index] for index in group["params"]]}
+                             for group in saved["param_groups"]]}
+
+
+def joined_stages(model_state: dict, optimizer_state: dict, module: nn.Module, params: list, pp_group, hvd,
+                  name: str) -> Optional[tuple[dict, dict]]:
+    """The whole model's state and its optimizer's, from each stage's (``model_state``,
+    ``optimizer_state``: this stage's, whole across its tensor-parallel group, over ``params``), on the
+    pipeline's first rank: the state_dicts' keys are the whole model's already (a stage keeps its
+    modules' names), and the optimizer's state is numbered again in the whole model's parameter order,
+    as an optimizer over the whole model numbers it, so that the checkpoint resumes at any mesh, one
+    process included. Every stage's part goes over the pipeline's set once (a broadcast from each
+    stage in turn); the ranks of ``pp_group`` call it alike. None on its other ranks."""
+    mine = (model_state, by_name(optimizer_state, params, module))
+    parts = [hvd.broadcast_object(mine if stage == pp_group.rank else None, root_rank=rank, name=f"{name}.{stage}",
+                                  process_set=pp_group.process_set) for stage, rank in enumerate(pp_group.ranks)]
+    if pp_group.rank != 0:
+        return None
+    number = {parameter: index for index, parameter in enumerate(module.whole_parameter_names)}
+    model, state, groups = {}, {}, []
+    for stage_model, stage_optimizer in parts:
+        model.update(stage_model)
+        state.update({number[parameter]: value for parameter, value in stage_optimizer["state"].items()})
+        for index, group in enumerate(stage_optimizer["param_groups"]):
+            if index == len(groups):
+                groups.append({**group, "params": []})
+            groups[index]["params"] += [number[parameter] for parameter in group["params"]]
+    for group in groups:
+        group["params"].sort()
+    return model, {"state": dict(sorted(state.items())), "param_groups": groups}
+
+
+def own_stage_state(module: nn.Module, whole_model: dict) -> dict:
+    """The entries of a whole model's state_dict that pipeline stage ``module`` holds (its keys are
+    the whole model's); a key it lacks is left out, for load_state_dict to name."""
+    return {key: whole_model[key] for key in module.state_dict() if key in whole_model}
+
+
+def own_stage_optimizer_state(whole_state: dict, params: list, module: nn.Module, own_groups: list) -> dict:
+    """This stage's part of a whole model's optimizer state_dict (``joined_stages``', or one
+    process's over ``model.parameters()``), numbered as this stage's optimizer numbers ``params``;
+    ``own_groups``: its param groups (their ``params``), whose options the whole state's replace."""
+    number = {parameter: index for index, parameter in enumerate(module.whole_parameter_names)}
+    name_of = {id(param): name for param, name in zip(module.parameters(), module.own_parameter_names, strict=True)}
+    state = {}
+    for index, param in enumerate(params):
+        saved = whole_state["state"].get(number[name_of[id(param)]])
+        if saved is not None:
+            state[index] = saved
+    groups = [{**whole_group, "params": own["params"]}
+              for whole_group, own in zip(whole_state["param_groups"], own_groups, strict=True)]
+    return {"state": state, "param_groups": groups}

@@ -4,14 +4,16 @@ first: a package imports only itself and those listed before it (tests/test_layo
 - ``state``: where the run is (its counters and the objects it trains), shared by the parts;
   ``memory``: where in a step memory peaks (the state's phase peaks), and what a rank holds.
 - ``agree/``: the ranks' meetings (lockstep), their copies compared (consistency), stragglers.
-- ``step/``: the training step and its guard (training), the distributed optimizer (buckets).
+- ``step/``: the training step and its guard (training), the distributed optimizer (buckets), a
+  pipeline stage's passes (pipelined).
 - ``reports/``: metrics combined at each report and the summary (report), rank 0's output
   (metrics), the trackers (loggers; users import them as ``hvdkit.rank.loggers``).
 - ``liveness/``: the watchdog and its stacks, the watches on the launcher (orphan, lifeline), the
   line to hvdkit launch (link).
 - ``ending/``: stop signals, requeues and hvdkit's own errors in one line (stops), one run per
   directory (lock).
-- ``start/``: Horovod started for one training process (startup), the data each rank reads (loaders).
+- ``start/``: Horovod started for one training process (startup), the data each rank reads (loaders), the model
+  cut and split for the mesh (parallelize).
 - ``resume/``: checkpoints and resume (checkpoints), which one a run takes back (reading), elastic
   runs, snapshots in host memory.
 - ``finish``: the run's end, with its checkpoint and summary, over every part above.

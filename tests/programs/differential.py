@@ -289,18 +289,27 @@ CELLS += [
          steps=50, arms=TP_ARMS, compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4)),
 ]
 # Pipelines: the GPT cut in 2 stages, each schedule, at pp 2 (np 2) and pp 2 x dp 2 (np 4); and each stage
-# split over a tensor-parallel group, tp 2 x pp 2 (np 4)
+# split over a tensor-parallel group, tp 2 x pp 2 (np 4). In the loop users write by hand (Pipeline, Horovod's
+# DistributedOptimizer over the data-parallel set; or ZeRO 1 within it) and in hvdkit's Session with pp
+# (session.parallelize, setup, session.pipeline.step, step; with zero 1 where there is a data-parallel set).
+PP_ARMS = ("pp", "pp-zero-1", "pp-session", "pp-session-zero-1")
 CELLS += [
     Cell(f"pp-2-gpt-{schedule}", model=lambda: TinyGPT(64, 16, width=32, layers=4, heads=4).double(),
          causal_lm=True, pp=2, schedule=schedule, micro=2, micro_batches=4,
          optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1), steps=50,
-         arms=("pp", "pp-zero-1"), compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4))
+         arms=PP_ARMS, compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4))
     for schedule in ("gpipe", "1f1b")
 ] + [
     Cell("pp-2-gpt-tied", model=lambda: TinyGPT(64, 16, width=32, layers=4, heads=4, tie_output=True).double(),
          causal_lm=True, pp=2, micro=2, micro_batches=4,
-         optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1), steps=50, arms=("pp",),
-         compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4)),
+         optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1), steps=50,
+         arms=("pp", "pp-session"), compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4)),
+    # clipped by the whole pipeline's norm, the tied embedding's gradient counted once though both ends hold it
+    Cell("pp-2-gpt-tied-clipped", model=lambda: TinyGPT(64, 16, width=32, layers=4, heads=4,
+                                                        tie_output=True).double(),
+         causal_lm=True, pp=2, micro=2, micro_batches=4, keys={"clip_grad_norm": 0.05},
+         optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), steps=50,
+         arms=("pp", "pp-session"), compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4)),
     # a model of the user's own, an nn.Sequential cut at a named child (fp32: the harness's batches of features)
     Cell("pp-2-sequential-mlp", model=lambda: nn.Sequential(
         nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3)),
@@ -312,22 +321,22 @@ CELLS += [
          arms=("pp", "pp-zero-1"), compared=("losses", "weights"), exact=False, tolerance=1e-3, at=(2, 4)),
     Cell("pp-2-gpt-clip-and-a-nonfinite-step", model=lambda: TinyGPT(64, 16, width=32, layers=4, heads=4).double(),
          causal_lm=True, pp=2, micro=2, micro_batches=4,
-         optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), steps=50, arms=("pp",),
-         compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4), keys={"clip_grad_norm": 0.05},
-         poisoned=7),
+         optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), steps=50,
+         arms=("pp", "pp-session"), compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(2, 4),
+         keys={"clip_grad_norm": 0.05}, poisoned=7),
 ] + [
     # 4 stages at np 4: the middle stages receive and send both ways; the tied ends are a set of their own
     Cell(f"pp-4-gpt{'-tied' if tied else ''}-1f1b",
          model=lambda tied=tied: TinyGPT(64, 16, width=32, layers=4, heads=4, tie_output=tied).double(),
          causal_lm=True, pp=4, micro=2, micro_batches=4,
-         optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1), steps=50, arms=("pp",),
-         compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(4,))
+         optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1), steps=50,
+         arms=("pp", "pp-session"), compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(4,))
     for tied in (False, True)
 ] + [
     Cell("tp-2-pp-2-gpt-1f1b", model=lambda: TinyGPT(64, 16, width=32, layers=4, heads=4).double(),
          causal_lm=True, tp=2, pp=2, plan=gpt_plan, micro=2, micro_batches=4,
          optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1), steps=50,
-         arms=("pp",), compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(4,)),
+         arms=("pp", "pp-session"), compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(4,)),
 ]
 SMOKE = ("fp32", "optimizer-over-part", "mixed-dtypes", "zero-1", "zero-3-hf-shaped-causal-lm",  # horovodrun --gloo
          "tp-2-gpt-tied", "tp-2-gpt-sequence-parallel", "pp-2-gpt-1f1b")
@@ -492,6 +501,8 @@ def pipeline_arm(cell: Cell, arm: str, log_dir: str) -> dict:
     or reduce-scattered by ZeRO 1 within it (``pp-zero-1``), clipped by the whole pipeline's norm
     where the cell clips (a non-finite one skips the step on every rank), in the loop users write:
     this rank's stage's weights, and each step's loss on the last stage."""
+    if arm.startswith("pp-session"):
+        return pipeline_session(cell, log_dir, zero=1 if arm.endswith("zero-1") else 0)
     mesh = mesh_of(cell)
     torch.manual_seed(0)
     stage = (cell.cut or gpt_stage)(cell.model(), mesh.pp_group.rank, mesh.pp)
@@ -531,6 +542,42 @@ def pipeline_arm(cell: Cell, arm: str, log_dir: str) -> dict:
     joined = whole_state_dict(stage, mesh.tp_group, f"differential.{cell.name}.{arm}") if cell.tp else dict(
         stage.named_parameters())
     return {"losses": losses, "weights": [joined[name].detach().clone() for name in names], "names": names}
+
+
+def pipeline_session(cell: Cell, log_dir: str, zero: int = 0) -> dict:
+    """hvdkit's Session with ``pp`` (and ``tp``), in the loop users write: this rank's stage cut by
+    session.parallelize from its own whole model (the Session gives every rank rank 0's weights), each
+    replica's batch stepped by session.pipeline.step, its gradients averaged over the data-parallel set,
+    clipped by the whole pipeline's norm, a non-finite step skipped on every stage
+    (``on_nonfinite: skip``): this rank's stage's weights, and each step's loss on the last stage."""
+    keys = {"seed": 0, "batch_size": BATCH, "logger": "none", "log_dir": log_dir, "tp": cell.tp or 1, "pp": cell.pp,
+            "micro_batches": cell.micro_batches, "pp_schedule": cell.schedule, "zero": zero, **cell.keys}
+    session = hvdkit.Session(**keys, **({"on_nonfinite": "skip"} if cell.poisoned is not None else {}))
+    torch.manual_seed(0)
+    whole = cell.model()
+    if hvd.rank() != 0:  # weights of their own: the Session gives every rank rank 0's
+        with torch.no_grad():
+            for param in whole.parameters():
+                param.add_(1.0)
+    stage = session.parallelize(whole)  # cut, then split by the GPT's plan under tp
+    model, optimizer = session.setup(stage, cell.optimizer(stage))
+    names = [name for name, _ in model.named_parameters()]
+    losses, replica, poisoned = [], session.mesh.dp_group.rank, [False]
+
+    def loss_fn(logits, targets):
+        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return loss * float("nan") if poisoned[0] else loss
+
+    for step in range(cell.steps):
+        poisoned[0] = step == cell.poisoned
+        optimizer.zero_grad()
+        per_micro_batch = session.pipeline.step(batch_of(cell, replica, step), loss_fn)
+        if session.pipeline.is_last:
+            losses.append(torch.stack(per_micro_batch).mean())
+        session.step()
+    joined = whole_state_dict(model, session.mesh.tp_group, f"differential.{cell.name}.session")
+    session.finish()
+    return {"losses": losses, "weights": [joined[name] for name in names], "names": names}
 
 
 def tensor_parallel_arm(cell: Cell, arm: str, log_dir: str) -> dict:

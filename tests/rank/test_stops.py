@@ -42,12 +42,15 @@ LONG = ["--model", "mlp", "--epochs", "60", "--lr-schedule", "step", "--lr-decay
 SHORT = [*LONG, "--epochs", "16", "--lr-decay-epochs", "14"]
 # The built-in GPT split across both ranks (tp 2): its flags after LONG's, which they override.
 TENSOR_PARALLEL = ["--dataset", "text", "--model", "gpt-tiny", "--seq-len", "32", "--batch-size", "4", "--tp", "2"]
+PIPELINE = [*TENSOR_PARALLEL[:-2], "--pp", "2", "--micro-batches", "2"]  # its two stages, one on each rank
 LAUNCHERS = {  # name: the command that runs `command` on 2 ranks
     "hvdkit launch mpirun": lambda command: [*LAUNCH, "--launcher", "mpirun", "--", *command],
     "hvdkit launch horovodrun --mpi": lambda command: [*LAUNCH, "--launcher", "horovodrun", "--mpi", "--", *command],
     "hvdkit launch horovodrun --gloo": lambda command: [*LAUNCH, "--launcher", "horovodrun", "--gloo", "--",
                                                         *command],
     "hvdkit launch mpirun, tp 2": lambda command: [*LAUNCH, "--launcher", "mpirun", "--", *command, *TENSOR_PARALLEL],
+    "hvdkit launch horovodrun --gloo, pp 2": lambda command: [*LAUNCH, "--launcher", "horovodrun", "--gloo", "--",
+                                                              *command, *PIPELINE],
     "mpirun": lambda command: planner.local_command("mpirun", 2, command),
     "horovodrun --gloo": lambda command: planner.local_command("horovodrun --gloo", 2, command),
 }
@@ -114,6 +117,7 @@ def uninterrupted(tmp_path_factory):
     ("hvdkit launch mpirun", signal.SIGHUP, 129),
     ("mpirun", signal.SIGTERM, 1),  # Open MPI's own code for a job it was told to end
     ("hvdkit launch mpirun, tp 2", signal.SIGTERM, 143),  # the step's checkpoint joined over the group
+    ("hvdkit launch horovodrun --gloo, pp 2", signal.SIGTERM, 143),  # joined across the stages
 ])
 def test_a_stop_signal_saves_the_step_it_stopped_at(tmp_path, launcher, sig, code):
     proc = start(launcher, tmp_path)
@@ -271,6 +275,7 @@ def test_a_frozen_rank_ends_the_job_at_the_stall_limit_named_with_exit_code_75(t
         "hvdkit launch mpirun": ("hvdkit launch mpirun", STALL, {}),
         "hvdkit launch horovodrun --gloo": ("hvdkit launch horovodrun --gloo", STALL, {}),
         "hvdkit launch mpirun, tp 2": ("hvdkit launch mpirun, tp 2", STALL, {}),  # rank 0 waits in a tp collective
+        "hvdkit launch horovodrun --gloo, pp 2": ("hvdkit launch horovodrun --gloo, pp 2", STALL, {}),  # for a stage
         "mpirun": ("mpirun", STALL, {}),
         "horovodrun --gloo": ("horovodrun --gloo", STALL, {}),
         "horovodrun --gloo, Gloo's timeout": ("horovodrun --gloo", 0, {"HOROVOD_GLOO_TIMEOUT_SECONDS": "6"}),

@@ -21,6 +21,7 @@ runs one batch's forward and backward passes as micro-batches by the schedule
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Optional
 
 import torch
 from torch import nn
@@ -95,6 +96,18 @@ def gpt_stage(model: nn.Module, stage: int, stages: int, cuts=None) -> GPTStage:
     part = GPTStage(model, bounds[stage], bounds[stage + 1])
     if stages > 1 and model.head.weight is model.tokens.weight:  # held by the first stage and by the last
         model.tokens.weight.pipeline_tied = True
+    return with_whole_names(part, model)
+
+
+def with_whole_names(part: nn.Module, model: nn.Module) -> nn.Module:
+    """``part``, a stage of ``model``, told its parameters' names in the whole model, for a checkpoint
+    joined across stages (hvdkit.parallel.whole): ``whole_parameter_names``, every parameter of the
+    whole model by its first name, in the model's order (the order an optimizer over
+    ``model.parameters()`` numbers them); ``own_parameter_names``, this stage's, in its own order.
+    A tied output layer's weight is the embedding's (``tokens.weight``) on the last stage too."""
+    first_name = {id(param): name for name, param in reversed(list(model.named_parameters(remove_duplicate=False)))}
+    part.whole_parameter_names = list(dict.fromkeys(first_name[id(param)] for param in model.parameters()))
+    part.own_parameter_names = [first_name[id(param)] for param in part.parameters()]
     return part
 
 
@@ -116,7 +129,8 @@ def sequential_stage(model: nn.Sequential, stage: int, stages: int, cuts=None) -
             raise ConfigError(f"pp: the cuts {', '.join(map(str, cuts)) or 'given'} are not {stages - 1} increasing "
                               f"names of the model's modules after its first ({', '.join(names[1:4])}, ...)")
         bounds = [0, *indices, len(names)]
-    return nn.Sequential(OrderedDict((name, getattr(model, name)) for name in names[bounds[stage]:bounds[stage + 1]]))
+    part = nn.Sequential(OrderedDict((name, getattr(model, name)) for name in names[bounds[stage]:bounds[stage + 1]]))
+    return with_whole_names(part, model)
 
 
 def sum_tied_grads(module: nn.Module, mesh, name: str) -> None:
@@ -164,3 +178,16 @@ class Pipeline:
         device = next(self.module.parameters()).device
         return run_schedule(self.module, self.actions, list(inputs.split(size)), list(targets.split(size)),
                             loss_fn, self.previous, self.following, device, self.times)
+
+    def forward(self, inputs: torch.Tensor) -> Optional[torch.Tensor]:
+        """The whole model's output for ``inputs`` (the same on every stage of the pipeline), in one
+        pass through the stages without a backward (evaluation: call it under ``torch.no_grad()``): the
+        last stage's output there, None on the others. Every stage of the pipeline calls it alike."""
+        key, device = tuple(inputs.shape), next(self.module.parameters()).device
+        x = inputs if self.previous is None else self.previous.receive("forward", 0, key, device)
+        out = self.module(x)
+        if self.following is None:
+            return out
+        self.following.send(out, "forward", 0, key)
+        self.following.settle()  # the next pass's send has this one's name
+        return None

@@ -18,8 +18,10 @@ covers the buffers and the weights kept whole (the gathers give every rank the s
 weights by construction). Under tensor parallelism (``tp``) a split weight's block, and its
 optimizer state, is compared with the ranks of its data-parallel group, which hold the same block,
 never with the other blocks of its tensor-parallel group; what every rank holds whole (the norms,
-the position embedding) with every rank. Not compared: the running statistics of batch norms that are not
-synchronized (each rank's own batches, by design in Horovod), which a checkpoint takes from rank 0.
+the position embedding) with every rank. Under pipeline parallelism (``pp``) every stage's tensors
+with its data-parallel group only: the other stages hold other parts of the model. Not compared: the
+running statistics of batch norms that are not synchronized (each rank's own batches, by design in
+Horovod), which a checkpoint takes from rank 0.
 
 On a mismatch every rank stops at that step (they all read the same allreduce): the digests
 are gathered once to name the ranks that differ from the largest group, their hosts and the
@@ -85,8 +87,11 @@ def _horovod_sync_batch_norm():
     return hvd.SyncBatchNorm
 
 
-def scope(zero: int, adasum: bool, tp: int = 1) -> str:
-    """What the check compares under ``zero`` (its stage), Adasum and tensor parallelism, in words."""
+def scope(zero: int, adasum: bool, tp: int = 1, pp: int = 1) -> str:
+    """What the check compares under ``zero`` (its stage), Adasum, tensor and pipeline parallelism, in words."""
+    if pp > 1:
+        state = "not the optimizer's state, whose slices each rank holds alone" if zero else "the optimizer's state"
+        return f"each stage's weights, buffers and {state} with its data-parallel group, which holds the same stage"
     if tp > 1 and zero:
         return ("the weights kept whole and the buffers with every rank; each block of a split weight with its "
                 "data-parallel group, which holds the same block; not the optimizer's state, whose slices each "
@@ -149,15 +154,18 @@ class Consistency:
         assert not state.unsettled, "hvdkit: the steps' non-finite flags are read (settle) before a consistency check"
         self.checked_at = step
         tensors = compared(state.model, state.optimizer, not (cfg.zero or cfg.use_adasum))
-        blocks = self._blocks(state.model) & {name for name, _ in tensors}
+        names = {name for name, _ in tensors}
+        blocks = names if self.mesh.pp > 1 else self._blocks(state.model) & names  # a stage: with its replicas only
         tensors = [*(t for t in tensors if t[0] not in blocks), *(t for t in tensors if t[0] in blocks)]
         if not tensors:
             return
         digests = torch.stack([digest(t).to(self.device) for _, t in tensors]).cpu()
         whole = len(tensors) - len(blocks)  # compared with every rank; the blocks within the data-parallel group
-        extremes = hvd.allreduce(torch.cat([digests[:whole], -digests[:whole]]), op=hvd.Min,
-                                 name="hvdkit.consistency")
-        agree = torch.equal(extremes[:whole], -extremes[whole:])
+        agree = True
+        if whole:
+            extremes = hvd.allreduce(torch.cat([digests[:whole], -digests[:whole]]), op=hvd.Min,
+                                     name="hvdkit.consistency")
+            agree = torch.equal(extremes[:whole], -extremes[whole:])
         if blocks and self.mesh.dp > 1:
             group = self.mesh.dp_group.process_set
             extremes = hvd.allreduce(torch.cat([digests[whole:], -digests[whole:]]), op=hvd.Min,
@@ -211,7 +219,8 @@ class Consistency:
                 f"{first!r}; digests per tensor and rank in {report}; {self._kept()}")
         if self.hvd.rank() == 0:
             _write_json(report, {"step": step, "last_good_step": self.last_good, "first": first,
-                                 "compared": scope(self.cfg.zero, self.cfg.use_adasum, self.mesh.tp),
+                                 "compared": scope(self.cfg.zero, self.cfg.use_adasum, self.mesh.tp,
+                                                   self.mesh.pp),
                                  "differing_ranks": differing, "reference_ranks": reference,
                                  "hosts": [host for host, _ in ranks], "tensors": names,
                                  "digests": {name: [values[i] for _, values in ranks] for i, name in enumerate(names)}})

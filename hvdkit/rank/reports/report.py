@@ -35,11 +35,13 @@ class Reports:
     """The metrics of one run, at the state's step, with each rank's step ``times``."""
 
     def __init__(self, cfg, hvd, device, state: RunState, times: StepTimes, own_loggers: Sequence = (),
-                 copies: int = 1) -> None:
-        """``own_loggers``: Logger objects of your own making, beside those ``cfg.logger`` names;
-        ``copies``: the ranks that log each sample (a tensor-parallel group's, which read the same batches)."""
+                 mesh=None) -> None:
+        """``own_loggers``: Logger objects of your own making, beside those ``cfg.logger`` names; ``mesh``:
+        the job's (hvdkit.parallel.mesh; None: data parallelism alone), whose tensor-parallel group's
+        ranks each log every sample they read alike, and whose pipelines log on their last stage only."""
         self.cfg, self.hvd, self.device, self.state, self.times = cfg, hvd, device, state, times
-        self.copies = copies
+        self.copies = mesh.tp if mesh else 1  # the ranks that log each sample
+        self.stages = mesh.pp if mesh else 1  # the metrics' names are agreed where stages log differently
         self.own_loggers = list(own_loggers)
         self.sums: dict[str, torch.Tensor] = {}
         self._logged: list[tuple] = []  # (samples, means) logged since the last fold
@@ -88,6 +90,9 @@ class Reports:
         rank's step times (hvdkit.rank.agree.stragglers: each rank fills its own row)."""
         hvd, step = self.hvd, self.state.global_step
         self._fold()
+        if self.stages > 1:  # only the last stage has a loss to log: every rank sums every name, some of zeros
+            for name in sorted(set().union(*hvd.allgather_object(sorted(self.sums), name=f"hvdkit.{stage}.names"))):
+                self.sums.setdefault(name, torch.zeros((), device=self.device))
         names = sorted(self.sums)
         times = self.times.row().to(self.device) if stage == "train" else torch.zeros(0, device=self.device)
         window = torch.cat([torch.stack([*(self.sums[n] for n in names), self.count.float()]).double(), times])

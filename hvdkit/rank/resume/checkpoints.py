@@ -9,7 +9,8 @@ before anything is written (which one, and whether: hvdkit.rank.resume.reading).
 run's checkpoint says nothing the world size decides: ZeRO's shards are re-sliced, a sharded
 checkpoint is read whole. A tensor-parallel run's checkpoint holds the whole model and optimizer
 state (hvdkit.parallel.whole: joined over each tensor-parallel group before rank 0 writes, each
-rank's blocks taken on resume), so it resumes at any (dp, tp), and at tp 1 as any other.
+rank's blocks taken on resume), so it resumes at any (dp, tp), and at tp 1 as any other; a pipelined
+run's, its stages' states joined by name as well, at any (dp, pp, tp).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class RunCheckpoints:
                  snapshots: Optional[HostSnapshots], read_ahead: Optional[dict], mesh) -> None:
         self.cfg, self.hvd, self.state, self.mesh = cfg, hvd, state, mesh
         self.tp_group = mesh.tp_group if mesh.tp > 1 else None  # the model's blocks are joined and split over it
+        self.whole = mesh.tp > 1 or mesh.pp > 1  # the model's parts joined whole for rank 0 to write
         self.loaders, self.consistency, self.watchdog = loaders, consistency, watchdog
         self.elastic_state: Optional[dict] = None  # read in setup(), applied by load_elastic
         self.elastic_sampler = None  # given to load_elastic: a stop's checkpoint records its position
@@ -67,7 +69,7 @@ class RunCheckpoints:
         broadcast_optimizer_state would take a zero-gradient step to create state, which with
         AdamW's weight decay moves the weights. Elastic: read here, applied by load_elastic.
         Zero 3: with the weights final on every rank, each keeps its slices of them (shard_model). Tensor
-        parallelism: every replica's blocks are of rank 0's weights already (Session.parallelize)."""
+        and pipeline parallelism: every replica's parts are of rank 0's weights already (Session.parallelize)."""
         if self.cfg.snapshot_steps and not self.snapshots:
             raise ConfigError("snapshot_steps: snapshots are kept for the restarts of hvdkit launch --max-restarts N "
                               "(which names where each host keeps them); run under it, or drop snapshot_steps")
@@ -79,7 +81,7 @@ class RunCheckpoints:
         state = self.restore()
         if state is not None:
             self.loaders.resumed_batches = state.get("loader_batches")
-        elif not getattr(self.state.optimizer, "deferred", False) and self.tp_group is None:  # deferred: made alike
+        elif not getattr(self.state.optimizer, "deferred", False) and not self.whole:  # deferred: made alike
             self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         if self.cfg.zero == 3:
             self.state.optimizer.shard_model()
@@ -108,7 +110,8 @@ class RunCheckpoints:
         if "error" in state:  # every rank stops with the same line
             raise state["error"]
         self.load_state(state)
-        if (state["world_size"], state["config"].get("tp", 1)) == (self.hvd.size(), self.mesh.tp):
+        if (state["world_size"], state["config"].get("tp", 1), state["config"].get("pp", 1)) == (
+                self.hvd.size(), self.mesh.tp, self.mesh.pp):
             set_rng_state(state["rng"][self.hvd.rank()])
             if self.state.rng_tracker is not None:
                 self.state.rng_tracker.load_state_dict(state["rng"][self.hvd.rank()]["tp"])
@@ -144,6 +147,8 @@ class RunCheckpoints:
                 run.optimizer.load_model_state(state["model"], sliced=sliced)
             else:
                 model_state = shards.whole_model(path, state) if sliced else state["model"]
+                if self.mesh.pp > 1:  # this rank's stage of the whole
+                    model_state = whole.own_stage_state(self.module(), model_state)
                 if self.tp_group is not None:  # this rank's blocks of the whole
                     model_state = whole.own_model_state(self.module(), model_state, self.tp_group)
                 self.module().load_state_dict(model_state)
@@ -152,16 +157,14 @@ class RunCheckpoints:
                               f"{str(exc).splitlines()[0]}") from None
         if "zero_shard" in state:  # from a snapshot: this rank's shard, as it was
             shards.load_own(run.optimizer, path, saved, state["zero_shard"])
-        elif shards.is_manifest(saved) and self.cfg.zero and self.tp_group is None:
+        elif shards.is_manifest(saved) and self.cfg.zero and not self.whole:
             shards.load(run.optimizer, path, saved)
-        elif self.cfg.zero:  # a whole state (a checkpoint of zero 0, or of tensor parallelism: its blocks), sliced
+        elif self.cfg.zero:  # a whole state (a checkpoint of zero 0, or of tp or pp: this rank's part), sliced
             saved = shards.plain_optimizer_state(path, saved) if shards.is_manifest(saved) else saved
-            run.optimizer.load_whole_state(saved if self.tp_group is None else
-                                           whole.own_optimizer_state(saved, self._params(), self.tp_group))
+            run.optimizer.load_whole_state(self._own_optimizer_state(saved))
         else:
             saved = shards.plain_optimizer_state(path, saved) if shards.is_manifest(saved) else saved
-            run.optimizer.load_state_dict(saved if self.tp_group is None else
-                                          whole.own_optimizer_state(saved, self._params(), self.tp_group))
+            run.optimizer.load_state_dict(self._own_optimizer_state(saved))
             # That made new param-group dicts; a scheduler sets the rates in the dicts of the
             # optimizer you passed, so those must stay the ones Horovod's wrapper steps with.
             for mine, loaded in zip(run.inner.param_groups, run.optimizer.param_groups, strict=True):
@@ -219,7 +222,7 @@ class RunCheckpoints:
             shutil.rmtree(checkpoint.shard_folder(checkpoint.path_for(self.cfg.checkpoint_dir, run.global_step)),
                           ignore_errors=True)
         rng = self.hvd.allgather_object(self._own_rng())
-        joined = self._joined() if self.tp_group is not None else {}
+        joined = self._joined() if self.whole else {}
         if self.hvd.rank() == 0 or self.writes_parts:
             self.write(shards.manifest(run.optimizer) if self.cfg.zero and not joined else joined.get("optimizer"),
                        rng=rng,
@@ -231,14 +234,36 @@ class RunCheckpoints:
         return {**rng_state(), **({"tp": tracker.state_dict()} if tracker else {})}
 
     def _joined(self) -> dict:
-        """The whole model's state and its optimizer's, joined over the tensor-parallel group (and ZeRO's
-        slices over the data-parallel set first); every rank calls it alike (hvdkit.parallel.whole)."""
-        step, optimizer = self.state.global_step, self.state.optimizer
+        """The whole model's state and its optimizer's, on the CPU: joined over the tensor-parallel group
+        (ZeRO's slices over the data-parallel set first), then across the pipeline's stages by name, on
+        rank 0's pipeline; every rank calls it alike (hvdkit.parallel.whole). {} where it is not whole here."""
+        step, optimizer, module, group = self.state.global_step, self.state.optimizer, self.module(), self.mesh.tp_group
         own = (whole.whole_sharded_state(optimizer, self.mesh.dp_group, f"hvdkit.tp.save.{step}.zero")
                if self.cfg.zero else optimizer.state_dict())
-        return {"model": whole_state_dict(self.module(), self.tp_group, f"hvdkit.tp.save.{step}"),
-                "optimizer": whole.whole_optimizer_state(own, self._params(), self.tp_group,
-                                                         f"hvdkit.tp.save.{step}.optimizer")}
+        model_state = whole_state_dict(module, group, f"hvdkit.tp.save.{step}")
+        optimizer_state = whole.whole_optimizer_state(own, self._params(), group, f"hvdkit.tp.save.{step}.optimizer")
+        if self.mesh.pp > 1:
+            if 0 not in self.mesh.pp_group.ranks:  # the other pipelines hold the same stages
+                return {}
+            joined = whole.joined_stages(model_state, optimizer_state, module, self._params(), self.mesh.pp_group,
+                                         self.hvd, f"hvdkit.pp.save.{step}")
+            if joined is None:
+                return {}
+            model_state, optimizer_state = joined
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def _own_optimizer_state(self, saved: dict) -> dict:
+        """This rank's part of a whole optimizer state (hvdkit.parallel.whole): its stage's, then its blocks."""
+        if self.mesh.pp > 1:
+            own_groups = [{"params": list(range(first, first + count))} for first, count in self._group_spans()]
+            saved = whole.own_stage_optimizer_state(saved, self._params(), self.module(), own_groups)
+        return saved if self.tp_group is None else whole.own_optimizer_state(saved, self._params(), self.tp_group)
+
+    def _group_spans(self) -> list[tuple[int, int]]:
+        """(first number, count) of each param group's parameters, as the optimizer's state_dict numbers them."""
+        sizes = self.state.optimizer.group_sizes if self.cfg.zero else [
+            len(group["params"]) for group in self.state.optimizer.param_groups]
+        return [(sum(sizes[:index]), size) for index, size in enumerate(sizes)]
 
     def _params(self) -> list:
         """The parameters in the order the optimizer's state_dict numbers them (ZeRO's: the model's,
@@ -249,7 +274,7 @@ class RunCheckpoints:
     @property
     def writes_parts(self) -> bool:
         """Every rank writes a part of this run's checkpoints (checkpoint.parts)."""
-        if self.tp_group is not None:  # whole: joined over the mesh before rank 0 writes it
+        if self.whole:  # joined over the mesh before rank 0 writes it
             return False
         return bool(self.cfg.zero) or (self.cfg.sharded_checkpoint and self.hvd.size() > 1)
 

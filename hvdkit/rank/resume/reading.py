@@ -2,8 +2,9 @@
 or this host's snapshot where newer), refused with one line where this run cannot continue it.
 
 A sharded run (``zero``, or ``sharded_checkpoint``) may resume at another world size, and a
-tensor-parallel run's checkpoint (whole: hvdkit.parallel.whole) at another number of data-parallel
-replicas (world size / tp): its accumulation steps K adapt so that the global batch, and with it
+tensor-parallel or pipelined run's checkpoint (whole: hvdkit.parallel.whole) at another mesh and
+number of data-parallel replicas (world size / (pp x tp)): its accumulation steps K (a pipeline's
+micro-batches) adapt so that the global batch, and with it
 the data position and the learning rate schedule, stay as they were; where K cannot, it is
 refused. That K is decided by ``read_ahead`` before the Session makes its parts, which are then
 made with it.
@@ -75,15 +76,17 @@ class CheckpointReader:
 
     def accepted(self, path: Path, state: dict) -> dict:
         """The checkpoint ``path``'s ``state`` with its path, if this run may continue it; ConfigError if not."""
+        saved_config = state["config"]
+        other_mesh = (saved_config.get("tp", 1), saved_config.get("pp", 1)) != (self.cfg.tp, self.cfg.pp)
         other_size = replicas(state) != self.mesh.data_parallel(self.hvd)[1]
-        sharded = self.sharded and bool(state["config"].get("zero") or state["config"].get("sharded_checkpoint"))
-        adaptable = sharded or max(state["config"].get("tp", 1), self.cfg.tp) > 1  # a tp run's checkpoint is whole
-        adapted = ("batches_per_allreduce",) * (adaptable and other_size)
+        sharded = self.sharded and bool(saved_config.get("zero") or saved_config.get("sharded_checkpoint"))
+        adaptable = sharded or model_parallel(saved_config, self.cfg)  # a tp or pp run's checkpoint is whole
+        adapted = ("batches_per_allreduce",) * (adaptable and (other_size or other_mesh))
         conflict = config_resume_conflict(state["config"], self.cfg, adapted)
         if conflict:
             raise ConfigError(f"checkpoint {path} {conflict}")
         saved = state["world_size"]
-        if other_size and adaptable:
+        if (other_size or other_mesh) and adaptable:
             return {**state, "path": str(path), "batches_per_allreduce": self._adapted_k(path, state)}
         if other_size and not self.cfg.elastic:  # elastic positions fit any size
             raise ConfigError(f"checkpoint {path} was written by {saved} ranks, this job has "
@@ -116,22 +119,32 @@ class CheckpointReader:
         return None
 
     def _adapted_k(self, path, state: dict) -> int:
-        """K for this number of data-parallel replicas (the world size without tensor parallelism) that
+        """K for this number of data-parallel replicas (the world size over pp x tp) that
         keeps the checkpoint's global batch (replicas x batch x K); ConfigError if none does. Said in one line."""
         saved, size, k = replicas(state), self.mesh.data_parallel(self.hvd)[1], state["config"]["batches_per_allreduce"]
-        what = "data-parallel replicas" if max(state["config"].get("tp", 1), self.cfg.tp) > 1 else "ranks"
+        what = "data-parallel replicas" if model_parallel(state["config"], self.cfg) else "ranks"
         if (saved * k) % size:
             raise ConfigError(f"checkpoint {path} was written by {saved} {what} with batches_per_allreduce {k}; "
                               f"{size} {what} cannot keep its global batch of {saved} x {k} batches (the data "
                               f"position and learning rate depend on it): resume with a number that divides "
                               f"{saved * k}, or start afresh in another --checkpoint-dir")
-        adapted = saved * k // size
-        print(f"hvdkit: checkpoint {path} was written by {saved} {what}, this job has {size}: batches_per_allreduce "
-              f"{k} -> {adapted} keeps the global batch of {saved * k * self.cfg.batch_size} samples and the "
-              f"learning rate schedule", file=sys.stderr, flush=True)
+        adapted, asked, samples = saved * k // size, self.cfg.batches_per_allreduce, saved * k * self.cfg.batch_size
+        if saved != size:
+            print(f"hvdkit: checkpoint {path} was written by {saved} {what}, this job has {size}: "
+                  f"batches_per_allreduce {k} -> {adapted} keeps the global batch of {samples} samples and the "
+                  f"learning rate schedule", file=sys.stderr, flush=True)
+        elif adapted != asked:  # another mesh of as many replicas: a pipeline's micro-batches, say
+            print(f"hvdkit: checkpoint {path} was written with batches_per_allreduce {k}, which this run keeps (it "
+                  f"asked for {asked}): the global batch of {samples} samples and the learning rate schedule stay",
+                  file=sys.stderr, flush=True)
         return adapted
 
 
 def replicas(state: dict) -> int:
-    """The data-parallel replicas of the run that wrote a checkpoint: its world size over its tp."""
-    return state["world_size"] // state["config"].get("tp", 1)
+    """The data-parallel replicas of the run that wrote a checkpoint: its world size over its pp x tp."""
+    return state["world_size"] // (state["config"].get("tp", 1) * state["config"].get("pp", 1))
+
+
+def model_parallel(saved: dict, cfg: TrainConfig) -> bool:
+    """The checkpoint's run (its ``saved`` config) or this one splits or cuts the model (tp, pp)."""
+    return max(saved.get("tp", 1), saved.get("pp", 1), cfg.tp, cfg.pp) > 1

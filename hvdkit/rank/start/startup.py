@@ -48,10 +48,12 @@ def read_config(config: Optional[TrainConfig], keys: Mapping[str, object]) -> Tr
     if config is None:
         config = from_mapping(from_environ(os.environ))
     cfg = validate(from_mapping(dict(keys), base=config))
-    if cfg.tp > 1:  # a tp that does not divide the job's ranks: said here, in one line
-        if Mesh(env.detect().size or 1, cfg.tp).dp == 1 and cfg.zero:
-            raise ConfigError(f"config: zero shards within the data-parallel set, and at tp {cfg.tp} the job's "
-                              f"{cfg.tp} ranks are one replica; drop --zero, or run more ranks")
+    if cfg.tp > 1 or cfg.pp > 1:  # a tp or pp that does not divide the job's ranks: said here, in one line
+        mesh = Mesh(env.detect().size or 1, cfg.tp, cfg.pp)
+        if mesh.dp == 1 and cfg.zero:
+            axes = " x ".join(f"{name} {n}" for name, n in (("pp", cfg.pp), ("tp", cfg.tp)) if n > 1)
+            raise ConfigError(f"config: zero shards within the data-parallel set, and at {axes} the job's "
+                              f"{mesh.size} ranks are one replica; drop --zero, or run more ranks")
     if undo:
         undo()
     return cfg
@@ -61,8 +63,8 @@ def start(cfg: TrainConfig):
     """hvd.init() with hvdkit's settings, a crash's Python stacks on stderr (``faulthandler``),
     a warning where the launcher disagrees with Horovod, the line to `hvdkit launch
     --max-restarts` (hvdkit.rank.liveness.link; not elastic: Horovod goes on without a rank that
-    died), this rank's device and seeds; (horovod.torch, device, the job's Mesh: with ``tp``, its
-    process sets made at hvd.init, from the launcher's world size)."""
+    died), this rank's device and seeds; (horovod.torch, device, the job's Mesh: with ``tp`` or ``pp``,
+    its process sets made at hvd.init, from the launcher's world size)."""
     import horovod.torch as hvd
 
     spans_hosts = env.detect().spans_hosts
@@ -72,8 +74,8 @@ def start(cfg: TrainConfig):
         os.environ.setdefault(name, value)  # a variable the user exported wins
     link.wait_for_go(os.environ)  # a standby attempt's rank, until it is needed
     mesh = None
-    if cfg.tp > 1:  # Horovod's process sets are fixed at hvd.init: the mesh is made from the launcher's size
-        mesh = Mesh(env.detect().size or 1, cfg.tp)
+    if cfg.tp > 1 or cfg.pp > 1:  # Horovod's process sets are fixed at hvd.init: made from the launcher's size
+        mesh = Mesh(env.detect().size or 1, cfg.tp, cfg.pp)
         hvd.init(process_sets=mesh.process_sets(hvd) or None)
         mesh.bind(hvd)
         spanning = groups_across_hosts(mesh, hvd.allgather_object(socket.gethostname(), name="hvdkit.tp.hosts"))

@@ -26,6 +26,7 @@ from torch import nn
 
 from hvdkit.config import ConfigError, TrainConfig
 from hvdkit.parallel.grads import has_sequence_parallel, sum_sequence_parallel_grads
+from hvdkit.parallel.pipeline.stages import sum_tied_grads
 from hvdkit.zero import optimizer as zero
 from hvdkit.zero import stage3
 from hvdkit.zero.deferred import is_deferred
@@ -79,16 +80,21 @@ def distributed_optimizer(cfg: TrainConfig, hvd, optimizer: torch.optim.Optimize
     """``optimizer`` made distributed as ``cfg`` says: with ``zero``, hvdkit.zero's ShardedOptimizer;
     else Horovod's DistributedOptimizer, with bucket views where Horovod's grouped allreduce
     applies (``gradient_path``). Its gradients are averaged over ``mesh``'s data-parallel group:
-    the whole job without tensor parallelism; with it, the ranks holding the same blocks, and
-    where that is this rank alone (tp the whole job) nothing is reduced (``unreduced``)."""
+    the whole job without tensor or pipeline parallelism; with them, the ranks holding the same
+    blocks of the same stage, and where that is this rank alone (pp x tp the whole job) nothing is
+    reduced (``unreduced``). Then, in its ``synchronize()``, the sums across the model's parts
+    (``summing_across_parts``)."""
     compression = hvd.Compression.fp16 if cfg.fp16_allreduce else hvd.Compression.none
     if cfg.zero != 3 and is_deferred(model):
         raise ConfigError("the model is on the meta device: zero 3 builds it one module at a time into each "
                           "rank's slices; set zero 3, or build the model on the CPU")
     if mesh.tp > 1 and not any(getattr(p, "tp_dim", None) is not None for p in model.parameters()):
         raise ConfigError("tp: split the model with session.parallelize(model) before making its optimizer")
-    process_set = mesh.dp_group.process_set if mesh.tp > 1 else hvd.global_process_set
-    path = gradient_path(cfg, hvd.size() if mesh.tp == 1 else mesh.dp)
+    if mesh.pp > 1 and not hasattr(model, "own_parameter_names"):
+        raise ConfigError("pp: cut the model with session.parallelize(model) before making its optimizer")
+    split = mesh.tp > 1 or mesh.pp > 1
+    process_set = mesh.dp_group.process_set if split else hvd.global_process_set
+    path = gradient_path(cfg, mesh.dp if split else hvd.size())
     if path == "sharded":
         zero.check(optimizer, model, cfg.zero, cfg.elementwise_optimizer)
         if cfg.zero == 3:
@@ -97,8 +103,8 @@ def distributed_optimizer(cfg: TrainConfig, hvd, optimizer: torch.optim.Optimize
                                                  device=device)
         sharded = zero.ShardedOptimizer(optimizer, hvd, cfg.zero, compression, cfg.batches_per_allreduce,
                                         cfg.gradient_predivide_factor, process_set=process_set)
-        return summing_sequence_parallel(sharded, mesh) if has_sequence_parallel(model) else sharded
-    if mesh.tp > 1 and mesh.dp == 1:
+        return summing_across_parts(sharded, model, mesh)
+    if split and mesh.dp == 1:
         wrapped = unreduced(optimizer)
     elif path == "bucket views":
         wrapped = with_bucket_views(optimizer, model.named_parameters(), compression, cfg.batches_per_allreduce,
@@ -113,19 +119,28 @@ def distributed_optimizer(cfg: TrainConfig, hvd, optimizer: torch.optim.Optimize
     # it wrapped (yours) was not called; Horovod's is instead.
     wrapped.state = optimizer.state
     optimizer._opt_called = True
-    return summing_sequence_parallel(wrapped, mesh) if has_sequence_parallel(model) else wrapped
+    return summing_across_parts(wrapped, model, mesh)
 
 
-def summing_sequence_parallel(optimizer, mesh):
+def summing_across_parts(optimizer, model: nn.Module, mesh):
     """``optimizer`` (a distributed one) whose ``synchronize()`` then sums the gradients of the
-    sequence-parallel parameters over ``mesh``'s tensor-parallel group (hvdkit.parallel.grads):
-    after the data-parallel average and before anything reads them, in the step's synchronize, in
-    a loop's own (Horovod's clipping pattern) and in the one ``step()`` makes."""
+    sequence-parallel parameters over ``mesh``'s tensor-parallel group (hvdkit.parallel.grads) and
+    those of an embedding tied to the output layer over its pipeline's ends (the first and last
+    stage: hvdkit.parallel.pipeline.stages): after the data-parallel average and before anything
+    reads them, in the step's synchronize, in a loop's own (Horovod's clipping pattern) and in the
+    one ``step()`` makes. ``optimizer`` itself where ``model`` has neither."""
+    sequence_parallel = has_sequence_parallel(model)
+    tied = mesh.pp > 1 and any(getattr(param, "pipeline_tied", False) for param in model.parameters())
+    if not (sequence_parallel or tied):
+        return optimizer
     averaged = optimizer.synchronize
 
     def synchronize() -> None:
         averaged()
-        sum_sequence_parallel_grads(optimizer, mesh.tp_group, "hvdkit.tp.sequence")
+        if sequence_parallel:
+            sum_sequence_parallel_grads(optimizer, mesh.tp_group, "hvdkit.tp.sequence")
+        if tied:
+            sum_tied_grads(model, mesh, "hvdkit.pp.tied")
 
     optimizer.synchronize = synchronize
     return optimizer

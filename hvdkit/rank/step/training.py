@@ -119,12 +119,16 @@ def input_format(cfg: TrainConfig, model: nn.Module, device: torch.device) -> to
 class TrainingStep:
     """The step of one run: it steps the state's model, optimizer, scaler and scheduler, timed by
     ``times``; ``checkpoint_left()`` says which checkpoint a run stopped by a non-finite step leaves;
-    ``mesh``: the job's (dp, tp) groups, whose tensor-parallel group norms and checks the gradients."""
+    ``mesh``: the job's (pp, dp, tp) groups, whose tensor-parallel group and pipeline norm and check the
+    gradients."""
 
     def __init__(self, cfg, hvd, device, state: RunState, times: StepTimes,
                  checkpoint_left: Callable[[], str], mesh) -> None:
         self.cfg, self.hvd, self.device, self.state, self.times = cfg, hvd, device, state, times
         self.tp_group = mesh.tp_group if mesh.tp > 1 else None  # a model split across it: norms and checks span it
+        self.stages = mesh.pp_group if mesh.pp > 1 else None  # a model cut across it: so does the pipeline
+        if self.stages is not None and self.tp_group is None:
+            self.tp_group = mesh.tp_group  # a group of one: the norms' arithmetic the same
         self.dp_group = mesh.dp_group  # where ZeRO's slices are, under tensor parallelism
         self.checkpoint_left = checkpoint_left  # RunCheckpoints.checkpoint_left
         self.micro_count = cfg.batches_per_allreduce  # of the step under way
@@ -226,7 +230,7 @@ class TrainingStep:
         cfg = self.cfg
         overlaps = (hasattr(optimizer, "landed") and optimizer.bucket_count() > 1
                     and elementwise(self.state.inner, cfg.elementwise_optimizer) and not cfg.clip_grad_norm
-                    and self.tp_group is None
+                    and self.tp_group is None and self.stages is None
                     and self.state.scaler is None and cfg.on_nonfinite == "stop" and not cfg.use_adasum
                     and not any(group.get("differentiable") for group in optimizer.param_groups)
                     and (not cfg.snapshot_steps if skips_on_device(optimizer) else self.device.type == "cpu"))
@@ -291,7 +295,7 @@ class TrainingStep:
         optimizer = state.optimizer
         if cfg.zero and self.tp_group is not None and (cfg.clip_grad_norm or state.scaler is None):
             norm = norms.sharded_clip_grad_norm_(optimizer, cfg.clip_grad_norm, self.tp_group, self.dp_group,
-                                                 "hvdkit.tp.norm")  # every block's slices
+                                                 "hvdkit.tp.norm", self.stages)  # every block's slices
         elif cfg.zero:  # the norm of the whole gradient, from every rank's slices
             if cfg.clip_grad_norm:
                 norm = optimizer.clip_grad_norm_(cfg.clip_grad_norm)
@@ -301,7 +305,8 @@ class TrainingStep:
                 return None
         elif cfg.clip_grad_norm:
             norm = (nn.utils.clip_grad_norm_(self._parameters(), cfg.clip_grad_norm) if self.tp_group is None else
-                    norms.clip_grad_norm_(self._parameters(), cfg.clip_grad_norm, self.tp_group, "hvdkit.tp.norm"))
+                    norms.clip_grad_norm_(self._parameters(), cfg.clip_grad_norm, self.tp_group, "hvdkit.tp.norm",
+                                          self.stages))
         elif state.scaler is None:
             gradients = getattr(optimizer, "gradient_tensors", None)
             if gradients:  # a few flat tensors: their sum is non-finite where any element is (NaN, ±inf)
@@ -313,6 +318,8 @@ class TrainingStep:
                 norm = nn.utils.get_total_norm(grads)
             if self.tp_group is not None:  # non-finite where any rank's blocks are
                 norm = all_reduce(norm.double().reshape(1), self.tp_group, "hvdkit.tp.finite").reshape(())
+            if self.stages is not None:  # or any stage's
+                norm = all_reduce(norm.double().reshape(1), self.stages, "hvdkit.pp.finite").reshape(())
         else:
             return None
         return None if state.scaler is not None else norm

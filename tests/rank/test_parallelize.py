@@ -1,4 +1,5 @@
-"""hvdkit.rank.start.tensor_parallel: ``hvdkit train --tp N`` as users launch it, in real jobs.
+"""hvdkit.rank.start.parallelize: ``hvdkit train --tp N`` as users launch it, in real jobs (with ``--pp``:
+tests/rank/test_pipelined.py).
 
 The Session's tensor-parallel step is checked against the one-process step of the same global batch
 in the differential harness (its ``tp-session`` arms, with and without ZeRO 1, at np 2 and 4 under

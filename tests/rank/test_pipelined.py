@@ -1,0 +1,130 @@
+"""hvdkit.rank.step.pipelined: ``hvdkit train --pp M --micro-batches K`` as users launch it, in real jobs.
+
+The pipeline's step is checked against the one-process step of the same global batch in the
+differential harness (its ``pp`` rows at pp 2, pp 2 x dp 2, pp 4 and tp 2 x pp 2, under both
+controllers: tests/test_differential.py). Here the product's command: the built-in GPT at tp 2 x pp 2
+(np 4, mpirun, 1F1B over 4 micro-batches) follows the one-process run of the same global batch (K 4):
+each step's loss and the final weights within 1e-3 (fp32, relative norm); its checkpoints hold the
+whole model and optimizer state, joined across the stages by name (hvdkit.parallel.whole); resumed
+from its middle at np 1 (K kept at 4), at dp 4 under horovodrun --gloo (K 4 -> 1) and at pp 2 x dp 2
+with GPipe (K 4 -> 2), each follows the uninterrupted run within 1e-3. The MLP (an nn.Sequential, cut
+between its children) at pp 2 under horovodrun --gloo, its accuracy logged by the last stage, follows
+one process alike. And bad input: one line, exit 2, before anything starts. A stop signal and a
+frozen rank at pp 2: tests/rank/test_stops.py.
+"""
+
+import shutil
+import sys
+
+import pytest
+import torch
+
+from conftest import final_weights, metrics_records, run
+from hvdkit import checkpoint
+from hvdkit.checks import selftest
+from hvdkit.launch import planner
+
+pytestmark = pytest.mark.slow
+
+TRAIN = [sys.executable, "-m", "hvdkit", "train", "--dataset", "text", "--model", "gpt-tiny", "--seq-len", "32",
+         "--batch-size", "2", "--optimizer", "adamw", "--base-lr", "0.002", "--warmup-epochs", "0",
+         "--lr-schedule", "none", "--max-steps", "8", "--checkpoint-steps", "4", "--log-interval", "1",
+         "--check-consistency-steps", "2", "--logger", "none"]
+
+
+def trained(directory, launcher, np, *args):
+    """``hvdkit train`` on ``np`` ranks under ``launcher`` (None: one process): its losses by step,
+    its final weights and the process."""
+    command = [*TRAIN, "--checkpoint-dir", str(directory / "ckpt"), "--log-dir", str(directory / "logs"), *args]
+    proc = run(planner.local_command(launcher, np, command) if launcher else command, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    records = metrics_records(directory / "logs" / "metrics.jsonl")
+    return {r["step"]: r["loss"] for r in records if r.get("event") == "train"}, final_weights(directory / "ckpt"), proc
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-12)).item()
+
+
+def follows(name: str, losses: dict, weights: dict, reference_losses: dict, reference_weights: dict) -> None:
+    """Each step's loss and the final weights (the model's relative norm difference) within 1e-3 of the
+    reference run's. Not each tensor alone: the attention's key biases get no gradient (softmax does not
+    change with a shift of every key), so AdamW steps them by the sign of rounding noise, which no two
+    orders of summation share."""
+    for step, loss in losses.items():
+        assert abs(loss - reference_losses[step]) <= 1e-3 * abs(reference_losses[step]), (name, step, loss)
+    assert sorted(weights) == sorted(reference_weights), name
+    ours, theirs = (torch.cat([w[key].flatten().double() for key in sorted(w)]) for w in (weights, reference_weights))
+    far = {key: relative(value, reference_weights[key]) for key, value in weights.items()}
+    assert relative(ours, theirs) <= 1e-3, (name, relative(ours, theirs), sorted(far.items(), key=lambda x: -x[1])[:3])
+
+
+def test_a_run_at_tp2_pp2_follows_one_process_and_resumes_at_np1_dp4_and_pp2_dp2(tmp_path):
+    losses, weights, proc = trained(tmp_path / "tp2-pp2", "mpirun", 4, "--tp", "2", "--pp", "2",
+                                    "--micro-batches", "4")
+    assert sorted(losses) == list(range(1, 9)), losses
+    one_losses, one_weights, _ = trained(tmp_path / "one-process", None, 1, "--batches-per-allreduce", "4")
+    follows("tp2-pp2 against one process", losses, weights, one_losses, one_weights)
+
+    middle = checkpoint.path_for(str(tmp_path / "tp2-pp2" / "ckpt"), 4)
+    saved = checkpoint.load(middle)
+    assert (saved["world_size"], saved["config"]["tp"], saved["config"]["pp"]) == (4, 2, 2)
+    assert tuple(saved["model"]["tokens.weight"].shape) == (256, 128), "the whole model, not a block"
+    assert "head.weight" in saved["model"] and "blocks.3.down.weight" in saved["model"], "both stages' parts"
+    # numbered in the whole model's order, as one process numbers it: the same moments at each number
+    one = checkpoint.load(checkpoint.path_for(str(tmp_path / "one-process" / "ckpt"), 4))["optimizer"]["state"]
+    assert sorted(saved["optimizer"]["state"]) == sorted(one)
+    for key in ("exp_avg", "exp_avg_sq"):
+        ours, theirs = (torch.cat([state[i][key].flatten() for i in sorted(state)]) for state in
+                        (saved["optimizer"]["state"], one))
+        assert relative(ours, theirs) <= 1e-3, key
+
+    for name, launcher, np, args, said in (
+            ("np1", None, 1, (), "written with batches_per_allreduce 4, which this run keeps (it asked for 1)"),
+            ("dp4", "horovodrun --gloo", 4, (), "batches_per_allreduce 4 -> 1 keeps the global batch of 8 samples"),
+            ("pp2-dp2-gpipe", "mpirun", 4, ("--pp", "2", "--micro-batches", "2", "--pp-schedule", "gpipe"), None)):
+        (tmp_path / name / "ckpt").mkdir(parents=True)
+        shutil.copy(middle, tmp_path / name / "ckpt")
+        resumed, resumed_weights, proc = trained(tmp_path / name, launcher, np, *args)
+        assert f"resumed from {tmp_path / name / 'ckpt'}" in proc.stderr, proc.stderr[-2000:]
+        if said:
+            assert said in proc.stderr, proc.stderr[-2000:]
+        assert sorted(resumed) == [5, 6, 7, 8], resumed
+        follows(name, resumed, resumed_weights, losses, weights)
+
+
+def test_the_mlp_at_pp2_follows_one_process_with_its_accuracy_from_the_last_stage(tmp_path):
+    mlp = ["--model", "mlp", "--dataset", "digits", "--optimizer", "sgd", "--base-lr", "0.05"]
+    losses, weights, proc = trained(tmp_path / "pp2", "horovodrun --gloo", 2, *mlp, "--pp", "2", "--micro-batches",
+                                    "2")
+    one_losses, one_weights, one = trained(tmp_path / "np1", None, 1, *mlp, "--batches-per-allreduce", "2")
+    follows("the mlp at pp 2", losses, weights, one_losses, one_weights)
+    ours, theirs = (selftest.parse_records(p.stdout, "summary")[0] for p in (proc, one))
+    assert ours["test_samples"] == theirs["test_samples"], (ours, theirs)  # the last stage's, each sample once
+    assert abs(ours["test_loss"] - theirs["test_loss"]) <= 1e-3 * theirs["test_loss"], (ours, theirs)
+    assert abs(ours["train_accuracy"] - theirs["train_accuracy"]) <= 0.01, (ours, theirs)
+
+
+@pytest.mark.parametrize("np, args, said", [
+    (2, ["--pp", "3", "--micro-batches", "3"], "hvdkit train: pp: 3 stages of 1 ranks (pp x tp = 3) do not divide "
+                                               "the job's 2 ranks"),
+    (3, ["--pp", "3", "--micro-batches", "3"], "hvdkit train: pp: 3 stages do not divide the model's 4 blocks"),
+    (2, ["--pp", "2"], "hvdkit train: config: 1f1b over 2 stages needs at least 2 micro-batches a step (it has 1)"),
+    (2, ["--pp", "2", "--micro-batches", "2", "--pp-cuts", "blocks.9"], "hvdkit train: pp: the cuts blocks.9 are "
+                                                                         "not 1 increasing block names"),
+    (2, ["--pp", "2", "--micro-batches", "2", "--model", "resnet18", "--dataset", "synthetic"],
+     "hvdkit train: pp: hvdkit cuts its GPT and an nn.Sequential into stages, not a ResNet"),
+    (2, ["--pp", "2", "--micro-batches", "2", "--zero", "3"], "hvdkit train: config: pp is not yet for zero 3"),
+    (2, ["--pp", "2", "--micro-batches", "2", "--zero", "1"], "hvdkit train: config: zero shards within the "
+                                                               "data-parallel set, and at pp 2 the job's 2 ranks"),
+    (2, ["--micro-batches", "2"], "hvdkit train: config: micro_batches and pp_cuts are the pipeline's"),
+], ids=["pp-not-dividing-the-ranks", "stages-not-dividing-the-blocks", "1f1b-with-fewer-micro-batches-than-stages",
+        "a-cut-naming-no-block", "a-model-without-a-cut", "zero-3-beside-pp", "zero-with-one-replica",
+        "micro-batches-without-pp"])
+def test_bad_input_is_one_line_and_exit_2_before_anything_starts(tmp_path, np, args, said):
+    proc = run(planner.local_command("mpirun", np, [*TRAIN, "--log-dir", str(tmp_path / "logs"),
+                                                    "--checkpoint-dir", str(tmp_path / "ckpt"), *args]), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("hvdkit train:")]
+    assert len(lines) == 1 and lines[0].startswith(said), proc.stderr[-2000:]
+    assert not (tmp_path / "ckpt").exists() or not checkpoint.existing(str(tmp_path / "ckpt"))

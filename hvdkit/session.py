@@ -115,7 +115,7 @@ class Session:
         self._start()
         self._step = step = training.TrainingStep(cfg, hvd, device, state, times, checkpoints.checkpoint_left, mesh)
         self._elastic = Elastic(cfg, hvd, state, loaders, checkpoints, reports, times, meetings, step.settle)
-        self.pipeline = PipelinePasses(cfg, mesh, device, state, self._start_step)  # pp: a step's passes
+        self.pipeline = PipelinePasses(cfg, mesh, device, state, self._start_step, self.watchdog.beat)  # pp's passes
 
     def _start(self) -> None:
         """The parts start (the order: hvdkit.rank). Elastic: the stop handlers on the driver's host

@@ -9,8 +9,9 @@ whole model and optimizer state, joined across the stages by name (hvdkit.parall
 from its middle at np 1 (K kept at 4), at dp 4 under horovodrun --gloo (K 4 -> 1) and at pp 2 x dp 2
 with GPipe (K 4 -> 2), each follows the uninterrupted run within 1e-3. The MLP (an nn.Sequential, cut
 between its children) at pp 2 under horovodrun --gloo, its accuracy logged by the last stage, follows
-one process alike. And bad input: one line, exit 2, before anything starts. A stop signal and a
-frozen rank at pp 2: tests/rank/test_stops.py.
+one process alike. A pipeline stuck in a stage's loss is named by its stage and micro-batch when
+the stall limit ends it. And bad input: one line, exit 2, before anything starts. A stop signal
+and a frozen rank at pp 2: tests/rank/test_stops.py.
 """
 
 import shutil
@@ -19,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from conftest import final_weights, metrics_records, run
+from conftest import REPO, final_weights, metrics_records, run
 from hvdkit import checkpoint
 from hvdkit.checks import selftest
 from hvdkit.launch import planner
@@ -103,6 +104,24 @@ def test_the_mlp_at_pp2_follows_one_process_with_its_accuracy_from_the_last_stag
     assert ours["test_samples"] == theirs["test_samples"], (ours, theirs)  # the last stage's, each sample once
     assert abs(ours["test_loss"] - theirs["test_loss"]) <= 1e-3 * theirs["test_loss"], (ours, theirs)
     assert abs(ours["train_accuracy"] - theirs["train_accuracy"]) <= 0.01, (ours, theirs)
+
+
+def test_a_stalled_pipeline_is_named_by_its_stage_and_micro_batch(tmp_path):
+    """tests/programs/pipeline_stall.py: the last stage stuck in its loss of micro-batch 2 at step 3
+    (time.sleep: its threads run on) under `hvdkit launch horovodrun --gloo`; the job ends at the
+    stall limit, exit 75, its line naming the stuck stage and micro-batch, and the first stage waiting
+    in the pipeline's transport (for that micro-batch's gradient)."""
+    program = REPO / "tests" / "programs" / "pipeline_stall.py"
+    proc = run([sys.executable, "-m", "hvdkit", "launch", "-np", "2", "--launcher", "horovodrun", "--gloo", "--",
+                sys.executable, str(program), "--at", "3", "--stall-timeout", "8", "--log-dir", str(tmp_path / "logs")],
+               timeout=120)
+    assert proc.returncode == 75, proc.stderr[-3000:]
+    stuck = next(number for number, text in enumerate(program.read_text().splitlines(), 1) if "STUCK-SLEEP" in text)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("hvdkit launch: rank 1 (host ") and (
+        "made no progress since training step 3, pipeline stage 1: the forward of micro-batch 2 (") in last, last
+    assert f"stuck at tests/programs/pipeline_stall.py:{stuck} in loss_fn" in last, last
+    assert "rank 0 waiting in Horovod's synchronize() from hvdkit/parallel/pipeline/transport.py" in last, last
 
 
 @pytest.mark.parametrize("np, args, said", [

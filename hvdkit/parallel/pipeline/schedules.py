@@ -107,7 +107,8 @@ class StageTimes:
 
 def run_schedule(module: nn.Module, actions: list[Action], inputs: list, targets: list,
                  loss_fn: Callable, previous, following, device: torch.device,
-                 times: Optional[StageTimes] = None) -> list[torch.Tensor]:
+                 times: Optional[StageTimes] = None,
+                 on_action: Optional[Callable[[Action], None]] = None) -> list[torch.Tensor]:
     """Run ``actions`` on this stage's ``module``. Every stage of the pipeline runs its own list of
     the same schedule, given the step's micro-batches alike (the ranks of a pipeline read the same
     batches): ``inputs``, which the first stage feeds its module (the others receive their inputs
@@ -116,7 +117,8 @@ def run_schedule(module: nn.Module, actions: list[Action], inputs: list, targets
     gradients over ``following``). Each micro-batch's loss is divided by their number, so the
     gradients accumulated over the step are the whole batch's mean. Returns the last stage's losses
     (each undivided, detached, one per micro-batch); the others' are empty. ``times``: filled with
-    this stage's span and waits."""
+    this stage's span and waits; ``on_action(action)``: called as each action begins (the Session's
+    watchdog notes where a stage is, to name where a stalled pipeline stopped)."""
     times = StageTimes() if times is None else times
     count = len(inputs)
     keys = [tuple(x.shape) for x in inputs]
@@ -139,6 +141,8 @@ def run_schedule(module: nn.Module, actions: list[Action], inputs: list, targets
 
     for action in actions:
         i = action.micro_batch
+        if on_action is not None:
+            on_action(action)
         if action.kind == "F":
             x = inputs[i] if previous is None else received(previous, "activation", i).requires_grad_()
             out = module(x)

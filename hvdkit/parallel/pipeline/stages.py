@@ -165,19 +165,19 @@ class Pipeline:
     def is_last(self) -> bool:
         return self.following is None
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn) -> list[torch.Tensor]:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn, on_action=None) -> list[torch.Tensor]:
         """Forward and backward of one batch (``inputs``, ``targets``: the same on every stage of the
         pipeline), split along its first dimension into the micro-batches: the gradients of this
         stage's parameters accumulate the batch's mean loss. Returns each micro-batch's loss on the
         last stage, nothing on the others; ``times`` then holds where the step went (its bubble).
-        ConfigError for a batch the micro-batches do not divide."""
+        ConfigError for a batch the micro-batches do not divide. ``on_action``: as run_schedule's."""
         if len(inputs) % self.micro_batches:
             raise ConfigError(f"pp: {self.micro_batches} micro-batches do not divide the batch of {len(inputs)}; "
                               f"give a batch size they divide")
         size = len(inputs) // self.micro_batches
         device = next(self.module.parameters()).device
         return run_schedule(self.module, self.actions, list(inputs.split(size)), list(targets.split(size)),
-                            loss_fn, self.previous, self.following, device, self.times)
+                            loss_fn, self.previous, self.following, device, self.times, on_action)
 
     def forward(self, inputs: torch.Tensor) -> Optional[torch.Tensor]:
         """The whole model's output for ``inputs`` (the same on every stage of the pipeline), in one

@@ -34,10 +34,12 @@ from hvdkit.rank.step.training import to_device
 class PipelinePasses:
     """The passes of a run's pipeline stage: made by the Session on every rank (starts nothing);
     ``begin_step``, the Session's, is called as a step's passes begin (its meeting starts there, as
-    in ``session.backward``)."""
+    in ``session.backward``); ``beat``, the watchdog's, is told each action of the schedule as it
+    begins, so that a stalled pipeline is named by its stage and micro-batch."""
 
-    def __init__(self, cfg, mesh, device, state: RunState, begin_step: Callable[[], Any]) -> None:
-        self.cfg, self.mesh, self.device, self.state = cfg, mesh, device, state
+    def __init__(self, cfg, mesh, device, state: RunState, begin_step: Callable[[], Any],
+                 beat: Callable[[str], None]) -> None:
+        self.cfg, self.mesh, self.device, self.state, self.beat = cfg, mesh, device, state, beat
         self.begin_step = weakref.WeakMethod(begin_step)  # a Session's method: the part must not keep it alive
         self._pipeline: Optional[Pipeline] = None
 
@@ -77,8 +79,14 @@ class PipelinePasses:
         pipeline = self._of_model()
         inputs, targets = to_device(batch, self.device)
         self.begin_step()()
+        step, stage = self.state.global_step + 1, self.stage
+
+        def where(action) -> None:
+            self.beat(f"training step {step}, pipeline stage {stage}: the "
+                      f"{'forward' if action.kind == 'F' else 'backward'} of micro-batch {action.micro_batch}")
+
         with self.state.peaks.step_phase("forward and backward", self.state.global_step):
-            return pipeline.step(inputs, targets, loss_fn)
+            return pipeline.step(inputs, targets, loss_fn, where)
 
     def forward(self, inputs: torch.Tensor) -> Optional[torch.Tensor]:
         """The whole model's output for ``inputs`` on the last stage, None on the others: one pass

@@ -5,8 +5,9 @@ differential harness (its ``pp`` rows at pp 2, pp 2 x dp 2, pp 4 and tp 2 x pp 2
 controllers: tests/test_differential.py). Here the product's command: the built-in GPT at tp 2 x pp 2
 (np 4, mpirun, 1F1B over 4 micro-batches) follows the one-process run of the same global batch (K 4):
 each step's loss and the final weights within 1e-3 (fp32, relative norm); its checkpoints hold the
-whole model and optimizer state, joined across the stages by name (hvdkit.parallel.whole); resumed
-from its middle at np 1 (K kept at 4), at dp 4 under horovodrun --gloo (K 4 -> 1) and at pp 2 x dp 2
+whole model and optimizer state, joined across the stages by name (hvdkit.parallel.whole); a rank
+killed at step 6 under `hvdkit launch --max-restarts 1` restarts the mesh from the checkpoint of step
+4, which ends bitwise where the run that was not killed ends; resumed from its middle at np 1 (K kept at 4), at dp 4 under horovodrun --gloo (K 4 -> 1) and at pp 2 x dp 2
 with GPipe (K 4 -> 2), each follows the uninterrupted run within 1e-3. The MLP (an nn.Sequential, cut
 between its children) at pp 2 under horovodrun --gloo, its accuracy logged by the last stage, follows
 one process alike. A pipeline stuck in a stage's loss is named by its stage and micro-batch when
@@ -14,30 +15,36 @@ the stall limit ends it. And bad input: one line, exit 2, before anything starts
 and a frozen rank at pp 2: tests/rank/test_stops.py.
 """
 
+import os
 import shutil
 import sys
 
 import pytest
 import torch
 
-from conftest import REPO, final_weights, metrics_records, run
+from conftest import REPO, assert_bitwise_equal, final_weights, metrics_records, run
 from hvdkit import checkpoint
 from hvdkit.checks import selftest
 from hvdkit.launch import planner
 
 pytestmark = pytest.mark.slow
 
-TRAIN = [sys.executable, "-m", "hvdkit", "train", "--dataset", "text", "--model", "gpt-tiny", "--seq-len", "32",
+TRAIN_COMMAND = [sys.executable, "-m", "hvdkit", "train"]
+TRAIN = [*TRAIN_COMMAND, "--dataset", "text", "--model", "gpt-tiny", "--seq-len", "32",
          "--batch-size", "2", "--optimizer", "adamw", "--base-lr", "0.002", "--warmup-epochs", "0",
          "--lr-schedule", "none", "--max-steps", "8", "--checkpoint-steps", "4", "--log-interval", "1",
          "--check-consistency-steps", "2", "--logger", "none"]
 
 
-def trained(directory, launcher, np, *args):
-    """``hvdkit train`` on ``np`` ranks under ``launcher`` (None: one process): its losses by step,
-    its final weights and the process."""
+def trained(directory, launcher, np, *args, env=None):
+    """``hvdkit train`` on ``np`` ranks under ``launcher`` (None: one process; a list: a command line that
+    takes hvdkit train's flags): its losses by step, its final weights and the process."""
     command = [*TRAIN, "--checkpoint-dir", str(directory / "ckpt"), "--log-dir", str(directory / "logs"), *args]
-    proc = run(planner.local_command(launcher, np, command) if launcher else command, timeout=300)
+    if isinstance(launcher, list):
+        command = [*launcher, *command[len(TRAIN_COMMAND):]]
+    elif launcher:
+        command = planner.local_command(launcher, np, command)
+    proc = run(command, timeout=300, env=env)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     records = metrics_records(directory / "logs" / "metrics.jsonl")
     return {r["step"]: r["loss"] for r in records if r.get("event") == "train"}, final_weights(directory / "ckpt"), proc
@@ -60,7 +67,7 @@ def follows(name: str, losses: dict, weights: dict, reference_losses: dict, refe
     assert relative(ours, theirs) <= 1e-3, (name, relative(ours, theirs), sorted(far.items(), key=lambda x: -x[1])[:3])
 
 
-def test_a_run_at_tp2_pp2_follows_one_process_and_resumes_at_np1_dp4_and_pp2_dp2(tmp_path):
+def test_a_run_at_tp2_pp2_follows_one_process_restarts_bitwise_and_resumes_at_np1_dp4_and_pp2_dp2(tmp_path):
     losses, weights, proc = trained(tmp_path / "tp2-pp2", "mpirun", 4, "--tp", "2", "--pp", "2",
                                     "--micro-batches", "4")
     assert sorted(losses) == list(range(1, 9)), losses
@@ -79,6 +86,18 @@ def test_a_run_at_tp2_pp2_follows_one_process_and_resumes_at_np1_dp4_and_pp2_dp2
         ours, theirs = (torch.cat([state[i][key].flatten() for i in sorted(state)]) for state in
                         (saved["optimizer"]["state"], one))
         assert relative(ours, theirs) <= 1e-3, key
+
+    # a rank killed at step 6 under hvdkit launch --max-restarts 1: the mesh restarts from the checkpoint of
+    # step 4 and ends bitwise where the run that was not killed ends
+    killed = [sys.executable, "-m", "hvdkit", "launch", "-np", "4", "--launcher", "mpirun", "--max-restarts", "1",
+              "--", sys.executable, str(REPO / "tests" / "programs" / "killed_once.py")]
+    death = {"KILL_AT_STEP": "6", "KILL_RANK": "3",
+             "KILL_AFTER_WRITTEN": checkpoint.path_for(str(tmp_path / "restarted" / "ckpt"), 4)}
+    _, restarted, proc = trained(tmp_path / "restarted", killed, 4, "--tp", "2", "--pp", "2", "--micro-batches", "4",
+                                 env=dict(os.environ, **death))
+    assert "killed_once: rank 3 killed at step 6, attempt 0" in proc.stderr, proc.stderr[-3000:]
+    assert "restart 1 of 1" in proc.stderr and "(epoch 1, step 4)" in proc.stderr, proc.stderr[-3000:]
+    assert_bitwise_equal(restarted, weights)
 
     for name, launcher, np, args, said in (
             ("np1", None, 1, (), "written with batches_per_allreduce 4, which this run keeps (it asked for 1)"),

@@ -7,8 +7,9 @@ controllers: tests/test_differential.py). Here the product's command: the built-
 each step's loss and the final weights within 1e-3 (fp32, relative norm); its checkpoints hold the
 whole model and optimizer state, joined across the stages by name (hvdkit.parallel.whole); a rank
 killed at step 6 under `hvdkit launch --max-restarts 1` restarts the mesh from the checkpoint of step
-4, which ends bitwise where the run that was not killed ends; resumed from its middle at np 1 (K kept at 4), at dp 4 under horovodrun --gloo (K 4 -> 1) and at pp 2 x dp 2
-with GPipe (K 4 -> 2), each follows the uninterrupted run within 1e-3. The MLP (an nn.Sequential, cut
+4, which ends bitwise where the run that was not killed ends; resumed from its middle at np 1 (K
+kept at 4), at dp 4 under horovodrun --gloo (K 4 -> 1) and at pp 2 x dp 2 with GPipe (K 4 -> 2),
+each follows the uninterrupted run within 1e-3. The MLP (an nn.Sequential, cut
 between its children) at pp 2 under horovodrun --gloo, its accuracy logged by the last stage, follows
 one process alike. A pipeline stuck in a stage's loss is named by its stage and micro-batch when
 the stall limit ends it. And bad input: one line, exit 2, before anything starts. A stop signal

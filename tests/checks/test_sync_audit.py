@@ -151,3 +151,13 @@ def test_a_steady_pipeline_step_reads_nothing_and_waits_where_the_schedule_needs
     assert [(step["reads"], step["cuda_syncs"]) for step in steps] == [({}, 0)] * len(steps), steps
     assert [host_reads(step) for step in steps] == [{}] * len(steps), steps
     assert [step["waits"] for step in steps] == [3] * len(steps), steps
+
+
+def test_a_steady_session_pipeline_step_reads_nothing():
+    """Session(pp=2, micro_batches=4): the Session's pipeline step (1F1B), its optimizer step clipped by
+    nothing but checked for finiteness over both stages, and should_stop(): no read on the host, and as
+    many waits in every step."""
+    steps = audited("pp-session")["steps"]
+    assert [(step["reads"], step["cuda_syncs"]) for step in steps] == [({}, 0)] * len(steps), steps
+    assert [host_reads(step) for step in steps] == [{}] * len(steps), steps
+    assert len({step["waits"] for step in steps}) == 1, steps

@@ -10,7 +10,8 @@ snapshot in host memory every step, into the folder HVDKIT_SNAPSHOT_DIR names, a
 --max-restarts does), zero2-snapshot (zero2's with a snapshot every step: on ranks whose host
 names differ, each sends its shard to the other's snapshot), tp and tp-sequence-parallel (the own
 loop with Session(tp=2), the GPT of 2 x LAYERS blocks split by its plan), pp (the GPT cut in 2
-stages, hvdkit.parallel.pipeline's 1F1B over 4 micro-batches, Adam, in a loop of one's own), each
+stages, hvdkit.parallel.pipeline's 1F1B over 4 micro-batches, Adam, in a loop of one's own),
+pp-session (the same cut by Session(pp=2, micro_batches=4), stepped by session.pipeline.step), each
 optimizer fused as the Session makes it on a GPU. LAYERS: hidden 1024x1024 layers of the MLP,
 about half a ZeRO bucket each. On a GPU (`make gpu-check`) the audited steps also run under
 torch.cuda.set_sync_debug_mode("warn"), whose warnings, one per synchronizing CUDA call, are
@@ -42,11 +43,12 @@ def main() -> None:
     snapshots = {"checkpoint_dir": os.path.join(os.path.dirname(os.environ["HVDKIT_SNAPSHOT_DIR"]), "ckpt"),
                  "snapshot_steps": 1} if shape.endswith("snapshot") else {}
     tp = {"tp": 2, "tp-sequence-parallel": 2}.get(shape, 1)
+    pipelined = {"pp": 2, "micro_batches": 4} if shape == "pp-session" else {}
     session = hvdkit.Session(batch_size=8, log_interval=10_000, check_consistency_steps=0, logger="none",
                              zero=zero, amp=shape == "amp", seed=0, tp=tp,
-                             sequence_parallel=shape == "tp-sequence-parallel", **snapshots)
+                             sequence_parallel=shape == "tp-sequence-parallel", **snapshots, **pipelined)
     torch.manual_seed(0)
-    if tp > 1 or shape == "pp":  # the GPT, split by its plan over the tensor-parallel group, or cut in 2 stages
+    if tp > 1 or shape.startswith("pp"):  # the GPT, split by its plan over the tensor-parallel group, or cut
         model = TinyGPT(64, 16, width=64, layers=2 * layers, heads=4)
         batch = (torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16)))
     else:
@@ -58,7 +60,7 @@ def main() -> None:
         mesh = Mesh(session.hvd.size(), pp=2).bind(session.hvd)  # at 2 ranks the pipeline is the whole job
         model = gpt_stage(model, mesh.pp_group.rank, 2)
         pipeline = Pipeline(model, mesh, "1f1b", 4)
-    elif tp > 1:
+    elif tp > 1 or pipelined:
         model = session.parallelize(model)
     # Fused, as the Session makes them on a GPU (on a CPU it leaves them: a read costs no sync there).
     inner = (torch.optim.Adam(model.parameters(), lr=1e-4, fused=True) if zero or pipeline else
@@ -74,6 +76,14 @@ def main() -> None:
         batch = tuple(t.pin_memory() for t in batch)
 
     def step() -> None:
+        if pipelined:  # the Session's pipeline step, as docs/own-loop.md writes it
+            optimizer.zero_grad()
+            for loss in session.pipeline.step(batch, lambda logits, y: F.cross_entropy(logits.reshape(-1, 64),
+                                                                                       y.reshape(-1))):
+                session.log(2, loss=loss)
+            session.step()
+            session.should_stop()
+            return
         if pipeline:
             optimizer.zero_grad()
             pipeline.step(*batch, lambda logits, y: F.cross_entropy(logits.reshape(-1, 64), y.reshape(-1)))

@@ -238,7 +238,8 @@ def parser() -> argparse.ArgumentParser:
     _launch_arguments(tp, files=True)
 
     pipe = sub.add_parser("pp-transport", help="a pipeline's activations between two stages: hvdkit's transport, "
-                                               "Horovod's alltoall and torch's isend/irecv over Gloo, latency and "
+                                               "Horovod's alltoall, mpi4py's point-to-point (under MPI) and "
+                                               "torch's isend/irecv over Gloo, latency and "
                                                "bandwidth per transfer, alternating rounds")
     pipe.add_argument("--width", type=positive, default=512, help="GPT width (default 512)")
     pipe.add_argument("--seq-lens", type=number_list(int, "1,128,1024", "expected whole numbers >= 1"),

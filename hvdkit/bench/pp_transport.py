@@ -1,8 +1,11 @@
 """`hvdkit bench pp-transport`: the ways to pass a pipeline's activations between two neighbouring
 stages, on the same tensors in the same two ranks: hvdkit's (hvdkit.parallel.pipeline.transport:
 a named broadcast within the pair's process set, rooted at the sender, into a buffer the receiver
-keeps), Horovod's alltoall within the pair (the sender's rows to the other rank, none back), and
-torch.distributed's isend/irecv over Gloo, the peer a user would reach for.
+keeps), Horovod's alltoall within the pair (the sender's rows to the other rank, none back),
+mpi4py's point-to-point on a communicator of its own (a duplicate of MPI's world, beside Horovod's:
+under MPI only, a Gloo launch has no MPI world), and torch.distributed's isend/irecv over Gloo, a
+group beside Horovod: the peer a user would reach for, and the last of the transports the pipeline
+could use.
 
 The ranks run with the product's settings (a Session's: Horovod's cycle time among them). Each is
 timed as a ping-pong (stage 0 sends, stage 1 sends the same tensor back, as a gradient
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -22,7 +26,8 @@ from hvdkit import env
 from hvdkit.bench.drivers import RunFailed, launch_command, run_launch, save_record
 from hvdkit.bench.workers import apply_defaults, init_torch_distributed
 
-WAYS = ("hvdkit", "alltoall", "torch")
+WAYS = ("hvdkit", "alltoall", "mpi4py", "torch")
+COMPARED = ("hvdkit", "alltoall", "mpi4py")  # each beside torch's, round by round
 
 
 def pp_transport(args: argparse.Namespace) -> int:
@@ -32,14 +37,18 @@ def pp_transport(args: argparse.Namespace) -> int:
     print(f"== pp-transport: 2 ranks (pp 2), activations of {args.batch_size} x seq x {args.width} fp32, "
           f"{args.repeats} alternating rounds of {args.iters} round trips", flush=True)
     record = run_launch(launch_command(args, 2, worker), "bench.pp_transport", "pp-transport benchmark", args.timeout)
-    print(f"\n{'shape':<14} {'KiB':>7} " + " ".join(f"{way + ' us':>12}" for way in WAYS)
-          + f" {'hvdkit/torch':>12} {'alltoall/torch':>14} {'hvdkit MB/s':>11} {'torch MB/s':>10}  "
-            f"rounds hvdkit/torch")
+    ways = [way for way in WAYS if way not in record["skipped"]]
+    for way, why in record["skipped"].items():
+        print(f"({way} not measured: {why})", flush=True)
+    compared = [way for way in COMPARED if way in ways]
+    print(f"\n{'shape':<14} {'KiB':>7} " + " ".join(f"{way + ' us':>12}" for way in ways)
+          + " " + " ".join(f"{way + '/torch':>15}" for way in compared)
+          + f" {'hvdkit MB/s':>11} {'torch MB/s':>10}  rounds hvdkit/torch")
     for row in record["rows"]:
         print(f"{'x'.join(map(str, row['shape'])):<14} {row['bytes'] / 1024:>7.0f} "
-              + " ".join(f"{row['us'][way]:>12.1f}" for way in WAYS)
-              + f" {row['ratio']['hvdkit']:>12.3f} {row['ratio']['alltoall']:>14.3f} "
-                f"{row['bytes'] / row['us']['hvdkit']:>11.0f} {row['bytes'] / row['us']['torch']:>10.0f}  "
+              + " ".join(f"{row['us'][way]:>12.1f}" for way in ways) + " "
+              + " ".join(f"{row['ratio'][way]:>15.3f}" for way in compared)
+              + f" {row['bytes'] / row['us']['hvdkit']:>11.0f} {row['bytes'] / row['us']['torch']:>10.0f}  "
               + " ".join(f"{r:.2f}" for r in row["rounds"]["hvdkit"]))
     return save_record(args, "pp-transport", record)
 
@@ -69,20 +78,25 @@ def pp_transport_worker(args: argparse.Namespace) -> None:
     mesh.bind(hvd)
     rank = hvd.rank()
     link = Link(mesh.next_pair or mesh.previous_pair, "bench.pp")
+    skipped = {}
+    if os.environ.get("HOROVOD_CONTROLLER") == "gloo" or not hvd.mpi_enabled():
+        skipped["mpi4py"] = "a Gloo launch (horovodrun --gloo) has no MPI world"
+    communicator = None if skipped else _own_communicator()
     rows = []
     for length in args.seq_lens:
         shape = (args.batch_size, length, args.width)
         sent = torch.randn(*shape, generator=torch.Generator().manual_seed(length))
         key = (length,)
 
-        ways = _ways(rank, link, shape, key)
+        ways = _ways(rank, link, shape, key, communicator)
         for name, way in ways.items():
             got = way(sent, 0)
             if not torch.equal(got, sent):
                 raise RunFailed(f"pp-transport: {name} brought back another tensor than it sent, on rank {rank}")
         timed: dict = {name: [] for name in ways}
         for round_ in range(args.repeats):
-            order = list(WAYS[round_ % len(WAYS):]) + list(WAYS[:round_ % len(WAYS)])
+            names = [name for name in WAYS if name in ways]
+            order = names[round_ % len(names):] + names[:round_ % len(names)]
             for name in order:
                 dist.barrier()
                 wall, cpu = time.perf_counter(), time.thread_time()
@@ -94,7 +108,7 @@ def pp_transport_worker(args: argparse.Namespace) -> None:
         dist.all_gather_object(gathered, timed)
         slowest = {name: [max(r[name][i][0] for r in gathered) for i in range(args.repeats)] for name in ways}
         rounds = {name: [ours / theirs for ours, theirs in zip(slowest[name], slowest["torch"], strict=True)]
-                  for name in ("hvdkit", "alltoall")}
+                  for name in COMPARED if name in ways}
         rows.append({"shape": list(shape), "bytes": sent.numel() * sent.element_size(),
                      "us": {name: 1e6 * statistics.median(slowest[name]) for name in ways},
                      "ratio": {name: statistics.median(rounds[name]) for name in rounds}, "rounds": rounds,
@@ -102,14 +116,25 @@ def pp_transport_worker(args: argparse.Namespace) -> None:
     if rank == 0:
         print(json.dumps({"event": "bench.pp_transport", "np": 2, "controller": "mpi" if hvd.mpi_enabled() else "gloo",
                           "width": args.width, "batch_size": args.batch_size, "repeats": args.repeats,
-                          "iters": args.iters, "rows": rows}), flush=True)
+                          "iters": args.iters, "skipped": skipped, "rows": rows}), flush=True)
     dist.barrier()
+    if communicator is not None:
+        communicator.Free()
     hvd.shutdown()
 
 
-def _ways(rank: int, link, shape: tuple, key: tuple) -> dict:
-    """The three ways of one ping-pong of ``shape`` between the pair's two ranks, by name: each
-    takes the tensor and the round trip's index and returns what came back."""
+def _own_communicator():
+    """A duplicate of MPI's world for mpi4py's sends, as a pipeline would hold its own: its messages
+    never meet Horovod's (MPI initialized by Horovod, at the thread level it asks: multiple)."""
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Dup()
+
+
+def _ways(rank: int, link, shape: tuple, key: tuple, communicator=None) -> dict:
+    """The ways of one ping-pong of ``shape`` between the pair's two ranks, by name (mpi4py's where
+    ``communicator`` is given): each takes the tensor and the round trip's index and returns what came
+    back."""
     import torch
     import torch.distributed as dist
     from horovod.torch import mpi_ops
@@ -148,4 +173,19 @@ def _ways(rank: int, link, shape: tuple, key: tuple) -> dict:
             dist.isend(buffer, 0).wait()
         return buffer
 
-    return {"hvdkit": hvdkit_way, "alltoall": alltoall_way, "torch": torch_way}
+    ways = {"hvdkit": hvdkit_way, "alltoall": alltoall_way, "torch": torch_way}
+    if communicator is not None:
+        landing = torch.empty(shape)
+
+        def mpi4py_way(tensor, index):  # the buffers as NumPy views of the tensors: no copy
+            other = 1 - rank
+            if rank == 0:
+                communicator.Isend(tensor.numpy(), dest=other, tag=index % 2).Wait()
+                communicator.Irecv(landing.numpy(), source=other, tag=index % 2).Wait()
+            else:
+                communicator.Irecv(landing.numpy(), source=other, tag=index % 2).Wait()
+                communicator.Isend(landing.numpy(), dest=other, tag=index % 2).Wait()
+            return landing
+
+        ways["mpi4py"] = mpi4py_way
+    return ways

@@ -368,10 +368,12 @@ def test_pp_transport_times_each_way_beside_torchs_isend_irecv(tmp_path, hvd_bui
     [record] = parse_records(proc.stdout, "bench.pp_transport")
     assert record == json.loads((out / "pp-transport.json").read_text())
     assert [row["shape"] for row in record["rows"]] == [[4, 1, 16], [4, 8, 16]]
+    assert record["controller"] == "mpi" and record["skipped"] == {}, record  # mpi4py's needs MPI's world
     for row in record["rows"]:
-        assert set(row["us"]) == {"hvdkit", "alltoall", "torch"} and len(row["rounds"]["hvdkit"]) == 2
+        assert set(row["us"]) == {"hvdkit", "alltoall", "mpi4py", "torch"} and len(row["rounds"]["mpi4py"]) == 2
         assert re.search(rf"^{'x'.join(map(str, row['shape']))}\s+\d+\s+{row['us']['hvdkit']:.1f}\s+"
-                         rf"{row['us']['alltoall']:.1f}\s+{row['us']['torch']:.1f}", proc.stdout, re.M)
+                         rf"{row['us']['alltoall']:.1f}\s+{row['us']['mpi4py']:.1f}\s+{row['us']['torch']:.1f}",
+                         proc.stdout, re.M)
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from hvdkit import env
 from hvdkit.bench.drivers import RunFailed, launch_command, run_launch, save_record
 from hvdkit.bench.workers import apply_defaults, init_torch_distributed
 
-IMPLS = ("hvdkit", "torch")
+IMPLS = ("hvdkit", "hvdkit-horovod", "torch")  # hvdkit-horovod: hvdkit's over Horovod's broadcasts, where auto is MPI
 
 
 def pipeline_bench(args: argparse.Namespace) -> int:
@@ -34,12 +34,14 @@ def pipeline_bench(args: argparse.Namespace) -> int:
     print(f"== pp: 2 ranks (pp 2), GPT width {args.width} x {args.layers} blocks, {args.batch_size} x "
           f"{args.seq_len} tokens a step, {args.repeats} alternating rounds of {args.steps} steps", flush=True)
     record = run_launch(launch_command(args, 2, worker), "bench.pp", "pp benchmark", args.timeout)
-    print(f"\n{'schedule':<8} {'m':>3} {'hvdkit s':>9} {'torch s':>9} {'ratio':>6}  {'bubble 0':>8} "
+    print(f"hvdkit's transport: {record['rows'][0]['transport'] if record['rows'] else '-'}", flush=True)
+    print(f"\n{'schedule':<8} {'m':>3} {'hvdkit s':>9} {'torch s':>9} {'ratio':>6} {'broadcast':>9}  {'bubble 0':>8} "
           f"{'bubble 1':>8} {'(p-1)/(m+p-1)':>13}  {'computing s 0/1':>15}  {'CPU s hvdkit/torch':>18}  "
           f"rounds hvdkit/torch")
     for row in record["rows"]:
         print(f"{row['schedule']:<8} {row['micro_batches']:>3} {row['seconds']['hvdkit']:>9.3f} "
-              f"{row['seconds']['torch']:>9.3f} {row['ratio']:>6.3f}  {row['bubble'][0]:>8.3f} "
+              f"{row['seconds']['torch']:>9.3f} {row['ratio']:>6.3f} {_shown(row['broadcast_ratio']):>9}  "
+              f"{row['bubble'][0]:>8.3f} "
               f"{row['bubble'][1]:>8.3f} "
               f"{row['ideal_bubble']:>13.3f}  {row['computing'][0]:>7.3f}/{row['computing'][1]:<7.3f}  "
               f"{row['cpu']['hvdkit']:>8.3f}/{row['cpu']['torch']:<9.3f}  "
@@ -49,6 +51,10 @@ def pipeline_bench(args: argparse.Namespace) -> int:
               f"{held['bytes'] / (record['whole_bytes'] / 2):.3f}x half the whole model's "
               f"({record['whole_bytes'] / 2**20:.1f} MiB)")
     return save_record(args, "pp", record)
+
+
+def _shown(ratio) -> str:
+    return "-" if ratio is None else f"{ratio:.3f}"
 
 
 def pipeline_worker(args: argparse.Namespace) -> None:
@@ -82,7 +88,7 @@ def pipeline_worker(args: argparse.Namespace) -> None:
     whole = TinyGPT(256, args.seq_len, width=args.width, layers=args.layers, heads=max(1, args.width // 64))
     whole_bytes = 16 * sum(p.numel() for p in whole.parameters())  # fp32 weights, gradients, Adam's two moments
     ours_module = gpt_stage(whole, stage_index, 2)
-    theirs_module = copy.deepcopy(ours_module)
+    theirs_module, broadcast_module = copy.deepcopy(ours_module), copy.deepcopy(ours_module)
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 256, (args.batch_size, args.seq_len + 1), generator=generator)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -94,16 +100,19 @@ def pipeline_worker(args: argparse.Namespace) -> None:
     memory = None
     for schedule in args.schedules:
         for micro_batches in args.micro_batches:
-            ours, steps = _arms(ours_module, theirs_module, mesh, schedule, micro_batches, inputs, targets, loss_fn)
+            ours, steps = _arms(ours_module, theirs_module, broadcast_module, mesh, schedule, micro_batches, inputs,
+                                targets, loss_fn)
+            impls = [impl for impl in IMPLS if impl in steps]
             first = {impl: step() for impl, step in steps.items()}  # the same weights: the same first losses
-            if stage_index == 1 and not torch.allclose(torch.stack(first["hvdkit"]), torch.stack(first["torch"]),
-                                                       rtol=1e-4, atol=1e-5):
-                raise RunFailed(f"pp: {schedule}'s first losses differ: hvdkit {first['hvdkit']}, torch "
-                                f"{first['torch']}")
-            timed: dict = {impl: [] for impl in IMPLS}
+            for impl in impls[:-1]:  # each of hvdkit's beside torch's
+                if stage_index == 1 and not torch.allclose(torch.stack(first[impl]), torch.stack(first["torch"]),
+                                                           rtol=1e-4, atol=1e-5):
+                    raise RunFailed(f"pp: {schedule}'s first losses differ: {impl} {first[impl]}, torch "
+                                    f"{first['torch']}")
+            timed: dict = {impl: [] for impl in impls}
             bubbles = []
             for round_ in range(args.repeats):
-                for impl in (IMPLS if round_ % 2 == 0 else IMPLS[::-1]):
+                for impl in impls[round_ % len(impls):] + impls[:round_ % len(impls)]:
                     dist.barrier()
                     wall, cpu = time.perf_counter(), time.thread_time()
                     for _ in range(args.steps):
@@ -116,14 +125,18 @@ def pipeline_worker(args: argparse.Namespace) -> None:
             dist.all_gather_object(gathered, {"timed": timed, "bubble": statistics.median(b for b, _ in bubbles),
                                               "computing": statistics.median(c for _, c in bubbles)})
             slowest = {impl: [max(r["timed"][impl][i][0] for r in gathered) for i in range(args.repeats)]
-                       for impl in IMPLS}
+                       for impl in impls}
             rounds = [h / t for h, t in zip(slowest["hvdkit"], slowest["torch"], strict=True)]
-            rows.append({"schedule": schedule, "micro_batches": micro_batches,
-                         "seconds": {impl: statistics.median(slowest[impl]) for impl in IMPLS},
+            by_broadcast = ([h / t for h, t in zip(slowest["hvdkit-horovod"], slowest["torch"], strict=True)]
+                            if "hvdkit-horovod" in slowest else [])
+            rows.append({"schedule": schedule, "micro_batches": micro_batches, "transport": ours.transport,
+                         "seconds": {impl: statistics.median(slowest[impl]) for impl in impls},
                          "ratio": statistics.median(rounds), "rounds": rounds,
+                         "broadcast_ratio": statistics.median(by_broadcast) if by_broadcast else None,
+                         "broadcast_rounds": by_broadcast,
                          "bubble": [r["bubble"] for r in gathered], "ideal_bubble": 1 / (micro_batches + 1),
                          "computing": [r["computing"] for r in gathered],
-                         "cpu": {impl: statistics.median(c for _, c in timed[impl]) for impl in IMPLS}})
+                         "cpu": {impl: statistics.median(c for _, c in timed[impl]) for impl in impls}})
             if memory is None:
                 held = sum(t.numel() * t.element_size() for p in ours_module.parameters()
                            for t in (p, p.grad, *ours.optimizer.state[p].values()) if t is not None and t.dim())
@@ -138,10 +151,12 @@ def pipeline_worker(args: argparse.Namespace) -> None:
     hvd.shutdown()
 
 
-def _arms(ours_module, theirs_module, mesh, schedule: str, micro_batches: int, inputs, targets, loss_fn):
+def _arms(ours_module, theirs_module, broadcast_module, mesh, schedule: str, micro_batches: int, inputs, targets,
+          loss_fn):
     """hvdkit's Pipeline (with its optimizer as ``.optimizer``) and each implementation's step by
     name: forward and backward of the batch by ``schedule``, then Adam; each returns the last
-    stage's losses."""
+    stage's losses. Where hvdkit's transport is MPI's, also hvdkit's over Horovod's broadcasts
+    ("hvdkit-horovod", on ``broadcast_module``): the measurement that chose the transport."""
     import torch
     from torch.distributed import pipelining
 
@@ -155,11 +170,19 @@ def _arms(ours_module, theirs_module, mesh, schedule: str, micro_batches: int, i
     theirs = kind(stage, micro_batches, loss_fn=loss_fn)
     theirs_optimizer = torch.optim.Adam(theirs_module.parameters(), lr=1e-4)
 
-    def ours_step():
-        ours.optimizer.zero_grad()
-        losses = ours.step(inputs, targets, loss_fn)
-        ours.optimizer.step()
-        return losses
+    def stepped(pipeline):
+        def step():
+            pipeline.optimizer.zero_grad()
+            losses = pipeline.step(inputs, targets, loss_fn)
+            pipeline.optimizer.step()
+            return losses
+        return step
+
+    steps = {"hvdkit": stepped(ours)}
+    if ours.transport == "mpi":
+        broadcast = Pipeline(broadcast_module, mesh, schedule, micro_batches, transport="horovod")
+        broadcast.optimizer = torch.optim.Adam(broadcast_module.parameters(), lr=1e-4)
+        steps["hvdkit-horovod"] = stepped(broadcast)
 
     def theirs_step():
         theirs_optimizer.zero_grad()
@@ -171,4 +194,4 @@ def _arms(ours_module, theirs_module, mesh, schedule: str, micro_batches: int, i
         theirs_optimizer.step()
         return losses
 
-    return ours, {"hvdkit": ours_step, "torch": theirs_step}
+    return ours, {**steps, "torch": theirs_step}

@@ -378,9 +378,10 @@ def test_pp_transport_times_each_way_beside_torchs_isend_irecv(tmp_path, hvd_bui
 
 @pytest.mark.slow
 def test_pp_times_hvdkits_pipeline_beside_torchs_pipelining(tmp_path, hvd_built):
-    """The worker checks the two implementations' first losses equal (the same stages, the same
-    weights) before it times them; here, every schedule and micro-batch count is reported with its
-    ratio per round and each stage's bubble, and each stage holds about half the model's bytes."""
+    """The worker checks hvdkit's first losses, over MPI's point-to-point (the transport under mpirun)
+    and over Horovod's broadcasts, equal to torch's (the same stages, the same weights) before it
+    times them; here, every schedule and micro-batch count is reported with both ratios per round
+    and each stage's bubble, and each stage holds about half the model's bytes."""
     out = tmp_path / "pp"
     proc = run(HVDKIT + ["pp", "--width", "32", "--layers", "2", "--seq-len", "8", "--batch-size", "8",
                          "--micro-batches", "2,4", "--repeats", "2", "--steps", "1", "--out", str(out)], timeout=300)
@@ -390,7 +391,9 @@ def test_pp_times_hvdkits_pipeline_beside_torchs_pipelining(tmp_path, hvd_built)
     assert [(row["schedule"], row["micro_batches"]) for row in record["rows"]] == [
         ("gpipe", 2), ("gpipe", 4), ("1f1b", 2), ("1f1b", 4)]
     for row in record["rows"]:
-        assert len(row["rounds"]) == 2 and all(0 < bubble < 1 for bubble in row["bubble"])
+        assert row["transport"] == "mpi" and set(row["seconds"]) == {"hvdkit", "hvdkit-horovod", "torch"}, row
+        assert len(row["rounds"]) == 2 and len(row["broadcast_rounds"]) == 2
+        assert all(0 < bubble < 1 for bubble in row["bubble"])
         assert row["ideal_bubble"] == pytest.approx(1 / (row["micro_batches"] + 1))
         assert re.search(rf"^{row['schedule']}\s+{row['micro_batches']}\s+{row['seconds']['hvdkit']:.3f}\s+",
                          proc.stdout, re.M)

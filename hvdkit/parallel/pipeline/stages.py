@@ -29,7 +29,7 @@ from torch import nn
 from hvdkit.config import ConfigError
 from hvdkit.parallel.ops import all_reduce_
 from hvdkit.parallel.pipeline.schedules import SCHEDULES, StageTimes, run_schedule
-from hvdkit.parallel.pipeline.transport import Link
+from hvdkit.parallel.pipeline.transport import Link, mpi_usable
 
 
 class GPTStage(nn.Module):
@@ -146,19 +146,32 @@ def sum_tied_grads(module: nn.Module, mesh, name: str) -> None:
                 mesh.ends_group, name)
 
 
+TRANSPORTS = ("auto", "mpi", "horovod")  # hvdkit.parallel.pipeline.transport's; auto: MPI's where it applies
+
+
 class Pipeline:
     """This rank's stage ``module`` of ``mesh``'s pipeline (bound after ``hvd.init``), stepped by
-    ``schedule`` ("gpipe" or "1f1b") over ``micro_batches``. Starts nothing when made."""
+    ``schedule`` ("gpipe" or "1f1b") over ``micro_batches``, its tensors passed on by ``transport``
+    (hvdkit.parallel.pipeline.transport: "auto" takes MPI's point-to-point where Horovod runs on MPI
+    and the stage is on the CPU, else Horovod's broadcasts). Every rank of the pipeline makes it
+    alike (under MPI, a pair's first Pipeline makes the pair's communicator, with the other rank)."""
 
-    def __init__(self, module: nn.Module, mesh, schedule: str = "1f1b", micro_batches: int = 0) -> None:
+    def __init__(self, module: nn.Module, mesh, schedule: str = "1f1b", micro_batches: int = 0,
+                 transport: str = "auto") -> None:
         if schedule not in SCHEDULES:
             raise ConfigError(f"pp: the schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if transport not in TRANSPORTS:
+            raise ConfigError(f"pp: the transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
         self.module, self.schedule = module, schedule
         self.stage, self.stages = mesh.pp_group.rank, mesh.pp
         self.micro_batches = micro_batches or self.stages
         self.actions = SCHEDULES[schedule](self.stage, self.stages, self.micro_batches)
-        self.previous = Link(mesh.previous_pair, f"hvdkit.pp.{self.stage - 1}") if mesh.previous_pair else None
-        self.following = Link(mesh.next_pair, f"hvdkit.pp.{self.stage}") if mesh.next_pair else None
+        if transport == "auto":
+            transport = "mpi" if mpi_usable(next(module.parameters()).device) else "horovod"
+        self.transport = transport
+        self.previous = (Link(mesh.previous_pair, f"hvdkit.pp.{self.stage - 1}", transport)
+                         if mesh.previous_pair else None)
+        self.following = Link(mesh.next_pair, f"hvdkit.pp.{self.stage}", transport) if mesh.next_pair else None
         self.times = StageTimes()  # the last step's: its span and waits, its bubble
 
     @property

@@ -82,7 +82,8 @@ class TrainConfig:
         "help": "with pp: the order of the micro-batches' forward and backward passes: 1f1b or gpipe"})
     pp_cuts: list = field(default_factory=list, metadata={
         "help": "with pp: where stages 1 to pp-1 begin (module names, as blocks.3, as torch's split_spec), or "
-                "parameters (balanced by parameter count); by default equal parts", "item": str})
+                "parameters or time (the GPT's blocks balanced by parameter count, or by the measured seconds of "
+                "each one's forward and backward); by default equal parts", "item": str})
     amp: bool = field(default=False, metadata={"help": "mixed precision: bf16 on CPU, fp16 + GradScaler on GPU"})
     clip_grad_norm: Optional[float] = field(default=None, metadata={"help": "clip gradients to this total norm"})
     elementwise_optimizer: bool = field(default=False, metadata={

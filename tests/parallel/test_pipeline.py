@@ -13,7 +13,14 @@ from hvdkit.config import ConfigError
 from hvdkit.models import TinyGPT
 from hvdkit.parallel.mesh import Group, Mesh
 from hvdkit.parallel.pipeline.schedules import SCHEDULES, Action, check_schedule, gpipe, one_f_one_b
-from hvdkit.parallel.pipeline.stages import Pipeline, gpt_cuts, gpt_stage, sequential_stage
+from hvdkit.parallel.pipeline.stages import (
+    Pipeline,
+    balanced_cuts,
+    gpt_block_seconds,
+    gpt_cuts,
+    gpt_stage,
+    sequential_stage,
+)
 from hvdkit.parallel.plan import gpt_plan, parallelize
 
 
@@ -134,6 +141,27 @@ def test_a_cut_is_where_its_block_names_say_or_balanced_by_parameters():
     assert gpt_cuts(wide, 4, "parameters") == [1, 6, 11]
     sizes = [sum(p.numel() for p in gpt_stage(wide, s, 4, "parameters").parameters()) for s in range(4)]
     assert max(sizes) < 1.6 * min(sizes), sizes
+
+
+def test_a_cut_balanced_by_measured_time_gives_each_stage_about_the_same_seconds():
+    """``balanced_cuts`` over given costs, and over ``gpt_block_seconds`` of a GPT whose vocabulary makes
+    its embedding large but quick and its output layer slow: the measured cut differs from the
+    parameters' and leaves the slow end fewer blocks. The measuring leaves no gradient behind."""
+    assert balanced_cuts([1, 1, 1, 1, 1, 1], 2) == [2]  # embeddings, 4 blocks, output: 3 units a stage
+    assert balanced_cuts([0, 1, 1, 1, 1, 9], 2) == [3]  # a heavy output layer: the last stage holds 1 block
+    with pytest.raises(ConfigError, match="pp: 4 stages need at least as many blocks; the model has 3"):
+        balanced_cuts([1, 1, 1, 1, 1], 4)
+    torch.manual_seed(0)
+    wide = TinyGPT(4096, 32, width=64, layers=12)
+    seconds = gpt_block_seconds(wide, 4)
+    assert len(seconds) == 14 and all(t > 0 for t in seconds)
+    assert seconds[-1] > max(seconds[1:-1]) and seconds[0] < min(seconds[1:-1]), seconds  # a 4096-way softmax
+    assert all(p.grad is None for p in wide.parameters())
+    cuts = balanced_cuts(seconds, 4)
+    per_stage = [sum(seconds[first:last]) for first, last in zip([0, *[c + 1 for c in cuts]],
+                                                                  [*[c + 1 for c in cuts], 14], strict=True)]
+    assert max(per_stage) < 2 * min(per_stage), (cuts, per_stage)
+    assert cuts != gpt_cuts(wide, 4, "parameters"), "the embedding is large but quick: time cuts elsewhere"
 
 
 @pytest.mark.parametrize("cuts, line", [

@@ -8,7 +8,8 @@ each step's loss and the final weights within 1e-3 (fp32, relative norm); its ch
 whole model and optimizer state, joined across the stages by name (hvdkit.parallel.whole); a rank
 killed at step 6 under `hvdkit launch --max-restarts 1` restarts the mesh from the checkpoint of step
 4, which ends bitwise where the run that was not killed ends; resumed from its middle at np 1 (K
-kept at 4), at dp 4 under horovodrun --gloo (K 4 -> 1) and at pp 2 x dp 2 with GPipe (K 4 -> 2),
+kept at 4), at dp 4 under horovodrun --gloo (K 4 -> 1) and at pp 2 x dp 2 with GPipe (K 4 -> 2) cut
+where the blocks' measured seconds balance the stages (the checkpoint is by name: any cut takes it),
 each follows the uninterrupted run within 1e-3. The MLP (an nn.Sequential, cut
 between its children) at pp 2 under horovodrun --gloo, its accuracy logged by the last stage, follows
 one process alike. A pipeline stuck in a stage's loss is named by its stage and micro-batch when
@@ -103,7 +104,9 @@ def test_a_run_at_tp2_pp2_follows_one_process_restarts_bitwise_and_resumes_at_np
     for name, launcher, np, args, said in (
             ("np1", None, 1, (), "written with batches_per_allreduce 4, which this run keeps (it asked for 1)"),
             ("dp4", "horovodrun --gloo", 4, (), "batches_per_allreduce 4 -> 1 keeps the global batch of 8 samples"),
-            ("pp2-dp2-gpipe", "mpirun", 4, ("--pp", "2", "--micro-batches", "2", "--pp-schedule", "gpipe"), None)):
+            ("pp2-dp2-gpipe", "mpirun", 4, ("--pp", "2", "--micro-batches", "2", "--pp-schedule", "gpipe",
+                                             "--pp-cuts", "time"),
+             "hvdkit: pp cuts by measured time: stages 1 to 1 begin at blocks.")):
         (tmp_path / name / "ckpt").mkdir(parents=True)
         shutil.copy(middle, tmp_path / name / "ckpt")
         resumed, resumed_weights, proc = trained(tmp_path / name, launcher, np, *args)

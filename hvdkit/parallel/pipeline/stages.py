@@ -20,6 +20,7 @@ runs one batch's forward and backward passes as micro-batches by the schedule
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from typing import Optional
 
@@ -68,24 +69,62 @@ def gpt_cuts(model: nn.Module, stages: int, cuts=None) -> list[int]:
                               f"divides them, or cuts (block names, or \"parameters\")")
         return [k * layers // stages for k in range(1, stages)]
     if cuts == "parameters":
-        sizes = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
         first = sum(p.numel() for m in (model.tokens, model.positions) for p in m.parameters())
         last = sum(p.numel() for m in (model.norm, model.head) for p in m.parameters())
-        before = [first + sum(sizes[:i]) for i in range(layers + 1)]  # parameters before block i
-        total = before[-1] + last
-        chosen: list[int] = []
-        for k in range(1, stages):
-            low, high = (chosen[-1] + 1 if chosen else 1), layers - (stages - k)
-            if low > high:
-                raise ConfigError(f"pp: {stages} stages need at least as many blocks; the model has {layers}")
-            chosen.append(min(range(low, high + 1), key=lambda i: abs(before[i] - total * k / stages)))
-        return chosen
+        return balanced_cuts([first, *(sum(p.numel() for p in block.parameters()) for block in model.blocks), last],
+                             stages)
     indices = [int(name.split(".")[1]) if name.startswith("blocks.") and name.split(".")[1].isdigit()
                and name.count(".") == 1 else -1 for name in cuts]
     if len(cuts) != stages - 1 or indices != sorted(set(indices)) or not all(0 < i < layers for i in indices):
         raise ConfigError(f"pp: the cuts {', '.join(cuts) or 'given'} are not {stages - 1} increasing block names "
                           f"of blocks.1 to blocks.{layers - 1}, where stages 1 to {stages - 1} begin")
     return indices
+
+
+def balanced_cuts(costs: list[float], stages: int) -> list[int]:
+    """The first block of each stage after the first that gives each stage about the same share of
+    ``costs``: the first stage's own (the embeddings'), each block's, the last stage's own (the
+    final norm's and the output layer's), as parameters or measured seconds (``gpt_block_seconds``).
+    Each stage holds a block at least; ConfigError where there are fewer blocks than stages."""
+    layers = len(costs) - 2
+    before = [sum(costs[:i + 1]) for i in range(layers + 1)]  # the costs before block i, the first stage's in
+    total = sum(costs)
+    chosen: list[int] = []
+    for k in range(1, stages):
+        low, high = (chosen[-1] + 1 if chosen else 1), layers - (stages - k)
+        if low > high:
+            raise ConfigError(f"pp: {stages} stages need at least as many blocks; the model has {layers}")
+        chosen.append(min(range(low, high + 1), key=lambda i: abs(before[i] - total * k / stages)))
+    return chosen
+
+
+def gpt_block_seconds(model: nn.Module, batch: int, repeats: int = 3) -> list[float]:
+    """Seconds of a forward and backward pass of ``batch`` sequences of the model's length through each
+    part of hvdkit's GPT, where it is: the embeddings, each block, then the final norm, the output layer
+    and a cross-entropy over the logits; each the median of ``repeats`` after one warm-up (for
+    ``balanced_cuts``: the time a stage takes, not its size). The same model measured on two ranks
+    gives two answers: the caller measures on one rank and shares them."""
+    length = model.positions.num_embeddings
+    tokens = torch.randint(0, model.tokens.num_embeddings, (batch, length), generator=torch.Generator().manual_seed(0))
+    tokens = tokens.to(model.tokens.weight.device)
+    x = model.drop(model.tokens(tokens) + model.positions(torch.arange(length, device=tokens.device))).detach()
+    parts = [lambda x: model.drop(model.tokens(tokens) + model.positions(torch.arange(length, device=tokens.device))),
+             *[block for block in model.blocks],
+             lambda x: nn.functional.cross_entropy(model.head(model.norm(x)).flatten(0, 1), tokens.flatten())]
+    seconds = []
+    for part in parts:
+        timed = []
+        for _ in range(repeats + 1):
+            given = x.detach().requires_grad_()
+            began = time.perf_counter()
+            out = part(given)
+            out.backward(torch.ones_like(out))
+            timed.append(time.perf_counter() - began)
+        model.zero_grad(set_to_none=True)
+        if out.dim() == x.dim():
+            x = out.detach()
+        seconds.append(sorted(timed[1:])[len(timed[1:]) // 2])
+    return seconds
 
 
 def gpt_stage(model: nn.Module, stage: int, stages: int, cuts=None) -> GPTStage:

@@ -3,6 +3,7 @@ start (``Session.parallelize``)."""
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 from torch import nn
@@ -10,7 +11,7 @@ from torch import nn
 from hvdkit.config import ConfigError
 from hvdkit.models import TinyGPT
 from hvdkit.parallel.mesh import Mesh
-from hvdkit.parallel.pipeline.stages import gpt_stage, sequential_stage
+from hvdkit.parallel.pipeline.stages import balanced_cuts, gpt_block_seconds, gpt_stage, sequential_stage
 from hvdkit.parallel.plan import gpt_plan, parallelize
 from hvdkit.parallel.rng import RNGTracker
 from hvdkit.rank.state import RunState
@@ -37,7 +38,7 @@ def split_model(cfg, hvd, device, mesh: Mesh, state: RunState, model: nn.Module,
                           f"tokens, which sequence parallelism splits in equal parts; give a seq_len that tp divides")
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     if mesh.pp > 1:
-        model = cut_stage(cfg, mesh, model)
+        model = cut_stage(cfg, hvd, mesh, model)
     if mesh.tp > 1:
         state.rng_tracker = RNGTracker(cfg.seed, mesh.tp_group, device)
         if plan is None:
@@ -46,16 +47,27 @@ def split_model(cfg, hvd, device, mesh: Mesh, state: RunState, model: nn.Module,
     return model.to(device)
 
 
-def cut_stage(cfg, mesh: Mesh, model: nn.Module) -> nn.Module:
+def cut_stage(cfg, hvd, mesh: Mesh, model: nn.Module) -> nn.Module:
     """This rank's stage of ``model`` (its place in its pipeline: hvdkit.parallel.mesh), cut where
-    ``cfg.pp_cuts`` says (block or module names; ["parameters"]: balanced by parameter count) or in
-    equal parts: hvdkit's GPT between its blocks, an nn.Sequential between its children. ConfigError,
-    in one line, for another model, cuts that do not fit, or a tied GPT under ZeRO."""
+    ``cfg.pp_cuts`` says (block or module names; ["parameters"]: balanced by parameter count;
+    ["time"]: by the seconds of each part's forward and backward, measured on rank 0 and shared, the
+    cuts said in one line) or in equal parts: hvdkit's GPT between its blocks, an nn.Sequential
+    between its children. Every rank calls it alike. ConfigError, in one line, for another model,
+    cuts that do not fit, or a tied GPT under ZeRO."""
     cuts = cfg.pp_cuts or None
     if isinstance(model, TinyGPT):
         if cfg.zero and model.head.weight is model.tokens.weight:
             raise ConfigError("pp: a GPT whose output layer is tied to its embedding is not yet for zero (the two "
                               "copies' gradients are summed across the pipeline's ends); drop --zero")
+        if cuts == ["time"]:
+            seconds = gpt_block_seconds(model, cfg.batch_size) if hvd.rank() == 0 else None
+            seconds = hvd.broadcast_object(seconds, root_rank=0, name="hvdkit.pp.block_seconds")
+            cuts = [f"blocks.{index}" for index in balanced_cuts(seconds, mesh.pp)]
+            if hvd.rank() == 0:
+                print(f"hvdkit: pp cuts by measured time: stages 1 to {mesh.pp - 1} begin at {', '.join(cuts)} (ms a "
+                      f"forward and backward of {cfg.batch_size} sequences: embeddings {1e3 * seconds[0]:.2f}, "
+                      f"blocks {' '.join(f'{1e3 * t:.2f}' for t in seconds[1:-1])}, output {1e3 * seconds[-1]:.2f})",
+                      file=sys.stderr, flush=True)
         return gpt_stage(model, mesh.pp_group.rank, mesh.pp, "parameters" if cuts == ["parameters"] else cuts)
     if isinstance(model, nn.Sequential):
         return sequential_stage(model, mesh.pp_group.rank, mesh.pp, cuts)

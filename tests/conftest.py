@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -167,6 +168,84 @@ def metrics_records(path):
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+HVDKIT_TRAIN = [sys.executable, "-m", "hvdkit", "train"]
+
+
+def gpt_train_flags(batch_size: int) -> list:
+    """The built-in GPT on the text set for 8 steps of AdamW at a constant rate, a checkpoint at step 4,
+    a report every step and the consistency check every 2: what the tp and pp runs and resumes train."""
+    return ["--dataset", "text", "--model", "gpt-tiny", "--seq-len", "32", "--batch-size", str(batch_size),
+            "--optimizer", "adamw", "--base-lr", "0.002", "--warmup-epochs", "0", "--lr-schedule", "none",
+            "--max-steps", "8", "--checkpoint-steps", "4", "--log-interval", "1", "--check-consistency-steps", "2",
+            "--logger", "none"]
+
+
+def trained_run(flags, directory, launcher, np, *args, env=None):
+    """``hvdkit train`` with ``flags`` and ``args`` on ``np`` ranks under ``launcher`` (None: one process,
+    no launcher; a name: planner.local_command's; a list: a command line that takes hvdkit train's
+    flags), its checkpoints and logs under ``directory``: its losses by step, its final weights and the
+    process (a failure fails the test with its output)."""
+    from hvdkit.launch import planner
+
+    command = [*HVDKIT_TRAIN, *flags, "--checkpoint-dir", str(directory / "ckpt"), "--log-dir",
+               str(directory / "logs"), *args]
+    if isinstance(launcher, list):
+        command = [*launcher, *command[len(HVDKIT_TRAIN):]]
+    elif launcher:
+        command = planner.local_command(launcher, np, command)
+    proc = run(command, timeout=300, env=env)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    records = metrics_records(directory / "logs" / "metrics.jsonl")
+    return {r["step"]: r["loss"] for r in records if r.get("event") == "train"}, final_weights(directory / "ckpt"), proc
+
+
+def resumed_run(flags, middle, directory, launcher, np, *args, said=None):
+    """``trained_run`` in ``directory`` from a copy of the checkpoint ``middle`` (of step 4 of 8): checked
+    resumed from it (and saying ``said``), its steps 5 to 8 reported; its losses by step and final weights."""
+    (directory / "ckpt").mkdir(parents=True)
+    shutil.copy(middle, directory / "ckpt")
+    losses, weights, proc = trained_run(flags, directory, launcher, np, *args)
+    assert f"resumed from {directory / 'ckpt'}" in proc.stderr, proc.stderr[-2000:]
+    assert said is None or said in proc.stderr, proc.stderr[-2000:]
+    assert sorted(losses) == [5, 6, 7, 8], losses
+    return losses, weights
+
+
+def trained_through_a_kill(flags, directory, *args):
+    """``trained_run`` of 4 ranks under `hvdkit launch --launcher mpirun --max-restarts 1` whose rank 3
+    SIGKILLs itself at step 6 once the checkpoint of step 4 is written (tests/programs/killed_once.py):
+    checked killed and restarted once; its final weights and the process."""
+    from hvdkit import checkpoint
+
+    killed = [sys.executable, "-m", "hvdkit", "launch", "-np", "4", "--launcher", "mpirun", "--max-restarts", "1",
+              "--", sys.executable, str(REPO / "tests" / "programs" / "killed_once.py")]
+    death = {"KILL_AT_STEP": "6", "KILL_RANK": "3",
+             "KILL_AFTER_WRITTEN": checkpoint.path_for(str(directory / "ckpt"), 4)}
+    _, weights, proc = trained_run(flags, directory, killed, 4, *args, env=dict(os.environ, **death))
+    assert "killed_once: rank 3 killed at step 6, attempt 0" in proc.stderr, proc.stderr[-3000:]
+    assert "restart 1 of 1" in proc.stderr, proc.stderr[-3000:]
+    return weights, proc
+
+
+def assert_refused_before_anything_starts(flags, tmp_path, np, args, said) -> None:
+    """``hvdkit train`` with ``flags`` and ``args`` on ``np`` ranks under mpirun: exit 2, one line from
+    hvdkit train that starts with ``said``, and no checkpoint written."""
+    from hvdkit import checkpoint
+    from hvdkit.launch import planner
+
+    proc = run(planner.local_command("mpirun", np, [*HVDKIT_TRAIN, *flags, "--log-dir", str(tmp_path / "logs"),
+                                                    "--checkpoint-dir", str(tmp_path / "ckpt"), *args]), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("hvdkit train:")]
+    assert len(lines) == 1 and lines[0].startswith(said), proc.stderr[-2000:]
+    assert not (tmp_path / "ckpt").exists() or not checkpoint.existing(str(tmp_path / "ckpt"))
+
+
+def relative_difference(a, b) -> float:
+    """The norm of ``a - b`` over the norm of ``b`` (fp64)."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-12)).item()
 
 
 def wait_for_file(path, proc, timeout=120):

@@ -517,12 +517,12 @@ def pipeline_arm(cell: Cell, arm: str, log_dir: str) -> dict:
     elif dp.size > 1:  # ZeRO 1 within the data-parallel set, its gradients reduced once the micro-batches are in
         optimizer = ShardedOptimizer(optimizer, hvd, 1, backward_passes_per_step=cell.micro_batches,
                                      process_set=dp.process_set)
-    pipeline = Pipeline(stage, mesh, cell.schedule, cell.micro_batches)
+    # MPI's point-to-point wherever there is an MPI world, more ranks than cores too: the Session's arm
+    # takes the transport the product chooses (Horovod's broadcasts where the ranks share cores)
+    pipeline = Pipeline(stage, mesh, cell.schedule, cell.micro_batches,
+                        transport="mpi" if hvd.mpi_enabled() else "horovod")
     losses, clip, poisoned = [], cell.keys.get("clip_grad_norm"), [False]
-
-    def loss_fn(logits, targets):
-        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        return loss * float("nan") if poisoned[0] else loss
+    loss_fn = poisonable_loss(poisoned)
 
     for step in range(cell.steps):
         poisoned[0] = step == cell.poisoned
@@ -544,6 +544,28 @@ def pipeline_arm(cell: Cell, arm: str, log_dir: str) -> dict:
     return {"losses": losses, "weights": [joined[name].detach().clone() for name in names], "names": names}
 
 
+def poisonable_loss(poisoned: list):
+    """The last stage's loss: cross-entropy over a GPT's logits, NaN while ``poisoned[0]``."""
+    def loss_fn(logits, targets):
+        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return loss * float("nan") if poisoned[0] else loss
+    return loss_fn
+
+
+def session_and_own_model(cell: Cell, keys: dict):
+    """hvdkit's Session with ``keys`` (and ``on_nonfinite: skip`` where the cell poisons a step), and the
+    cell's whole model made on this rank, with weights of its own off rank 0: the Session's
+    parallelize gives every rank rank 0's."""
+    session = hvdkit.Session(**keys, **({"on_nonfinite": "skip"} if cell.poisoned is not None else {}))
+    torch.manual_seed(0)
+    whole = cell.model()
+    if hvd.rank() != 0:
+        with torch.no_grad():
+            for param in whole.parameters():
+                param.add_(1.0)
+    return session, whole
+
+
 def pipeline_session(cell: Cell, log_dir: str, zero: int = 0) -> dict:
     """hvdkit's Session with ``pp`` (and ``tp``), in the loop users write: this rank's stage cut by
     session.parallelize from its own whole model (the Session gives every rank rank 0's weights), each
@@ -552,21 +574,12 @@ def pipeline_session(cell: Cell, log_dir: str, zero: int = 0) -> dict:
     (``on_nonfinite: skip``): this rank's stage's weights, and each step's loss on the last stage."""
     keys = {"seed": 0, "batch_size": BATCH, "logger": "none", "log_dir": log_dir, "tp": cell.tp or 1, "pp": cell.pp,
             "micro_batches": cell.micro_batches, "pp_schedule": cell.schedule, "zero": zero, **cell.keys}
-    session = hvdkit.Session(**keys, **({"on_nonfinite": "skip"} if cell.poisoned is not None else {}))
-    torch.manual_seed(0)
-    whole = cell.model()
-    if hvd.rank() != 0:  # weights of their own: the Session gives every rank rank 0's
-        with torch.no_grad():
-            for param in whole.parameters():
-                param.add_(1.0)
+    session, whole = session_and_own_model(cell, keys)
     stage = session.parallelize(whole)  # cut, then split by the GPT's plan under tp
     model, optimizer = session.setup(stage, cell.optimizer(stage))
     names = [name for name, _ in model.named_parameters()]
     losses, replica, poisoned = [], session.mesh.dp_group.rank, [False]
-
-    def loss_fn(logits, targets):
-        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        return loss * float("nan") if poisoned[0] else loss
+    loss_fn = poisonable_loss(poisoned)
 
     for step in range(cell.steps):
         poisoned[0] = step == cell.poisoned
@@ -626,13 +639,7 @@ def tensor_parallel_session(cell: Cell, log_dir: str, zero: int = 0) -> dict:
     skipped on every rank (``on_nonfinite: skip``)."""
     keys = {"seed": 0, "batch_size": BATCH, "logger": "none", "log_dir": log_dir, "tp": cell.tp, "zero": zero,
             **cell.keys}
-    session = hvdkit.Session(**keys, **({"on_nonfinite": "skip"} if cell.poisoned is not None else {}))
-    torch.manual_seed(0)
-    whole = cell.model()
-    if hvd.rank() != 0:  # weights of their own: the Session gives every rank rank 0's
-        with torch.no_grad():
-            for param in whole.parameters():
-                param.add_(1.0)
+    session, whole = session_and_own_model(cell, keys)
     names = [name for name, _ in whole.named_parameters()]
     model = session.parallelize(whole, cell.plan(whole))
     model, optimizer = session.setup(model, cell.optimizer(model))

@@ -33,15 +33,12 @@ def main():
         seen[0] += 1
         return nn.functional.mse_loss(output, target)
 
-    for _ in range(100):
+    for _ in range(100):  # the stall limit ends the job at step --at
         optimizer.zero_grad()
         session.pipeline.step((inputs, torch.zeros(8, 16)), loss_fn)
         session.step()
-        session.print(f"step {session.global_step}")
-        if session.should_stop():
-            break
-    return session.finish()["exit_code"]
+    session.finish()
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

@@ -17,44 +17,31 @@ input: one line, exit 2, before anything starts. A stop signal and a frozen rank
 tests/rank/test_stops.py.
 """
 
+import functools
 import os
 import re
-import shutil
 import sys
 
 import pytest
-import torch
 
-from conftest import REPO, assert_bitwise_equal, final_weights, metrics_records, run
+from conftest import (
+    REPO,
+    assert_bitwise_equal,
+    assert_refused_before_anything_starts,
+    gpt_train_flags,
+    resumed_run,
+    run,
+    trained_run,
+    trained_through_a_kill,
+)
+from conftest import relative_difference as relative
 from hvdkit import checkpoint
 from hvdkit.launch import planner
 
 pytestmark = pytest.mark.slow
 
-TRAIN_COMMAND = [sys.executable, "-m", "hvdkit", "train"]
-TRAIN = [*TRAIN_COMMAND, "--dataset", "text", "--model", "gpt-tiny", "--seq-len", "32",
-         "--batch-size", "4", "--optimizer", "adamw", "--base-lr", "0.002", "--warmup-epochs", "0",
-         "--lr-schedule", "none", "--max-steps", "8", "--checkpoint-steps", "4", "--log-interval", "1",
-         "--check-consistency-steps", "2", "--logger", "none"]
-
-
-def trained(directory, launcher, np, *args, env=None):
-    """``hvdkit train`` on ``np`` ranks under ``launcher`` (None: one process, no launcher; a list: a
-    command line that takes hvdkit train's flags): its losses by step, its final weights and the process."""
-    ckpt, logs = directory / "ckpt", directory / "logs"
-    command = [*TRAIN, "--checkpoint-dir", str(ckpt), "--log-dir", str(logs), *args]
-    if isinstance(launcher, list):
-        command = [*launcher, *command[len(TRAIN_COMMAND):]]
-    elif launcher:
-        command = planner.local_command(launcher, np, command)
-    proc = run(command, timeout=300, env=env)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    losses = {r["step"]: r["loss"] for r in metrics_records(logs / "metrics.jsonl") if r.get("event") == "train"}
-    return losses, final_weights(ckpt), proc
-
-
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-12)).item()
+FLAGS = gpt_train_flags(4)
+trained = functools.partial(trained_run, FLAGS)  # (directory, launcher, np, *args, env=None)
 
 
 def test_a_run_at_tp2_dp2_restarts_bitwise_and_resumes_at_np1_and_at_dp2_following_the_uninterrupted_run(
@@ -69,14 +56,7 @@ def test_a_run_at_tp2_dp2_restarts_bitwise_and_resumes_at_np1_and_at_dp2_followi
     index = list(saved["model"]).index("tokens.weight")  # the optimizer numbers the parameters in the model's order
     assert tuple(saved["optimizer"]["state"][index]["exp_avg"].shape) == (256, 128)
 
-    killed = [sys.executable, "-m", "hvdkit", "launch", "-np", "4", "--launcher", "mpirun", "--max-restarts", "1",
-              "--", sys.executable, str(REPO / "tests" / "programs" / "killed_once.py")]
-    death = {"KILL_AT_STEP": "6", "KILL_RANK": "3",
-             "KILL_AFTER_WRITTEN": checkpoint.path_for(str(tmp_path / "restarted" / "ckpt"), 4)}
-    _, restarted, proc = trained(tmp_path / "restarted", killed, 4, "--tp", "2", "--snapshot-steps", "1",
-                                 env=dict(os.environ, **death))
-    assert "killed_once: rank 3 killed at step 6, attempt 0" in proc.stderr, proc.stderr[-3000:]
-    assert "restart 1 of 1" in proc.stderr, proc.stderr[-3000:]
+    restarted, proc = trained_through_a_kill(FLAGS, tmp_path / "restarted", "--tp", "2", "--snapshot-steps", "1")
     [resumed] = [line for line in proc.stderr.splitlines() if "resumed from" in line]
     # each rank of the host's group wrote its blocks, joined by the rank that read them
     assert re.search(r"hvdkit-snapshots-[^ ]*/tp-0/ckpt-step00000000[56]\.pt \(epoch 1, step [56]\)", resumed), resumed
@@ -87,13 +67,7 @@ def test_a_run_at_tp2_dp2_restarts_bitwise_and_resumes_at_np1_and_at_dp2_followi
                                            ("tp2-dp2-zero2", "mpirun", 4, ("--tp", "2", "--zero", "2"), None),
                                            ("tp2-dp2-sequence-parallel", "mpirun", 4,
                                             ("--tp", "2", "--sequence-parallel"), None)):
-        (tmp_path / name / "ckpt").mkdir(parents=True)
-        shutil.copy(middle, tmp_path / name / "ckpt")
-        resumed, resumed_weights, proc = trained(tmp_path / name, launcher, np, *args)
-        assert f"resumed from {tmp_path / name / 'ckpt'}" in proc.stderr, proc.stderr[-2000:]
-        if said:
-            assert said in proc.stderr, proc.stderr[-2000:]
-        assert sorted(resumed) == [5, 6, 7, 8], resumed
+        resumed, resumed_weights = resumed_run(FLAGS, middle, tmp_path / name, launcher, np, *args, said=said)
         for step, loss in resumed.items():
             assert abs(loss - losses[step]) <= 1e-3 * abs(losses[step]), (name, step, loss, losses[step])
         far = {key: relative(value, weights[key]) for key, value in resumed_weights.items()}
@@ -121,9 +95,4 @@ def test_with_dropout_a_run_resumed_from_its_middle_ends_bitwise_where_the_whole
 ], ids=["tp-not-dividing-the-ranks", "a-model-without-a-plan", "zero-3-beside-tp", "zero-with-one-replica",
         "sequence-parallel-without-tp", "sequence-parallel-not-dividing-the-sequence"])
 def test_bad_input_is_one_line_and_exit_2_before_anything_starts(tmp_path, args, said):
-    proc = run(planner.local_command("mpirun", 2, [*TRAIN, "--log-dir", str(tmp_path / "logs"),
-                                                   "--checkpoint-dir", str(tmp_path / "ckpt"), *args]), timeout=120)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("hvdkit train:")]
-    assert len(lines) == 1 and lines[0].startswith(said), proc.stderr[-2000:]
-    assert not (tmp_path / "ckpt").exists() or not checkpoint.existing(str(tmp_path / "ckpt"))
+    assert_refused_before_anything_starts(FLAGS, tmp_path, 2, args, said)

@@ -17,43 +17,30 @@ the stall limit ends it. And bad input: one line, exit 2, before anything starts
 and a frozen rank at pp 2: tests/rank/test_stops.py.
 """
 
-import os
-import shutil
+import functools
 import sys
 
 import pytest
 import torch
 
-from conftest import REPO, assert_bitwise_equal, final_weights, metrics_records, run
+from conftest import (
+    REPO,
+    assert_bitwise_equal,
+    assert_refused_before_anything_starts,
+    gpt_train_flags,
+    resumed_run,
+    run,
+    trained_run,
+    trained_through_a_kill,
+)
+from conftest import relative_difference as relative
 from hvdkit import checkpoint
 from hvdkit.checks import selftest
-from hvdkit.launch import planner
 
 pytestmark = pytest.mark.slow
 
-TRAIN_COMMAND = [sys.executable, "-m", "hvdkit", "train"]
-TRAIN = [*TRAIN_COMMAND, "--dataset", "text", "--model", "gpt-tiny", "--seq-len", "32",
-         "--batch-size", "2", "--optimizer", "adamw", "--base-lr", "0.002", "--warmup-epochs", "0",
-         "--lr-schedule", "none", "--max-steps", "8", "--checkpoint-steps", "4", "--log-interval", "1",
-         "--check-consistency-steps", "2", "--logger", "none"]
-
-
-def trained(directory, launcher, np, *args, env=None):
-    """``hvdkit train`` on ``np`` ranks under ``launcher`` (None: one process; a list: a command line that
-    takes hvdkit train's flags): its losses by step, its final weights and the process."""
-    command = [*TRAIN, "--checkpoint-dir", str(directory / "ckpt"), "--log-dir", str(directory / "logs"), *args]
-    if isinstance(launcher, list):
-        command = [*launcher, *command[len(TRAIN_COMMAND):]]
-    elif launcher:
-        command = planner.local_command(launcher, np, command)
-    proc = run(command, timeout=300, env=env)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    records = metrics_records(directory / "logs" / "metrics.jsonl")
-    return {r["step"]: r["loss"] for r in records if r.get("event") == "train"}, final_weights(directory / "ckpt"), proc
-
-
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-12)).item()
+FLAGS = gpt_train_flags(2)
+trained = functools.partial(trained_run, FLAGS)  # (directory, launcher, np, *args, env=None)
 
 
 def follows(name: str, losses: dict, weights: dict, reference_losses: dict, reference_weights: dict) -> None:
@@ -91,14 +78,9 @@ def test_a_run_at_tp2_pp2_follows_one_process_restarts_bitwise_and_resumes_at_np
 
     # a rank killed at step 6 under hvdkit launch --max-restarts 1: the mesh restarts from the checkpoint of
     # step 4 and ends bitwise where the run that was not killed ends
-    killed = [sys.executable, "-m", "hvdkit", "launch", "-np", "4", "--launcher", "mpirun", "--max-restarts", "1",
-              "--", sys.executable, str(REPO / "tests" / "programs" / "killed_once.py")]
-    death = {"KILL_AT_STEP": "6", "KILL_RANK": "3",
-             "KILL_AFTER_WRITTEN": checkpoint.path_for(str(tmp_path / "restarted" / "ckpt"), 4)}
-    _, restarted, proc = trained(tmp_path / "restarted", killed, 4, "--tp", "2", "--pp", "2", "--micro-batches", "4",
-                                 env=dict(os.environ, **death))
-    assert "killed_once: rank 3 killed at step 6, attempt 0" in proc.stderr, proc.stderr[-3000:]
-    assert "restart 1 of 1" in proc.stderr and "(epoch 1, step 4)" in proc.stderr, proc.stderr[-3000:]
+    restarted, proc = trained_through_a_kill(FLAGS, tmp_path / "restarted", "--tp", "2", "--pp", "2",
+                                             "--micro-batches", "4")
+    assert "(epoch 1, step 4)" in proc.stderr, proc.stderr[-3000:]
     assert_bitwise_equal(restarted, weights)
 
     for name, launcher, np, args, said in (
@@ -107,13 +89,7 @@ def test_a_run_at_tp2_pp2_follows_one_process_restarts_bitwise_and_resumes_at_np
             ("pp2-dp2-gpipe", "mpirun", 4, ("--pp", "2", "--micro-batches", "2", "--pp-schedule", "gpipe",
                                              "--pp-cuts", "time"),
              "hvdkit: pp cuts by measured time: stages 1 to 1 begin at blocks.")):
-        (tmp_path / name / "ckpt").mkdir(parents=True)
-        shutil.copy(middle, tmp_path / name / "ckpt")
-        resumed, resumed_weights, proc = trained(tmp_path / name, launcher, np, *args)
-        assert f"resumed from {tmp_path / name / 'ckpt'}" in proc.stderr, proc.stderr[-2000:]
-        if said:
-            assert said in proc.stderr, proc.stderr[-2000:]
-        assert sorted(resumed) == [5, 6, 7, 8], resumed
+        resumed, resumed_weights = resumed_run(FLAGS, middle, tmp_path / name, launcher, np, *args, said=said)
         follows(name, resumed, resumed_weights, losses, weights)
 
 
@@ -167,9 +143,4 @@ def test_a_stalled_pipeline_is_named_by_its_stage_and_micro_batch(tmp_path, laun
         "a-cut-naming-no-block", "a-model-without-a-cut", "zero-3-beside-pp", "zero-with-one-replica",
         "micro-batches-without-pp"])
 def test_bad_input_is_one_line_and_exit_2_before_anything_starts(tmp_path, np, args, said):
-    proc = run(planner.local_command("mpirun", np, [*TRAIN, "--log-dir", str(tmp_path / "logs"),
-                                                    "--checkpoint-dir", str(tmp_path / "ckpt"), *args]), timeout=120)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("hvdkit train:")]
-    assert len(lines) == 1 and lines[0].startswith(said), proc.stderr[-2000:]
-    assert not (tmp_path / "ckpt").exists() or not checkpoint.existing(str(tmp_path / "ckpt"))
+    assert_refused_before_anything_starts(FLAGS, tmp_path, np, args, said)

@@ -191,9 +191,10 @@ TRANSPORTS = ("auto", "mpi", "horovod")  # hvdkit.parallel.pipeline.transport's;
 class Pipeline:
     """This rank's stage ``module`` of ``mesh``'s pipeline (bound after ``hvd.init``), stepped by
     ``schedule`` ("gpipe" or "1f1b") over ``micro_batches``, its tensors passed on by ``transport``
-    (hvdkit.parallel.pipeline.transport: "auto" takes MPI's point-to-point where Horovod runs on MPI
-    and the stage is on the CPU, else Horovod's broadcasts). Every rank of the pipeline makes it
-    alike (under MPI, a pair's first Pipeline makes the pair's communicator, with the other rank)."""
+    (hvdkit.parallel.pipeline.transport: "auto" takes MPI's point-to-point where Horovod runs on MPI,
+    the stage is on the CPU and each rank of the host has a core, else Horovod's broadcasts). Every rank
+    of the pipeline makes it alike (under MPI, a pair's first Pipeline makes the pair's communicator,
+    with the other rank)."""
 
     def __init__(self, module: nn.Module, mesh, schedule: str = "1f1b", micro_batches: int = 0,
                  transport: str = "auto") -> None:

@@ -2,7 +2,8 @@
 where there is an MPI world, else over Horovod's collectives.
 
 Chosen by measurement (`hvdkit bench pp-transport` and `hvdkit bench pp`, docs/performance.md):
-where Horovod runs on MPI and the stage's tensors are on the CPU, a transfer is mpi4py's
+where Horovod runs on MPI, the stage's tensors are on the CPU and each rank has a core of its own (MPI's
+waits poll), a transfer is mpi4py's
 ``Isend``/``Irecv`` on a communicator of the pair's own (made once per pair, by its two ranks: its
 messages never meet Horovod's), 0.11-0.36x the time of torch's isend/irecv over Gloo. Elsewhere
 (``horovodrun --gloo``, which has no MPI world; a GPU's tensors, which a CUDA-aware MPI is not
@@ -99,10 +100,14 @@ def pair_communicator(ranks: list[int]):
 def mpi_usable(device: torch.device) -> bool:
     """Whether a pipeline on ``device`` may use MPI's point-to-point: Horovod runs on MPI (not Gloo:
     ``horovodrun --gloo`` has no MPI world), MPI allows calls from any thread (Horovod's background
-    thread makes its own), and the tensors are on the CPU."""
+    thread makes its own), the tensors are on the CPU, and this host has a core for each of its ranks:
+    MPI's waits poll, which costs nothing on a core of the rank's own and slows the ranks that share
+    one (Horovod's waits sleep)."""
+    import os
+
     from horovod.torch import mpi_ops
 
-    if device.type != "cpu" or not mpi_ops.mpi_enabled():
+    if device.type != "cpu" or not mpi_ops.mpi_enabled() or mpi_ops.local_size() > len(os.sched_getaffinity(0)):
         return False
     from mpi4py import MPI
 

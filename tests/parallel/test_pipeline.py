@@ -4,6 +4,7 @@ one-process step are rows of the differential harness (``pp-2-gpt-gpipe``, ``pp-
 pp 2 and pp 2 x dp 2 under mpirun, 1F1B under horovodrun --gloo: tests/test_differential.py)."""
 
 import copy
+import statistics
 
 import horovod.torch as hvd
 import pytest
@@ -155,7 +156,8 @@ def test_a_cut_balanced_by_measured_time_gives_each_stage_about_the_same_seconds
     wide = TinyGPT(4096, 32, width=64, layers=12)
     seconds = gpt_block_seconds(wide, 4)
     assert len(seconds) == 14 and all(t > 0 for t in seconds)
-    assert seconds[-1] > max(seconds[1:-1]) and seconds[0] < min(seconds[1:-1]), seconds  # a 4096-way softmax
+    block = statistics.median(seconds[1:-1])  # margins wide enough for a loaded machine's noise
+    assert seconds[-1] > 1.5 * block and seconds[0] < 0.5 * block, seconds  # a 4096-way softmax; a lookup
     assert all(p.grad is None for p in wide.parameters())
     cuts = balanced_cuts(seconds, 4)
     per_stage = [sum(seconds[first:last]) for first, last in zip([0, *[c + 1 for c in cuts]],

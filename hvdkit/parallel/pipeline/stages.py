@@ -98,12 +98,13 @@ def balanced_cuts(costs: list[float], stages: int) -> list[int]:
     return chosen
 
 
-def gpt_block_seconds(model: nn.Module, batch: int, repeats: int = 3) -> list[float]:
+def gpt_block_seconds(model: nn.Module, batch: int, repeats: int = 5) -> list[float]:
     """Seconds of a forward and backward pass of ``batch`` sequences of the model's length through each
     part of hvdkit's GPT, where it is: the embeddings, each block, then the final norm, the output layer
-    and a cross-entropy over the logits; each the median of ``repeats`` after one warm-up (for
-    ``balanced_cuts``: the time a stage takes, not its size). The same model measured on two ranks
-    gives two answers: the caller measures on one rank and shares them."""
+    and a cross-entropy over the logits; each the least of ``repeats`` after one warm-up, as a
+    machine's other work only ever adds to a time (for ``balanced_cuts``: the time a stage takes, not
+    its size); on a GPU each waits for the device. The same model measured on two ranks gives two
+    answers: the caller measures on one rank and shares them."""
     length = model.positions.num_embeddings
     tokens = torch.randint(0, model.tokens.num_embeddings, (batch, length), generator=torch.Generator().manual_seed(0))
     tokens = tokens.to(model.tokens.weight.device)
@@ -111,19 +112,24 @@ def gpt_block_seconds(model: nn.Module, batch: int, repeats: int = 3) -> list[fl
     parts = [lambda x: model.drop(model.tokens(tokens) + model.positions(torch.arange(length, device=tokens.device))),
              *[block for block in model.blocks],
              lambda x: nn.functional.cross_entropy(model.head(model.norm(x)).flatten(0, 1), tokens.flatten())]
+    on_gpu = tokens.device.type == "cuda"  # kernels run after the host queues them: wait to read the clock
     seconds = []
     for part in parts:
         timed = []
         for _ in range(repeats + 1):
             given = x.detach().requires_grad_()
+            if on_gpu:
+                torch.cuda.synchronize(tokens.device)
             began = time.perf_counter()
             out = part(given)
             out.backward(torch.ones_like(out))
+            if on_gpu:
+                torch.cuda.synchronize(tokens.device)
             timed.append(time.perf_counter() - began)
         model.zero_grad(set_to_none=True)
         if out.dim() == x.dim():
             x = out.detach()
-        seconds.append(sorted(timed[1:])[len(timed[1:]) // 2])
+        seconds.append(min(timed[1:]))
     return seconds
 
 

@@ -20,6 +20,7 @@ runs one batch's forward and backward passes as micro-batches by the schedule
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from typing import Optional
@@ -82,28 +83,42 @@ def gpt_cuts(model: nn.Module, stages: int, cuts=None) -> list[int]:
 
 
 def balanced_cuts(costs: list[float], stages: int) -> list[int]:
-    """The first block of each stage after the first that gives each stage about the same share of
-    ``costs``: the first stage's own (the embeddings'), each block's, the last stage's own (the
-    final norm's and the output layer's), as parameters or measured seconds (``gpt_block_seconds``).
+    """The first block of each stage after the first, where the costliest stage costs the least
+    (a pipeline's step goes at its slowest stage's pace; ties go to earlier cuts): ``costs`` are
+    the first stage's own (the embeddings'), each block's, then the last stage's own (the final
+    norm's and the output layer's), as parameters or measured seconds (``gpt_block_seconds``).
     Each stage holds a block at least; ConfigError where there are fewer blocks than stages."""
     layers = len(costs) - 2
-    before = [sum(costs[:i + 1]) for i in range(layers + 1)]  # the costs before block i, the first stage's in
-    total = sum(costs)
-    chosen: list[int] = []
-    for k in range(1, stages):
-        low, high = (chosen[-1] + 1 if chosen else 1), layers - (stages - k)
-        if low > high:
-            raise ConfigError(f"pp: {stages} stages need at least as many blocks; the model has {layers}")
-        chosen.append(min(range(low, high + 1), key=lambda i: abs(before[i] - total * k / stages)))
-    return chosen
+    if stages > layers:
+        raise ConfigError(f"pp: {stages} stages need at least as many blocks; the model has {layers}")
+    before = [0.0]  # before[i]: blocks 0 to i - 1
+    for cost in costs[1:-1]:
+        before.append(before[-1] + cost)
+
+    def stage_cost(first: int, end: int) -> float:  # blocks first to end - 1, with the ends' own
+        return before[end] - before[first] + (costs[0] if first == 0 else 0) + (costs[-1] if end == layers else 0)
+
+    # costliest[(k, end)]: the least costliest stage of blocks 0 to end - 1 in k stages; begins: its last stage's first
+    costliest = {(1, end): stage_cost(0, end) for end in range(1, layers + 1)}
+    begins: dict[tuple, int] = {}
+    for k in range(2, stages + 1):
+        for end in range(k, layers + 1):
+            options = [(max(costliest[(k - 1, first)], stage_cost(first, end)), first) for first in range(k - 1, end)]
+            costliest[(k, end)], begins[(k, end)] = min(options)
+    cuts, end = [], layers
+    for k in range(stages, 1, -1):
+        end = begins[(k, end)]
+        cuts.append(end)
+    return cuts[::-1]
 
 
-def gpt_block_seconds(model: nn.Module, batch: int, repeats: int = 5) -> list[float]:
+def gpt_block_seconds(model: nn.Module, batch: int, repeats: int = 5, clock=time.perf_counter) -> list[float]:
     """Seconds of a forward and backward pass of ``batch`` sequences of the model's length through each
     part of hvdkit's GPT, where it is: the embeddings, each block, then the final norm, the output layer
-    and a cross-entropy over the logits; each the least of ``repeats`` after one warm-up, as a
-    machine's other work only ever adds to a time (for ``balanced_cuts``: the time a stage takes, not
-    its size); on a GPU each waits for the device. The same model measured on two ranks gives two
+    and a cross-entropy over the logits (for ``balanced_cuts``: the time a stage takes, not its size),
+    read by ``clock`` (the wall clock; on a GPU once the device is done). Each the least of ``repeats``
+    after a warm-up, as a machine's other work only adds to a time, timed in rounds over every part (a
+    pause spoils one round, not every try of one part). The same model measured on two ranks gives two
     answers: the caller measures on one rank and shares them."""
     length = model.positions.num_embeddings
     tokens = torch.randint(0, model.tokens.num_embeddings, (batch, length), generator=torch.Generator().manual_seed(0))
@@ -113,23 +128,28 @@ def gpt_block_seconds(model: nn.Module, batch: int, repeats: int = 5) -> list[fl
              *[block for block in model.blocks],
              lambda x: nn.functional.cross_entropy(model.head(model.norm(x)).flatten(0, 1), tokens.flatten())]
     on_gpu = tokens.device.type == "cuda"  # kernels run after the host queues them: wait to read the clock
-    seconds = []
+
+    def timed(part, given: torch.Tensor) -> tuple[float, torch.Tensor]:
+        given = given.detach().requires_grad_()
+        if on_gpu:
+            torch.cuda.synchronize(tokens.device)
+        began = clock()
+        out = part(given)
+        out.backward(torch.ones_like(out))
+        if on_gpu:
+            torch.cuda.synchronize(tokens.device)
+        return clock() - began, out
+
+    given = []  # each part's input, from the warm-up pass
     for part in parts:
-        timed = []
-        for _ in range(repeats + 1):
-            given = x.detach().requires_grad_()
-            if on_gpu:
-                torch.cuda.synchronize(tokens.device)
-            began = time.perf_counter()
-            out = part(given)
-            out.backward(torch.ones_like(out))
-            if on_gpu:
-                torch.cuda.synchronize(tokens.device)
-            timed.append(time.perf_counter() - began)
-        model.zero_grad(set_to_none=True)
+        given.append(x)
+        _, out = timed(part, x)
         if out.dim() == x.dim():
             x = out.detach()
-        seconds.append(min(timed[1:]))
+    seconds = [math.inf] * len(parts)
+    for _ in range(repeats):
+        seconds = [min(least, timed(part, x)[0]) for least, part, x in zip(seconds, parts, given, strict=True)]
+    model.zero_grad(set_to_none=True)
     return seconds
 
 
@@ -239,14 +259,26 @@ class Pipeline:
                             loss_fn, self.previous, self.following, device, self.times, on_action)
 
     def forward(self, inputs: torch.Tensor) -> Optional[torch.Tensor]:
-        """The whole model's output for ``inputs`` (the same on every stage of the pipeline), in one
-        pass through the stages without a backward (evaluation: call it under ``torch.no_grad()``): the
-        last stage's output there, None on the others. Every stage of the pipeline calls it alike."""
-        key, device = tuple(inputs.shape), next(self.module.parameters()).device
-        x = inputs if self.previous is None else self.previous.receive("forward", 0, key, device)
-        out = self.module(x)
+        """The whole model's output for ``inputs`` (the same on every stage of the pipeline), without a
+        backward (evaluation: call it under ``torch.no_grad()``): split along its first dimension into
+        up to ``micro_batches`` parts, each sent on as soon as this stage has it and every receive
+        started first, so that the stages work on different parts at once (a pass a part, one after
+        another, leaves all but one stage idle and pays a transfer's latency each). The last stage's
+        output, its parts joined, there; None on the others. Every stage of the pipeline calls it alike."""
+        device = next(self.module.parameters()).device
+        parts = list(inputs.split(-(-len(inputs) // self.micro_batches)))
+        keys = [tuple(part.shape) for part in parts]
+        if self.previous is not None:
+            for i, key in enumerate(keys):
+                self.previous.post("forward", i, key, device)
+        outputs = []
+        for i, part in enumerate(parts):
+            out = self.module(part if self.previous is None else self.previous.receive("forward", i, keys[i], device))
+            if self.following is None:
+                outputs.append(out)
+            else:
+                self.following.send(out, "forward", i, keys[i])
         if self.following is None:
-            return out
-        self.following.send(out, "forward", 0, key)
-        self.following.settle()  # the next pass's send has this one's name
+            return torch.cat(outputs)
+        self.following.settle()  # the next pass's sends have these names
         return None

@@ -229,8 +229,8 @@ class Session:
         return self._loaders.elastic(dataset, batch_size, loader_args)
 
     def eval_loader(self, data_or_loader, batch_size: Optional[int] = None, **loader_args) -> DataLoader:
-        """This rank's share of an evaluation set (a Dataset, or a DataLoader whose dataset and
-        collate_fn are kept): every sample on exactly one rank, none twice."""
+        """This replica's share of an evaluation set (a Dataset, or a DataLoader whose dataset and collate_fn
+        are kept), every sample on exactly one; with pp and no batch size given, a step's samples a batch."""
         return self._loaders.evaluation(data_or_loader, batch_size, loader_args)
 
     def steps_per_epoch(self) -> int:

@@ -28,7 +28,7 @@ def expected_lines(np: int, smoke: bool = False) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("np", [2, 3, 4])
 def test_every_cell_steps_as_horovods_distributed_optimizer_under_mpirun(np):
-    proc = run(["mpirun", "--oversubscribe", "-np", str(np), *UNFUSED, *PROGRAM], timeout=300,
+    proc = run(["mpirun", "--oversubscribe", "-np", str(np), *UNFUSED, *PROGRAM], timeout=480,
                env=selftest.mpi_root_env())
     said = [line for line in proc.stdout.splitlines() if line.startswith("differential: ")]
     assert proc.returncode == 0, proc.stderr[-3000:]

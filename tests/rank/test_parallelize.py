@@ -6,8 +6,8 @@ in the differential harness (its ``tp-session`` arms, with and without ZeRO 1, a
 both controllers: tests/test_differential.py). Here the product's command: a run at tp 2 x dp 2
 under horovodrun --gloo writes checkpoints that hold the whole model and optimizer state
 (hvdkit.parallel.whole); resumed from its middle at np 1 (tp 1, its K doubled to keep the global
-batch), at dp 2 under horovodrun --gloo, at tp 2 x dp 2 with ZeRO 2 within the data-parallel set
-and at tp 2 x dp 2 with sequence parallelism under mpirun, each follows the uninterrupted run: each
+batch) and at tp 2 x dp 2 with ZeRO 2 within the data-parallel set and sequence parallelism under
+mpirun, each follows the uninterrupted run: each
 step's loss and the final weights within 1e-3 (fp32, relative norm); a rank killed at step 6 under
 `hvdkit launch --max-restarts 1` (mpirun) with `--snapshot-steps 1` restarts the job, which
 resumes from the snapshot of step 5 or 6 (each rank of a group writes its blocks; the reader joins
@@ -44,8 +44,7 @@ FLAGS = gpt_train_flags(4)
 trained = functools.partial(trained_run, FLAGS)  # (directory, launcher, np, *args, env=None)
 
 
-def test_a_run_at_tp2_dp2_restarts_bitwise_and_resumes_at_np1_and_at_dp2_following_the_uninterrupted_run(
-        tmp_path):
+def test_a_run_at_tp2_dp2_restarts_bitwise_and_resumes_at_np1_and_with_zero_2_and_sequence_parallelism(tmp_path):
     whole = tmp_path / "tp2-dp2"
     losses, weights, _ = trained(whole, "horovodrun --gloo", 4, "--tp", "2")
     assert sorted(losses) == list(range(1, 9)), losses
@@ -63,10 +62,8 @@ def test_a_run_at_tp2_dp2_restarts_bitwise_and_resumes_at_np1_and_at_dp2_followi
     assert not os.path.exists(resumed.split("resumed from ")[1].split("/tp-0/")[0]), "the snapshots outlived the job"
     assert_bitwise_equal(restarted, weights)
     for name, launcher, np, args, said in (("np1", None, 1, (), "batches_per_allreduce 1 -> 2"),
-                                           ("dp2", "horovodrun --gloo", 2, (), None),
-                                           ("tp2-dp2-zero2", "mpirun", 4, ("--tp", "2", "--zero", "2"), None),
-                                           ("tp2-dp2-sequence-parallel", "mpirun", 4,
-                                            ("--tp", "2", "--sequence-parallel"), None)):
+                                           ("tp2-dp2-zero2-sequence-parallel", "mpirun", 4,
+                                            ("--tp", "2", "--zero", "2", "--sequence-parallel"), None)):
         resumed, resumed_weights = resumed_run(FLAGS, middle, tmp_path / name, launcher, np, *args, said=said)
         for step, loss in resumed.items():
             assert abs(loss - losses[step]) <= 1e-3 * abs(losses[step]), (name, step, loss, losses[step])

@@ -42,7 +42,9 @@ LONG = ["--model", "mlp", "--epochs", "60", "--lr-schedule", "step", "--lr-decay
 SHORT = [*LONG, "--epochs", "16", "--lr-decay-epochs", "14"]
 # The built-in GPT split across both ranks (tp 2): its flags after LONG's, which they override.
 TENSOR_PARALLEL = ["--dataset", "text", "--model", "gpt-tiny", "--seq-len", "32", "--batch-size", "4", "--tp", "2"]
-PIPELINE = [*TENSOR_PARALLEL[:-2], "--pp", "2", "--micro-batches", "2"]  # its two stages, one on each rank
+# Its two stages, one on each rank, GPipe's schedule (1F1B is the harness's and the pipelines' tests'), cut
+# where the blocks' measured seconds balance them.
+PIPELINE = [*TENSOR_PARALLEL[:-2], "--pp", "2", "--micro-batches", "2", "--pp-schedule", "gpipe", "--pp-cuts", "time"]
 LAUNCHERS = {  # name: the command that runs `command` on 2 ranks
     "hvdkit launch mpirun": lambda command: [*LAUNCH, "--launcher", "mpirun", "--", *command],
     "hvdkit launch horovodrun --mpi": lambda command: [*LAUNCH, "--launcher", "horovodrun", "--mpi", "--", *command],
@@ -133,6 +135,8 @@ def test_a_stop_signal_saves_the_step_it_stopped_at(tmp_path, launcher, sig, cod
     assert checkpoint.existing(str(tmp_path / "ckpt"))[-1] == checkpoint.path_for(str(tmp_path / "ckpt"), step)
     summary = selftest.parse_records(out, "summary")[0]
     assert summary["stopped"] and summary["steps"] == step and summary["exit_code"] == 128 + sig
+    cut = "hvdkit: pp cuts by measured time: stages 1 to 1 begin at blocks."
+    assert ("pp 2" in launcher) == (cut in err), err[-3000:]
 
 
 def test_stopped_by_sigterm_then_resumed_is_bitwise_identical(tmp_path, uninterrupted):

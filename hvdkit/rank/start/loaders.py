@@ -106,6 +106,11 @@ class Loaders:
                                                sampler=sampler, **options))
 
     def evaluation(self, data_or_loader, batch_size: Optional[int], loader_args: dict) -> DataLoader:
+        """This replica's share. In a pipeline, where neither the call nor a loader gives a batch size,
+        batches of a step's samples (batch_size x micro-batches), which the stages pass on in
+        micro-batches as they train: a batch of one micro-batch would keep all but one stage idle."""
+        if batch_size is None and not isinstance(data_or_loader, DataLoader) and self.mesh.pp > 1:
+            batch_size = self.cfg.batch_size * self.cfg.batches_per_allreduce
         dataset, batch_size, options = self._parts(data_or_loader, batch_size, loader_args, kept=("collate_fn",))
         return _workers_end_at_exit(DataLoader(dataset, batch_size=batch_size,
                                                sampler=ShardSampler(len(dataset), self._replica, self._replicas),

@@ -89,7 +89,7 @@ class PipelinePasses:
             return pipeline.step(inputs, targets, loss_fn, where)
 
     def forward(self, inputs: torch.Tensor) -> Optional[torch.Tensor]:
-        """The whole model's output for ``inputs`` on the last stage, None on the others: one pass
-        through the stages, for evaluation (under ``torch.no_grad()``). Every rank of a pipeline calls
-        it alike."""
+        """The whole model's output for ``inputs`` on the last stage, None on the others: a pass
+        through the stages in the step's micro-batches (hvdkit.parallel.pipeline.Pipeline.forward),
+        for evaluation (under ``torch.no_grad()``). Every rank of a pipeline calls it alike."""
         return self._of_model().forward(to_device(inputs, self.device))

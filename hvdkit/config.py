@@ -108,6 +108,8 @@ class TrainConfig:
     seed: int = field(default=42, metadata={"help": "random seed (each rank adds its rank)"})
     num_workers: int = field(default=0, metadata={"help": "data loader worker processes per rank"})
     log_interval: int = field(default=10, metadata={"help": "optimizer steps between metric reports"})
+    eval_batches: int = field(default=0, metadata={
+        "help": "evaluate on each data-parallel replica's first N batches of the evaluation set (0: all of it)"})
     logger: str = field(default="tensorboard", metadata={
         "help": "where rank 0's reports go besides metrics.jsonl, comma-separated: tensorboard, csv, mlflow, wandb; "
                 "none for metrics.jsonl alone"})
@@ -161,8 +163,8 @@ class TrainConfig:
 # checkpoints are whole: hvdkit.rank.resume.checkpoints). Anything else
 # would make the resumed run a different run than the one checkpointed (batch size moves the
 # data position, base_lr is restored from the checkpoint, ...).
-RESUME_MAY_CHANGE = ("epochs", "max_steps", "data_dir", "num_workers", "log_interval", "log_dir", "logger",
-                     "tracking_uri", "checkpoint_dir", "checkpoint_steps", "keep_checkpoints", "async_checkpoint",
+RESUME_MAY_CHANGE = ("epochs", "max_steps", "data_dir", "num_workers", "log_interval", "eval_batches", "log_dir",
+                     "logger", "tracking_uri", "checkpoint_dir", "checkpoint_steps", "keep_checkpoints", "async_checkpoint",
                      "sharded_checkpoint", "snapshot_steps", "stall_timeout", "max_requeues", "resume", "compile",
                      "fused_optimizer", "channels_last", "cudnn_benchmark", "tf32",
                      "commit_steps", "on_nonfinite", "elementwise_optimizer", "skip_bad_samples",
@@ -214,7 +216,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"config: {name} must be > 0 (got {getattr(cfg, name)})")
     for name in ("momentum", "weight_decay", "warmup_epochs", "num_workers", "stall_timeout", "max_requeues",
-                 "check_consistency_steps", "straggler_threshold", "snapshot_steps"):
+                 "check_consistency_steps", "straggler_threshold", "snapshot_steps", "eval_batches"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"config: {name} must be >= 0 (got {getattr(cfg, name)})")
     for name in ("max_steps", "checkpoint_steps"):
@@ -404,7 +406,7 @@ GROUPS = {
                     "stall_timeout", "elastic", "commit_steps"),
     "checkpoints": ("checkpoint_dir", "checkpoint_steps", "keep_checkpoints", "async_checkpoint",
                     "sharded_checkpoint", "snapshot_steps", "resume", "max_requeues"),
-    "logging": ("log_dir", "log_interval", "logger", "tracking_uri"),
+    "logging": ("log_dir", "log_interval", "eval_batches", "logger", "tracking_uri"),
     "checks": ("check_consistency_steps", "straggler_threshold"),
     "speed": ("fused_optimizer", "channels_last", "cudnn_benchmark", "tf32"),
 }

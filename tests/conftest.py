@@ -175,11 +175,12 @@ HVDKIT_TRAIN = [sys.executable, "-m", "hvdkit", "train"]
 
 def gpt_train_flags(batch_size: int) -> list:
     """The built-in GPT on the text set for 8 steps of AdamW at a constant rate, a checkpoint at step 4,
-    a report every step and the consistency check every 2: what the tp and pp runs and resumes train."""
+    a report every step, the consistency check every 2 and an evaluation of 4 batches a replica (the
+    whole test text took most of a run): what the tp and pp runs and resumes train."""
     return ["--dataset", "text", "--model", "gpt-tiny", "--seq-len", "32", "--batch-size", str(batch_size),
             "--optimizer", "adamw", "--base-lr", "0.002", "--warmup-epochs", "0", "--lr-schedule", "none",
             "--max-steps", "8", "--checkpoint-steps", "4", "--log-interval", "1", "--check-consistency-steps", "2",
-            "--logger", "none"]
+            "--logger", "none", "--eval-batches", "4"]
 
 
 def trained_run(flags, directory, launcher, np, *args, env=None):

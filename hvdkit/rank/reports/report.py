@@ -10,6 +10,7 @@ Rank 0's sink (hvdkit.rank.reports.metrics) shows progress and writes metrics.js
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import sys
@@ -125,7 +126,8 @@ class Reports:
         return self._hosts
 
     def evaluate(self, eval_loader: DataLoader, metrics_of: Callable[[Any], tuple[int, dict]], autocast) -> dict:
-        """``autocast``: the run's mixed precision context, as in training."""
+        """``autocast``: the run's mixed precision context, as in training. Over each replica's first
+        ``eval_batches`` batches where that is set."""
         model = self.state.model
         self._fold()
         training = self.sums, self.count
@@ -134,7 +136,7 @@ class Reports:
         extra = self._forwards_short_of_the_most(eval_loader)
         with torch.no_grad(), autocast:
             batch = None
-            for batch in eval_loader:
+            for batch in itertools.islice(eval_loader, self.cfg.eval_batches or None):
                 batch = to_device(batch, self.device)
                 samples, means = metrics_of(batch)
                 self.log(samples, means)
@@ -151,7 +153,7 @@ class Reports:
         sample from rank to rank): how many this rank lacks. 0 otherwise."""
         if self.cfg.zero != 3:
             return 0
-        batches = len(eval_loader)
+        batches = min(len(eval_loader), self.cfg.eval_batches or len(eval_loader))
         most = self.hvd.allreduce(torch.tensor([batches]), op=self.hvd.Max, name="hvdkit.evaluate.batches")
         return int(most[0]) - batches
 

@@ -165,8 +165,8 @@ class TrainConfig:
 # data position, base_lr is restored from the checkpoint, ...).
 RESUME_MAY_CHANGE = ("epochs", "max_steps", "data_dir", "num_workers", "log_interval", "eval_batches", "log_dir",
                      "logger", "tracking_uri", "checkpoint_dir", "checkpoint_steps", "keep_checkpoints",
-                     "async_checkpoint", "sharded_checkpoint", "snapshot_steps", "stall_timeout", "max_requeues", "resume", "compile",
-                     "fused_optimizer", "channels_last", "cudnn_benchmark", "tf32",
+                     "async_checkpoint", "sharded_checkpoint", "snapshot_steps", "stall_timeout", "max_requeues",
+                     "resume", "compile", "fused_optimizer", "channels_last", "cudnn_benchmark", "tf32",
                      "commit_steps", "on_nonfinite", "elementwise_optimizer", "skip_bad_samples",
                      "check_consistency_steps", "straggler_threshold", "zero", "zero_groups", "tp",
                      "sequence_parallel", "pp", "micro_batches", "pp_schedule", "pp_cuts")

@@ -81,6 +81,12 @@ def train(args: argparse.Namespace) -> int:
         print("models:  ", " ".join(models.names()))
         print("datasets:", " ".join(data.DATASETS))
         return 0
+    try:  # the config's own checks before torch loads: a mistyped run is its line in a tenth of a second
+        cfg = config.from_args(args)
+    except config.ConfigError as exc:
+        if args.debug:
+            raise
+        return _refused(exc)
     from hvdkit.data import (  # imports torch, which only training needs
         UnreadableSample,
         one_line,
@@ -90,7 +96,6 @@ def train(args: argparse.Namespace) -> int:
 
     trainer = None  # its Session names who is gone after Horovod's shutdown
     try:
-        cfg = config.from_args(args)
         trainer = Trainer(cfg)
         summary = trainer.fit()
     except OWN_ERRORS as exc:
@@ -129,6 +134,18 @@ def train(args: argparse.Namespace) -> int:
         print(f"hvdkit train: {'' if rank is None else f'rank {rank} '}{hint}", file=sys.stderr, flush=True)
         return job.FAILED
     return summary.get("exit_code", job.OK)
+
+
+def _refused(exc: config.ConfigError) -> int:
+    """A config every rank refuses alike, before anything started: rank 0 says it (or the one
+    process), the others leave it the word; exit 2 on every rank."""
+    from hvdkit.rank.ending.stops import defer_to_rank0
+
+    rank = env.detect().rank
+    if rank in (0, None):
+        print(f"hvdkit train: {exc}", file=sys.stderr, flush=True)
+    defer_to_rank0(rank)
+    return job.BAD_INPUT
 
 
 def export_checkpoint(args: argparse.Namespace) -> int:

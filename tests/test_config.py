@@ -78,6 +78,18 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, args, line):
     assert not (tmp_path / "logs").exists(), "nothing is written for a rejected run"
 
 
+def test_a_config_refused_says_so_before_torch_loads(tmp_path):
+    """A mistyped run's line comes before `import torch` (two CPU-seconds a rank): on every rank of
+    a launched job, rank 0 says it."""
+    program = ("import sys; from hvdkit.cli import main; code = main(sys.argv[1:]); "
+               "print('torch' in sys.modules, code)")
+    proc = run([sys.executable, "-c", program, "train", "--log-dir", str(tmp_path / "logs"), "--micro-batches", "2"])
+    assert proc.stdout.split() == ["False", "2"], proc.stdout + proc.stderr
+    assert proc.stderr.startswith("hvdkit train: config: micro_batches and pp_cuts are the pipeline's: give pp > 1 "), \
+        proc.stderr
+    assert proc.stderr.count("\n") == 1 and not (tmp_path / "logs").exists()
+
+
 def test_yaml_then_environment_then_flags(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("epochs: 3\nlog_dir: from-yaml\nbatch_size: 8\n")

@@ -331,12 +331,11 @@ CELLS += [
          keys={"clip_grad_norm": 0.05}, poisoned=7),
 ] + [
     # 4 stages at np 4: the middle stages receive and send both ways; the tied ends are a set of their own
-    Cell(f"pp-4-gpt{'-tied' if tied else ''}-1f1b",
-         model=lambda tied=tied: TinyGPT(64, 16, width=32, layers=4, heads=4, tie_output=tied).double(),
+    # (the untied GPT's 4 stages are these without that set)
+    Cell("pp-4-gpt-tied-1f1b", model=lambda: TinyGPT(64, 16, width=32, layers=4, heads=4, tie_output=True).double(),
          causal_lm=True, pp=4, micro=2, micro_batches=4,
          optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1), steps=50,
-         arms=("pp", "pp-session"), compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(4,))
-    for tied in (False, True)
+         arms=("pp", "pp-session"), compared=("losses", "weights"), exact=False, tolerance=1e-9, at=(4,)),
 ] + [
     Cell("tp-2-pp-2-gpt-1f1b", model=lambda: TinyGPT(64, 16, width=32, layers=4, heads=4).double(),
          causal_lm=True, tp=2, pp=2, plan=gpt_plan, micro=2, micro_batches=4,

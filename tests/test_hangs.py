@@ -77,9 +77,9 @@ ONE_LINE = {
                        "above say which", 1),
 }
 ONE_LINE["uneven-steps-slow"] = ONE_LINE["uneven-steps"]  # also when rank 1 left before rank 0's allreduces began
-# Each shape under each launcher, at 2 and 3 ranks in turn: every shape and every launcher meets
-# both world sizes (uneven-steps-slow only 2: its slow rank is rank 1 of 2).
-CASES = [(shape, how, 2 if shape == "uneven-steps-slow" else 2 + (i + j) % 2)
+# Each shape under each launcher at 2 ranks, and once at 3 (its line names two ranks), the launchers
+# in turn: every launcher meets both world sizes (uneven-steps-slow only 2: its slow rank is rank 1 of 2).
+CASES = [(shape, how, 3 if j == i % len(PLAIN) and shape != "uneven-steps-slow" else 2)
          for i, shape in enumerate(ONE_LINE) for j, how in enumerate(PLAIN)]
 
 

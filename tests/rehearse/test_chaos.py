@@ -313,9 +313,8 @@ def test_in_job_restarts_of_zero_go_on_from_snapshots_and_a_lost_hosts_shard_fro
     2's shard going to its buddy's host: tests/checks/test_sync_audit.py, the plan of whose copy a
     resume reads: tests/rank/test_shard_snapshots.py."""
     require_namespaces()
-    zero = "3"
     every_step = [*TRAIN[:TRAIN.index("--log-interval")], "--log-interval", "1", "--log-dir", str(tmp_path / "logs"),
-                  "--zero", zero, "--optimizer", "adamw", "--max-steps", "80"]  # seed 1 strikes after steps 20 and 40
+                  "--zero", "3", "--optimizer", "adamw", "--max-steps", "80"]  # seed 1 strikes after steps 20 and 40
     code, err, report = _chaos(tmp_path, "restarts", 1, "kill,host-lost", lambda ckpt: [
         "hvdkit", "launch", "-np", "3", "--max-restarts", "5", "--", *every_step, "--snapshot-steps", "1",
         "--checkpoint-dir", str(ckpt)], hosts=4)
